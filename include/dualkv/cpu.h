@@ -1,0 +1,14 @@
+// The CPU backend: the reference implementation and the test oracle. Accumulates in fp32 for
+// fp16/bf16/fp32 inputs and in fp64 for fp64 inputs; parallel with OpenMP; deterministic.
+#pragma once
+
+#include "dualkv/params.h"
+
+namespace dualkv::cpu {
+
+// Writes out and lse for every token. Throws dualkv::Error on invalid arguments.
+void attention_forward(const ForwardArgs& args);
+// Writes dq, dk, dv for every token (prompt dk/dv summed over all queries that see them).
+void attention_backward(const BackwardArgs& args);
+
+}  // namespace dualkv::cpu
