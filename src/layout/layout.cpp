@@ -69,13 +69,13 @@ Layout::Layout(std::vector<int64_t> prefix_lens, std::vector<std::vector<int64_t
 }
 
 std::vector<int64_t> Layout::position_ids() const {
-  std::vector<int64_t> pos(size_t(total_tokens_));
+  std::vector<int64_t> pos(static_cast<size_t>(total_tokens_));
   for (const Segment& s : segments_) std::iota(pos.begin() + s.start, pos.begin() + s.start + s.len, int64_t(s.pos0));
   return pos;
 }
 
 std::vector<int32_t> Layout::segment_of_token() const {
-  std::vector<int32_t> seg(size_t(total_tokens_));
+  std::vector<int32_t> seg(static_cast<size_t>(total_tokens_));
   for (size_t i = 0; i < segments_.size(); ++i) {
     std::fill_n(seg.begin() + segments_[i].start, segments_[i].len, int32_t(i));
   }
