@@ -55,6 +55,8 @@ struct ForwardArgs {
   TokenHeadStrides q_stride{}, k_stride{}, v_stride{};
   void* out = nullptr;      // [T, Hq, D], contiguous
   float* lse = nullptr;     // [Hq, T], contiguous; -inf for a query with no visible key
+  double* lse64 = nullptr;  // used instead of lse for kFloat64 inputs (CPU only): an fp64 oracle
+                            // needs an fp64 lse, in forward and backward
 };
 
 struct BackwardArgs {
@@ -70,6 +72,8 @@ struct BackwardArgs {
   const void* dout = nullptr;  // [T, Hq, D], contiguous
   const float* lse = nullptr;  // [Hq, T]
   const float* dlse = nullptr; // [Hq, T] or nullptr: gradient w.r.t. lse
+  const double* lse64 = nullptr;   // instead of lse for kFloat64 inputs (CPU only)
+  const double* dlse64 = nullptr;  // instead of dlse for kFloat64 inputs (CPU only)
   void* dq = nullptr;          // [T, Hq, D], contiguous
   void* dk = nullptr;          // [T, Hkv, D], contiguous
   void* dv = nullptr;          // [T, Hkv, D], contiguous
