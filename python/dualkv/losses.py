@@ -1,0 +1,215 @@
+"""GRPO and DAPO token-level policy losses on the rows' ``[B, R_max]`` log-probs.
+
+The losses take per-token log-probs in the trainer's row layout (what
+:func:`dualkv.response_logprobs` returns), so they are the same numbers whether the log-probs came
+from the packed shared-prompt forward or from the standard rows. Conventions follow veRL's
+``compute_policy_loss`` / ``agg_loss``:
+
+* ratio ``r = exp(logp - old_logp)`` (log-ratio clamped to [-20, 20]);
+* clipped surrogate ``max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``, optionally the dual clip
+  ``min(., -A c)`` for negative advantages;
+* aggregation ``token-mean`` (DAPO), ``seq-mean-token-mean`` (GRPO), ``seq-mean-token-sum`` or
+  ``seq-mean-token-sum-norm`` (Dr. GRPO).
+
+Nothing here synchronises with the host: statistics are returned as detached tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .packing import _group_codes
+
+__all__ = [
+    "LOSS_AGG_MODES",
+    "aggregate",
+    "dapo_loss",
+    "group_advantages",
+    "grpo_loss",
+    "policy_loss",
+]
+
+LOSS_AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+)
+
+
+def aggregate(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "token-mean",
+    num_tokens: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """Aggregate per-token values ``[B, R]`` over the real tokens (``mask``) to a scalar.
+
+    Args:
+        values: ``[B, R]`` per-token values.
+        mask: ``[B, R]`` True (or 1) on real response tokens.
+        mode: one of :data:`LOSS_AGG_MODES`.
+        num_tokens: for ``token-mean``, an optional global token count to divide by instead of
+            this micro-batch's (for gradient accumulation over micro-batches).
+
+    Returns:
+        A 0-d tensor.
+    """
+    m = mask.to(values.dtype)
+    if mode == "token-mean":
+        denom = m.sum() if num_tokens is None else num_tokens
+        return (values * m).sum() / torch.clamp(torch.as_tensor(denom, dtype=values.dtype), min=1)
+    seq_sum = (values * m).sum(-1)
+    if mode == "seq-mean-token-mean":
+        per_seq = seq_sum / m.sum(-1).clamp(min=1)
+    elif mode == "seq-mean-token-sum":
+        per_seq = seq_sum
+    elif mode == "seq-mean-token-sum-norm":
+        per_seq = seq_sum / max(values.shape[-1], 1)
+    else:
+        raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {mode!r}")
+    return per_seq.mean() if per_seq.numel() else per_seq.sum()
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    m = mask.to(x.dtype)
+    return (x * m).sum() / m.sum().clamp(min=1)
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_ratio_c: float | None = None,
+    loss_agg_mode: str = "token-mean",
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    num_tokens: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped-ratio policy-gradient loss (PPO/GRPO/DAPO family) on rows' token log-probs.
+
+    Args:
+        logprobs: ``[B, R]`` current policy log-probs (differentiable).
+        old_logprobs: ``[B, R]`` log-probs of the policy that sampled the responses.
+        advantages: ``[B]`` per-response or ``[B, R]`` per-token advantages.
+        response_mask: ``[B, R]`` True on real response tokens.
+        clip_low, clip_high: the ratio is clipped to ``[1 - clip_low, 1 + clip_high]``.
+        clip_ratio_c: dual-clip constant (> 1) for negative advantages, or None.
+        loss_agg_mode: aggregation, one of :data:`LOSS_AGG_MODES`.
+        ref_logprobs: ``[B, R]`` reference-policy log-probs for a KL penalty (k3 estimator).
+        kl_coef: weight of the KL penalty (used when ``ref_logprobs`` is given).
+        num_tokens: global token count for ``token-mean`` over several micro-batches.
+
+    Returns:
+        ``(loss, stats)``: a 0-d loss and detached 0-d statistics ``pg_loss``, ``clipfrac``,
+        ``approx_kl`` (and ``kl`` with a reference).
+    """
+    if logprobs.shape != old_logprobs.shape or logprobs.shape != response_mask.shape:
+        raise ValueError(
+            "logprobs, old_logprobs and response_mask must have one shape [B, R], got "
+            f"{tuple(logprobs.shape)}, {tuple(old_logprobs.shape)}, {tuple(response_mask.shape)}"
+        )
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    adv = advantages.to(torch.float32)
+    log_ratio = torch.clamp(logprobs.float() - old_logprobs.float(), min=-20.0, max=20.0)
+    ratio = torch.exp(log_ratio)
+    loss1 = -adv * ratio
+    loss2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    clipped = torch.maximum(loss1, loss2)
+    if clip_ratio_c is not None:
+        if clip_ratio_c <= 1.0:
+            raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
+        clipped = torch.where(adv < 0, torch.minimum(clipped, -adv * clip_ratio_c), clipped)
+    pg_loss = aggregate(clipped, response_mask, loss_agg_mode, num_tokens)
+    loss = pg_loss
+    stats: dict[str, Any] = {
+        "pg_loss": pg_loss.detach(),
+        "clipfrac": _masked_mean((loss2 > loss1).float(), response_mask).detach(),
+        "approx_kl": _masked_mean(-log_ratio, response_mask).detach(),
+    }
+    if ref_logprobs is not None and kl_coef != 0.0:
+        # k3 estimator (low variance, non-negative): exp(ref - logp) - (ref - logp) - 1
+        d = torch.clamp(ref_logprobs.float() - logprobs.float(), min=-20.0, max=20.0)
+        kl = torch.clamp(torch.exp(d) - d - 1.0, min=-10.0, max=10.0)
+        kl_loss = aggregate(kl, response_mask, loss_agg_mode, num_tokens)
+        loss = loss + kl_coef * kl_loss
+        stats["kl"] = kl_loss.detach()
+    return loss, stats
+
+
+def grpo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_eps: float = 0.2,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    loss_agg_mode: str = "seq-mean-token-mean",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GRPO loss: symmetric clip ``eps``, per-sequence token mean, optional k3 KL to a reference.
+
+    See :func:`policy_loss` for the arguments and the returned ``(loss, stats)``.
+    """
+    return policy_loss(
+        logprobs, old_logprobs, advantages, response_mask, clip_low=clip_eps, clip_high=clip_eps,
+        loss_agg_mode=loss_agg_mode, ref_logprobs=ref_logprobs, kl_coef=kl_coef,
+    )  # fmt: skip
+
+
+def dapo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    loss_agg_mode: str = "token-mean",
+    num_tokens: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DAPO loss: decoupled clip (clip-higher, ``eps_high`` = 0.28), token-level mean, no KL.
+
+    See :func:`policy_loss` for the arguments and the returned ``(loss, stats)``.
+    """
+    return policy_loss(
+        logprobs, old_logprobs, advantages, response_mask, clip_low=clip_low, clip_high=clip_high,
+        loss_agg_mode=loss_agg_mode, num_tokens=num_tokens,
+    )  # fmt: skip
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    group_ids: Any,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """GRPO outcome advantages: each reward minus its group's mean (divided by the group's std).
+
+    Args:
+        rewards: ``[B]`` scalar reward per response.
+        group_ids: ``[B]`` group of each response (as for :func:`dualkv.pack`).
+        normalize_std: divide by the group's unbiased std + ``eps`` (False: Dr. GRPO).
+        eps: added to the std.
+
+    Returns:
+        ``[B]`` float32 advantages; a singleton group gets ``reward`` (mean 0, std 1), as in veRL.
+    """
+    r = rewards.float().reshape(-1)
+    codes = _group_codes(group_ids, r.numel()).to(r.device)
+    groups = int(codes.max()) + 1 if r.numel() else 0
+    count = torch.zeros(groups, device=r.device).index_add_(0, codes, torch.ones_like(r))
+    mean = torch.zeros(groups, device=r.device).index_add_(0, codes, r) / count.clamp(min=1)
+    dev = r - mean[codes]
+    var = torch.zeros(groups, device=r.device).index_add_(0, codes, dev * dev)
+    std = torch.sqrt(var / (count - 1).clamp(min=1))
+    single = count[codes] <= 1
+    adv = torch.where(single, r, dev)
+    if normalize_std:
+        adv = torch.where(single, adv, adv / (std[codes] + eps))
+    return adv
