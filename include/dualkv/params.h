@@ -32,9 +32,10 @@ struct Shape {
   int32_t head_dim = 0;     // D
 };
 
+// Kept in double so the fp64 CPU oracle is exact; fp32 backends convert once.
 struct ScoreParams {
-  float softmax_scale = 1.f;  // s = scale * q.k
-  float softcap = 0.f;        // > 0: s = softcap * tanh(s / softcap)
+  double softmax_scale = 1.0;  // s = scale * q.k
+  double softcap = 0.0;        // > 0: s = softcap * tanh(s / softcap)
   MaskRule mask{};
 };
 
