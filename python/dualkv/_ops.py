@@ -1,0 +1,50 @@
+"""Loads the compiled op library (dualkv/_C) and wires autograd onto its ops."""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any
+
+import torch
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _library_path() -> str:
+    override = os.environ.get("DUALKV_LIBRARY")
+    if override:
+        return override
+    found = sorted(glob.glob(os.path.join(_HERE, "_C*.so")))
+    if not found:
+        raise ImportError(
+            f"dualkv's compiled library (_C*.so) was not found in {_HERE}; install the package "
+            "with `pip install .` from the repository root (it builds the C++ code)."
+        )
+    return found[0]
+
+
+torch.ops.load_library(_library_path())
+ops = torch.ops.dualkv
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    q, k, v, segments, query_tiles, key_tiles, total_tokens, scale, window, softcap, det = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, segments, query_tiles, key_tiles)
+    ctx.options = (total_tokens, scale, window, softcap, det)
+
+
+def _backward(
+    ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None
+) -> tuple[torch.Tensor | None, ...]:
+    q, k, v, out, lse, segments, query_tiles, key_tiles = ctx.saved_tensors
+    total_tokens, scale, window, softcap, det = ctx.options
+    dq, dk, dv = ops.bwd(
+        dout, q, k, v, out, lse, dlse, segments, query_tiles, key_tiles,
+        total_tokens, scale, window, softcap, det,
+    )  # fmt: skip
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("dualkv::fwd", _backward, setup_context=_setup_context)

@@ -1,0 +1,141 @@
+"""The shared-prompt layout of a micro-batch (dualkv.Layout)."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ._ops import ops
+
+
+def _int_list(value: Any, name: str) -> list[int]:
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a list of ints, got {type(value).__name__}")
+    out = []
+    for i, x in enumerate(value):
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+            raise TypeError(f"{name}[{i}] must be an int, got {type(x).__name__} ({x!r})")
+        out.append(int(x))
+    return out
+
+
+class Layout:
+    """G prompt groups packed as ``[prompt | response 1 | ... | response N]``, group after group.
+
+    Args:
+        prefix_lens: ``P_g`` for each group (prompt tokens, >= 0).
+        response_lens: for each group, the list ``[R_g1, ..., R_gN]`` of its response lengths
+            (N >= 0, each R >= 0). Empty groups, P = 0, N = 0 and R = 0 are legal.
+        device: where the layout's metadata tensors live; it must be the device of the q/k/v
+            passed to :func:`dualkv.attention`. The metadata is built once, here, so attention
+            calls make no host synchronisation.
+
+    Raises ``TypeError``/``ValueError`` naming the argument for wrong nesting, negative lengths,
+    or totals beyond the int32 range.
+    """
+
+    def __init__(
+        self,
+        prefix_lens: Sequence[int] | torch.Tensor,
+        response_lens: Sequence[Sequence[int]],
+        device: torch.device | str | None = None,
+    ) -> None:
+        prefix = _int_list(prefix_lens, "prefix_lens")
+        if isinstance(response_lens, (str, bytes)) or not isinstance(response_lens, Sequence):
+            raise TypeError(
+                "response_lens must be a list with one list of response lengths per group, got "
+                f"{type(response_lens).__name__}"
+            )
+        responses = [_int_list(r, f"response_lens[{g}]") for g, r in enumerate(response_lens)]
+        if len(prefix) != len(responses):
+            raise ValueError(
+                f"prefix_lens has {len(prefix)} groups but response_lens has {len(responses)}; "
+                "give one list of response lengths per prompt"
+            )
+        self._prefix_lens = tuple(prefix)
+        self._response_lens = tuple(tuple(r) for r in responses)
+        counts = [len(r) for r in responses]
+        flat = [x for r in responses for x in r]
+        tables = ops.layout_tables(prefix, counts, flat)
+        self._host_tables = tables
+        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        self.segments, self.query_tiles, self.key_tiles, self.position_ids = (
+            t.to(self._device) for t in tables
+        )
+        self._total_tokens = int(tables[3].numel())
+
+    # --- structure --------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """Device of the metadata tensors (and of the tensors attention accepts)."""
+        return self._device
+
+    @property
+    def prefix_lens(self) -> tuple[int, ...]:
+        """Prompt length of each group."""
+        return self._prefix_lens
+
+    @property
+    def response_lens(self) -> tuple[tuple[int, ...], ...]:
+        """Response lengths of each group."""
+        return self._response_lens
+
+    @property
+    def num_groups(self) -> int:
+        """Number of prompt groups G."""
+        return len(self._prefix_lens)
+
+    @property
+    def num_responses(self) -> int:
+        """Total number of responses over all groups."""
+        return sum(len(r) for r in self._response_lens)
+
+    @property
+    def total_tokens(self) -> int:
+        """Packed tokens T = sum over groups of P + sum(R)."""
+        return self._total_tokens
+
+    @property
+    def unshared_tokens(self) -> int:
+        """Tokens of the standard layout: one row of P + R_i per response."""
+        return sum(p * len(r) + sum(r) for p, r in zip(self._prefix_lens, self._response_lens))
+
+    @property
+    def token_reduction(self) -> float:
+        """rho = unshared tokens / packed tokens (1.0 for an empty layout)."""
+        return self.unshared_tokens / self._total_tokens if self._total_tokens else 1.0
+
+    def allowed_pairs(self, window: int | None = None) -> int:
+        """Number of (query, key) pairs the mask allows (with an optional sliding window)."""
+        counts = [len(r) for r in self._response_lens]
+        flat = [x for r in self._response_lens for x in r]
+        return int(ops.layout_pairs(list(self._prefix_lens), counts, flat, window))
+
+    def flops(
+        self, head_dim: int, num_q_heads: int, window: int | None = None, backward: bool = False
+    ) -> float:
+        """Useful FLOPs: forward 4 * D * Hq * allowed pairs; backward 2.5x forward."""
+        fwd = 4.0 * head_dim * num_q_heads * self.allowed_pairs(window)
+        return 2.5 * fwd if backward else fwd
+
+    def to(self, device: torch.device | str) -> Layout:
+        """The same layout with its metadata on ``device``."""
+        new = object.__new__(Layout)
+        new.__dict__.update(self.__dict__)
+        new._device = torch.device(device)
+        new.segments, new.query_tiles, new.key_tiles, new.position_ids = (
+            t.to(new._device) for t in self._host_tables
+        )
+        return new
+
+    def __repr__(self) -> str:
+        return (
+            f"dualkv.Layout(groups={self.num_groups}, responses={self.num_responses}, "
+            f"total_tokens={self.total_tokens}, rho={self.token_reduction:.2f}, "
+            f"device={self.device})"
+        )

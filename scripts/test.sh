@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Runs every test on a fresh machine: installs what is missing, builds the C++ core and its ctest
+# suite, compiles a representative subset of the CUDA kernels when nvcc is present (no GPU
+# needed), installs the package and runs pytest (GPU tests are skipped, with a reason, without
+# a GPU). Usage: bash scripts/test.sh [extra pytest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/setup_env.sh
+
+echo "== C++ core: build and ctest =="
+cmake -S . -B build/cpp -G Ninja -DDUALKV_BUILD_TORCH=OFF -DDUALKV_BUILD_TESTS=ON -DDUALKV_CUDA=OFF
+cmake --build build/cpp
+ctest --test-dir build/cpp --output-on-failure
+
+if command -v nvcc >/dev/null 2>&1 && [ "${DUALKV_SKIP_CUDA_COMPILE:-0}" != 1 ]; then
+  echo "== CUDA kernels: compile check (head dim 128, sm_80 and sm_90a; nothing runs) =="
+  cmake -S . -B build/cuda-compile -G Ninja -DDUALKV_BUILD_TORCH=OFF -DDUALKV_CUDA=ON \
+    -DDUALKV_CUDA_HEAD_DIMS=128 "-DCMAKE_CUDA_ARCHITECTURES=80-real;90a-real"
+  cmake --build build/cuda-compile --target dualkv_cuda
+fi
+
+echo "== Python package: install and pytest =="
+python3 -m pip install --no-build-isolation -q .
+python3 -m pytest tests/python -ra -q "$@"

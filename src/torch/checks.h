@@ -1,0 +1,40 @@
+// Input validation and conversion from torch tensors to the core's raw-pointer arguments.
+// Shared by the CPU and CUDA op implementations.
+#pragma once
+
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <optional>
+
+#include "dualkv/params.h"
+
+namespace dualkv::torch_ops {
+
+// The layout tables as the ops receive them (int32 tensors on the same device as q).
+struct LayoutTensors {
+  at::Tensor segments, query_tiles, key_tiles;
+  int64_t total_tokens;
+};
+
+struct ScoreOptions {
+  double softmax_scale;
+  std::optional<int64_t> window;
+  double softcap;
+};
+
+// Validates q, k, v and the layout against each other and returns the shape. Errors name the
+// argument and what was expected.
+Shape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                const LayoutTensors& layout);
+ScoreParams check_score(const ScoreOptions& opts);
+DType to_dtype(at::ScalarType t);
+// lse is float32, except float64 for float64 inputs.
+at::ScalarType lse_dtype(at::ScalarType input);
+
+// q/k/v with a unit stride on the head dimension (and, on CUDA, 16-byte aligned rows).
+at::Tensor with_unit_inner_stride(const at::Tensor& t);
+TokenHeadStrides strides_of(const at::Tensor& t);
+LayoutView view_of(const LayoutTensors& layout);
+
+}  // namespace dualkv::torch_ops
