@@ -32,8 +32,9 @@ def _logits(
     softcap: float,
     temperature: float,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """float32 logits of a chunk (after softcap and temperature) and the softcapped logits."""
-    z = torch.nn.functional.linear(h, weight, bias).float()
+    """float32 (float64) logits of a chunk after softcap and temperature, and the capped ones."""
+    z = torch.nn.functional.linear(h, weight, bias)
+    z = z.to(torch.promote_types(z.dtype, torch.float32))
     capped = None
     if softcap > 0:
         z = torch.tanh(z / softcap) * softcap
@@ -61,9 +62,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         m = sources.numel()
         dev = hidden.device
-        logp = torch.empty(m, dtype=torch.float32, device=dev)
-        lse = torch.empty(m, dtype=torch.float32, device=dev)
-        ent = torch.empty(m if want_entropy else 0, dtype=torch.float32, device=dev)
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        logp = torch.empty(m, dtype=acc, device=dev)
+        lse = torch.empty(m, dtype=acc, device=dev)
+        ent = torch.empty(m if want_entropy else 0, dtype=acc, device=dev)
         for s in range(0, m, chunk):
             e = min(s + chunk, m)
             z, _ = _logits(hidden.index_select(0, sources[s:e]), weight, bias, softcap, temperature)
@@ -91,13 +93,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
             g_logp = torch.zeros_like(lse)
         use_ent = want_entropy and g_ent is not None
         grad_h = (
-            torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
+            torch.zeros(hidden.shape, dtype=lse.dtype, device=hidden.device) if need_h else None
         )
         grad_w = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+            torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w else None
         )
         grad_b = (
-            torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
+            torch.zeros(weight.shape[0], dtype=lse.dtype, device=weight.device)
             if need_b and has_bias
             else None
         )
@@ -120,9 +122,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 gz *= 1.0 - (capped / softcap) ** 2
             gzc = gz.to(weight.dtype)
             if grad_h is not None:
-                grad_h.index_add_(0, src, (gzc @ weight).float())
+                grad_h.index_add_(0, src, (gzc @ weight).to(lse.dtype))
             if grad_w is not None:
-                grad_w += (gzc.t() @ h).float()
+                grad_w += (gzc.t() @ h).to(lse.dtype)
             if grad_b is not None:
                 grad_b += gz.sum(0)
         return (
@@ -159,7 +161,8 @@ def response_logprobs(
             float32 logits near 512 MiB.
 
     Returns:
-        ``logprobs`` ``[B, R_max]`` float32 (zeros on padding), or ``(logprobs, entropy)``.
+        ``logprobs`` ``[B, R_max]`` float32 (float64 for float64 inputs; zeros on padding), or
+        ``(logprobs, entropy)``.
         Differentiable w.r.t. ``hidden_states``, ``lm_head_weight`` and ``lm_head_bias``; the
         backward recomputes each chunk's logits instead of storing them.
     """
@@ -226,9 +229,9 @@ def logprobs_from_logits(
         return_entropy: also return the entropy.
 
     Returns:
-        float32 ``logprobs`` (and ``entropy``) of the labels' shape.
+        float32 (float64 for float64 logits) ``logprobs`` (and ``entropy``) of the labels' shape.
     """
-    z = logits.float()
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if temperature != 1.0:
         z = z / temperature
     logp_all = torch.log_softmax(z, dim=-1)

@@ -39,7 +39,7 @@ def _row_attention(
     window: int | None,
     softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of one row. q [L, Hq, D], k/v [L, Hkv, D]. Returns out [L,Hq,D], lse [Hq,L]."""
+    """Causal attention of one row: q [L, Hq, D], k/v [L, Hkv, D] -> out [L, Hq, D], lse [Hq, L]."""
     hq, hkv = q.shape[1], k.shape[1]
     k = k.repeat_interleave(hq // hkv, dim=1)
     v = v.repeat_interleave(hq // hkv, dim=1)
