@@ -1,0 +1,127 @@
+"""dualkv.response_logprobs: chunked packed log-probs/entropy equal the rows' full-logit path."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from dualkv.logprobs import logprobs_from_logits, response_logprobs
+from dualkv.packing import pack, rows_from_lists
+from hf_helpers import random_groups
+
+import torch
+
+
+def _rows_reference(hidden, weight, bias, pk, ids, mask, pw, temperature, softcap):
+    """Standard path: scatter packed hidden states into rows, full logits, log-softmax."""
+    n, width = ids.shape
+    rows_h = hidden.new_zeros(n, width, hidden.shape[-1])
+    for b in range(n):  # tiny test: build each row [prompt | response] from the packed stream
+        g = int(pk.row_group[b])
+        start = sum(
+            p + sum(r)
+            for p, r in zip(pk.layout.prefix_lens[:g], pk.layout.response_lens[:g], strict=True)
+        )
+        p_len = pk.layout.prefix_lens[g]
+        r_len = int(mask[b, pw:].sum())
+        rows_h[b, pw - p_len : pw] = hidden[start : start + p_len]
+        r0 = int(pk.response_index[b, 0])
+        rows_h[b, pw : pw + r_len] = hidden[r0 : r0 + r_len]
+    logits = torch.nn.functional.linear(rows_h[:, pw - 1 : -1], weight, bias)
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    return logprobs_from_logits(logits, ids[:, pw:], mask[:, pw:].bool(), temperature, True)
+
+
+@pytest.mark.parametrize("temperature,softcap,bias", [(1.0, None, False), (0.7, 5.0, True)])
+def test_logprobs_match_rows_fp64(seed, temperature, softcap, bias):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    prompts, responses = random_groups(
+        rng, groups=3, p_range=(1, 7), n_range=(1, 4), r_range=(0, 6)
+    )
+    ids, mask, pw, gid = rows_from_lists(prompts, responses)
+    pk = pack(ids, mask, pw, gid)
+    hdim, vocab = 12, 131
+    hidden = torch.randn(pk.total_tokens, hdim, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(vocab, hdim, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(vocab, dtype=torch.float64, requires_grad=True) if bias else None
+    g_lp = torch.randn(ids.shape[0], ids.shape[1] - pw, dtype=torch.float64)
+    g_en = torch.randn_like(g_lp)
+
+    ref_lp, ref_en = _rows_reference(hidden, weight, b, pk, ids, mask, pw, temperature, softcap)
+    ((ref_lp * g_lp).sum() + (ref_en * g_en).sum()).backward()
+    ref_grads = [t.grad.clone() for t in (hidden, weight, b) if t is not None]
+
+    for chunk in (1, 3, None):
+        for t in (hidden, weight, b):
+            if t is not None:
+                t.grad = None
+        lp, en = response_logprobs(
+            hidden.unsqueeze(0), weight, pk, temperature=temperature, return_entropy=True,
+            lm_head_bias=b, logit_softcap=softcap, chunk_size=chunk,
+        )  # fmt: skip
+        assert lp.shape == ids[:, pw:].shape and lp.dtype == torch.float64
+        assert (lp[~pk.response_mask] == 0).all() and (en[~pk.response_mask] == 0).all()
+        torch.testing.assert_close(lp, ref_lp, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(en, ref_en, rtol=1e-10, atol=1e-10)
+        ((lp * g_lp).sum() + (en * g_en).sum()).backward()
+        grads = [t.grad for t in (hidden, weight, b) if t is not None]
+        for got, want in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+def test_logprobs_chunking_is_exact_and_grad_only_logprob(seed):
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    prompts, responses = random_groups(rng, groups=2, n_range=(2, 5))
+    pk = pack(prompts=prompts, responses=responses)
+    hidden = torch.randn(1, pk.total_tokens, 16, requires_grad=True)
+    weight = torch.randn(131, 16, requires_grad=True)
+    outs = []
+    for chunk in (1, 5, 10_000):
+        hidden.grad = weight.grad = None
+        lp = response_logprobs(hidden, weight, pk, chunk_size=chunk)
+        (lp * torch.arange(lp.numel()).view_as(lp)).sum().backward()
+        outs.append((lp.detach(), hidden.grad.clone(), weight.grad.clone()))
+    for o in outs[1:]:
+        for a, b in zip(o, outs[0], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3)
+    # weight only (frozen hidden) and hidden only (frozen head)
+    lp = response_logprobs(hidden.detach(), weight, pk)
+    lp.sum().backward()
+    lp = response_logprobs(hidden, weight.detach(), pk)
+    lp.sum().backward()
+
+
+def test_logprobs_bf16_tolerance(seed):
+    """bf16 packed error vs an fp64 reference stays within 2x the plain bf16 rows' error."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    prompts, responses = random_groups(rng, groups=3, n_range=(2, 4))
+    ids, mask, pw, gid = rows_from_lists(prompts, responses)
+    pk = pack(ids, mask, pw, gid)
+    hidden = torch.randn(pk.total_tokens, 32, dtype=torch.float64)
+    weight = torch.randn(200, 32, dtype=torch.float64) * 0.3
+    ref, _ = _rows_reference(hidden, weight, None, pk, ids, mask, pw, 1.0, None)
+    lo, _ = _rows_reference(
+        hidden.bfloat16(), weight.bfloat16(), None, pk, ids, mask, pw, 1.0, None
+    )
+    got = response_logprobs(hidden.bfloat16(), weight.bfloat16(), pk, chunk_size=4)
+    err_rows = (lo.double() - ref).abs().max().item()
+    err_packed = (got.double() - ref).abs().max().item()
+    assert err_packed <= 2 * err_rows + 1e-3, (err_packed, err_rows)
+
+
+def test_logprobs_errors():
+    pk = pack(prompts=[[1, 2]], responses=[[[3], [4, 5]]])
+    h = torch.randn(pk.total_tokens, 8)
+    w = torch.randn(10, 8)
+    with pytest.raises(ValueError, match="packed tokens"):
+        response_logprobs(h[1:], w, pk)
+    with pytest.raises(ValueError, match="lm_head_weight"):
+        response_logprobs(h, w[:, 1:], pk)
+    with pytest.raises(ValueError, match="temperature"):
+        response_logprobs(h, w, pk, temperature=0.0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        response_logprobs(h, w, pk, chunk_size=0)
