@@ -1,0 +1,318 @@
+"""Attention benchmark on the GPU: DualKV vs the ways a trainer runs shared-prompt attention today.
+
+For each layout (N responses of R tokens sharing a prompt of P tokens, one group) it times the
+forward and forward+backward of
+  dualkv      DualKV on the packed layout (P + N*R tokens)
+  sdpa_cudnn  PyTorch SDPA, cuDNN backend, causal, on the N unshared rows of P + R tokens
+  sdpa_fa2    PyTorch SDPA, FlashAttention-2 backend, same rows
+  flex        FlexAttention on the packed layout with a shared-prefix block mask
+  cudnn_3pass prompt causal + responses vs prompt + each response causal (cuDNN), merged by lse,
+              exact backward (merged out and lse fed to each pass's backward)
+and reports the median time (CUDA events) and useful TFLOP/s on the packed layout's FLOP count
+(dualkv.Layout.flops: 4*D*Hq*allowed pairs forward, 2.5x that backward).
+
+    python bench/attention.py                 # all reference shapes, all methods
+    python bench/attention.py --shapes 0 --methods dualkv,flex --out bench/out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+from collections.abc import Callable
+
+import torch.nn.functional as F
+
+import dualkv
+import torch
+
+# (N, P, R, Hq, Hkv, D): DESIGN.md's reference shapes.
+SHAPES = [
+    (16, 8192, 1024, 32, 8, 128),
+    (32, 4096, 2048, 32, 8, 128),
+    (8, 16384, 2048, 32, 8, 128),
+    (16, 2048, 2048, 16, 16, 64),
+    (16, 4096, 1024, 16, 8, 256),
+]
+METHODS = ["dualkv", "sdpa_cudnn", "sdpa_fa2", "flex", "cudnn_3pass"]
+
+
+def time_ms(fn: Callable[[], object], warmup: int, repeats: int) -> float:
+    """Median of `repeats` CUDA-event timings after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+class Case:
+    """Packed and row-layout inputs of one shape (bf16, random)."""
+
+    def __init__(self, n: int, p: int, r: int, hq: int, hkv: int, d: int) -> None:
+        self.n, self.p, self.r, self.hq, self.hkv, self.d = n, p, r, hq, hkv, d
+        self.layout = dualkv.Layout([p], [[r] * n], device="cuda")
+        T = self.layout.total_tokens
+        g = torch.Generator(device="cuda").manual_seed(0)
+        mk = lambda h: torch.randn(T, h, d, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+        self.q, self.k, self.v = mk(hq), mk(hkv), mk(hkv)
+        self.dout = mk(hq)
+        self.scale = 1.0 / math.sqrt(d)
+        self.flops_fwd = self.layout.flops(d, hq)
+        self.flops_bwd = self.layout.flops(d, hq, backward=True)
+        # Unshared rows [N, H, P + R, D] (the standard layout), K/V expanded for SDPA.
+        idx = torch.cat(
+            [torch.cat([torch.arange(p), p + i * r + torch.arange(r)]) for i in range(n)]
+        )
+        idx = idx.view(n, p + r).cuda()
+        rows = lambda t: t[idx].transpose(1, 2).contiguous()  # noqa: E731
+        self.rows_q = rows(self.q)
+        self.rows_k = rows(self.k.repeat_interleave(hq // hkv, 1))
+        self.rows_v = rows(self.v.repeat_interleave(hq // hkv, 1))
+        self.rows_dout = rows(self.dout)
+
+    def leaves(self, *ts: torch.Tensor) -> list[torch.Tensor]:
+        return [t.detach().requires_grad_() for t in ts]
+
+
+# Each runner returns (forward, forward+backward, forward output in packed [T, Hq, D] order).
+Runner = tuple[Callable[[], object], Callable[[], object], Callable[[], torch.Tensor]]
+
+
+def run_dualkv(c: Case) -> Runner:
+    q, k, v = c.leaves(c.q, c.k, c.v)
+    fwd = lambda: dualkv.attention(q, k, v, c.layout)  # noqa: E731
+    return fwd, lambda: torch.autograd.backward(fwd(), c.dout), fwd
+
+
+def run_sdpa(c: Case, backend: torch.nn.attention.SDPBackend) -> Runner:
+    q, k, v = c.leaves(c.rows_q, c.rows_k, c.rows_v)
+
+    def fwd() -> torch.Tensor:
+        with torch.nn.attention.sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def packed_out() -> torch.Tensor:
+        rows = fwd().transpose(1, 2)  # [N, P + R, H, D]
+        return torch.cat([rows[0, : c.p], rows[:, c.p :].reshape(c.n * c.r, c.hq, c.d)])
+
+    return fwd, lambda: torch.autograd.backward(fwd(), c.rows_dout), packed_out
+
+
+def run_flex(c: Case) -> Runner:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    pos = c.layout.position_ids
+    # Segment id per token: 0 for the prompt, i + 1 for response i.
+    seg = torch.zeros_like(pos)
+    seg[c.p :] = torch.arange(c.n, device="cuda").repeat_interleave(c.r) + 1
+
+    def mask_mod(b, h, qi, ki):  # noqa: ANN001, ANN202
+        return ((seg[ki] == 0) | (seg[ki] == seg[qi])) & (pos[ki] <= pos[qi])
+
+    T = c.layout.total_tokens
+    block_mask = create_block_mask(mask_mod, 1, 1, T, T, device="cuda")
+    flex = torch.compile(flex_attention, dynamic=False)
+    q, k, v = c.leaves(*(t.transpose(0, 1)[None] for t in (c.q, c.k, c.v)))
+    dout = c.dout.transpose(0, 1)[None]
+    fwd = lambda: flex(q, k, v, block_mask=block_mask, scale=c.scale, enable_gqa=True)  # noqa: E731
+    return fwd, lambda: torch.autograd.backward(fwd(), dout), lambda: fwd()[0].transpose(0, 1)
+
+
+def run_cudnn_3pass(c: Case) -> Runner:
+    """Three cuDNN passes merged by lse; backward feeds the merged out/lse to each pass."""
+    aten = torch.ops.aten
+    n, p, r, h = c.n, c.p, c.r, c.hq
+    expand = lambda t: t.repeat_interleave(c.hq // c.hkv, 1)  # noqa: E731
+    q, k, v, dout = (x.transpose(0, 1)[None] for x in (c.q, expand(c.k), expand(c.v), c.dout))
+    # Views [1, H, L, D]: prompt, all responses; responses batched [N, H, R, D].
+    qp, kp, vp = (x[:, :, :p] for x in (q, k, v))
+    qr, kr, vr = (x[:, :, p:] for x in (q, k, v))
+    batch = lambda x: x.reshape(h, n, r, -1).transpose(0, 1)  # noqa: E731
+    unbatch = lambda x: x.transpose(0, 1).reshape(1, h, n * r, -1)  # noqa: E731
+    passes = [  # (q, k, v, causal, to merged query order, back to pass order)
+        (qp, kp, vp, True),
+        (qr, kp, vp, False),
+        (batch(qr.contiguous()), batch(kr.contiguous()), batch(vr.contiguous()), True),
+    ]
+
+    def cudnn(qq, kk, vv, causal):  # noqa: ANN001, ANN202
+        return aten._scaled_dot_product_cudnn_attention(
+            qq, kk, vv, None, True, 0.0, causal, False, scale=c.scale
+        )
+
+    def lse_of(res: tuple) -> torch.Tensor:  # [B, H, L] whatever cuDNN's trailing dims
+        return res[1].reshape(res[0].shape[:3])
+
+    def forward() -> tuple[list, torch.Tensor, torch.Tensor]:
+        res = [cudnn(*ps) for ps in passes]
+        o_prompt, l_prompt = res[0][0], lse_of(res[0])
+        o_a, l_a = res[1][0], lse_of(res[1])
+        o_b, l_b = unbatch(res[2][0]), lse_of(res[2]).transpose(0, 1).reshape(1, h, n * r)
+        l_resp = torch.logaddexp(l_a, l_b)
+        o_resp = o_a * torch.exp(l_a - l_resp)[..., None] + o_b * torch.exp(l_b - l_resp)[..., None]
+        out = torch.cat([o_prompt, o_resp.to(o_a.dtype)], dim=2)
+        lse = torch.cat([l_prompt, l_resp], dim=2)
+        return res, out, lse
+
+    def backward() -> None:
+        res, out, lse = forward()
+        outs = [out[:, :, :p], out[:, :, p:], batch(out[:, :, p:].contiguous())]
+        lses = [
+            lse[:, :, :p],
+            lse[:, :, p:],
+            lse[:, :, p:].reshape(1, h, n, r).transpose(0, 1).reshape(n, h, r),
+        ]
+        douts = [dout[:, :, :p], dout[:, :, p:], batch(dout[:, :, p:].contiguous())]
+        grads = []
+        for (qq, kk, vv, causal), rr, o, lse_p, do in zip(passes, res, outs, lses, douts):
+            grads.append(
+                aten._scaled_dot_product_cudnn_attention_backward(
+                    do.contiguous(),
+                    qq,
+                    kk,
+                    vv,
+                    o.contiguous(),
+                    lse_p.contiguous().view_as(rr[1]),
+                    rr[6],
+                    rr[7],
+                    torch.empty(0, device="cuda"),
+                    rr[2],
+                    rr[3],
+                    rr[4],
+                    rr[5],
+                    0.0,
+                    causal,
+                    scale=c.scale,
+                )
+            )
+        # Assemble dq, dk, dv as autograd would: sum the passes' contributions.
+        dq = torch.cat([grads[0][0], grads[1][0] + unbatch(grads[2][0])], dim=2)
+        dk = torch.cat([grads[0][1] + grads[1][1], unbatch(grads[2][1])], dim=2)
+        dv = torch.cat([grads[0][2] + grads[1][2], unbatch(grads[2][2])], dim=2)
+        return dq, dk, dv
+
+    def packed_out() -> torch.Tensor:
+        return forward()[1][0].transpose(0, 1)
+
+    return (lambda: forward()[1]), backward, packed_out
+
+
+def make_runner(method: str, c: Case) -> Runner:
+    sdpa = torch.nn.attention.SDPBackend
+    if method == "dualkv":
+        return run_dualkv(c)
+    if method in ("sdpa_cudnn", "sdpa_fa2"):
+        return run_sdpa(c, sdpa.CUDNN_ATTENTION if method == "sdpa_cudnn" else sdpa.FLASH_ATTENTION)
+    if method == "flex":
+        return run_flex(c)
+    if method == "cudnn_3pass":
+        return run_cudnn_3pass(c)
+    raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--shapes", default=",".join(str(i) for i in range(len(SHAPES))))
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
+    args = ap.parse_args()
+    methods = args.methods.split(",")
+    rows = []
+    for si in (int(s) for s in args.shapes.split(",")):
+        n, p, r, hq, hkv, d = SHAPES[si]
+        c = Case(n, p, r, hq, hkv, d)
+        shape = f"N={n} P={p} R={r} Hq={hq} Hkv={hkv} D={d}"
+        reference = None  # DualKV's output when it runs first: every method must agree with it
+        for m in methods:
+            try:
+                fwd, fb, packed_out = make_runner(m, c)
+                with torch.no_grad():
+                    out = packed_out().float()
+                    reference = out if reference is None else reference
+                    max_diff = (out - reference).abs().max().item()
+                    del out
+                    t_f = time_ms(fwd, args.warmup, args.repeats)
+                t_fb = time_ms(fb, args.warmup, args.repeats)
+                row = dict(
+                    shape=shape,
+                    method=m,
+                    fwd_ms=t_f,
+                    fwd_bwd_ms=t_fb,
+                    fwd_tflops=c.flops_fwd / t_f / 1e9,
+                    fwd_bwd_tflops=(c.flops_fwd + c.flops_bwd) / t_fb / 1e9,
+                    max_diff=max_diff,
+                )
+            except Exception as e:  # a baseline that cannot run this shape (e.g. out of memory)
+                row = dict(shape=shape, method=m, error=f"{type(e).__name__}: {str(e)[:120]}")
+            rows.append(row)
+            torch.cuda.empty_cache()
+        del c
+        torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "attention.json"), "w") as f:
+        json.dump(
+            dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1
+        )
+    print(
+        f"\nGPU {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16; "
+        "TF/s = useful TFLOP/s on the packed layout's FLOP count"
+    )
+    head = ("shape", "method", "fwd ms", "fwd TF/s", "f+b ms", "f+b TF/s", "max|diff|")
+    print("{:<38} {:<12} {:>8} {:>9} {:>8} {:>9} {:>9}".format(*head))
+    for row in rows:
+        if "error" in row:
+            print(f"{row['shape']:<38} {row['method']:<12} {row['error']}")
+        else:
+            print(
+                f"{row['shape']:<38} {row['method']:<12} {row['fwd_ms']:8.2f} "
+                f"{row['fwd_tflops']:9.1f} {row['fwd_bwd_ms']:8.2f} {row['fwd_bwd_tflops']:9.1f} "
+                f"{row['max_diff']:9.1e}"
+            )
+    try:
+        plot(rows, os.path.join(args.out, "attention.png"))
+    except ImportError:
+        print("matplotlib not installed: no plot")
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    width = 0.8 / len(methods)
+    for mi, m in enumerate(methods):
+        vals = [
+            next(
+                (r.get("fwd_bwd_tflops", 0) for r in rows if r["shape"] == s and r["method"] == m),
+                0,
+            )
+            for s in shapes
+        ]
+        ax.bar([i + mi * width for i in range(len(shapes))], vals, width, label=m)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(shapes))])
+    ax.set_xticklabels([s.replace(" Hq", "\nHq") for s in shapes], fontsize=7)
+    ax.set_ylabel("useful TFLOP/s (fwd+bwd)")
+    ax.set_title(f"Shared-prompt attention, {torch.cuda.get_device_name()}, bf16")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
