@@ -32,6 +32,6 @@ if(NOT Torch_DIR)
 endif()
 # TorchConfig looks for CUDA itself when torch is a CUDA build; the op library links only libtorch.
 find_package(Torch REQUIRED CONFIG)
-if(TORCH_CXX_FLAGS MATCHES "" AND EXISTS "${Torch_DIR}/../../../lib/libtorch_cuda.so")
+if(EXISTS "${Torch_DIR}/../../../lib/libtorch_cuda.so")
   set(DUALKV_TORCH_HAS_CUDA ON)
 endif()

@@ -1,0 +1,100 @@
+"""GPU-only behaviour of the CUDA backend: races, CUDA-graph capture, no host synchronisation,
+unsupported cases. (Numerical equivalence on the GPU runs in test_attention.py's cuda cases.)"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import dualkv
+import torch
+from dualkv.reference import random_layout_lens
+
+pytestmark = pytest.mark.gpu
+
+
+def inputs(layout: dualkv.Layout, hq: int, hkv: int, d: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    T = layout.total_tokens
+    return [
+        torch.randn(T, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for h in (hq, hkv, hkv, hq)
+    ]
+
+
+def fwd_bwd(q, k, v, dout, layout, **kw):  # noqa: ANN001, ANN003, ANN201
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = dualkv.attention(*leaves, layout, **kw)
+    out.backward(dout)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_race_out_dk_dv_bitwise(d: int, seed: int) -> None:
+    """100 repeats: out, dk and dv are bitwise equal in the default mode (dk/dv need no atomics),
+    and dq too in deterministic mode."""
+    rng = random.Random(seed)
+    layout = dualkv.Layout(*random_layout_lens(rng, groups=3, max_p=700, max_r=300), device="cuda")
+    q, k, v, dout = inputs(layout, 8, 2, d, seed)
+    first = fwd_bwd(q, k, v, dout, layout)
+    first_det = fwd_bwd(q, k, v, dout, layout, deterministic=True)
+    for _ in range(100):
+        out, _, dk, dv = fwd_bwd(q, k, v, dout, layout)
+        assert torch.equal(out, first[0]) and torch.equal(dk, first[2])
+        assert torch.equal(dv, first[3])
+    for _ in range(20):
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(fwd_bwd(q, k, v, dout, layout, deterministic=True), first_det)
+        )
+
+
+def test_cuda_graph_capture(seed: int) -> None:
+    layout = dualkv.Layout([300, 129], [[64, 1, 200], [0, 77]], device="cuda")
+    q, k, v, dout = inputs(layout, 8, 2, 128, seed)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    eager = fwd_bwd(q, k, v, dout, layout, window=100)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up on the side stream, as graph capture requires
+        for _ in range(2):
+            for t in leaves:
+                t.grad = None
+            dualkv.attention(*leaves, layout, window=100).backward(dout)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    for t in leaves:
+        t.grad = None
+    with torch.cuda.graph(graph):
+        out = dualkv.attention(*leaves, layout, window=100)
+        out.backward(dout)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager[0])
+    for t, g in zip(leaves, eager[1:]):
+        torch.testing.assert_close(t.grad, g, rtol=0, atol=1e-2)
+
+
+def test_no_host_sync(seed: int) -> None:
+    layout = dualkv.Layout([256], [[128] * 4], device="cuda")
+    q, k, v, dout = inputs(layout, 8, 8, 64, seed)
+    fwd_bwd(q, k, v, dout, layout)  # warm-up (allocations)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fwd_bwd(q, k, v, dout, layout)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_unsupported_on_gpu() -> None:
+    layout = dualkv.Layout([8], [[4]], device="cuda")
+    T = layout.total_tokens
+    q = torch.randn(T, 4, 512, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head dim 512"):
+        dualkv.attention(q, q[:, :2], q[:, :2], layout)
+    q = torch.randn(T, 4, 64, device="cuda", dtype=torch.float32)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        dualkv.attention(q, q, q, layout)
+    with pytest.raises(ValueError, match="layout is on cpu"):
+        dualkv.attention(q.half(), q.half(), q.half(), dualkv.Layout([8], [[4]]))
