@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU machine's job, one call: build the package against the machine's torch (linking a
+# prebuilt CUDA library from .out/ when present), run the GPU tests (default path, then the
+# sm_80 path forced), the standalone CUDA tests and sanitizers, then the benchmark.
+# Logs and results go to $OUT. Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench]...
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-.out/gpu}"
+mkdir -p "$OUT"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(build test sanitize bench)
+export PYTHONUNBUFFERED=1
+status=0
+for step in "${steps[@]}"; do
+  case "$step" in
+  build)
+    echo "== build =="
+    args="-DDUALKV_CUDA=ON"
+    [ -f .out/libdualkv_cuda.a ] && args="$args -DDUALKV_CUDA_PREBUILT=$PWD/.out/libdualkv_cuda.a"
+    CMAKE_ARGS="$args" CMAKE_BUILD_PARALLEL_LEVEL=16 \
+      python3 -m pip install --no-build-isolation --no-deps -q . >"$OUT/build.log" 2>&1 ||
+      { tail -40 "$OUT/build.log"; exit 1; }
+    python3 -c "import torch, dualkv; print('dualkv', dualkv.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())"
+    ;;
+  test)
+    echo "== GPU tests (default kernels) =="
+    (cd /tmp && python3 -m pytest "$OLDPWD/tests/python" -q -x -k "cuda or gpu" -p no:cacheprovider \
+      >"$OUT/pytest.log" 2>&1); rc=$?; tail -4 "$OUT/pytest.log"; [ $rc = 0 ] || status=1
+    echo "== GPU tests (DUALKV_FORCE_SM80=1) =="
+    (cd /tmp && DUALKV_FORCE_SM80=1 python3 -m pytest "$OLDPWD/tests/python" -q -x -k "cuda or gpu" \
+      -p no:cacheprovider >"$OUT/pytest_sm80.log" 2>&1); rc=$?; tail -4 "$OUT/pytest_sm80.log"
+    [ $rc = 0 ] || status=1
+    ;;
+  sanitize)
+    if [ -x .out/dualkv_cuda_test ]; then
+      echo "== standalone CUDA tests =="
+      .out/dualkv_cuda_test >"$OUT/cuda_test.log" 2>&1; rc=$?; tail -5 "$OUT/cuda_test.log"
+      [ $rc = 0 ] || status=1
+      for tool in memcheck racecheck; do
+        echo "== compute-sanitizer $tool (small cases) =="
+        compute-sanitizer --tool $tool --error-exitcode 9 .out/dualkv_cuda_test --small \
+          >"$OUT/sanitizer_$tool.log" 2>&1; rc=$?; tail -3 "$OUT/sanitizer_$tool.log"
+        [ $rc = 0 ] || status=1
+      done
+    fi
+    ;;
+  bench)
+    echo "== benchmark =="
+    python3 bench/attention.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -30
+    ;;
+  esac
+done
+exit $status
