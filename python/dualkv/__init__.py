@@ -9,3 +9,4 @@ from .layout import Layout
 
 __version__ = "0.1.0"
 __all__ = ["Layout", "attention", "__version__"]
+from .training import *  # noqa: E402, F403  (issue 4 training API: pack, response_logprobs, losses)

@@ -76,8 +76,8 @@ def use_layout(
     Args:
         layout: the packed batch's :class:`dualkv.Layout`.
         model: optional model; when given, a forward pre-hook adds ``dualkv_layout=layout`` to
-            its forward's keywords, so gradient-checkpointed layers replay with it even when the
-            backward runs after the block.
+            its decoder's forward keywords, so gradient-checkpointed layers replay with it even
+            when the backward runs after the block.
         deterministic: bitwise-reproducible attention gradients.
     """
     if not isinstance(layout, Layout):
@@ -93,7 +93,10 @@ def use_layout(
                 kwargs.setdefault(DETERMINISTIC_KWARG, True)
             return args, kwargs
 
-        handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+        # on the decoder (base model): it sees the keyword whether the caller runs the causal LM
+        # or the decoder alone
+        target = getattr(model, "base_model", model)
+        handle = target.register_forward_pre_hook(hook, with_kwargs=True)
     _LAYOUT_STACK.append((layout, deterministic))
     try:
         yield layout

@@ -1,0 +1,210 @@
+"""HF transformers backend: the packed GRPO/DAPO step equals the standard rows step with SDPA.
+
+Tiny random Qwen3, Llama and Gemma3 (sliding-window layers in logical positions) built in code;
+per-token log-probs, the loss and every parameter gradient of the packed step
+(``attn_implementation="dualkv"``) against the unshared rows with HF SDPA, in float32 (tight) and
+bfloat16 (error vs a float64 reference at most a small multiple of the plain bf16 rows' error).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import torch
+
+pytest.importorskip("transformers")
+
+from hf_helpers import VOCAB, random_groups, shuffled_rows, tiny_config, tiny_model  # noqa: E402
+
+import dualkv  # noqa: E402
+from dualkv.integrations import transformers as dkt  # noqa: E402
+from dualkv.losses import dapo_loss, group_advantages  # noqa: E402
+from dualkv.packing import pack  # noqa: E402
+
+FAMILIES = ["qwen3", "llama", "gemma3", "qwen3-sliding"]
+TEMPERATURE = 0.9
+
+
+def _batch(seed: int, groups: int = 3):
+    rng = random.Random(seed)
+    prompts, responses = random_groups(
+        rng, groups=groups, p_range=(2, 14), n_range=(1, 4), r_range=(1, 10)
+    )
+    if all(len(rs) == 1 for rs in responses):  # keep at least one shared prompt
+        responses[0].append([rng.randrange(VOCAB) for _ in range(3)])
+    ids, mask, pw, gid = shuffled_rows(rng, prompts, responses)
+    pk = pack(ids, mask, pw, gid)
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.rand(ids.shape[0], generator=g)
+    adv = group_advantages(rewards, gid)
+    noise = torch.randn(ids.shape[0], ids.shape[1] - pw, generator=g) * 0.3
+    return ids, mask, pw, pk, adv, noise
+
+
+def _step(
+    model, ids, mask, pw, pk, adv, old, packed: bool, clip: tuple[float, float] = (0.2, 0.28)
+):
+    """One policy-update step; returns (logprobs, loss, {param: grad})."""
+    model.zero_grad(set_to_none=True)
+    model.set_attn_implementation("dualkv" if packed else "sdpa")
+    if packed:
+        lp = dkt.packed_response_logprobs(model, pk, temperature=TEMPERATURE)
+    else:
+        lp = dkt.rows_response_logprobs(model, ids, mask, pw, temperature=TEMPERATURE)
+    loss, _ = dapo_loss(lp, old, adv, pk.response_mask, clip_low=clip[0], clip_high=clip[1])
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return lp.detach(), loss.detach(), grads
+
+
+def _old_logprobs(model, ids, mask, pw, noise):
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        lp = dkt.rows_response_logprobs(model, ids, mask, pw, temperature=TEMPERATURE)
+    return (lp.float() + noise) * (mask[:, pw:] != 0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_step_equals_rows_fp32(seed, family):
+    model = tiny_model(family, torch.float32, seed=seed % 1000)
+    ids, mask, pw, pk, adv, noise = _batch(seed)
+    old = _old_logprobs(model, ids, mask, pw, noise)
+    lp_r, loss_r, g_r = _step(model, ids, mask, pw, pk, adv, old, packed=False)
+    lp_p, loss_p, g_p = _step(model, ids, mask, pw, pk, adv, old, packed=True)
+    assert pk.token_reduction > 1.0
+    assert (lp_p[~pk.response_mask] == 0).all()
+    torch.testing.assert_close(lp_p, lp_r, rtol=0, atol=2e-5)
+    torch.testing.assert_close(loss_p, loss_r, rtol=1e-5, atol=1e-6)
+    assert g_p.keys() == g_r.keys() and len(g_r) == len(list(model.parameters()))
+    for name, gr in g_r.items():
+        scale = gr.abs().max().item()
+        err = (g_p[name] - gr).abs().max().item()
+        assert err <= 1e-4 * scale + 1e-7, (name, err, scale)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_step_bf16_tolerance(seed, family):
+    """bf16: |packed - fp64 ref| <= 2-3 x |rows bf16 - fp64 ref| + slack, log-probs, loss, grads.
+
+    The ratio clip is opened wide here so that the loss is smooth: a bf16 rounding that moves a
+    token across the clip boundary would change the gradient discontinuously on either path
+    (clipping itself is covered in float32 above and in test_losses).
+    """
+    wide = (0.99, 100.0)
+    ids, mask, pw, pk, adv, noise = _batch(seed)
+    ref_model = tiny_model(family, torch.float64, seed=seed % 1000)
+    old = _old_logprobs(ref_model, ids, mask, pw, noise).double()
+    lp_ref, loss_ref, g_ref = _step(ref_model, ids, mask, pw, pk, adv, old, False, wide)
+    model = tiny_model(family, torch.bfloat16, seed=seed % 1000)
+    lp_r, loss_r, g_r = _step(model, ids, mask, pw, pk, adv, old.float(), False, wide)
+    lp_p, loss_p, g_p = _step(model, ids, mask, pw, pk, adv, old.float(), True, wide)
+
+    def err(a, b):
+        return (a.double() - b.double()).abs().max().item()
+
+    e_r, e_p = err(lp_r, lp_ref), err(lp_p, lp_ref)
+    assert e_p <= 2 * e_r + 1e-2, ("logprobs", e_p, e_r)
+    # the scalar loss sums per-token errors that may cancel on one path and not on the other:
+    # allow what the rows' own log-prob error implies for a mean of A * ratio terms
+    e_lp_rows = e_r
+    e_r, e_p = err(loss_r, loss_ref), err(loss_p, loss_ref)
+    assert e_p <= 2 * e_r + 0.25 * adv.abs().max().item() * e_lp_rows + 1e-4, ("loss", e_p, e_r)
+    for name, gref in g_ref.items():
+        scale = gref.abs().max().item()
+        e_r, e_p = err(g_r[name], gref), err(g_p[name], gref)
+        assert e_p <= 3 * e_r + 1e-2 * scale + 1e-6, (name, e_p, e_r, scale)
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _close_grads(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_gradient_checkpointing_kwarg_and_context(seed, family):
+    model = tiny_model(family, torch.float32, seed=seed % 1000)
+    model.set_attn_implementation("dualkv")
+    model.train()
+    ids, mask, pw, pk, adv, noise = _batch(seed, groups=2)
+    weight, bias, softcap = dkt._lm_head(model)
+
+    def loss_of(hidden):
+        lp = dualkv.response_logprobs(hidden, model.get_output_embeddings().weight, pk,
+                                      logit_softcap=softcap)  # fmt: skip
+        return dapo_loss(lp, noise * pk.response_mask, adv, pk.response_mask)[0]
+
+    # plain (no checkpointing), layout by keyword
+    model.zero_grad(set_to_none=True)
+    loss_of(dkt.packed_hidden_states(model, pk)).backward()
+    want = _grads(model)
+
+    model.gradient_checkpointing_enable()
+    try:
+        # keyword: the checkpointed layers replay with it
+        model.zero_grad(set_to_none=True)
+        loss_of(dkt.packed_hidden_states(model, pk)).backward()
+        _close_grads(_grads(model), want)
+
+        # context manager with the model: backward after the block
+        model.zero_grad(set_to_none=True)
+        with dkt.use_layout(pk.layout, model):
+            out = model.base_model(input_ids=pk.input_ids, position_ids=pk.position_ids,
+                                   use_cache=False)  # fmt: skip
+        assert dkt.current_layout() is None
+        loss_of(out.last_hidden_state).backward()
+        _close_grads(_grads(model), want)
+
+        # context manager alone: backward inside the block works ...
+        model.zero_grad(set_to_none=True)
+        with dkt.use_layout(pk.layout):
+            assert dkt.current_layout() is pk.layout
+            out = model.base_model(input_ids=pk.input_ids, position_ids=pk.position_ids,
+                                   use_cache=False)  # fmt: skip
+            loss_of(out.last_hidden_state).backward()
+        _close_grads(_grads(model), want)
+
+        # ... and after it the recompute has no layout: a clear error, never a wrong answer
+        model.zero_grad(set_to_none=True)
+        with dkt.use_layout(pk.layout):
+            out = model.base_model(input_ids=pk.input_ids, position_ids=pk.position_ids,
+                                   use_cache=False)  # fmt: skip
+        with pytest.raises(RuntimeError, match="dualkv.Layout"):
+            loss_of(out.last_hidden_state).backward()
+    finally:
+        model.gradient_checkpointing_disable()
+
+
+def test_registration_and_errors(seed):
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    assert "dualkv" in AttentionInterface._global_mapping
+    try:
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError:
+        pass
+    else:
+        assert "dualkv" in AttentionMaskInterface._global_mapping
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="dualkv")
+    ids, mask, pw, pk, adv, noise = _batch(seed, groups=2)
+    lp = dkt.packed_response_logprobs(model, pk)
+    assert lp.shape == (ids.shape[0], ids.shape[1] - pw)
+    # a 2-D all-ones attention mask is fine (the mask interface builds nothing)
+    out = model(**pk.model_inputs(), attention_mask=torch.ones_like(pk.input_ids))
+    assert out.logits.shape == (1, pk.total_tokens, VOCAB)
+    with pytest.raises(RuntimeError, match="dualkv.Layout"):
+        model(input_ids=pk.input_ids, position_ids=pk.position_ids)
+    with pytest.raises(ValueError, match="one packed stream"):
+        model(input_ids=ids, dualkv_layout=pk.layout)
+    with pytest.raises(ValueError, match="tokens"):
+        model(input_ids=pk.input_ids[:, 1:], dualkv_layout=pk.layout)
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match="attn_implementation"):
+        dkt.packed_hidden_states(model, pk)
