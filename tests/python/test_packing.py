@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import random
 
-import dualkv
 import pytest
-from dualkv.packing import PackedBatch, pack, rows_from_lists
 from hf_helpers import VOCAB, random_groups, shuffled_rows
 
+import dualkv
 import torch
+from dualkv.packing import PackedBatch, pack, rows_from_lists
 
 
 def _check_maps(pk: PackedBatch, ids: torch.Tensor, mask: torch.Tensor, pw: int) -> None:
