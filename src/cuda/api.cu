@@ -1,0 +1,192 @@
+// The CUDA library's entry points (include/dualkv/cuda.h): argument checks, the parameter block,
+// and dispatch to the per-(dtype, head dim) instantiations. No host synchronisation, no allocation.
+#include <cstdint>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include "dualkv/cuda.h"
+#include "dualkv/error.h"
+#include "launch.h"
+
+namespace dualkv::cuda {
+namespace detail {
+
+void check_launch(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) {
+    throw std::runtime_error(std::string(what) + ": CUDA launch failed: " + cudaGetErrorString(e));
+  }
+}
+
+namespace {
+
+// Head dims compiled in (DUALKV_CUDA_HEAD_DIMS at configure time).
+bool head_dim_built(int d) {
+  switch (d) {
+#if DUALKV_HAS_HD64
+    case 64: return true;
+#endif
+#if DUALKV_HAS_HD128
+    case 128: return true;
+#endif
+#if DUALKV_HAS_HD256
+    case 256: return true;
+#endif
+    default: return false;
+  }
+}
+
+template <typename T>
+bool aligned16(const T* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
+
+void check_common(DType dtype, const Shape& s, const ScoreParams& sc, const LayoutView& lv) {
+  DUALKV_CHECK(dtype == DType::kBFloat16 || dtype == DType::kFloat16,
+               "dtype: the CUDA kernels take float16 or bfloat16, got ", dtype_name(dtype));
+  DUALKV_CHECK(supports(dtype, s.head_dim), "head_dim ", s.head_dim,
+               " is not supported by the CUDA kernels of this build (built: 64/128/256 as configured "
+               "by DUALKV_CUDA_HEAD_DIMS)");
+  DUALKV_CHECK(s.tokens >= 0, "shape.tokens must be >= 0, got ", s.tokens);
+  DUALKV_CHECK(s.num_q_heads > 0 && s.num_kv_heads > 0, "num_q_heads and num_kv_heads must be > 0, got ",
+               s.num_q_heads, " and ", s.num_kv_heads);
+  DUALKV_CHECK(s.num_q_heads % s.num_kv_heads == 0, "num_q_heads (", s.num_q_heads,
+               ") must be a multiple of num_kv_heads (", s.num_kv_heads, ")");
+  DUALKV_CHECK(sc.mask.window >= 1, "window must be >= 1, got ", sc.mask.window);
+  DUALKV_CHECK(sc.softcap >= 0.f && sc.softcap < INFINITY, "softcap must be finite and >= 0, got ", sc.softcap);
+  DUALKV_CHECK(lv.total_tokens == s.tokens, "layout has ", lv.total_tokens, " tokens but the tensors have ",
+               s.tokens);
+  DUALKV_CHECK(s.tokens == 0 || (lv.segments && lv.query_tiles && lv.key_tiles),
+               "layout tables (segments, query_tiles, key_tiles) must be device pointers, got null");
+  DUALKV_CHECK(int64_t(lv.num_query_tiles) * s.num_q_heads * 2 < (int64_t(1) << 31) &&
+                   int64_t(lv.num_key_tiles) * 4 * s.num_kv_heads < (int64_t(1) << 31),
+               "too many tiles x heads for one launch");
+}
+
+void check_qkv(const void* q, const void* k, const void* v, const TokenHeadStrides& qs,
+               const TokenHeadStrides& ks, const TokenHeadStrides& vs) {
+  DUALKV_CHECK(q && k && v, "q, k and v must be non-null device pointers");
+  auto ok = [](const void* p, const TokenHeadStrides& st) {
+    return aligned16(p) && st.token % 8 == 0 && st.head % 8 == 0;
+  };
+  DUALKV_CHECK(ok(q, qs), "q must be 16-byte aligned with token and head strides that are multiples of 8 "
+               "elements (got strides ", qs.token, ", ", qs.head, ")");
+  DUALKV_CHECK(ok(k, ks), "k must be 16-byte aligned with token and head strides that are multiples of 8 "
+               "elements (got strides ", ks.token, ", ", ks.head, ")");
+  DUALKV_CHECK(ok(v, vs), "v must be 16-byte aligned with token and head strides that are multiples of 8 "
+               "elements (got strides ", vs.token, ", ", vs.head, ")");
+}
+
+Params make_params(const Shape& s, const ScoreParams& sc, const LayoutView& lv) {
+  Params p{};
+  p.segs = lv.segments;
+  p.qtiles = lv.query_tiles;
+  p.ktiles = lv.key_tiles;
+  p.nseg = lv.num_segments;
+  p.nqt = lv.num_query_tiles;
+  p.nkt = lv.num_key_tiles;
+  p.T = s.tokens;
+  p.Hq = s.num_q_heads;
+  p.Hkv = s.num_kv_heads;
+  p.group = s.num_q_heads / s.num_kv_heads;
+  p.scale = sc.softmax_scale;
+  p.scale_log2 = sc.softmax_scale * kLog2e;
+  p.softcap = sc.softcap;
+  p.cap_inv = sc.softcap > 0.f ? sc.softmax_scale / sc.softcap : 0.f;
+  p.cap_log2 = sc.softcap * kLog2e;
+  p.mask = sc.mask;
+  return p;
+}
+
+constexpr size_t align256(size_t n) { return (n + 255) & ~size_t(255); }
+
+template <typename F>
+void dispatch(DType dtype, int d, F&& f) {
+  auto by_dim = [&](auto tag) {
+    using T = decltype(tag);
+    switch (d) {
+#if DUALKV_HAS_HD64
+      case 64: f(T{}, std::integral_constant<int, 64>{}); return;
+#endif
+#if DUALKV_HAS_HD128
+      case 128: f(T{}, std::integral_constant<int, 128>{}); return;
+#endif
+#if DUALKV_HAS_HD256
+      case 256: f(T{}, std::integral_constant<int, 256>{}); return;
+#endif
+      default: throw Error(::dualkv::detail::concat("head_dim ", d, " is not supported by the CUDA kernels"));
+    }
+  };
+  if (dtype == DType::kBFloat16) {
+    by_dim(__nv_bfloat16{});
+  } else {
+    by_dim(__half{});
+  }
+}
+
+}  // namespace
+}  // namespace detail
+
+bool supports(DType dtype, int head_dim) {
+  return (dtype == DType::kBFloat16 || dtype == DType::kFloat16) && detail::head_dim_built(head_dim);
+}
+
+void attention_forward(const ForwardArgs& a, cudaStream_t stream) {
+  using namespace detail;
+  check_common(a.dtype, a.shape, a.score, a.layout);
+  if (a.shape.tokens == 0 || a.layout.num_query_tiles == 0) return;
+  check_qkv(a.q, a.k, a.v, a.q_stride, a.k_stride, a.v_stride);
+  DUALKV_CHECK(a.out && a.lse, "out and lse must be non-null device pointers");
+  DUALKV_CHECK(aligned16(a.out), "out must be 16-byte aligned");
+  Params p = make_params(a.shape, a.score, a.layout);
+  p.q = a.q, p.k = a.k, p.v = a.v;
+  p.q_tok = a.q_stride.token, p.q_head = a.q_stride.head;
+  p.k_tok = a.k_stride.token, p.k_head = a.k_stride.head;
+  p.v_tok = a.v_stride.token, p.v_head = a.v_stride.head;
+  p.out = a.out;
+  p.lse = a.lse;
+  dispatch(a.dtype, a.shape.head_dim, [&](auto t, auto d) {
+    launch_forward_sm80<decltype(t), decltype(d)::value>(p, stream);
+  });
+}
+
+size_t backward_workspace_bytes(const Shape& s) {
+  const size_t rows = size_t(s.tokens > 0 ? s.tokens : 0) * size_t(s.num_q_heads > 0 ? s.num_q_heads : 0);
+  return 2 * detail::align256(rows * sizeof(float)) + detail::align256(rows * size_t(s.head_dim) * sizeof(float));
+}
+
+void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t stream) {
+  using namespace detail;
+  check_common(a.dtype, a.shape, a.score, a.layout);
+  if (a.shape.tokens == 0) return;
+  check_qkv(a.q, a.k, a.v, a.q_stride, a.k_stride, a.v_stride);
+  DUALKV_CHECK(a.out && a.dout && a.lse && a.dq && a.dk && a.dv,
+               "out, dout, lse, dq, dk and dv must be non-null device pointers");
+  DUALKV_CHECK(aligned16(a.out) && aligned16(a.dout) && aligned16(a.dq) && aligned16(a.dk) && aligned16(a.dv),
+               "out, dout, dq, dk and dv must be 16-byte aligned");
+  DUALKV_CHECK(workspace && (reinterpret_cast<uintptr_t>(workspace) & 255u) == 0,
+               "workspace must be a non-null, 256-byte aligned device pointer of backward_workspace_bytes()");
+  Params p = make_params(a.shape, a.score, a.layout);
+  p.q = a.q, p.k = a.k, p.v = a.v;
+  p.q_tok = a.q_stride.token, p.q_head = a.q_stride.head;
+  p.k_tok = a.k_stride.token, p.k_head = a.k_stride.head;
+  p.v_tok = a.v_stride.token, p.v_head = a.v_stride.head;
+  p.o = a.out;
+  p.dout = a.dout;
+  p.lse_in = a.lse;
+  p.dlse = a.dlse;
+  p.dq = a.dq, p.dk = a.dk, p.dv = a.dv;
+  const size_t rows = size_t(a.shape.tokens) * size_t(a.shape.num_q_heads);
+  char* ws = static_cast<char*>(workspace);
+  p.delta = reinterpret_cast<float*>(ws);
+  p.lse2 = reinterpret_cast<float*>(ws + align256(rows * sizeof(float)));
+  p.dq_accum = reinterpret_cast<float*>(ws + 2 * align256(rows * sizeof(float)));
+  dispatch(a.dtype, a.shape.head_dim,
+           [&](auto t, auto d) {
+             launch_backward_sm80<decltype(t), decltype(d)::value>(p, a.deterministic, stream);
+           });
+}
+
+}  // namespace dualkv::cuda

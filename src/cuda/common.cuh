@@ -1,0 +1,210 @@
+// Device helpers shared by the sm_80 kernels: PTX wrappers (mma.sync, ldmatrix, cp.async),
+// swizzled shared-memory tiles, the kernel parameter block and the key/query region walk.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "dualkv/layout.h"
+#include "dualkv/mask.h"
+
+namespace dualkv::cuda::detail {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Everything a kernel reads: one struct for all kernels (passed by value).
+struct Params {
+  const void* q;
+  const void* k;
+  const void* v;
+  int64_t q_tok, q_head, k_tok, k_head, v_tok, v_head;  // element strides (D contiguous)
+  void* out;            // forward output [T, Hq, D]
+  float* lse;           // forward lse [Hq, T]
+  const void* o;        // backward: forward output
+  const void* dout;     // backward: dO
+  const float* lse_in;  // backward: lse
+  const float* dlse;    // backward: optional dlse
+  float* delta;         // workspace [Hq, T]: rowsum(dO*O) - dlse
+  float* lse2;          // workspace [Hq, T]: lse * log2(e)
+  float* dq_accum;      // workspace [T, Hq, D] fp32
+  void* dq;
+  void* dk;
+  void* dv;
+  const Segment* segs;
+  const Tile* qtiles;
+  const Tile* ktiles;
+  int32_t nseg, nqt, nkt, T;
+  int32_t Hq, Hkv, group;  // group = Hq / Hkv
+  float scale;             // softmax scale
+  float scale_log2;        // scale * log2(e)          (no softcap)
+  float softcap;           // c > 0: s = c * tanh(scale * qk / c)
+  float cap_inv;           // scale / c
+  float cap_log2;          // c * log2(e)
+  MaskRule mask;
+};
+
+// ---- type traits ---------------------------------------------------------------------------
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float a, float b);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
+  __half2 v = __floats2half2_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t u);
+template <>
+__device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t u) {
+  return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u));
+}
+template <>
+__device__ __forceinline__ float2 unpack2<__half>(uint32_t u) {
+  return __half22float2(*reinterpret_cast<__half2*>(&u));
+}
+
+// D = A(16x16, row) * B(16x8, col) + C, fp32 accumulate.
+template <typename T>
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+template <>
+__device__ __forceinline__ void mma<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                   uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte async copy; src_bytes = 0 fills the destination with zeros (no global read).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src),
+               "r"(valid ? 4 : 0));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Swizzled [rows][D] tile of 16-bit elements: the 16-byte chunk c of row r lives at chunk
+// c ^ (r & 7), so ldmatrix's 8 row addresses hit 8 different bank groups (D >= 64).
+template <int D>
+__device__ __forceinline__ uint32_t swz(int r, int c) {  // byte offset of element (r, c), c % 8 == 0
+  return uint32_t((r * D + ((((c >> 3) ^ (r & 7))) << 3)) * 2);
+}
+
+// Loads rows [0, valid) of a [ROWS][D] tile from gmem (row r at base + r * row_stride elements),
+// zero-filling the rest. All THREADS threads take part.
+template <int ROWS, int D, int THREADS, typename T>
+__device__ __forceinline__ void load_tile(uint32_t s_base, const T* base, int64_t row_stride,
+                                          int valid) {
+  constexpr int kChunks = D / 8;
+  constexpr int kTotal = ROWS * kChunks;
+  static_assert(kTotal % THREADS == 0, "tile chunks must divide by the thread count");
+#pragma unroll
+  for (int i = 0; i < kTotal / THREADS; ++i) {
+    const int idx = i * THREADS + int(threadIdx.x);
+    const int r = idx / kChunks, c = (idx % kChunks) * 8;
+    const bool ok = r < valid;
+    const T* src = base + (ok ? int64_t(r) * row_stride + c : 0);
+    cp_async16(s_base + swz<D>(r, c), src, ok);
+  }
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// A contiguous key region seen by a query segment: the group's prompt (region A) or the query's
+// own response (region B). Keys [start, start + len) packed, logical positions from pos0.
+struct Region {
+  int32_t start, pos0, len;
+};
+
+// The key regions of query segment `seg`: [0] = prompt (region A), [1] = own response (region B,
+// empty for a prompt query).
+__device__ __forceinline__ void key_regions(const Segment& seg, Region (&r)[2]) {
+  r[0] = {seg.prompt_start, 0, seg.prompt_len};
+  r[1] = {seg.start, seg.pos0, seg.is_response() ? seg.len : 0};
+}
+
+// Blocks of `B` keys of region `r` (aligned to its start) seen by queries at positions
+// [pq_first, pq_last]: [*b0, *b0 + return value).
+template <int B>
+__device__ __forceinline__ int key_blocks(const Region& r, int pq_first, int pq_last, const MaskRule& m,
+                                          int* b0) {
+  if (r.len <= 0) return 0;
+  const int lo = max(r.pos0, m.lowest_key(pq_first));
+  const int hi = min(r.pos0 + r.len - 1, pq_last);
+  if (lo > hi) return 0;
+  *b0 = (lo - r.pos0) / B;
+  return (hi - r.pos0) / B + 1 - *b0;
+}
+
+// Blocks of `B` queries of segment `qs` (aligned to its start) that see some key at positions
+// [pk_first, pk_last] of the same group (the keys are in qs's prompt or in qs itself).
+template <int B>
+__device__ __forceinline__ bool query_blocks(const Segment& qs, int pk_first, int pk_last,
+                                             const MaskRule& m, int* b0, int* b1) {
+  const int lo = max(qs.pos0, pk_first);
+  const int hi = min(qs.pos0 + qs.len - 1, m.highest_query(pk_last));
+  if (lo > hi) return false;
+  *b0 = (lo - qs.pos0) / B;
+  *b1 = (hi - qs.pos0) / B + 1;
+  return true;
+}
+
+// Whether a (query block, key block) pair needs per-element masking: partial blocks, the causal
+// diagonal, or the window edge.
+__device__ __forceinline__ bool needs_mask(int nq, int BM, int nk, int BN, int pq_first, int pq_last,
+                                           int pk_first, int pk_last, const MaskRule& m) {
+  return nq < BM || nk < BN || pk_last > pq_first ||
+         int64_t(pq_last) - int64_t(pk_first) >= int64_t(m.window);
+}
+
+}  // namespace dualkv::cuda::detail

@@ -1,0 +1,564 @@
+// sm_80 backward (mma.sync m16n8k16, ldmatrix, cp.async). Runs on sm_80+.
+//
+//   1. bwd_pre: delta = rowsum(dO * O) - dlse and lse2 = lse * log2(e) into the workspace
+//      (and zeroes the fp32 dq accumulator in the default mode).
+//   2. dkdv: one CTA per (key block, kv head). It loops, in a fixed order, over every q head of
+//      the kv head's group and every query block that sees the key block (for a prompt key block:
+//      the prompt's own later queries, then each response's queries; for a response key block: its
+//      own later queries), accumulating dK and dV in registers: deterministic, no atomics.
+//      Each warp owns 16 keys (S^T = K Q^T lives in registers as the A operand of dV += P^T dO and
+//      dK += dS^T Q). Default mode: the same CTA also adds dS K into the fp32 dq accumulator
+//      with atomics (dS^T goes through shared memory), and 3. dq_convert scales and rounds it.
+//   Deterministic mode: dkdv without dq, then 3'. dq: one CTA per (64-query block, q head) walks
+//      the key blocks like the forward pass and accumulates dQ in registers (fixed order).
+#pragma once
+
+#include "launch.h"
+
+namespace dualkv::cuda::detail {
+
+// ---- 1. preprocess ------------------------------------------------------------------------------
+template <typename T, int D>
+__global__ void __launch_bounds__(256) bwd_pre_kernel(const __grid_constant__ Params p, bool zero_dq) {
+  constexpr int TPR = D / 8;  // threads per (token, head) row, 8 elements each
+  const int64_t rows = int64_t(p.T) * p.Hq;
+  const int64_t gt = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t row = gt / TPR;
+  const int c = int(gt % TPR) * 8;
+  const bool valid = row < rows;
+  float acc = 0.f;
+  if (valid) {
+    const uint4 a = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.dout) + row * D + c);
+    const uint4 b = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.o) + row * D + c);
+    const uint32_t av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 x = unpack2<T>(av[i]), y = unpack2<T>(bv[i]);
+      acc = fmaf(x.x, y.x, fmaf(x.y, y.y, acc));
+    }
+    if (zero_dq) {
+      float4* z = reinterpret_cast<float4*>(p.dq_accum + row * D + c);
+      z[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+      z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+#pragma unroll
+  for (int off = TPR / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (valid && c == 0) {
+    const int64_t t = row / p.Hq, h = row % p.Hq;
+    const int64_t i = h * p.T + t;
+    p.delta[i] = acc - (p.dlse ? p.dlse[i] : 0.f);
+    const float l = p.lse_in[i];
+    // A query with no visible key (lse = -inf) has P = 0 everywhere: lse2 = +inf gives that.
+    p.lse2[i] = l == -INFINITY ? INFINITY : l * kLog2e;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) dq_convert_kernel(const float* __restrict__ acc, T* __restrict__ dq,
+                                                         int64_t n8, float scale) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n8) return;
+  const float4 a = reinterpret_cast<const float4*>(acc)[2 * i];
+  const float4 b = reinterpret_cast<const float4*>(acc)[2 * i + 1];
+  uint4 r;
+  r.x = pack2<T>(a.x * scale, a.y * scale);
+  r.y = pack2<T>(a.z * scale, a.w * scale);
+  r.z = pack2<T>(b.x * scale, b.y * scale);
+  r.w = pack2<T>(b.z * scale, b.w * scale);
+  reinterpret_cast<uint4*>(dq)[i] = r;
+}
+
+// ---- 2. dK, dV (and atomic dQ) over key blocks ---------------------------------------------------
+template <int D>
+struct BwdCfg {
+  static constexpr int BN = D >= 256 ? 32 : 64;      // keys per CTA
+  static constexpr int BM = D >= 128 ? 32 : 64;      // queries per iteration
+  static constexpr int DSPLIT = D >= 256 ? 2 : 1;    // warps sharing a 16-key slab (split dK/dV columns)
+  static constexpr int WARPS = (BN / 16) * DSPLIT;
+  static constexpr int THREADS = WARPS * 32;
+  static constexpr int DC = D / DSPLIT;              // dK/dV columns per warp
+  static constexpr int DQ_SLABS = BM / 16;
+  static constexpr int DQ_SPLIT = WARPS / DQ_SLABS;
+  static constexpr int DQC = D / DQ_SPLIT;           // dQ columns per warp
+  static constexpr int PITCH = BM + 8;               // dS^T row pitch (elements), conflict-free
+  static constexpr int OFF_V = BN * D * 2;
+  static constexpr int OFF_Q = 2 * BN * D * 2;
+  static constexpr int OFF_DO = OFF_Q + 2 * BM * D * 2;
+  static constexpr int OFF_L = OFF_DO + 2 * BM * D * 2;  // lse2[2][BM], delta[2][BM]
+  static constexpr int OFF_DS = OFF_L + 4 * BM * 4;
+  static constexpr int SMEM = OFF_DS + BN * PITCH * 2;
+  static_assert(WARPS % DQ_SLABS == 0 && 2 * BM <= THREADS, "bad backward tile config");
+};
+
+// Iteration state of the dkdv kernel: q head (within the kv head's group), query segment, block.
+struct QIter {
+  int hi, si, qb, qb_end;
+  Segment qs;
+};
+
+template <int BM>
+__device__ __forceinline__ bool seek_query_region(const Params& p, const Segment& kseg, int ksi, int si,
+                                                  int pk_first, int pk_last, QIter& it) {
+  for (;; ++si) {
+    Segment s;
+    if (si == ksi) {
+      s = kseg;
+    } else {
+      // Other query regions only for a prompt key: the responses of its group, which follow it.
+      if (kseg.is_response() || si >= p.nseg) return false;
+      s = p.segs[si];
+      if (s.group != kseg.group) return false;
+    }
+    int b0, b1;
+    if (query_blocks<BM>(s, pk_first, pk_last, p.mask, &b0, &b1)) {
+      it.si = si;
+      it.qs = s;
+      it.qb = b0;
+      it.qb_end = b1;
+      return true;
+    }
+  }
+}
+
+template <typename T, int D, bool kCap, bool kFuseDq>
+__global__ void __launch_bounds__(BwdCfg<D>::THREADS, 2) dkdv_kernel_sm80(const __grid_constant__ Params p) {
+  using Cfg = BwdCfg<D>;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, THREADS = Cfg::THREADS, DC = Cfg::DC;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t sK = smem_u32(smem), sV = sK + Cfg::OFF_V;
+  const uint32_t sQ0 = sK + Cfg::OFF_Q, sdO0 = sK + Cfg::OFF_DO, sL0 = sK + Cfg::OFF_L;
+  const float* lse_s = reinterpret_cast<const float*>(smem + Cfg::OFF_L);  // [2][BM]
+  const float* del_s = lse_s + 2 * BM;                                      // [2][BM]
+  T* dS_s = reinterpret_cast<T*>(smem + Cfg::OFF_DS);                       // [BN][PITCH]
+
+  const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  constexpr int kSplit = kTileSize / BN;
+  const int hk = int(blockIdx.x % unsigned(p.Hkv));
+  const int rest = int(blockIdx.x / unsigned(p.Hkv));
+  const int ti = rest / kSplit, sub = rest % kSplit;
+  const Tile tile = p.ktiles[ti];
+  const int k0 = tile.begin + sub * BN;
+  if (k0 >= tile.end) return;
+  const int nk = min(BN, tile.end - k0);
+  const int ksi = tile.segment;
+  const Segment kseg = p.segs[ksi];
+  const int pk_first = kseg.pos0 + (k0 - kseg.start), pk_last = pk_first + nk - 1;
+
+  load_tile<BN, D, THREADS>(sK, static_cast<const T*>(p.k) + int64_t(k0) * p.k_tok + int64_t(hk) * p.k_head,
+                            p.k_tok, nk);
+  load_tile<BN, D, THREADS>(sV, static_cast<const T*>(p.v) + int64_t(k0) * p.v_tok + int64_t(hk) * p.v_head,
+                            p.v_tok, nk);
+
+  auto issue = [&](const QIter& it, int stage) {
+    const int h = hk * p.group + it.hi;
+    const int qs = it.qs.start + it.qb * BM;
+    const int nq = min(BM, it.qs.len - it.qb * BM);
+    load_tile<BM, D, THREADS>(sQ0 + stage * BM * D * 2,
+                              static_cast<const T*>(p.q) + int64_t(qs) * p.q_tok + int64_t(h) * p.q_head,
+                              p.q_tok, nq);
+    load_tile<BM, D, THREADS>(sdO0 + stage * BM * D * 2,
+                              static_cast<const T*>(p.dout) + (int64_t(qs) * p.Hq + h) * D,
+                              int64_t(p.Hq) * D, nq);
+    if (tid < 2 * BM) {
+      const int r = tid % BM;
+      const float* src = (tid < BM ? p.lse2 : p.delta) + int64_t(h) * p.T + qs + (r < nq ? r : 0);
+      cp_async4(sL0 + ((tid < BM ? 0 : 2 * BM) + stage * BM + r) * 4, src, r < nq);
+    }
+  };
+  auto advance = [&](QIter& it) -> bool {
+    if (++it.qb < it.qb_end) return true;
+    if (seek_query_region<BM>(p, kseg, ksi, it.si + 1, pk_first, pk_last, it)) return true;
+    if (++it.hi < p.group) return seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pk_last, it);
+    return false;
+  };
+
+  QIter cur;
+  cur.hi = 0;
+  bool valid = seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pk_last, cur);
+  if (valid) issue(cur, 0);
+  cp_commit();
+
+  const int g = lane >> 2, tq = lane & 3;
+  const int slab = warp / Cfg::DSPLIT, dpart = warp % Cfg::DSPLIT;
+  const int dbase = dpart * DC;
+  const int a_row = slab * 16 + (lane & 15), a_col = (lane >> 4) * 8;
+  const int b_row = (lane & 7) + ((lane >> 4) << 3), b_col = ((lane >> 3) & 1) * 8;
+  const int t_row = (lane & 7) + (((lane >> 3) & 1) << 3), t_col = (lane >> 4) * 8;
+  const int kr0 = slab * 16 + g;  // key rows kr0 and kr0 + 8 (within the block)
+
+  float dk[DC / 8][4], dv[DC / 8][4];
+#pragma unroll
+  for (int i = 0; i < DC / 8; ++i) {
+    dk[i][0] = dk[i][1] = dk[i][2] = dk[i][3] = 0.f;
+    dv[i][0] = dv[i][1] = dv[i][2] = dv[i][3] = 0.f;
+  }
+
+  int stage = 0;
+  while (valid) {
+    QIter nxt = cur;
+    const bool has_next = advance(nxt);
+    if (has_next) {
+      issue(nxt, stage ^ 1);
+      cp_commit();
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    __syncthreads();
+
+    const int h = hk * p.group + cur.hi;
+    const int qs = cur.qs.start + cur.qb * BM;
+    const int nq = min(BM, cur.qs.len - cur.qb * BM);
+    const int pq_first = cur.qs.pos0 + cur.qb * BM;
+    const bool msk = needs_mask(nq, BM, nk, BN, pq_first, pq_first + nq - 1, pk_first, pk_last, p.mask) ||
+                     nk < BN;
+    const uint32_t sQ = sQ0 + stage * BM * D * 2, sdO = sdO0 + stage * BM * D * 2;
+    const float* lse_c = lse_s + stage * BM;
+    const float* del_c = del_s + stage * BM;
+
+    // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x BM queries.
+    float s[BM / 8][4], dp[BM / 8][4];
+#pragma unroll
+    for (int i = 0; i < BM / 8; ++i) {
+      s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+      dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
+    }
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t a[4], av[4];
+      ldsm_x4(a, sK + swz<D>(a_row, kk * 16 + a_col));
+      ldsm_x4(av, sV + swz<D>(a_row, kk * 16 + a_col));
+#pragma unroll
+      for (int n2 = 0; n2 < BM / 16; ++n2) {
+        uint32_t b[4], bo[4];
+        ldsm_x4(b, sQ + swz<D>(n2 * 16 + b_row, kk * 16 + b_col));
+        mma<T>(s[2 * n2], a, b[0], b[1]);
+        mma<T>(s[2 * n2 + 1], a, b[2], b[3]);
+        ldsm_x4(bo, sdO + swz<D>(n2 * 16 + b_row, kk * 16 + b_col));
+        mma<T>(dp[2 * n2], av, bo[0], bo[1]);
+        mma<T>(dp[2 * n2 + 1], av, bo[2], bo[3]);
+      }
+    }
+
+    // P^T and dS^T (in place of s and dp).
+#pragma unroll
+    for (int nt = 0; nt < BM / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qc = nt * 8 + 2 * tq + (e & 1);
+        const int kr = kr0 + (e >> 1) * 8;
+        float x, dcap = 1.f;
+        if constexpr (kCap) {
+          const float t = tanhf(s[nt][e] * p.cap_inv);
+          x = p.cap_log2 * t;
+          dcap = 1.f - t * t;
+        } else {
+          x = s[nt][e] * p.scale_log2;
+        }
+        float pr = fast_exp2(x - lse_c[qc]);
+        if (msk && !(kr < nk && qc < nq && p.mask.allowed(pq_first + qc, pk_first + kr))) pr = 0.f;
+        s[nt][e] = pr;
+        dp[nt][e] = pr * (dp[nt][e] - del_c[qc]) * dcap;
+      }
+    }
+
+    // dV += P^T dO, dK += dS^T Q (this warp's DC columns).
+#pragma unroll
+    for (int kt = 0; kt < BM / 16; ++kt) {
+      const uint32_t ap[4] = {pack2<T>(s[2 * kt][0], s[2 * kt][1]), pack2<T>(s[2 * kt][2], s[2 * kt][3]),
+                              pack2<T>(s[2 * kt + 1][0], s[2 * kt + 1][1]),
+                              pack2<T>(s[2 * kt + 1][2], s[2 * kt + 1][3])};
+      const uint32_t ad[4] = {pack2<T>(dp[2 * kt][0], dp[2 * kt][1]), pack2<T>(dp[2 * kt][2], dp[2 * kt][3]),
+                              pack2<T>(dp[2 * kt + 1][0], dp[2 * kt + 1][1]),
+                              pack2<T>(dp[2 * kt + 1][2], dp[2 * kt + 1][3])};
+      if constexpr (kFuseDq) {
+        if (dpart == 0) {
+          // dS^T rows kr0, kr0 + 8; columns kt*16 + [2tq, 2tq+1] and + 8.
+          *reinterpret_cast<uint32_t*>(dS_s + kr0 * Cfg::PITCH + kt * 16 + 2 * tq) = ad[0];
+          *reinterpret_cast<uint32_t*>(dS_s + (kr0 + 8) * Cfg::PITCH + kt * 16 + 2 * tq) = ad[1];
+          *reinterpret_cast<uint32_t*>(dS_s + kr0 * Cfg::PITCH + kt * 16 + 8 + 2 * tq) = ad[2];
+          *reinterpret_cast<uint32_t*>(dS_s + (kr0 + 8) * Cfg::PITCH + kt * 16 + 8 + 2 * tq) = ad[3];
+        }
+      }
+#pragma unroll
+      for (int n2 = 0; n2 < DC / 16; ++n2) {
+        uint32_t b[4];
+        ldsm_x4_t(b, sdO + swz<D>(kt * 16 + t_row, dbase + n2 * 16 + t_col));
+        mma<T>(dv[2 * n2], ap, b[0], b[1]);
+        mma<T>(dv[2 * n2 + 1], ap, b[2], b[3]);
+        ldsm_x4_t(b, sQ + swz<D>(kt * 16 + t_row, dbase + n2 * 16 + t_col));
+        mma<T>(dk[2 * n2], ad, b[0], b[1]);
+        mma<T>(dk[2 * n2 + 1], ad, b[2], b[3]);
+      }
+    }
+
+    if constexpr (kFuseDq) {
+      __syncthreads();
+      // dQ (BM x D) += dS (BM x BN) K (BN x D): warp -> 16 query rows x DQC columns.
+      constexpr int DQC = Cfg::DQC;
+      const int qslab = warp % Cfg::DQ_SLABS, qbase = (warp / Cfg::DQ_SLABS) * DQC;
+      float acc[DQC / 8][4];
+#pragma unroll
+      for (int i = 0; i < DQC / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+      const uint32_t sdS = smem_u32(dS_s);
+#pragma unroll
+      for (int kt = 0; kt < BN / 16; ++kt) {
+        uint32_t a[4];
+        ldsm_x4_t(a, sdS + ((kt * 16 + (lane & 7) + ((lane >> 4) << 3)) * Cfg::PITCH + qslab * 16 +
+                            (((lane >> 3) & 1) << 3)) * 2);
+#pragma unroll
+        for (int n2 = 0; n2 < DQC / 16; ++n2) {
+          uint32_t b[4];
+          ldsm_x4_t(b, sK + swz<D>(kt * 16 + t_row, qbase + n2 * 16 + t_col));
+          mma<T>(acc[2 * n2], a, b[0], b[1]);
+          mma<T>(acc[2 * n2 + 1], a, b[2], b[3]);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int qr = qslab * 16 + g + 8 * i;
+        if (qr < nq) {
+          float* dst = p.dq_accum + (int64_t(qs + qr) * p.Hq + h) * D + qbase + 2 * tq;
+#pragma unroll
+          for (int nd = 0; nd < DQC / 8; ++nd) {
+            atomicAdd(dst + nd * 8, acc[nd][2 * i]);
+            atomicAdd(dst + nd * 8 + 1, acc[nd][2 * i + 1]);
+          }
+        }
+      }
+    }
+    __syncthreads();
+    cur = nxt;
+    valid = has_next;
+    stage ^= 1;
+  }
+  cp_wait<0>();
+
+  // dK = scale * sum dS^T Q, dV = sum P^T dO; key rows < nk.
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int kr = kr0 + 8 * i;
+    if (kr < nk) {
+      const int64_t off = (int64_t(k0 + kr) * p.Hkv + hk) * D + dbase + 2 * tq;
+      T* dkg = static_cast<T*>(p.dk) + off;
+      T* dvg = static_cast<T*>(p.dv) + off;
+#pragma unroll
+      for (int nd = 0; nd < DC / 8; ++nd) {
+        *reinterpret_cast<uint32_t*>(dkg + nd * 8) =
+            pack2<T>(dk[nd][2 * i] * p.scale, dk[nd][2 * i + 1] * p.scale);
+        *reinterpret_cast<uint32_t*>(dvg + nd * 8) = pack2<T>(dv[nd][2 * i], dv[nd][2 * i + 1]);
+      }
+    }
+  }
+}
+
+// ---- 3'. deterministic dQ over query blocks -------------------------------------------------------
+template <int D>
+struct DqCfg {
+  static constexpr int BM = 64;
+  static constexpr int BN = D >= 256 ? 32 : 64;
+  static constexpr int WARPS = BM / 16;
+  static constexpr int THREADS = WARPS * 32;
+  static constexpr int SMEM = (2 * BM * D + 4 * BN * D) * 2;
+};
+
+template <typename T, int D, bool kCap>
+__global__ void __launch_bounds__(DqCfg<D>::THREADS, 2) dq_kernel_sm80(const __grid_constant__ Params p) {
+  using Cfg = DqCfg<D>;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, THREADS = Cfg::THREADS;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t sQ = smem_u32(smem), sdO = sQ + BM * D * 2;
+  const uint32_t sK0 = sdO + BM * D * 2, sV0 = sK0 + 2 * BN * D * 2;
+
+  const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  constexpr int kSplit = kTileSize / BM;
+  const int h = int(blockIdx.x % unsigned(p.Hq));
+  const int rest = int(blockIdx.x / unsigned(p.Hq));
+  const Tile tile = p.qtiles[rest / kSplit];
+  const int q0 = tile.begin + (rest % kSplit) * BM;
+  if (q0 >= tile.end) return;
+  const int nq = min(BM, tile.end - q0);
+  const Segment seg = p.segs[tile.segment];
+  const int hk = h / p.group;
+  const T* kg = static_cast<const T*>(p.k) + int64_t(hk) * p.k_head;
+  const T* vg = static_cast<const T*>(p.v) + int64_t(hk) * p.v_head;
+
+  load_tile<BM, D, THREADS>(sQ, static_cast<const T*>(p.q) + int64_t(q0) * p.q_tok + int64_t(h) * p.q_head,
+                            p.q_tok, nq);
+  load_tile<BM, D, THREADS>(sdO, static_cast<const T*>(p.dout) + (int64_t(q0) * p.Hq + h) * D,
+                            int64_t(p.Hq) * D, nq);
+
+  Region reg[2];
+  key_regions(seg, reg);
+  const Region r0 = reg[0], r1 = reg[1];
+  const int pq_first = seg.pos0 + (q0 - seg.start), pq_last = pq_first + nq - 1;
+  int b00 = 0, b01 = 0;
+  const int nb0 = key_blocks<BN>(r0, pq_first, pq_last, p.mask, &b00);
+  const int nb1 = key_blocks<BN>(r1, pq_first, pq_last, p.mask, &b01);
+  const int total = nb0 + nb1;
+  auto block_of = [&](int j, Region& R, int& kb) {
+    const bool first = j < nb0;
+    R = first ? r0 : r1;
+    kb = (first ? b00 + j : b01 + j - nb0) * BN;
+  };
+  auto load_kv = [&](int j, int stage) {
+    Region R;
+    int kb;
+    block_of(j, R, kb);
+    const int nk = min(BN, R.len - kb);
+    const int64_t ks = int64_t(R.start) + kb;
+    load_tile<BN, D, THREADS>(sK0 + stage * BN * D * 2, kg + ks * p.k_tok, p.k_tok, nk);
+    load_tile<BN, D, THREADS>(sV0 + stage * BN * D * 2, vg + ks * p.v_tok, p.v_tok, nk);
+  };
+  if (total > 0) load_kv(0, 0);
+  cp_commit();
+
+  const int g = lane >> 2, tq = lane & 3;
+  const int row0 = warp * 16 + g;
+  float lse2[2], del[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = row0 + 8 * i;
+    lse2[i] = r < nq ? p.lse2[int64_t(h) * p.T + q0 + r] : INFINITY;
+    del[i] = r < nq ? p.delta[int64_t(h) * p.T + q0 + r] : 0.f;
+  }
+  const int a_row = warp * 16 + (lane & 15), a_col = (lane >> 4) * 8;
+  const int b_row = (lane & 7) + ((lane >> 4) << 3), b_col = ((lane >> 3) & 1) * 8;
+  const int t_row = (lane & 7) + (((lane >> 3) & 1) << 3), t_col = (lane >> 4) * 8;
+
+  float acc[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+
+  for (int j = 0; j < total; ++j) {
+    const int st = j & 1;
+    if (j + 1 < total) {
+      load_kv(j + 1, st ^ 1);
+      cp_commit();
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    __syncthreads();
+    const uint32_t sK = sK0 + st * BN * D * 2, sV = sV0 + st * BN * D * 2;
+
+    float s[BN / 8][4], dp[BN / 8][4];
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i) {
+      s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+      dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
+    }
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t a[4], ao[4];
+      ldsm_x4(a, sQ + swz<D>(a_row, kk * 16 + a_col));
+      ldsm_x4(ao, sdO + swz<D>(a_row, kk * 16 + a_col));
+#pragma unroll
+      for (int n2 = 0; n2 < BN / 16; ++n2) {
+        uint32_t b[4];
+        ldsm_x4(b, sK + swz<D>(n2 * 16 + b_row, kk * 16 + b_col));
+        mma<T>(s[2 * n2], a, b[0], b[1]);
+        mma<T>(s[2 * n2 + 1], a, b[2], b[3]);
+        ldsm_x4(b, sV + swz<D>(n2 * 16 + b_row, kk * 16 + b_col));
+        mma<T>(dp[2 * n2], ao, b[0], b[1]);
+        mma<T>(dp[2 * n2 + 1], ao, b[2], b[3]);
+      }
+    }
+
+    Region R;
+    int kb;
+    block_of(j, R, kb);
+    const int nk = min(BN, R.len - kb);
+    const int pk_first = R.pos0 + kb;
+    const bool msk = needs_mask(nq, BM, nk, BN, pq_first, pq_last, pk_first, pk_first + BN - 1, p.mask);
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = e >> 1;
+        float x, dcap = 1.f;
+        if constexpr (kCap) {
+          const float t = tanhf(s[nt][e] * p.cap_inv);
+          x = p.cap_log2 * t;
+          dcap = 1.f - t * t;
+        } else {
+          x = s[nt][e] * p.scale_log2;
+        }
+        float pr = fast_exp2(x - lse2[i]);
+        if (msk) {
+          const int kr = kb + nt * 8 + 2 * tq + (e & 1);
+          if (!(kr < R.len && p.mask.allowed(pq_first + row0 + 8 * i, R.pos0 + kr))) pr = 0.f;
+        }
+        dp[nt][e] = pr * (dp[nt][e] - del[i]) * dcap;
+      }
+    }
+
+    // dQ += dS K.
+#pragma unroll
+    for (int kt = 0; kt < BN / 16; ++kt) {
+      const uint32_t a[4] = {pack2<T>(dp[2 * kt][0], dp[2 * kt][1]), pack2<T>(dp[2 * kt][2], dp[2 * kt][3]),
+                             pack2<T>(dp[2 * kt + 1][0], dp[2 * kt + 1][1]),
+                             pack2<T>(dp[2 * kt + 1][2], dp[2 * kt + 1][3])};
+#pragma unroll
+      for (int n2 = 0; n2 < D / 16; ++n2) {
+        uint32_t b[4];
+        ldsm_x4_t(b, sK + swz<D>(kt * 16 + t_row, n2 * 16 + t_col));
+        mma<T>(acc[2 * n2], a, b[0], b[1]);
+        mma<T>(acc[2 * n2 + 1], a, b[2], b[3]);
+      }
+    }
+    __syncthreads();
+  }
+  cp_wait<0>();
+
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int row = row0 + 8 * i;
+    if (row < nq) {
+      T* dst = static_cast<T*>(p.dq) + (int64_t(q0 + row) * p.Hq + h) * D + 2 * tq;
+#pragma unroll
+      for (int nd = 0; nd < D / 8; ++nd) {
+        *reinterpret_cast<uint32_t*>(dst + nd * 8) = pack2<T>(acc[nd][2 * i] * p.scale, acc[nd][2 * i + 1] * p.scale);
+      }
+    }
+  }
+}
+
+template <typename T, int D>
+void launch_backward_sm80(const Params& p, bool deterministic, cudaStream_t stream) {
+  const int64_t rows = int64_t(p.T) * p.Hq;
+  if (rows == 0) return;
+  {
+    const int64_t threads = rows * (D / 8);
+    bwd_pre_kernel<T, D><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(p, !deterministic);
+    check_launch("dualkv backward preprocess");
+  }
+  using BC = BwdCfg<D>;
+  const int64_t grid_kv = int64_t(p.nkt) * (kTileSize / BC::BN) * p.Hkv;
+  if (grid_kv > 0) {
+    const bool cap = p.softcap > 0.f;
+    auto kernel = deterministic ? (cap ? dkdv_kernel_sm80<T, D, true, false> : dkdv_kernel_sm80<T, D, false, false>)
+                                : (cap ? dkdv_kernel_sm80<T, D, true, true> : dkdv_kernel_sm80<T, D, false, true>);
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, BC::SMEM);
+    kernel<<<unsigned(grid_kv), BC::THREADS, BC::SMEM, stream>>>(p);
+    check_launch("dualkv backward dk/dv (sm80)");
+  }
+  if (deterministic) {
+    using QC = DqCfg<D>;
+    const int64_t grid_q = int64_t(p.nqt) * (kTileSize / QC::BM) * p.Hq;
+    if (grid_q > 0) {
+      auto kernel = p.softcap > 0.f ? dq_kernel_sm80<T, D, true> : dq_kernel_sm80<T, D, false>;
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, QC::SMEM);
+      kernel<<<unsigned(grid_q), QC::THREADS, QC::SMEM, stream>>>(p);
+      check_launch("dualkv backward dq (sm80)");
+    }
+  } else {
+    const int64_t n8 = rows * D / 8;
+    dq_convert_kernel<T><<<unsigned((n8 + 255) / 256), 256, 0, stream>>>(p.dq_accum, static_cast<T*>(p.dq), n8,
+                                                                         p.scale);
+    check_launch("dualkv backward dq convert");
+  }
+}
+
+}  // namespace dualkv::cuda::detail

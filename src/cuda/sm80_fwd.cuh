@@ -1,0 +1,241 @@
+// sm_80 forward (mma.sync m16n8k16, ldmatrix, cp.async; FlashAttention-2 style). Runs on sm_80+.
+//
+// One CTA per (query tile, q head): 128 query rows; each warp owns MT 16-row m-tiles (MT = 2 for D <= 128). A response tile walks the
+// prompt's key blocks (region A) then its own response's key blocks (region B) with one online
+// softmax; a prompt tile walks its prompt causally. Only blocks on the causal diagonal, the window
+// edge or a region end are masked element-wise (with MaskRule). K/V blocks are double-buffered.
+#pragma once
+
+#include "launch.h"
+
+namespace dualkv::cuda::detail {
+
+template <int D>
+struct FwdCfg {
+  static constexpr int BM = kTileSize;  // 128: one CTA per query tile
+  static constexpr int MT = D >= 256 ? 1 : 2;  // 16-row m-tiles per warp (reuse of each K/V fragment)
+  static constexpr int BN = D >= 128 ? 32 : 64;  // D = 128 with 64 spills
+  static constexpr int WARPS = BM / (16 * MT);
+  static constexpr int THREADS = WARPS * 32;
+  static constexpr int SMEM = (BM * D + 4 * BN * D) * 2;
+  static constexpr int MIN_BLOCKS = D >= 256 ? 1 : 2;
+};
+
+template <typename T, int D, bool kCap>
+__global__ void __launch_bounds__(FwdCfg<D>::THREADS, FwdCfg<D>::MIN_BLOCKS)
+    fwd_kernel_sm80(const __grid_constant__ Params p) {
+  using Cfg = FwdCfg<D>;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, THREADS = Cfg::THREADS;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t sQ = smem_u32(smem);
+  const uint32_t sK0 = sQ + BM * D * 2;
+  const uint32_t sV0 = sK0 + 2 * BN * D * 2;
+
+  const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int h = int(blockIdx.x % unsigned(p.Hq));
+  const int ti = int(blockIdx.x / unsigned(p.Hq));
+  const Tile tile = p.qtiles[ti];
+  const Segment seg = p.segs[tile.segment];
+  const int q0 = tile.begin, nq = tile.end - tile.begin;
+  const int hk = h / p.group;
+  const T* qg = static_cast<const T*>(p.q) + int64_t(q0) * p.q_tok + int64_t(h) * p.q_head;
+  const T* kg = static_cast<const T*>(p.k) + int64_t(hk) * p.k_head;
+  const T* vg = static_cast<const T*>(p.v) + int64_t(hk) * p.v_head;
+
+  load_tile<BM, D, THREADS>(sQ, qg, p.q_tok, nq);
+
+  Region reg[2];
+  key_regions(seg, reg);
+  const Region r0 = reg[0], r1 = reg[1];
+  const int pq_first = seg.pos0 + (q0 - seg.start), pq_last = pq_first + nq - 1;
+  int b00 = 0, b01 = 0;
+  const int nb0 = key_blocks<BN>(r0, pq_first, pq_last, p.mask, &b00);
+  const int nb1 = key_blocks<BN>(r1, pq_first, pq_last, p.mask, &b01);
+  const int total = nb0 + nb1;
+
+  // Key block j: region and first key (relative to the region).
+  auto block_of = [&](int j, Region& R, int& kb) {
+    const bool first = j < nb0;
+    R = first ? r0 : r1;
+    kb = (first ? b00 + j : b01 + j - nb0) * BN;
+  };
+  auto load_kv = [&](int j, int stage) {
+    Region R;
+    int kb;
+    block_of(j, R, kb);
+    const int nk = min(BN, R.len - kb);
+    const int64_t ks = int64_t(R.start) + kb;
+    load_tile<BN, D, THREADS>(sK0 + stage * BN * D * 2, kg + ks * p.k_tok, p.k_tok, nk);
+    load_tile<BN, D, THREADS>(sV0 + stage * BN * D * 2, vg + ks * p.v_tok, p.v_tok, nk);
+  };
+
+  if (total > 0) load_kv(0, 0);
+  cp_commit();
+
+  constexpr int MT = Cfg::MT;
+  float o[MT][D / 8][4];
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) o[m][i][0] = o[m][i][1] = o[m][i][2] = o[m][i][3] = 0.f;
+  float m_run[MT][2], l_run[MT][2];
+#pragma unroll
+  for (int m = 0; m < MT; ++m) m_run[m][0] = m_run[m][1] = -INFINITY, l_run[m][0] = l_run[m][1] = 0.f;
+
+  const int g = lane >> 2, tq = lane & 3;
+  const int wrow = warp * 16 * MT;  // m-tile m covers rows wrow + 16 m + [0, 16)
+  const int a_row = wrow + (lane & 15), a_col = (lane >> 4) * 8;
+  const int b_row = (lane & 7) + ((lane >> 4) << 3), b_col = ((lane >> 3) & 1) * 8;
+  const int t_row = (lane & 7) + (((lane >> 3) & 1) << 3), t_col = (lane >> 4) * 8;
+
+  for (int j = 0; j < total; ++j) {
+    const int st = j & 1;
+    if (j + 1 < total) {
+      load_kv(j + 1, st ^ 1);
+      cp_commit();
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    __syncthreads();
+    const uint32_t sK = sK0 + st * BN * D * 2, sV = sV0 + st * BN * D * 2;
+
+    float s[MT][BN / 8][4];
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i) s[m][i][0] = s[m][i][1] = s[m][i][2] = s[m][i][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int m = 0; m < MT; ++m) ldsm_x4(a[m], sQ + swz<D>(a_row + 16 * m, kk * 16 + a_col));
+#pragma unroll
+      for (int n2 = 0; n2 < BN / 16; ++n2) {
+        uint32_t b[4];
+        ldsm_x4(b, sK + swz<D>(n2 * 16 + b_row, kk * 16 + b_col));
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          mma<T>(s[m][2 * n2], a[m], b[0], b[1]);
+          mma<T>(s[m][2 * n2 + 1], a[m], b[2], b[3]);
+        }
+      }
+    }
+
+    Region R;
+    int kb;
+    block_of(j, R, kb);
+    const int nk = min(BN, R.len - kb);
+    const int pk_first = R.pos0 + kb;
+    const bool msk =
+        needs_mask(nq, BM, nk, BN, pq_first, pq_last, pk_first, pk_first + BN - 1, p.mask);
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x;
+          if constexpr (kCap) {
+            x = p.cap_log2 * tanhf(s[m][nt][e] * p.cap_inv);
+          } else {
+            x = s[m][nt][e] * p.scale_log2;
+          }
+          if (msk) {
+            const int pq = pq_first + wrow + 16 * m + g + (e >> 1) * 8;
+            const int kr = kb + nt * 8 + 2 * tq + (e & 1);
+            if (!(kr < R.len && p.mask.allowed(pq, R.pos0 + kr))) x = -INFINITY;
+          }
+          s[m][nt][e] = x;
+        }
+      }
+    }
+
+    // Online softmax (per m-tile: rows g and g + 8).
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float mx = m_run[m][i];
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[m][nt][2 * i], s[m][nt][2 * i + 1]));
+        mx = quad_max(mx);
+        const float mu = mx == -INFINITY ? 0.f : mx;
+        const float corr = fast_exp2(m_run[m][i] - mu);
+        m_run[m][i] = mx;
+        l_run[m][i] *= corr;
+#pragma unroll
+        for (int nd = 0; nd < D / 8; ++nd) {
+          o[m][nd][2 * i] *= corr;
+          o[m][nd][2 * i + 1] *= corr;
+        }
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) {
+          s[m][nt][2 * i] = fast_exp2(s[m][nt][2 * i] - mu);
+          s[m][nt][2 * i + 1] = fast_exp2(s[m][nt][2 * i + 1] - mu);
+          l_run[m][i] += s[m][nt][2 * i] + s[m][nt][2 * i + 1];
+        }
+      }
+    }
+
+    // O += P V.
+#pragma unroll
+    for (int kt = 0; kt < BN / 16; ++kt) {
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        a[m][0] = pack2<T>(s[m][2 * kt][0], s[m][2 * kt][1]);
+        a[m][1] = pack2<T>(s[m][2 * kt][2], s[m][2 * kt][3]);
+        a[m][2] = pack2<T>(s[m][2 * kt + 1][0], s[m][2 * kt + 1][1]);
+        a[m][3] = pack2<T>(s[m][2 * kt + 1][2], s[m][2 * kt + 1][3]);
+      }
+#pragma unroll
+      for (int n2 = 0; n2 < D / 16; ++n2) {
+        uint32_t b[4];
+        ldsm_x4_t(b, sV + swz<D>(kt * 16 + t_row, n2 * 16 + t_col));
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          mma<T>(o[m][2 * n2], a[m], b[0], b[1]);
+          mma<T>(o[m][2 * n2 + 1], a[m], b[2], b[3]);
+        }
+      }
+    }
+    __syncthreads();
+  }
+  cp_wait<0>();
+
+  // Epilogue: O / l and lse, rows < nq.
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float l = quad_sum(l_run[m][i]);
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const int row = wrow + 16 * m + g + 8 * i;
+      if (row < nq) {
+        T* og = static_cast<T*>(p.out) + (int64_t(q0 + row) * p.Hq + h) * D;
+#pragma unroll
+        for (int nd = 0; nd < D / 8; ++nd) {
+          *reinterpret_cast<uint32_t*>(og + nd * 8 + 2 * tq) =
+              pack2<T>(o[m][nd][2 * i] * inv, o[m][nd][2 * i + 1] * inv);
+        }
+        if (tq == 0) {
+          p.lse[int64_t(h) * p.T + q0 + row] = l > 0.f ? (m_run[m][i] + log2f(l)) * kLn2 : -INFINITY;
+        }
+      }
+    }
+  }
+}
+
+template <typename T, int D>
+void launch_forward_sm80(const Params& p, cudaStream_t stream) {
+  using Cfg = FwdCfg<D>;
+  const int64_t grid = int64_t(p.nqt) * p.Hq;
+  if (grid == 0) return;
+  auto kernel = p.softcap > 0.f ? fwd_kernel_sm80<T, D, true> : fwd_kernel_sm80<T, D, false>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM);
+  kernel<<<unsigned(grid), Cfg::THREADS, Cfg::SMEM, stream>>>(p);
+  check_launch("dualkv forward (sm80)");
+}
+
+}  // namespace dualkv::cuda::detail

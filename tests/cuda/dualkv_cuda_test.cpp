@@ -1,0 +1,685 @@
+// Standalone test and benchmark of the CUDA library (no torch).
+//
+//   dualkv_cuda_test [--seed S] [--quick] [--small] [--no-check] [--race N] [--bench] [--bench-reps N]
+//   (--small: the quick matrix and 3 race repeats, for compute-sanitizer)
+//
+// Correctness: random layouts over a case matrix; every output is compared with the CPU backend
+// run in float64 on the same (rounded) inputs (the reference) and the GPU's max error must be at
+// most 2x (forward) / 3x (gradients) the max error of the CPU backend run on the same 16-bit inputs,
+// plus a tiny slack (1/16 of the dtype's epsilon times the reference's max magnitude). Outputs
+// are poisoned with NaN before every run; NaN never passes. Deterministic mode must be bitwise
+// reproducible; the race test repeats a run many times and requires bitwise-equal results.
+// Bench: CUDA events, warm-up, median of repeats, useful TFLOP/s (Layout::forward_flops).
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cpu/convert.h"
+#include "dualkv/cpu.h"
+#include "dualkv/cuda.h"
+#include "dualkv/error.h"
+#include "dualkv/layout.h"
+
+using namespace dualkv;
+
+#define CK(x)                                                                                   \
+  do {                                                                                          \
+    cudaError_t e_ = (x);                                                                       \
+    if (e_ != cudaSuccess) {                                                                    \
+      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, \
+                   __LINE__, #x);                                                               \
+      std::exit(2);                                                                             \
+    }                                                                                           \
+  } while (0)
+
+namespace {
+
+struct DevBuf {
+  void* p = nullptr;
+  size_t bytes = 0;
+  DevBuf() = default;
+  explicit DevBuf(size_t n) : bytes(n) { CK(cudaMalloc(&p, std::max<size_t>(n, 256))); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  DevBuf(DevBuf&& o) noexcept : p(o.p), bytes(o.bytes) { o.p = nullptr; }
+  DevBuf& operator=(DevBuf&& o) noexcept {
+    std::swap(p, o.p);
+    std::swap(bytes, o.bytes);
+    return *this;
+  }
+  ~DevBuf() {
+    if (p) cudaFree(p);
+  }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(p);
+  }
+};
+
+template <class T>
+DevBuf upload(const std::vector<T>& v) {
+  DevBuf b(v.size() * sizeof(T));
+  if (!v.empty()) CK(cudaMemcpy(b.p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return b;
+}
+template <class T>
+std::vector<T> download(const DevBuf& b, size_t n) {
+  std::vector<T> v(n);
+  if (n) CK(cudaMemcpy(v.data(), b.p, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return v;
+}
+
+float to_f(uint16_t b, DType t) {
+  return t == DType::kBFloat16 ? cpu::bf16_bits_to_float(b) : cpu::half_bits_to_float(b);
+}
+uint16_t from_f(float f, DType t) {
+  return t == DType::kBFloat16 ? cpu::float_to_bf16_bits(f) : cpu::float_to_half_bits(f);
+}
+double dtype_eps(DType t) { return t == DType::kBFloat16 ? 0x1p-8 : 0x1p-11; }
+
+struct Case {
+  std::string name;
+  std::vector<int64_t> P;
+  std::vector<std::vector<int64_t>> R;
+  int Hq = 4, Hkv = 2, D = 128;
+  DType dt = DType::kBFloat16;
+  int32_t window = kNoWindow;
+  float softcap = 0.f;
+  bool dlse = false;
+  float mag = 1.f;  // input magnitude (large-magnitude cases)
+};
+
+// The layout's tables on the host and the device.
+struct Tables {
+  std::vector<Segment> seg;
+  std::vector<Tile> qt, kt;
+  DevBuf dseg, dqt, dkt;
+  LayoutView host_view(int T) const {
+    return {seg.data(), qt.data(), kt.data(), int32_t(seg.size()), int32_t(qt.size()), int32_t(kt.size()), T};
+  }
+  LayoutView dev_view(int T) const {
+    return {dseg.as<Segment>(), dqt.as<Tile>(), dkt.as<Tile>(), int32_t(seg.size()), int32_t(qt.size()),
+            int32_t(kt.size()), T};
+  }
+};
+Tables make_tables(const Layout& L) {
+  Tables t;
+  t.seg = L.segments();
+  t.qt = L.query_tiles();
+  t.kt = L.key_tiles();
+  t.dseg = upload(t.seg);
+  t.dqt = upload(t.qt);
+  t.dkt = upload(t.kt);
+  return t;
+}
+
+struct Err {
+  double max_err = 0, max_ref = 0;
+  bool nan = false;
+};
+template <class Get>
+Err max_error(size_t n, const std::vector<double>& ref, Get get) {
+  Err e;
+  for (size_t i = 0; i < n; ++i) {
+    const double x = get(i);
+    if (!std::isfinite(x)) e.nan = true;
+    e.max_err = std::max(e.max_err, std::abs(x - ref[i]));
+    e.max_ref = std::max(e.max_ref, std::abs(ref[i]));
+  }
+  if (e.nan) e.max_err = INFINITY;
+  return e;
+}
+
+int g_failures = 0;
+int g_checks = 0;
+
+bool judge(const std::string& what, const Err& gpu, const Err& cpu, double factor, double slack) {
+  ++g_checks;
+  const double bound = factor * cpu.max_err + slack;
+  const bool ok = !gpu.nan && gpu.max_err <= bound;
+  const double ratio = cpu.max_err > 0 ? gpu.max_err / cpu.max_err : (gpu.max_err > 0 ? INFINITY : 0);
+  std::printf("    %-5s gpu_err %.3e cpu_err %.3e ratio %5.2f bound %.3e max|ref| %.3e %s\n", what.c_str(),
+              gpu.max_err, cpu.max_err, ratio, bound, gpu.max_ref, ok ? "ok" : "FAIL");
+  if (!ok) ++g_failures;
+  return ok;
+}
+void expect(bool cond, const std::string& what) {
+  ++g_checks;
+  if (!cond) {
+    ++g_failures;
+    std::printf("    FAIL: %s\n", what.c_str());
+  }
+}
+
+// Host-side inputs of one case (16-bit bits, strided like a real model's q and fused kv).
+struct Inputs {
+  int T, Hq, Hkv, D;
+  int64_t q_tok, kv_tok;  // q: [T][Hq][D] + pad; kv: [T][2][Hkv][D]
+  std::vector<uint16_t> q, kv, dout;
+  std::vector<float> dlse;
+};
+
+Inputs make_inputs(const Case& c, int T, std::mt19937_64& rng) {
+  Inputs in;
+  in.T = T, in.Hq = c.Hq, in.Hkv = c.Hkv, in.D = c.D;
+  in.q_tok = int64_t(c.Hq) * c.D + 8;
+  in.kv_tok = int64_t(2) * c.Hkv * c.D;
+  std::normal_distribution<float> nd(0.f, 1.f);
+  in.q.resize(size_t(T) * in.q_tok);
+  in.kv.resize(size_t(T) * in.kv_tok);
+  in.dout.resize(size_t(T) * c.Hq * c.D);
+  for (auto& x : in.q) x = from_f(c.mag * nd(rng), c.dt);
+  for (auto& x : in.kv) x = from_f(c.mag * nd(rng), c.dt);
+  for (auto& x : in.dout) x = from_f(nd(rng), c.dt);
+  if (c.dlse) {
+    in.dlse.resize(size_t(T) * c.Hq);
+    for (auto& x : in.dlse) x = nd(rng);
+  }
+  return in;
+}
+
+ScoreParams score_of(const Case& c) {
+  ScoreParams s;
+  s.softmax_scale = float(1.0 / std::sqrt(double(c.D)));
+  s.softcap = c.softcap;
+  s.mask.window = c.window;
+  return s;
+}
+
+// ---- CPU runs -------------------------------------------------------------------------------------
+struct CpuOut {
+  std::vector<double> out, lse, dq, dk, dv;  // as doubles, contiguous
+};
+
+CpuOut run_cpu(const Case& c, const Inputs& in, const Tables& tb, bool fp64) {
+  const int T = in.T;
+  const size_t nq = size_t(T) * c.Hq * c.D, nk = size_t(T) * c.Hkv * c.D, nl = size_t(T) * c.Hq;
+  Shape shape{T, c.Hq, c.Hkv, c.D};
+  CpuOut r;
+  ForwardArgs f;
+  f.shape = shape;
+  f.score = score_of(c);
+  f.layout = tb.host_view(T);
+  f.q_stride = {in.q_tok, c.D};
+  f.k_stride = {in.kv_tok, c.D};
+  f.v_stride = {in.kv_tok, c.D};
+  BackwardArgs b;
+  b.shape = shape;
+  b.score = f.score;
+  b.layout = f.layout;
+  b.q_stride = f.q_stride, b.k_stride = f.k_stride, b.v_stride = f.v_stride;
+  if (fp64) {
+    std::vector<double> q(in.q.size()), kv(in.kv.size()), dout(in.dout.size());
+    for (size_t i = 0; i < q.size(); ++i) q[i] = to_f(in.q[i], c.dt);
+    for (size_t i = 0; i < kv.size(); ++i) kv[i] = to_f(in.kv[i], c.dt);
+    for (size_t i = 0; i < dout.size(); ++i) dout[i] = to_f(in.dout[i], c.dt);
+    std::vector<double> dlse(in.dlse.begin(), in.dlse.end());
+    r.out.resize(nq), r.lse.resize(nl), r.dq.resize(nq), r.dk.resize(nk), r.dv.resize(nk);
+    f.dtype = b.dtype = DType::kFloat64;
+    f.q = q.data(), f.k = kv.data(), f.v = kv.data() + size_t(c.Hkv) * c.D;
+    f.out = r.out.data();
+    f.lse64 = r.lse.data();
+    cpu::attention_forward(f);
+    b.q = f.q, b.k = f.k, b.v = f.v;
+    b.out = r.out.data();
+    b.dout = dout.data();
+    b.lse64 = r.lse.data();
+    b.dlse64 = c.dlse ? dlse.data() : nullptr;
+    b.dq = r.dq.data(), b.dk = r.dk.data(), b.dv = r.dv.data();
+    cpu::attention_backward(b);
+  } else {
+    std::vector<uint16_t> out(nq), dq(nq), dk(nk), dv(nk);
+    std::vector<float> lse(nl);
+    f.dtype = b.dtype = c.dt;
+    f.q = in.q.data(), f.k = in.kv.data(), f.v = in.kv.data() + size_t(c.Hkv) * c.D;
+    f.out = out.data();
+    f.lse = lse.data();
+    cpu::attention_forward(f);
+    b.q = f.q, b.k = f.k, b.v = f.v;
+    b.out = out.data();
+    b.dout = in.dout.data();
+    b.lse = lse.data();
+    b.dlse = c.dlse ? in.dlse.data() : nullptr;
+    b.dq = dq.data(), b.dk = dk.data(), b.dv = dv.data();
+    cpu::attention_backward(b);
+    auto cvt = [&](const std::vector<uint16_t>& v) {
+      std::vector<double> d(v.size());
+      for (size_t i = 0; i < v.size(); ++i) d[i] = to_f(v[i], c.dt);
+      return d;
+    };
+    r.out = cvt(out), r.dq = cvt(dq), r.dk = cvt(dk), r.dv = cvt(dv);
+    r.lse.assign(lse.begin(), lse.end());
+  }
+  return r;
+}
+
+// ---- GPU runs -------------------------------------------------------------------------------------
+struct GpuCase {
+  const Case& c;
+  const Inputs& in;
+  const Tables& tb;
+  int T;
+  size_t nq, nk, nl;
+  DevBuf q, kv, dout, dlse, out, lse, dq, dk, dv, ws;
+  GpuCase(const Case& c_, const Inputs& in_, const Tables& tb_)
+      : c(c_), in(in_), tb(tb_), T(in_.T) {
+    nq = size_t(T) * c.Hq * c.D, nk = size_t(T) * c.Hkv * c.D, nl = size_t(T) * c.Hq;
+    q = upload(in.q), kv = upload(in.kv), dout = upload(in.dout);
+    if (c.dlse) dlse = upload(in.dlse);
+    out = DevBuf(nq * 2), lse = DevBuf(nl * 4), dq = DevBuf(nq * 2), dk = DevBuf(nk * 2), dv = DevBuf(nk * 2);
+    ws = DevBuf(cuda::backward_workspace_bytes(Shape{T, c.Hq, c.Hkv, c.D}));
+  }
+  ForwardArgs fargs() const {
+    ForwardArgs f;
+    f.dtype = c.dt;
+    f.shape = {T, c.Hq, c.Hkv, c.D};
+    f.score = score_of(c);
+    f.layout = tb.dev_view(T);
+    f.q = q.p, f.k = kv.p, f.v = kv.as<uint16_t>() + size_t(c.Hkv) * c.D;
+    f.q_stride = {in.q_tok, c.D};
+    f.k_stride = {in.kv_tok, c.D};
+    f.v_stride = {in.kv_tok, c.D};
+    f.out = out.p;
+    f.lse = lse.as<float>();
+    return f;
+  }
+  BackwardArgs bargs(bool det) const {
+    const ForwardArgs f = fargs();
+    BackwardArgs b;
+    b.dtype = f.dtype, b.shape = f.shape, b.score = f.score, b.layout = f.layout;
+    b.q = f.q, b.k = f.k, b.v = f.v;
+    b.q_stride = f.q_stride, b.k_stride = f.k_stride, b.v_stride = f.v_stride;
+    b.out = out.p, b.dout = dout.p, b.lse = lse.as<float>();
+    b.dlse = c.dlse ? dlse.as<float>() : nullptr;
+    b.dq = dq.p, b.dk = dk.p, b.dv = dv.p;
+    b.deterministic = det;
+    return b;
+  }
+  void forward(bool poison) {
+    if (poison) {
+      CK(cudaMemset(out.p, 0xFF, nq * 2));
+      CK(cudaMemset(lse.p, 0xFF, nl * 4));
+    }
+    cuda::attention_forward(fargs(), nullptr);
+    CK(cudaGetLastError());
+    CK(cudaDeviceSynchronize());
+  }
+  void backward(bool det, bool poison) {
+    if (poison) {
+      CK(cudaMemset(dq.p, 0xFF, nq * 2));
+      CK(cudaMemset(dk.p, 0xFF, nk * 2));
+      CK(cudaMemset(dv.p, 0xFF, nk * 2));
+      CK(cudaMemset(ws.p, 0xFF, ws.bytes));
+    }
+    cuda::attention_backward(bargs(det), ws.p, nullptr);
+    CK(cudaGetLastError());
+    CK(cudaDeviceSynchronize());
+  }
+};
+
+std::string describe(const Case& c, int T) {
+  std::string s = c.name + " [T=" + std::to_string(T) + " Hq=" + std::to_string(c.Hq) + " Hkv=" +
+                  std::to_string(c.Hkv) + " D=" + std::to_string(c.D) + " " + dtype_name(c.dt);
+  if (c.window != kNoWindow) s += " w=" + std::to_string(c.window);
+  if (c.softcap > 0) s += " cap=" + std::to_string(int(c.softcap));
+  if (c.dlse) s += " dlse";
+  if (c.mag != 1.f) s += " mag=" + std::to_string(int(c.mag));
+  s += " groups:";
+  for (size_t g = 0; g < c.P.size(); ++g) {
+    s += " (P" + std::to_string(c.P[g]) + " R";
+    for (size_t i = 0; i < c.R[g].size(); ++i) s += (i ? "," : "") + std::to_string(c.R[g][i]);
+    s += ")";
+  }
+  return s + "]";
+}
+
+void run_case(const Case& c, std::mt19937_64& rng) {
+  const Layout L(c.P, c.R);
+  const int T = L.total_tokens();
+  std::printf("%s\n", describe(c, T).c_str());
+  if (!cuda::supports(c.dt, c.D)) {
+    std::printf("    skipped: not built for this head dim\n");
+    return;
+  }
+  const Tables tb = make_tables(L);
+  const Inputs in = make_inputs(c, T, rng);
+  const CpuOut ref = run_cpu(c, in, tb, true);
+  const CpuOut lp = run_cpu(c, in, tb, false);
+  GpuCase g(c, in, tb);
+  g.forward(true);
+  const auto out = download<uint16_t>(g.out, g.nq);
+  const auto lse = download<float>(g.lse, g.nl);
+  const double eps = dtype_eps(c.dt);
+  auto err16 = [&](const std::vector<uint16_t>& v, const std::vector<double>& r) {
+    return max_error(v.size(), r, [&](size_t i) { return double(to_f(v[i], c.dt)); });
+  };
+  auto errd = [&](const std::vector<double>& v, const std::vector<double>& r) {
+    return max_error(v.size(), r, [&](size_t i) { return v[i]; });
+  };
+  {
+    const Err ge = err16(out, ref.out), ce = errd(lp.out, ref.out);
+    judge("out", ge, ce, 2.0, eps / 16 * ge.max_ref);
+    const Err gl = max_error(lse.size(), ref.lse, [&](size_t i) { return double(lse[i]); });
+    const Err cl = errd(lp.lse, ref.lse);
+    // lse is fp32 in both; the GPU's exp2 is approximate (2^-22 relative): slack 1e-5 * (1 + max|lse|).
+    judge("lse", gl, cl, 2.0, 1e-5 * (1 + gl.max_ref));
+  }
+  std::vector<uint16_t> dq0, dk0, dv0;
+  for (int det = 0; det < 2; ++det) {
+    g.backward(det, true);
+    const auto dq = download<uint16_t>(g.dq, g.nq);
+    const auto dk = download<uint16_t>(g.dk, g.nk);
+    const auto dv = download<uint16_t>(g.dv, g.nk);
+    std::printf("   backward (%s)\n", det ? "deterministic" : "default");
+    const Err a = err16(dq, ref.dq), b = err16(dk, ref.dk), d = err16(dv, ref.dv);
+    judge("dq", a, errd(lp.dq, ref.dq), 3.0, eps / 16 * a.max_ref);
+    judge("dk", b, errd(lp.dk, ref.dk), 3.0, eps / 16 * b.max_ref);
+    judge("dv", d, errd(lp.dv, ref.dv), 3.0, eps / 16 * d.max_ref);
+    if (det) {
+      // Bitwise reproducible, and dk/dv identical to the default mode (same kernel order).
+      g.backward(true, true);
+      expect(download<uint16_t>(g.dq, g.nq) == dq, "deterministic dq differs between two runs");
+      expect(download<uint16_t>(g.dk, g.nk) == dk && download<uint16_t>(g.dv, g.nk) == dv,
+             "deterministic dk/dv differ between two runs");
+      if (!(dk == dk0 && dv == dv0)) std::printf("    note: dk/dv of the default and deterministic modes differ bitwise\n");
+    } else {
+      dq0 = dq, dk0 = dk, dv0 = dv;
+    }
+  }
+}
+
+// Repeats the whole forward + backward `reps` times: out, lse, dk, dv (and dq in deterministic
+// mode) must be bitwise equal every time.
+void race_test(int reps, std::mt19937_64& rng) {
+  Case c;
+  c.name = "race";
+  c.P = {700, 129, 0};
+  c.R = {{300, 1, 64, 0, 257}, {128, 127}, {90, 33}};
+  c.Hq = 8, c.Hkv = 2, c.D = 128;
+  if (!cuda::supports(c.dt, c.D)) c.D = 64;
+  if (!cuda::supports(c.dt, c.D)) c.D = 256;
+  const Layout L(c.P, c.R);
+  const Tables tb = make_tables(L);
+  const Inputs in = make_inputs(c, L.total_tokens(), rng);
+  GpuCase g(c, in, tb);
+  std::printf("%s x %d repeats\n", describe(c, L.total_tokens()).c_str(), reps);
+  std::vector<uint16_t> out0, dk0, dv0, dq0;
+  std::vector<float> lse0;
+  int bad = 0;
+  for (int det = 0; det < 2; ++det) {
+    for (int r = 0; r < reps; ++r) {
+      g.forward(r == 0);
+      g.backward(det, r == 0);
+      auto out = download<uint16_t>(g.out, g.nq);
+      auto lse = download<float>(g.lse, g.nl);
+      auto dk = download<uint16_t>(g.dk, g.nk), dv = download<uint16_t>(g.dv, g.nk);
+      auto dq = download<uint16_t>(g.dq, g.nq);
+      if (r == 0) {
+        if (det == 0) out0 = out, lse0 = lse, dk0 = dk, dv0 = dv;
+        dq0 = dq;
+      } else {
+        if (out != out0 || std::memcmp(lse.data(), lse0.data(), lse.size() * 4) != 0) ++bad;
+        if (dk != dk0 || dv != dv0) ++bad;
+        if (det && dq != dq0) ++bad;
+      }
+    }
+  }
+  expect(bad == 0, "race test: " + std::to_string(bad) + " mismatching repeats");
+  std::printf("    %s\n", bad == 0 ? "ok: bitwise equal" : "FAIL");
+}
+
+std::vector<Case> case_matrix(std::mt19937_64& rng, bool quick) {
+  std::vector<Case> cs;
+  auto add = [&](Case c) { cs.push_back(c); };
+  const int dims[3] = {64, 128, 256};
+  const DType dts[2] = {DType::kBFloat16, DType::kFloat16};
+  std::uniform_int_distribution<int> len(2, 300), nresp(0, 4);
+  auto rand_layout = [&](Case& c, int groups) {
+    c.P.clear(), c.R.clear();
+    for (int g = 0; g < groups; ++g) {
+      const int pick = int(rng() % 6);
+      c.P.push_back(pick == 0 ? 0 : pick == 1 ? 1 : len(rng));
+      std::vector<int64_t> r;
+      const int n = nresp(rng);
+      for (int i = 0; i < n; ++i) {
+        const int k = int(rng() % 6);
+        r.push_back(k == 0 ? 0 : k == 1 ? 1 : len(rng));
+      }
+      c.R.push_back(r);
+    }
+  };
+  // Fixed shapes: single groups, edge lengths, GQA ratios, per head dim and dtype.
+  for (int D : dims) {
+    for (DType dt : dts) {
+      Case c;
+      c.D = D, c.dt = dt;
+      c.name = "basic";
+      c.P = {300};
+      c.R = {{200, 129, 1, 0}};
+      c.Hq = 4, c.Hkv = 1;
+      add(c);
+      if (quick) continue;
+      c.name = "multigroup";
+      c.P = {128, 0, 1, 257};
+      c.R = {{128, 64}, {100, 5}, {1, 1, 0}, {}};
+      c.Hq = 8, c.Hkv = 2;
+      add(c);
+      c.name = "window+cap";
+      c.P = {400};
+      c.R = {{150, 77}};
+      c.Hq = 4, c.Hkv = 4;
+      c.window = 97;
+      c.softcap = 20.f;
+      c.dlse = true;
+      add(c);
+    }
+  }
+  if (!quick) {
+    // GQA ratios 1:1, 4:1, 8:1, MQA and random layouts.
+    const int gqa[4][2] = {{4, 4}, {8, 2}, {8, 1}, {16, 1}};
+    for (int i = 0; i < 4; ++i) {
+      Case c;
+      c.name = "gqa-random";
+      c.Hq = gqa[i][0], c.Hkv = gqa[i][1];
+      c.D = dims[i % 3];
+      c.dt = dts[i % 2];
+      rand_layout(c, 1 + int(rng() % 3));
+      if (i == 2) c.window = 1 + int(rng() % 200);
+      if (i == 3) c.softcap = 30.f, c.dlse = true;
+      add(c);
+    }
+    for (int D : dims) {
+      Case c;
+      c.name = "window=1";
+      c.D = D, c.Hq = 2, c.Hkv = 1;
+      c.P = {130};
+      c.R = {{70, 1}};
+      c.window = 1;
+      add(c);
+      c.name = "large-magnitude";
+      c.window = kNoWindow;
+      c.mag = 8.f;
+      c.P = {257};
+      c.R = {{129, 3}};
+      add(c);
+      c.name = "prompt-only";
+      c.mag = 1.f;
+      c.P = {1, 383};
+      c.R = {{}, {}};
+      add(c);
+      c.name = "responses-only";
+      c.P = {0};
+      c.R = {{1, 200, 128}};
+      add(c);
+    }
+  }
+  return cs;
+}
+
+// ---- bench ----------------------------------------------------------------------------------------
+struct BenchShape {
+  int N, P, R, Hq, Hkv, D;
+  const char* ref;  // DESIGN.md figures
+};
+
+float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+void bench(int reps) {
+  const BenchShape shapes[] = {
+      {16, 8192, 1024, 32, 8, 128, "3-pass cuDNN 21.0 ms (481 TF/s), Flex 26.5 ms"},
+      {32, 4096, 2048, 32, 8, 128, "3-pass cuDNN 45.3 ms (435 TF/s), Flex 69.2 ms"},
+      {8, 16384, 2048, 32, 8, 128, "3-pass cuDNN 46.3 ms (520 TF/s), Flex 74.3 ms"},
+      {16, 2048, 2048, 16, 16, 64, "3-pass cuDNN 4.88 ms (302 TF/s), Flex 7.75 ms"},
+      {16, 4096, 1024, 16, 8, 256, "3-pass cuDNN 14.3 ms (335 TF/s), Flex 35.3 ms"},
+  };
+  struct Row {
+    std::string name;
+    float fwd, bwd, bwd_det;
+    double ff, bf;
+    const char* ref;
+  };
+  std::vector<Row> rows;
+  for (const BenchShape& s : shapes) {
+    if (!cuda::supports(DType::kBFloat16, s.D)) continue;
+    const Layout L({s.P}, {std::vector<int64_t>(size_t(s.N), s.R)});
+    const int T = L.total_tokens();
+    const Tables tb = make_tables(L);
+    const size_t nq = size_t(T) * s.Hq * s.D, nk = size_t(T) * s.Hkv * s.D;
+    DevBuf q(nq * 2), k(nk * 2), v(nk * 2), dout(nq * 2), out(nq * 2), lse(size_t(T) * s.Hq * 4), dq(nq * 2),
+        dk(nk * 2), dv(nk * 2), ws(cuda::backward_workspace_bytes({T, s.Hq, s.Hkv, s.D}));
+    {
+      // Random bf16 normals (a 16M-element block, repeated).
+      std::mt19937_64 rng(123);
+      std::normal_distribution<float> nd(0.f, 1.f);
+      constexpr size_t kBlk = size_t(1) << 24, kShift = size_t(1) << 20;
+      std::vector<uint16_t> blk(kBlk + kShift);
+      for (auto& x : blk) x = cpu::float_to_bf16_bits(nd(rng));
+      size_t which = 0;
+      for (DevBuf* b : {&q, &k, &v, &dout}) {
+        const size_t shift = (++which * 333331) % kShift;
+        for (size_t off = 0; off < b->bytes; off += kBlk * 2) {
+          const size_t n = std::min(kBlk * 2, b->bytes - off);
+          CK(cudaMemcpy(static_cast<char*>(b->p) + off, blk.data() + shift, n, cudaMemcpyHostToDevice));
+        }
+      }
+    }
+    ForwardArgs f;
+    f.dtype = DType::kBFloat16;
+    f.shape = {T, s.Hq, s.Hkv, s.D};
+    f.score.softmax_scale = float(1.0 / std::sqrt(double(s.D)));
+    f.layout = tb.dev_view(T);
+    f.q = q.p, f.k = k.p, f.v = v.p;
+    f.q_stride = {int64_t(s.Hq) * s.D, s.D};
+    f.k_stride = f.v_stride = {int64_t(s.Hkv) * s.D, s.D};
+    f.out = out.p, f.lse = lse.as<float>();
+    BackwardArgs b;
+    b.dtype = f.dtype, b.shape = f.shape, b.score = f.score, b.layout = f.layout;
+    b.q = f.q, b.k = f.k, b.v = f.v, b.q_stride = f.q_stride, b.k_stride = f.k_stride, b.v_stride = f.v_stride;
+    b.out = out.p, b.dout = dout.p, b.lse = lse.as<float>(), b.dq = dq.p, b.dk = dk.p, b.dv = dv.p;
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    auto time = [&](auto&& fn) {
+      for (int i = 0; i < 2; ++i) fn();
+      std::vector<float> ts;
+      for (int i = 0; i < reps; ++i) {
+        CK(cudaEventRecord(e0));
+        fn();
+        CK(cudaEventRecord(e1));
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        ts.push_back(ms);
+      }
+      CK(cudaGetLastError());
+      return median(ts);
+    };
+    Row r;
+    char name[128];
+    std::snprintf(name, sizeof name, "N=%d P=%d R=%d Hq=%d Hkv=%d D=%d", s.N, s.P, s.R, s.Hq, s.Hkv, s.D);
+    r.name = name;
+    r.fwd = time([&] { cuda::attention_forward(f, nullptr); });
+    b.deterministic = false;
+    r.bwd = time([&] { cuda::attention_backward(b, ws.p, nullptr); });
+    b.deterministic = true;
+    r.bwd_det = time([&] { cuda::attention_backward(b, ws.p, nullptr); });
+    r.ff = L.forward_flops(s.D, s.Hq);
+    r.bf = L.backward_flops(s.D, s.Hq);
+    r.ref = s.ref;
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    rows.push_back(r);
+    std::printf("bench %s: fwd %.2f ms, bwd %.2f ms, bwd(det) %.2f ms\n", name, r.fwd, r.bwd, r.bwd_det);
+    std::fflush(stdout);
+  }
+  std::printf("\n| layout | fwd ms (TF/s) | bwd ms (TF/s) | fwd+bwd ms (TF/s) | bwd det ms | DESIGN.md fwd+bwd reference |\n");
+  std::printf("|---|---|---|---|---|---|\n");
+  for (const Row& r : rows) {
+    std::printf("| %s | %.2f (%.0f) | %.2f (%.0f) | %.2f (%.0f) | %.2f | %s |\n", r.name.c_str(), r.fwd,
+                r.ff / r.fwd / 1e9, r.bwd, r.bf / r.bwd / 1e9, r.fwd + r.bwd, (r.ff + r.bf) / (r.fwd + r.bwd) / 1e9,
+                r.bwd_det, r.ref);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  uint64_t seed = uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
+  bool quick = false, check = true, do_bench = false;
+  int race = 100, bench_reps = 10;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--seed" && i + 1 < argc) seed = std::strtoull(argv[++i], nullptr, 10);
+    else if (a == "--quick") quick = true;
+    else if (a == "--small") quick = true, race = 3;  // for compute-sanitizer
+    else if (a == "--no-check") check = false;
+    else if (a == "--race" && i + 1 < argc) race = std::atoi(argv[++i]);
+    else if (a == "--bench") do_bench = true;
+    else if (a == "--bench-reps" && i + 1 < argc) bench_reps = std::atoi(argv[++i]);
+    else {
+      std::fprintf(stderr, "usage: %s [--seed S] [--quick] [--small] [--no-check] [--race N] [--bench] [--bench-reps N]\n",
+                   argv[0]);
+      return 2;
+    }
+  }
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s (sm_%d%d, %d SMs), seed %llu\n", prop.name, prop.major, prop.minor,
+              prop.multiProcessorCount, (unsigned long long)seed);
+  std::mt19937_64 rng(seed);
+  if (check) {
+    // Argument errors are reported, not silently accepted.
+    {
+      ForwardArgs f;
+      f.shape = {16, 4, 4, 512};
+      bool threw = false;
+      try {
+        cuda::attention_forward(f, nullptr);
+      } catch (const Error& e) {
+        threw = true;
+        std::printf("expected error: %s\n", e.what());
+      }
+      expect(threw && !cuda::supports(DType::kBFloat16, 512), "head_dim 512 must be rejected");
+    }
+    for (const Case& c : case_matrix(rng, quick)) {
+      run_case(c, rng);
+      std::fflush(stdout);
+    }
+    if (race > 0) race_test(race, rng);
+    std::printf("\ncorrectness: %d checks, %d failures\n", g_checks, g_failures);
+  }
+  if (do_bench) bench(bench_reps);
+  return g_failures == 0 ? 0 : 1;
+}
