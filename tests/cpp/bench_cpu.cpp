@@ -1,0 +1,121 @@
+// Times the CPU backend's forward and backward on one layout (not part of ctest):
+//   dualkv_cpu_bench [P N R Hq Hkv D dtype(f32|f64|bf16|f16) reps]
+// Defaults: one group P=2048, N=6, R=1024 (T=8192), Hq=Hkv=8, D=128, fp32.
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "convert.h"
+#include "dualkv/cpu.h"
+#include "dualkv/layout.h"
+
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  auto arg = [&](int i, int def) { return argc > i ? std::atoi(argv[i]) : def; };
+  const int P = arg(1, 2048), N = arg(2, 6), R = arg(3, 1024), Hq = arg(4, 8), Hkv = arg(5, 8),
+            D = arg(6, 128);
+  const std::string dt = argc > 7 ? argv[7] : "f32";
+  const int reps = arg(8, 3);
+  const dualkv::DType dtype = dt == "f64"    ? dualkv::DType::kFloat64
+                              : dt == "bf16" ? dualkv::DType::kBFloat16
+                              : dt == "f16"  ? dualkv::DType::kFloat16
+                                             : dualkv::DType::kFloat32;
+  const size_t esize = dtype == dualkv::DType::kFloat64   ? 8
+                       : dtype == dualkv::DType::kFloat32 ? 4
+                                                          : 2;
+
+  dualkv::Layout layout({P}, {std::vector<int64_t>(size_t(N), R)});
+  const int T = layout.total_tokens();
+  const auto segs = layout.segments();
+  const auto qt = layout.query_tiles();
+  const auto kt = layout.key_tiles();
+  dualkv::LayoutView lv{segs.data(), qt.data(),        kt.data(), int32_t(segs.size()),
+                        int32_t(qt.size()), int32_t(kt.size()), T};
+
+  std::mt19937 rng(1234);
+  std::normal_distribution<float> nd;
+  auto make = [&](int H) {
+    std::vector<unsigned char> buf(size_t(T) * H * D * esize);
+    for (size_t i = 0; i < size_t(T) * H * D; ++i) {
+      const float x = nd(rng);
+      if (esize == 8) {
+        const double d = x;
+        std::memcpy(&buf[i * 8], &d, 8);
+      } else if (esize == 4) {
+        std::memcpy(&buf[i * 4], &x, 4);
+      } else {
+        const uint16_t b = dtype == dualkv::DType::kBFloat16 ? dualkv::cpu::float_to_bf16_bits(x)
+                                                             : dualkv::cpu::float_to_half_bits(x);
+        std::memcpy(&buf[i * 2], &b, 2);
+      }
+    }
+    return buf;
+  };
+  auto q = make(Hq), k = make(Hkv), v = make(Hkv), dout = make(Hq);
+  std::vector<unsigned char> out(q.size()), dq(q.size()), dk(k.size()), dv(v.size());
+  std::vector<float> lse(size_t(Hq) * T);
+
+  dualkv::ForwardArgs f;
+  f.dtype = dtype;
+  f.shape = {T, Hq, Hkv, D};
+  f.score.softmax_scale = 1.0f / std::sqrt(float(D));
+  f.layout = lv;
+  f.q = q.data();
+  f.k = k.data();
+  f.v = v.data();
+  f.q_stride = {int64_t(Hq) * D, D};
+  f.k_stride = f.v_stride = {int64_t(Hkv) * D, D};
+  f.out = out.data();
+  f.lse = lse.data();
+
+  dualkv::BackwardArgs b;
+  b.dtype = dtype;
+  b.shape = f.shape;
+  b.score = f.score;
+  b.layout = lv;
+  b.q = f.q;
+  b.k = f.k;
+  b.v = f.v;
+  b.q_stride = f.q_stride;
+  b.k_stride = f.k_stride;
+  b.v_stride = f.v_stride;
+  b.out = out.data();
+  b.dout = dout.data();
+  b.lse = lse.data();
+  b.dq = dq.data();
+  b.dk = dk.data();
+  b.dv = dv.data();
+
+  double best_f = 1e30, best_b = 1e30;
+  for (int r = 0; r < reps; ++r) {
+    auto t0 = std::chrono::steady_clock::now();
+    dualkv::cpu::attention_forward(f);
+    best_f = std::min(best_f, seconds_since(t0));
+    t0 = std::chrono::steady_clock::now();
+    dualkv::cpu::attention_backward(b);
+    best_b = std::min(best_b, seconds_since(t0));
+  }
+  const double ff = layout.forward_flops(D, Hq), bf = layout.backward_flops(D, Hq);
+  std::printf("layout P=%d N=%d R=%d T=%d Hq=%d Hkv=%d D=%d %s, %d threads\n", P, N, R, T, Hq, Hkv,
+              D, dualkv::dtype_name(dtype), omp_get_max_threads());
+  std::printf("forward  %8.3f s  %7.1f GFLOP/s (useful, %.1f GFLOP)\n", best_f, ff / best_f * 1e-9,
+              ff * 1e-9);
+  std::printf("backward %8.3f s  %7.1f GFLOP/s (useful, %.1f GFLOP)\n", best_b, bf / best_b * 1e-9,
+              bf * 1e-9);
+  return 0;
+}
