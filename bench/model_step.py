@@ -36,7 +36,7 @@ from typing import Any
 
 import dualkv
 import torch
-from dualkv.grpo_demo import build_model
+from dualkv.grpo_demo import build_model, enable_gradient_checkpointing
 from dualkv.integrations.transformers import packed_hidden_states
 from dualkv.logprobs import logprobs_from_logits, response_logprobs
 from dualkv.losses import dapo_loss, group_advantages
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides = {"num_hidden_layers": args.layers} if args.layers else None
         model = build_model(preset, device, dtype, overrides=overrides)
         if not args.no_grad_ckpt:
-            model.gradient_checkpointing_enable()
+            enable_gradient_checkpointing(model)
         model.train()
         for shape in args.shapes:
             n, p, r = (int(x) for x in shape.split(","))

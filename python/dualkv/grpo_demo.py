@@ -36,7 +36,15 @@ from .logprobs import logprobs_from_logits, response_logprobs
 from .losses import dapo_loss, group_advantages, grpo_loss
 from .packing import PackedBatch, pack_rows, rows_from_lists
 
-__all__ = ["PRESETS", "StepResult", "build_model", "main", "make_batch", "run"]
+__all__ = [
+    "PRESETS",
+    "StepResult",
+    "build_model",
+    "enable_gradient_checkpointing",
+    "main",
+    "make_batch",
+    "run",
+]
 
 # Qwen3 shapes (random weights). "tiny" runs in seconds on a laptop CPU.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -88,6 +96,12 @@ def build_model(
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
     return model.to(device=device, dtype=dtype)
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Turn on HF gradient checkpointing (``activation_checkpointing_enable`` where it exists)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    (enable or model.gradient_checkpointing_enable)()
 
 
 @dataclass
@@ -407,7 +421,7 @@ def run(argv: Sequence[str] | None = None, out: Any = None) -> list[StepResult]:
         overrides["vocab_size"] = args.vocab
     model = build_model(args.preset, device, dtype, seed=args.seed, overrides=overrides)
     if args.grad_ckpt:
-        model.gradient_checkpointing_enable()
+        enable_gradient_checkpointing(model)
     model.train()
     cfg = model.config
     params = sum(p.numel() for p in model.parameters())

@@ -19,6 +19,7 @@ pytest.importorskip("transformers")
 from hf_helpers import VOCAB, random_groups, shuffled_rows, tiny_config, tiny_model  # noqa: E402
 
 import dualkv  # noqa: E402
+from dualkv.grpo_demo import enable_gradient_checkpointing  # noqa: E402
 from dualkv.integrations import transformers as dkt  # noqa: E402
 from dualkv.losses import dapo_loss, group_advantages  # noqa: E402
 from dualkv.packing import pack  # noqa: E402
@@ -145,7 +146,7 @@ def test_gradient_checkpointing_kwarg_and_context(seed, family):
     loss_of(dkt.packed_hidden_states(model, pk)).backward()
     want = _grads(model)
 
-    model.gradient_checkpointing_enable()
+    enable_gradient_checkpointing(model)
     try:
         # keyword: the checkpointed layers replay with it
         model.zero_grad(set_to_none=True)
@@ -155,7 +156,7 @@ def test_gradient_checkpointing_kwarg_and_context(seed, family):
         # context manager with the model: backward after the block
         model.zero_grad(set_to_none=True)
         with dkt.use_layout(pk.layout, model):
-            out = model.base_model(input_ids=pk.input_ids, position_ids=pk.position_ids,
+            out = model.model(input_ids=pk.input_ids, position_ids=pk.position_ids,
                                    use_cache=False)  # fmt: skip
         assert dkt.current_layout() is None
         loss_of(out.last_hidden_state).backward()
@@ -165,7 +166,7 @@ def test_gradient_checkpointing_kwarg_and_context(seed, family):
         model.zero_grad(set_to_none=True)
         with dkt.use_layout(pk.layout):
             assert dkt.current_layout() is pk.layout
-            out = model.base_model(input_ids=pk.input_ids, position_ids=pk.position_ids,
+            out = model.model(input_ids=pk.input_ids, position_ids=pk.position_ids,
                                    use_cache=False)  # fmt: skip
             loss_of(out.last_hidden_state).backward()
         _close_grads(_grads(model), want)
@@ -173,12 +174,13 @@ def test_gradient_checkpointing_kwarg_and_context(seed, family):
         # ... and after it the recompute has no layout: a clear error, never a wrong answer
         model.zero_grad(set_to_none=True)
         with dkt.use_layout(pk.layout):
-            out = model.base_model(input_ids=pk.input_ids, position_ids=pk.position_ids,
+            out = model.model(input_ids=pk.input_ids, position_ids=pk.position_ids,
                                    use_cache=False)  # fmt: skip
         with pytest.raises(RuntimeError, match="dualkv.Layout"):
             loss_of(out.last_hidden_state).backward()
     finally:
-        model.gradient_checkpointing_disable()
+        disable = getattr(model, "activation_checkpointing_disable", None)
+        (disable or model.gradient_checkpointing_disable)()
 
 
 def test_registration_and_errors(seed):

@@ -95,7 +95,7 @@ def use_layout(
 
         # on the decoder (base model): it sees the keyword whether the caller runs the causal LM
         # or the decoder alone
-        target = getattr(model, "base_model", model)
+        target = _decoder(model)
         handle = target.register_forward_pre_hook(hook, with_kwargs=True)
     _LAYOUT_STACK.append((layout, deterministic))
     try:
@@ -194,6 +194,17 @@ def register() -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, dualkv_mask)
 
 
+def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack of a causal LM (what returns the final hidden states)."""
+    get = getattr(model, "get_decoder", None)
+    decoder = get() if callable(get) else None
+    if decoder is None or decoder is model:
+        decoder = getattr(model, "model", None)
+    if not isinstance(decoder, torch.nn.Module):
+        decoder = getattr(model, "base_model", model)
+    return decoder
+
+
 def _text_config(model: torch.nn.Module) -> Any:
     config = model.config
     get_text = getattr(config, "get_text_config", None)
@@ -214,8 +225,7 @@ def packed_hidden_states(
             'attn_implementation="dualkv"'
             ' or call model.set_attn_implementation("dualkv")'
         )
-    decoder = getattr(model, "base_model", model)
-    out = decoder(**packed.model_inputs(), **kwargs)
+    out = _decoder(model)(**packed.model_inputs(), **kwargs)
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
