@@ -125,3 +125,24 @@ def test_logprobs_errors():
         response_logprobs(h, w, pk, temperature=0.0)
     with pytest.raises(ValueError, match="chunk_size"):
         response_logprobs(h, w, pk, chunk_size=0)
+
+
+def test_logprobs_save_no_vocab_sized_tensor(seed):
+    """Nothing of [tokens x vocab] is kept for backward: the logits are recomputed per chunk."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    prompts, responses = random_groups(rng, groups=2, n_range=(3, 4), r_range=(8, 12))
+    pk = pack(prompts=prompts, responses=responses)
+    vocab = 1000
+    hidden = torch.randn(pk.total_tokens, 8, requires_grad=True)
+    weight = torch.randn(vocab, 8, requires_grad=True)
+    saved = []
+
+    def keep(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        lp, en = response_logprobs(hidden, weight, pk, return_entropy=True, chunk_size=4)
+        (lp.sum() + en.sum()).backward()
+    assert saved and max(saved) <= vocab * 8  # the weight itself is the largest saved tensor
