@@ -76,7 +76,7 @@ def test_packed_step_equals_rows_fp32(seed, family):
     lp_p, loss_p, g_p = _step(model, ids, mask, pw, pk, adv, old, packed=True)
     assert pk.token_reduction > 1.0
     assert (lp_p[~pk.response_mask] == 0).all()
-    torch.testing.assert_close(lp_p, lp_r, rtol=0, atol=2e-5)
+    torch.testing.assert_close(lp_p, lp_r, rtol=0, atol=5e-5)
     torch.testing.assert_close(loss_p, loss_r, rtol=1e-5, atol=1e-6)
     assert g_p.keys() == g_r.keys() and len(g_r) == len(list(model.parameters()))
     for name, gr in g_r.items():
