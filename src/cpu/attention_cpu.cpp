@@ -89,8 +89,18 @@ void check_layout(const LayoutView& lv, int32_t T, const char* fn) {
   if (T == 0) return;
   DUALKV_CHECK(lv.segments != nullptr && lv.query_tiles != nullptr && lv.key_tiles != nullptr, fn,
                ": layout.segments, layout.query_tiles and layout.key_tiles must not be null");
+  int32_t prompt = -1;  // index of the latest prompt segment
   for (int32_t i = 0; i < lv.num_segments; ++i) {
     const Segment& s = lv.segments[i];
+    if (!s.is_response()) prompt = i;
+    // A response's region A must be its group's prompt segment (or absent when P = 0): the
+    // backward finds the queries of a prompt key by walking the segments that follow it.
+    const bool same_prompt =
+        !s.is_response() ||
+        (s.prompt_len == 0 ? prompt < 0 || lv.segments[prompt].group != s.group
+                           : prompt >= 0 && lv.segments[prompt].group == s.group &&
+                                 lv.segments[prompt].start == s.prompt_start &&
+                                 lv.segments[prompt].len == s.prompt_len);
     const bool ok = s.len > 0 && s.start >= 0 && int64_t(s.start) + s.len <= T &&
                     s.prompt_len >= 0 && s.prompt_start >= 0 &&
                     int64_t(s.prompt_start) + s.prompt_len <= T && s.pos0 >= 0 &&
@@ -98,7 +108,7 @@ void check_layout(const LayoutView& lv, int32_t T, const char* fn) {
                     (s.is_response() ? s.pos0 == s.prompt_len
                                      : s.pos0 == 0 && s.start == s.prompt_start &&
                                            s.len == s.prompt_len) &&
-                    (i == 0 || s.group >= lv.segments[i - 1].group);
+                    (i == 0 || s.group >= lv.segments[i - 1].group) && same_prompt;
     DUALKV_CHECK(ok, fn, ": layout.segments[", i, "] is inconsistent (start ", s.start, ", len ",
                  s.len, ", pos0 ", s.pos0, ", prompt_start ", s.prompt_start, ", prompt_len ",
                  s.prompt_len, ", T ", T, ")");
@@ -221,12 +231,12 @@ void forward_typed(const ForwardArgs& args) {
           const A* o = sc.o.data() + int64_t(i) * p.Dp;
           const A l = sc.l[i];
           S* y = out + (t * p.Hq + h) * p.D;
-          if (l > 0) {
-            for (int d = 0; d < p.D; ++d) y[d] = store<S>(o[d] / l);
-            args.lse[int64_t(h) * p.T + t] = float(sc.m[i] + std::log(l));
-          } else {  // no visible key: impossible with window >= 1, but never leave garbage
+          if (l == A(0)) {  // no visible key: impossible with window >= 1, but never garbage
             for (int d = 0; d < p.D; ++d) y[d] = store<S>(A(0));
             args.lse[int64_t(h) * p.T + t] = -std::numeric_limits<float>::infinity();
+          } else {  // (a NaN input gives l = NaN and so NaN outputs, never a silent 0)
+            for (int d = 0; d < p.D; ++d) y[d] = store<S>(o[d] / l);
+            args.lse[int64_t(h) * p.T + t] = float(sc.m[i] + std::log(l));
           }
         }
       }
@@ -292,7 +302,7 @@ void backward_typed(const BackwardArgs& args) {
           ks.stats(p, seg, t0, n, h, sc);
           for (int i = 0; i < n; ++i) {
             p.lse[int64_t(h) * p.T + t0 + i] =
-                sc.l[i] > 0 ? sc.m[i] + std::log(sc.l[i]) : -std::numeric_limits<A>::infinity();
+                sc.l[i] == A(0) ? -std::numeric_limits<A>::infinity() : sc.m[i] + std::log(sc.l[i]);
           }
         }
         ks.dq(p, seg, t0, n, h, sc);

@@ -161,7 +161,8 @@ void forward_rows(const Problem<A>& p, const Segment& seg, int32_t t0, int n, in
         if (a >= b) continue;
         gemv<A, false>(s, q + int64_t(i) * Dp, sc.kt.data(), Dp, B, B);
         const A m_new = std::max(m[i], logits(p, s, sc.th.data(), a, b));
-        const A alpha = m[i] == -std::numeric_limits<A>::infinity() ? A(0) : exp_approx(m[i] - m_new);
+        const A alpha =
+            m[i] == -std::numeric_limits<A>::infinity() ? A(0) : exp_approx(m[i] - m_new);
 #pragma omp simd
         for (int j = a; j < b; ++j) s[j] = exp_approx(s[j] - m_new);
         A sum = 0;

@@ -364,6 +364,40 @@ TEST(AttentionCpu, LargeScores) {
   }
 }
 
+// Head dims that are not a multiple of the vector width (zero padding) or above one register
+// chunk (64 floats / 32 doubles).
+TEST(AttentionCpu, OtherHeadDims) {
+  for (int D : {8, 40, 200}) {
+    SCOPED_TRACE("D " + std::to_string(D));
+    run_case<double>({2, 1, D, true, true, true, Strides::kPadded});
+    run_case<float>({2, 2, D, false, false, true, Strides::kContiguous});
+  }
+}
+
+// A NaN in the input must show up as NaN in the outputs that depend on it, never be masked.
+TEST(AttentionCpu, NanInputPropagates) {
+  DUALKV_SEEDED_RNG(rng);
+  const Lens lens{{140}, {{3, 130}}};
+  const LayoutTables lt(lens);
+  Call<float> r = run_attention<float>(rng, lt, {2, 1, 64}, kNoWindow);
+  const int T = lt.layout.total_tokens();
+  const int t = int(uniform(rng, 0, T - 1));  // NaN in q of token t, head 1
+  r.q.data[size_t(t * r.q.stride.token + 1 * r.q.stride.head + 5)] = NAN;
+  std::fill(r.out.begin(), r.out.end(), 0.0f);
+  std::fill(r.lse.begin(), r.lse.end(), 0.0f);
+  cpu::attention_forward(forward_args(lt, r));
+  for (int x = 0; x < T; ++x) {
+    for (int h = 0; h < 2; ++h) {
+      const bool want_nan = x == t && h == 1;
+      EXPECT_EQ(std::isnan(r.lse[size_t(h) * T + x]), want_nan) << "token " << x << " head " << h;
+      EXPECT_EQ(std::isnan(r.out[(size_t(x) * 2 + h) * 64]), want_nan);
+    }
+  }
+  cpu::attention_backward(backward_args(lt, r));
+  EXPECT_TRUE(std::isnan(r.dq[(size_t(t) * 2 + 1) * 64]));
+  EXPECT_TRUE(std::any_of(r.dk.begin(), r.dk.end(), [](float x) { return std::isnan(x); }));
+}
+
 // The generic (non-AVX2) kernels, selected by DUALKV_CPU_NO_AVX2, agree with the oracle too.
 TEST(AttentionCpu, GenericKernels) {
   ::setenv("DUALKV_CPU_NO_AVX2", "1", 1);
@@ -543,6 +577,9 @@ TEST_F(BadArgs, LayoutTables) {
   std::vector<Segment> segs = lt.segments;
   segs[1].len += 5;  // past the end of the tokens
   expect_error_both([&](auto& a) { a.layout.segments = segs.data(); }, "segments[1]");
+  segs = lt.segments;
+  segs[2].prompt_len = 2;  // a response whose region A is not its group's prompt
+  expect_error_both([&](auto& a) { a.layout.segments = segs.data(); }, "segments[2]");
 }
 
 TEST(AttentionCpu, EmptyLayoutIsNoOp) {

@@ -14,7 +14,8 @@ namespace dualkv::cpu {
 namespace {
 
 bool same_float(float a, float b) {
-  return (std::isnan(a) && std::isnan(b)) || std::bit_cast<uint32_t>(a) == std::bit_cast<uint32_t>(b);
+  return (std::isnan(a) && std::isnan(b)) ||
+         std::bit_cast<uint32_t>(a) == std::bit_cast<uint32_t>(b);
 }
 bool same_half(uint16_t a, uint16_t b) {
   const bool na = (a & 0x7FFF) > 0x7C00, nb = (b & 0x7FFF) > 0x7C00;
@@ -34,7 +35,8 @@ std::vector<float> probe_floats(float (*to_float)(uint16_t)) {
     if (!std::isfinite(f)) continue;
     xs.push_back(f);
     if (std::isfinite(g) && std::signbit(f) == std::signbit(g)) {
-      const float mid = float((double(f) + double(g)) / 2);  // exact: 16-bit values have short mantissas
+      // Exact: 16-bit values have short mantissas.
+      const float mid = float((double(f) + double(g)) / 2);
       xs.push_back(mid);
       xs.push_back(std::nextafter(mid, INFINITY));
       xs.push_back(std::nextafter(mid, -INFINITY));

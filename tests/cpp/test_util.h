@@ -205,7 +205,9 @@ inline void ref_row(const RefConfig& c, const std::vector<int>& qi, const std::v
           mx = std::max(mx, x);
         }
         double sum = 0;
-        for (int j = 0; j < nk; ++j) sum += s[size_t(j)] == -INFINITY ? 0 : std::exp(s[size_t(j)] - mx);
+        for (int j = 0; j < nk; ++j) {
+          if (s[size_t(j)] != -INFINITY) sum += std::exp(s[size_t(j)] - mx);
+        }
         const double lse = mx + std::log(sum);
         r.lse[size_t(h) * c.T + qi[i]] = lse;
         double* o = &r.out[(size_t(qi[i]) * c.Hq + h) * D];
