@@ -47,8 +47,8 @@ struct Scratch {
   explicit Scratch(int Dp)
       : kt(size_t(Dp) * kBlock<A>),
         vt(size_t(Dp) * kBlock<A>),
-        s(kBlock<A>),
-        dp(kBlock<A>),
+        s(size_t(kTileSize) * kBlock<A>),
+        dp(size_t(kTileSize) * kBlock<A>),
         th(kBlock<A>),
         o(size_t(kTileSize) * Dp),
         m(kTileSize),
@@ -56,7 +56,8 @@ struct Scratch {
         pt(size_t(kBlock<A>) * kQBlock),
         dst(size_t(kBlock<A>) * kQBlock) {}
   std::vector<A> kt, vt;  // K and V blocks transposed: [Dp][kBlock]
-  std::vector<A> s, dp, th;  // one row of scores, dO.V, tanh(scores/softcap)
+  std::vector<A> s, dp;   // scores and dO.V of up to kTileSize rows: [row][kBlock]
+  std::vector<A> th;      // tanh(score / softcap) of one row
   std::vector<A> o;       // [kTileSize][Dp]: output (forward) or dq (backward) accumulator
   std::vector<A> m, l;    // running max and sum of exp per query row
   std::vector<A> pt, dst;  // P and dS of a query batch, transposed: [kBlock][kQBlock]

@@ -7,19 +7,24 @@
 // output chunk held in registers (gemv): scores s = q . K^T (K block transposed so the
 // innermost loop runs over keys), dO . V^T, o += p . V, dq += dS . K, dv += P^T . dO,
 // dk += dS^T . Q.
+//
+// Each key block is processed in phases so that the operand every row reuses stays in L1 (a K
+// or V block is 32 KB at D = 128; both at once would not fit): first the scores of all rows
+// against K^T, then dO . V^T against V^T, then the per-row softmax and the product with V (or K).
 
-// y[0..C) (+)= sum_r w[r] * x[r * ld + 0..C).
+// y[0..C) (+)= sum_r w[r] * x[r * ld + 0..C). The sum starts from zero and is added to y at
+// the end: initialising the accumulators from y makes GCC copy them with memcpy and then keep
+// them in memory instead of registers.
 template <class A, int C, bool kAccumulate>
 inline void gemv_chunk(A* __restrict y, const A* __restrict w, const A* __restrict x, int m,
                        int64_t ld) {
-  A acc[C];
-  for (int c = 0; c < C; ++c) acc[c] = kAccumulate ? y[c] : A(0);
+  A acc[C] = {};
   for (int r = 0; r < m; ++r) {
     const A wr = w[r];
     const A* __restrict xr = x + r * ld;
     for (int c = 0; c < C; ++c) acc[c] += wr * xr[c];
   }
-  for (int c = 0; c < C; ++c) y[c] = acc[c];
+  for (int c = 0; c < C; ++c) y[c] = kAccumulate ? y[c] + acc[c] : acc[c];
 }
 
 // y[0..n) (+)= sum_r w[r] * x[r * ld + 0..n); n is a multiple of kPad<A>.
@@ -158,16 +163,21 @@ void forward_rows(const Problem<A>& p, const Segment& seg, int32_t t0, int n, in
       for (int i = 0; i < n; ++i) {
         int a, b;
         row_keys(p, pq0 + i, kb, bk, a, b);
+        if (a < b) gemv<A, false>(s + i * B, q + int64_t(i) * Dp, sc.kt.data(), Dp, B, B);
+      }
+      for (int i = 0; i < n; ++i) {
+        int a, b;
+        row_keys(p, pq0 + i, kb, bk, a, b);
         if (a >= b) continue;
-        gemv<A, false>(s, q + int64_t(i) * Dp, sc.kt.data(), Dp, B, B);
-        const A m_new = std::max(m[i], logits(p, s, sc.th.data(), a, b));
+        A* si = s + i * B;
+        const A m_new = std::max(m[i], logits(p, si, sc.th.data(), a, b));
         const A alpha =
             m[i] == -std::numeric_limits<A>::infinity() ? A(0) : exp_approx(m[i] - m_new);
 #pragma omp simd
-        for (int j = a; j < b; ++j) s[j] = exp_approx(s[j] - m_new);
+        for (int j = a; j < b; ++j) si[j] = exp_approx(si[j] - m_new);
         A sum = 0;
 #pragma omp simd reduction(+ : sum)
-        for (int j = a; j < b; ++j) sum += s[j];
+        for (int j = a; j < b; ++j) sum += si[j];
         l[i] = alpha * l[i] + sum;
         m[i] = m_new;
         if constexpr (kOutput) {
@@ -175,7 +185,7 @@ void forward_rows(const Problem<A>& p, const Segment& seg, int32_t t0, int n, in
           if (alpha != A(1)) {
             for (int d = 0; d < Dp; ++d) oi[d] *= alpha;
           }
-          gemv<A, true>(oi, s + a, vblk + int64_t(a) * Dp, b - a, Dp, Dp);
+          gemv<A, true>(oi, si + a, vblk + int64_t(a) * Dp, b - a, Dp, Dp);
         }
       }
     }
@@ -214,11 +224,20 @@ void dq_rows(const Problem<A>& p, const Segment& seg, int32_t t0, int n, int h, 
       for (int i = 0; i < n; ++i) {
         int a, b;
         row_keys(p, pq0 + i, kb, bk, a, b);
+        if (a < b) gemv<A, false>(s + i * B, q + int64_t(i) * Dp, sc.kt.data(), Dp, B, B);
+      }
+      for (int i = 0; i < n; ++i) {
+        int a, b;
+        row_keys(p, pq0 + i, kb, bk, a, b);
+        if (a < b) gemv<A, false>(dp + i * B, dout + int64_t(i) * Dp, sc.vt.data(), Dp, B, B);
+      }
+      for (int i = 0; i < n; ++i) {
+        int a, b;
+        row_keys(p, pq0 + i, kb, bk, a, b);
         if (a >= b) continue;
-        gemv<A, false>(s, q + int64_t(i) * Dp, sc.kt.data(), Dp, B, B);
-        gemv<A, false>(dp, dout + int64_t(i) * Dp, sc.vt.data(), Dp, B, B);
-        softmax_grad(p, s, dp, sc.th.data(), a, b, lse[i], delta[i]);
-        gemv<A, true>(dq + int64_t(i) * Dp, dp + a, kblk + int64_t(a) * Dp, b - a, Dp, Dp);
+        softmax_grad(p, s + i * B, dp + i * B, sc.th.data(), a, b, lse[i], delta[i]);
+        gemv<A, true>(dq + int64_t(i) * Dp, dp + i * B + a, kblk + int64_t(a) * Dp, b - a, Dp,
+                      Dp);
       }
     }
   }
@@ -263,17 +282,30 @@ void dkdv_block(const Problem<A>& p, int32_t seg_index, int32_t k0, int nk, int 
         for (int i = 0; i < nq; ++i) {
           int a, b;
           row_keys(p, int32_t(qb + i), kp0, nk, a, b);
+          if (a < b) gemv<A, false>(s + i * B, q + int64_t(i) * Dp, sc.kt.data(), Dp, B, B);
+        }
+        for (int i = 0; i < nq; ++i) {
+          int a, b;
+          row_keys(p, int32_t(qb + i), kp0, nk, a, b);
+          if (a < b) gemv<A, false>(dp + i * B, dout + int64_t(i) * Dp, sc.vt.data(), Dp, B, B);
+        }
+        for (int i = 0; i < nq; ++i) {
+          int a, b;
+          row_keys(p, int32_t(qb + i), kp0, nk, a, b);
           if (a >= b) continue;
-          gemv<A, false>(s, q + int64_t(i) * Dp, sc.kt.data(), Dp, B, B);
-          gemv<A, false>(dp, dout + int64_t(i) * Dp, sc.vt.data(), Dp, B, B);
-          softmax_grad(p, s, dp, sc.th.data(), a, b, p.lse[row_base + i], p.delta[row_base + i]);
+          A* si = s + i * B;
+          A* dpi = dp + i * B;
+          softmax_grad(p, si, dpi, sc.th.data(), a, b, p.lse[row_base + i],
+                       p.delta[row_base + i]);
           for (int j = a; j < b; ++j) {
-            pt[j * kQBlock + i] = s[j];
-            dst[j * kQBlock + i] = dp[j];
+            pt[j * kQBlock + i] = si[j];
+            dst[j * kQBlock + i] = dpi[j];
           }
         }
         for (int j = 0; j < nk; ++j) {
           gemv<A, true>(dv + int64_t(j) * Dp, pt + j * kQBlock, dout, nq, Dp, Dp);
+        }
+        for (int j = 0; j < nk; ++j) {
           gemv<A, true>(dk + int64_t(j) * Dp, dst + j * kQBlock, q, nq, Dp, Dp);
         }
       }
