@@ -12,12 +12,12 @@
 // or V block is 32 KB at D = 128; both at once would not fit): first the scores of all rows
 // against K^T, then dO . V^T against V^T, then the per-row softmax and the product with V (or K).
 
-// y[0..C) (+)= sum_r w[r] * x[r * ld + 0..C). The sum starts from zero and is added to y at
-// the end: initialising the accumulators from y makes GCC copy them with memcpy and then keep
-// them in memory instead of registers.
+// y[0..C) (+)= sum_r w[r] * x[r * ld + 0..C). Not inlined and the sum starts from zero (added
+// to y at the end): both keep the C accumulators in registers; inlined into the kernels, or
+// initialised from y (which GCC turns into a memcpy), they were spilled to the stack.
 template <class A, int C, bool kAccumulate>
-inline void gemv_chunk(A* __restrict y, const A* __restrict w, const A* __restrict x, int m,
-                       int64_t ld) {
+[[gnu::noinline]] void gemv_chunk(A* __restrict y, const A* __restrict w, const A* __restrict x,
+                                  int m, int64_t ld) {
   A acc[C] = {};
   for (int r = 0; r < m; ++r) {
     const A wr = w[r];
