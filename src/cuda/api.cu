@@ -1,5 +1,6 @@
 // The CUDA library's entry points (include/dualkv/cuda.h): argument checks, the parameter block,
 // and dispatch to the per-(dtype, head dim) instantiations. No host synchronisation, no allocation.
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <stdexcept>
@@ -100,6 +101,25 @@ Params make_params(const Shape& s, const ScoreParams& sc, const LayoutView& lv) 
   return p;
 }
 
+// The wgmma path: built for sm_90a, device of compute capability 9.x, not forced off.
+bool use_sm90() {
+#if DUALKV_HAS_SM90A
+  const char* force = std::getenv("DUALKV_FORCE_SM80");
+  if (force && force[0] == '1') return false;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  static std::atomic<int> major_of[64];  // 0 = unknown
+  int major = dev < 64 ? major_of[dev].load(std::memory_order_relaxed) : 0;
+  if (major == 0) {
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
+    if (dev < 64) major_of[dev].store(major, std::memory_order_relaxed);
+  }
+  return major == 9;
+#else
+  return false;
+#endif
+}
+
 constexpr size_t align256(size_t n) { return (n + 255) & ~size_t(255); }
 
 template <typename F>
@@ -147,8 +167,14 @@ void attention_forward(const ForwardArgs& a, cudaStream_t stream) {
   p.v_tok = a.v_stride.token, p.v_head = a.v_stride.head;
   p.out = a.out;
   p.lse = a.lse;
+  const bool sm90 = use_sm90();
   dispatch(a.dtype, a.shape.head_dim, [&](auto t, auto d) {
-    launch_forward_sm80<decltype(t), decltype(d)::value>(p, stream);
+    using T = decltype(t);
+    constexpr int D = decltype(d)::value;
+#if DUALKV_HAS_SM90A
+    if (sm90) return launch_forward_sm90<T, D>(p, stream);
+#endif
+    launch_forward_sm80<T, D>(p, stream);
   });
 }
 
@@ -183,10 +209,16 @@ void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t str
   p.delta = reinterpret_cast<float*>(ws);
   p.lse2 = reinterpret_cast<float*>(ws + align256(rows * sizeof(float)));
   p.dq_accum = reinterpret_cast<float*>(ws + 2 * align256(rows * sizeof(float)));
-  dispatch(a.dtype, a.shape.head_dim,
-           [&](auto t, auto d) {
-             launch_backward_sm80<decltype(t), decltype(d)::value>(p, a.deterministic, stream);
-           });
+  // The fused atomic-dq variant (DUALKV_ATOMIC_DQ=1, non-deterministic) exists on the sm_80 path only.
+  const bool sm90 = use_sm90() && !use_atomic_dq(a.deterministic);
+  dispatch(a.dtype, a.shape.head_dim, [&](auto t, auto d) {
+    using T = decltype(t);
+    constexpr int D = decltype(d)::value;
+#if DUALKV_HAS_SM90A
+    if (sm90) return launch_backward_sm90<T, D>(p, stream);
+#endif
+    launch_backward_sm80<T, D>(p, a.deterministic, stream);
+  });
 }
 
 }  // namespace dualkv::cuda

@@ -4,9 +4,21 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdlib>
+
 #include "common.cuh"
 
 namespace dualkv::cuda::detail {
+
+// dq strategy. Measured on an H200 (bf16, D=128, Hq=32, Hkv=8, N=16 P=8192 R=1024): the separate
+// dq pass (7 matmul units, no atomics) took 36.7 ms against 45.5 ms for dk/dv with fused atomic
+// dq (5 units + fp32 atomics), so the atomic-free pass is the default in both modes; the fused
+// atomic variant stays selectable (DUALKV_ATOMIC_DQ=1, never with deterministic=true).
+inline bool use_atomic_dq(bool deterministic) {
+  if (deterministic) return false;
+  const char* e = std::getenv("DUALKV_ATOMIC_DQ");
+  return e && e[0] == '1';
+}
 
 // Throws std::runtime_error naming `what` when the last launch failed.
 void check_launch(const char* what);
@@ -16,5 +28,13 @@ void launch_forward_sm80(const Params& p, cudaStream_t stream);
 
 template <typename T, int D>
 void launch_backward_sm80(const Params& p, bool deterministic, cudaStream_t stream);
+
+// sm_90a (wgmma) path: built when CMAKE_CUDA_ARCHITECTURES has 90a (DUALKV_HAS_SM90A), chosen at
+// run time on compute capability 9.x unless DUALKV_FORCE_SM80=1.
+template <typename T, int D>
+void launch_forward_sm90(const Params& p, cudaStream_t stream);
+
+template <typename T, int D>
+void launch_backward_sm90(const Params& p, cudaStream_t stream);
 
 }  // namespace dualkv::cuda::detail

@@ -528,16 +528,6 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, 2) dq_kernel_sm80(const __g
   }
 }
 
-// dq strategy. Measured on an H200 (bf16, D=128, Hq=32, Hkv=8, N=16 P=8192 R=1024): the separate
-// dq pass (7 matmul units, no atomics) took 36.7 ms against 45.5 ms for dk/dv with fused atomic
-// dq (5 units + fp32 atomics), so the atomic-free pass is the default in both modes; the fused
-// atomic variant stays selectable (DUALKV_ATOMIC_DQ=1, never with deterministic=true).
-inline bool use_atomic_dq(bool deterministic) {
-  if (deterministic) return false;
-  const char* e = std::getenv("DUALKV_ATOMIC_DQ");
-  return e && e[0] == '1';
-}
-
 template <typename T, int D>
 void launch_backward_sm80(const Params& p, bool deterministic_requested, cudaStream_t stream) {
   const bool deterministic = !use_atomic_dq(deterministic_requested);

@@ -362,6 +362,10 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   const CpuOut ref = run_cpu(c, in, tb, true);
   const CpuOut lp = run_cpu(c, in, tb, false);
   GpuCase g(c, in, tb);
+  // Both kernel paths: the default (wgmma on sm_90) and the sm_80 one forced.
+  for (int path = 0; path < 2; ++path) {
+  if (path == 1) setenv("DUALKV_FORCE_SM80", "1", 1);
+  std::printf("  path %s\n", path == 0 ? "default" : "DUALKV_FORCE_SM80=1");
   g.forward(true);
   const auto out = download<uint16_t>(g.out, g.nq);
   const auto lse = download<float>(g.lse, g.nl);
@@ -408,6 +412,8 @@ void run_case(const Case& c, std::mt19937_64& rng) {
       dq0 = dq, dk0 = dk, dv0 = dv;
     }
   }
+  unsetenv("DUALKV_FORCE_SM80");
+  }
 }
 
 // Repeats the whole forward + backward `reps` times: out, lse, dk, dv (and dq in deterministic
@@ -428,7 +434,9 @@ void race_test(int reps, std::mt19937_64& rng) {
   std::vector<uint16_t> out0, dk0, dv0, dq0;
   std::vector<float> lse0;
   int bad = 0;
-  for (int det = 0; det < 2; ++det) {
+  for (int mode = 0; mode < 4; ++mode) {
+    const int det = mode & 1;
+    if (mode >= 2) setenv("DUALKV_FORCE_SM80", "1", 1);
     for (int r = 0; r < reps; ++r) {
       g.forward(r == 0);
       g.backward(det, r == 0);
@@ -446,6 +454,7 @@ void race_test(int reps, std::mt19937_64& rng) {
       }
     }
   }
+  unsetenv("DUALKV_FORCE_SM80");
   expect(bad == 0, "race test: " + std::to_string(bad) + " mismatching repeats");
   std::printf("    %s\n", bad == 0 ? "ok: bitwise equal" : "FAIL");
 }
@@ -619,9 +628,12 @@ void bench(int reps) {
       CK(cudaGetLastError());
       return median(ts);
     };
+    for (int path = 0; path < 2; ++path) {
+    if (path == 1) setenv("DUALKV_FORCE_SM80", "1", 1);
     Row r;
     char name[128];
-    std::snprintf(name, sizeof name, "N=%d P=%d R=%d Hq=%d Hkv=%d D=%d", s.N, s.P, s.R, s.Hq, s.Hkv, s.D);
+    std::snprintf(name, sizeof name, "%s N=%d P=%d R=%d Hq=%d Hkv=%d D=%d", path ? "sm80" : "default", s.N, s.P,
+                  s.R, s.Hq, s.Hkv, s.D);
     r.name = name;
     r.fwd = time([&] { cuda::attention_forward(f, nullptr); });
     b.deterministic = false;
@@ -632,13 +644,15 @@ void bench(int reps) {
     r.ff = L.forward_flops(s.D, s.Hq);
     r.bf = L.backward_flops(s.D, s.Hq);
     r.ref = s.ref;
-    CK(cudaEventDestroy(e0));
-    CK(cudaEventDestroy(e1));
     rows.push_back(r);
     std::printf("bench %s: fwd %.2f ms, bwd %.2f ms, bwd(atomic dq) %.2f ms\n", name, r.fwd, r.bwd, r.bwd_det);
     std::fflush(stdout);
+    unsetenv("DUALKV_FORCE_SM80");
+    }
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
   }
-  std::printf("\n| layout | fwd ms (TF/s) | bwd ms (TF/s) | fwd+bwd ms (TF/s) | bwd atomic-dq ms | DESIGN.md fwd+bwd reference |\n");
+  std::printf("\n| layout | fwd ms (TF/s) | bwd ms (TF/s) | fwd+bwd ms (TF/s) | bwd atomic-dq ms (sm80) | DESIGN.md fwd+bwd reference |\n");
   std::printf("|---|---|---|---|---|---|\n");
   for (const Row& r : rows) {
     std::printf("| %s | %.2f (%.0f) | %.2f (%.0f) | %.2f (%.0f) | %.2f | %s |\n", r.name.c_str(), r.fwd,

@@ -1,0 +1,396 @@
+// sm_90a backward: the sm_80 backward's schedule (preprocess; dK/dV over key blocks in a fixed
+// order; dQ over query blocks), with the matrix products on wgmma. Atomic-free and deterministic.
+//   dkdv: one CTA per (128-key tile, kv head), two warpgroups of 64 keys. Per query block:
+//         S^T = K Q^T and dP^T = V dO^T (SS), then dV += P^T dO and dK += dS^T Q with P^T and dS^T
+//         from registers (RS, dO and Q MN-major). Head dims 64 and 128 (D = 256 would need 256
+//         accumulator registers per thread: it uses the sm_80 dkdv kernel).
+//   dq:   one CTA per (128-query tile, q head), two warpgroups of 64 queries, walking the key
+//         blocks like the forward: S = Q K^T, dP = dO V^T (SS), dQ += dS K (RS, K MN-major).
+#pragma once
+
+#include "sm80_bwd.cuh"
+#include "sm90_common.cuh"
+
+namespace dualkv::cuda::detail {
+
+template <int D>
+struct Dkdv90Cfg {
+  static constexpr int BN = kTileSize;  // 128 keys: 2 warpgroups x 64
+  static constexpr int BM = 64;         // queries per iteration
+  static constexpr int THREADS = 256;
+  static constexpr int K_BYTES = BN * D * 2;
+  static constexpr int Q_BYTES = BM * D * 2;
+  static constexpr int OFF_V = K_BYTES;
+  static constexpr int OFF_Q = 2 * K_BYTES;
+  static constexpr int OFF_DO = OFF_Q + 2 * Q_BYTES;
+  static constexpr int OFF_L = OFF_DO + 2 * Q_BYTES;  // lse2[2][BM], delta[2][BM]
+  static constexpr int SMEM = OFF_L + 4 * BM * 4 + 1024;
+};
+
+template <typename T, int D, bool kCap>
+__global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant__ Params p) {
+#if DUALKV_SM90_BODY
+  using Cfg = Dkdv90Cfg<D>;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, THREADS = Cfg::THREADS;
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
+  unsigned char* gbase = smem + (base - smem_u32(smem));
+  const uint32_t sK = base, sV = base + Cfg::OFF_V;
+  const uint32_t sQ0 = base + Cfg::OFF_Q, sdO0 = base + Cfg::OFF_DO, sL0 = base + Cfg::OFF_L;
+  const float* lse_s = reinterpret_cast<const float*>(gbase + Cfg::OFF_L);
+  const float* del_s = lse_s + 2 * BM;
+
+  const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+  const int hk = int(blockIdx.x % unsigned(p.Hkv));
+  const int ti = int(blockIdx.x / unsigned(p.Hkv));
+  const Tile tile = p.ktiles[ti];
+  const int k0 = tile.begin, nk = tile.end - tile.begin;
+  const int ksi = tile.segment;
+  const Segment kseg = p.segs[ksi];
+  const int pk_first = kseg.pos0 + (k0 - kseg.start), pk_last = pk_first + nk - 1;
+
+  load_tile_sw128<BN, D, THREADS>(sK, static_cast<const T*>(p.k) + int64_t(k0) * p.k_tok + int64_t(hk) * p.k_head,
+                                  p.k_tok, nk);
+  load_tile_sw128<BN, D, THREADS>(sV, static_cast<const T*>(p.v) + int64_t(k0) * p.v_tok + int64_t(hk) * p.v_head,
+                                  p.v_tok, nk);
+
+  auto issue = [&](const QIter& it, int stage) {
+    const int h = hk * p.group + it.hi;
+    const int qs = it.qs.start + it.qb * BM;
+    const int nq = min(BM, it.qs.len - it.qb * BM);
+    load_tile_sw128<BM, D, THREADS>(sQ0 + stage * Cfg::Q_BYTES,
+                                    static_cast<const T*>(p.q) + int64_t(qs) * p.q_tok + int64_t(h) * p.q_head,
+                                    p.q_tok, nq);
+    load_tile_sw128<BM, D, THREADS>(sdO0 + stage * Cfg::Q_BYTES,
+                                    static_cast<const T*>(p.dout) + (int64_t(qs) * p.Hq + h) * D,
+                                    int64_t(p.Hq) * D, nq);
+    if (tid < 2 * BM) {
+      const int r = tid % BM;
+      const float* src = (tid < BM ? p.lse2 : p.delta) + int64_t(h) * p.T + qs + (r < nq ? r : 0);
+      cp_async4(sL0 + ((tid < BM ? 0 : 2 * BM) + stage * BM + r) * 4, src, r < nq);
+    }
+  };
+  auto advance = [&](QIter& it) -> bool {
+    if (++it.qb < it.qb_end) return true;
+    if (seek_query_region<BM>(p, kseg, ksi, it.si + 1, pk_first, pk_last, it)) return true;
+    if (++it.hi < p.group) return seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pk_last, it);
+    return false;
+  };
+
+  QIter cur;
+  cur.hi = 0;
+  bool valid = seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pk_last, cur);
+  if (valid) issue(cur, 0);
+  cp_commit();
+
+  const int g = lane >> 2, tq = lane & 3;
+  const int kr0 = wg * 64 + (warp & 3) * 16 + g;  // key rows kr0, kr0 + 8
+  constexpr int AR = D / 2, SR = BM / 2;
+  float dk[AR], dv[AR];
+#pragma unroll
+  for (int i = 0; i < AR; ++i) dk[i] = dv[i] = 0.f;
+
+  int stage = 0;
+  while (valid) {
+    QIter nxt = cur;
+    const bool has_next = advance(nxt);
+    if (has_next) {
+      issue(nxt, stage ^ 1);
+      cp_commit();
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    fence_proxy_async();
+    __syncthreads();
+
+    const int nq = min(BM, cur.qs.len - cur.qb * BM);
+    const int pq_first = cur.qs.pos0 + cur.qb * BM;
+    const bool msk = needs_mask(nq, BM, nk, BN, pq_first, pq_first + nq - 1, pk_first, pk_last, p.mask);
+    const uint32_t sQ = sQ0 + stage * Cfg::Q_BYTES, sdO = sdO0 + stage * Cfg::Q_BYTES;
+    const float* lse_c = lse_s + stage * BM;
+    const float* del_c = del_s + stage * BM;
+
+    float s[SR], dp[SR];
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      Wgmma<T, BM>::template ss<0>(s, desc_kmajor<BN>(sK, wg * 64, kk * 16), desc_kmajor<BM>(sQ, 0, kk * 16), kk > 0);
+    }
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      Wgmma<T, BM>::template ss<0>(dp, desc_kmajor<BN>(sV, wg * 64, kk * 16), desc_kmajor<BM>(sdO, 0, kk * 16),
+                                   kk > 0);
+    }
+    wg_commit();
+    wg_wait<0>();
+    fence_regs(s);
+    fence_regs(dp);
+
+#pragma unroll
+    for (int i = 0; i < SR; ++i) {
+      const int nt = i >> 2, e = i & 3;
+      const int qc = nt * 8 + 2 * tq + (e & 1);
+      const int kr = kr0 + (e >> 1) * 8;
+      float x, dcap = 1.f;
+      if constexpr (kCap) {
+        const float t = tanhf(s[i] * p.cap_inv);
+        x = p.cap_log2 * t;
+        dcap = 1.f - t * t;
+      } else {
+        x = s[i] * p.scale_log2;
+      }
+      float pr = fast_exp2(x - lse_c[qc]);
+      if (msk && !(kr < nk && qc < nq && p.mask.allowed(pq_first + qc, pk_first + kr))) pr = 0.f;
+      s[i] = pr;
+      dp[i] = pr * (dp[i] - del_c[qc]) * dcap;
+    }
+    uint32_t pa[BM / 16][4], da[BM / 16][4];
+#pragma unroll
+    for (int kt = 0; kt < BM / 16; ++kt) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        pa[kt][c] = pack2<T>(s[8 * kt + 2 * c], s[8 * kt + 2 * c + 1]);
+        da[kt][c] = pack2<T>(dp[8 * kt + 2 * c], dp[8 * kt + 2 * c + 1]);
+      }
+    }
+    fence_regs(pa);
+    fence_regs(da);
+    fence_regs(dv);
+    fence_regs(dk);
+    wg_fence();
+#pragma unroll
+    for (int kt = 0; kt < BM / 16; ++kt) Wgmma<T, D>::template rs<1>(dv, pa[kt], desc_mnmajor<BM>(sdO, kt * 16), 1);
+#pragma unroll
+    for (int kt = 0; kt < BM / 16; ++kt) Wgmma<T, D>::template rs<1>(dk, da[kt], desc_mnmajor<BM>(sQ, kt * 16), 1);
+    wg_commit();
+    wg_wait<0>();
+    fence_regs(dv);
+    fence_regs(dk);
+    fence_regs(pa);
+    fence_regs(da);
+    __syncthreads();
+    cur = nxt;
+    valid = has_next;
+    stage ^= 1;
+  }
+  cp_wait<0>();
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int kr = kr0 + 8 * r;
+    if (kr < nk) {
+      const int64_t off = (int64_t(k0 + kr) * p.Hkv + hk) * D + 2 * tq;
+      T* dkg = static_cast<T*>(p.dk) + off;
+      T* dvg = static_cast<T*>(p.dv) + off;
+#pragma unroll
+      for (int nd = 0; nd < D / 8; ++nd) {
+        *reinterpret_cast<uint32_t*>(dkg + nd * 8) = pack2<T>(dk[nd * 4 + 2 * r] * p.scale, dk[nd * 4 + 2 * r + 1] * p.scale);
+        *reinterpret_cast<uint32_t*>(dvg + nd * 8) = pack2<T>(dv[nd * 4 + 2 * r], dv[nd * 4 + 2 * r + 1]);
+      }
+    }
+  }
+#endif
+}
+
+template <int D>
+struct Dq90Cfg {
+  static constexpr int BM = kTileSize;  // 128 queries: 2 warpgroups x 64
+  static constexpr int BN = D >= 256 ? 32 : 64;
+  static constexpr int THREADS = 256;
+  static constexpr int Q_BYTES = BM * D * 2;
+  static constexpr int KV_BYTES = BN * D * 2;
+  static constexpr int SMEM = 2 * Q_BYTES + 4 * KV_BYTES + 1024;
+};
+
+template <typename T, int D, bool kCap>
+__global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const __grid_constant__ Params p) {
+#if DUALKV_SM90_BODY
+  using Cfg = Dq90Cfg<D>;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, THREADS = Cfg::THREADS;
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
+  const uint32_t sQ = base, sdO = base + Cfg::Q_BYTES;
+  const uint32_t sK0 = sdO + Cfg::Q_BYTES, sV0 = sK0 + 2 * Cfg::KV_BYTES;
+
+  const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+  const int h = int(blockIdx.x % unsigned(p.Hq));
+  const int ti = int(blockIdx.x / unsigned(p.Hq));
+  const Tile tile = p.qtiles[ti];
+  const Segment seg = p.segs[tile.segment];
+  const int q0 = tile.begin, nq = tile.end - tile.begin;
+  const int hk = h / p.group;
+  const T* kg = static_cast<const T*>(p.k) + int64_t(hk) * p.k_head;
+  const T* vg = static_cast<const T*>(p.v) + int64_t(hk) * p.v_head;
+
+  load_tile_sw128<BM, D, THREADS>(sQ, static_cast<const T*>(p.q) + int64_t(q0) * p.q_tok + int64_t(h) * p.q_head,
+                                  p.q_tok, nq);
+  load_tile_sw128<BM, D, THREADS>(sdO, static_cast<const T*>(p.dout) + (int64_t(q0) * p.Hq + h) * D,
+                                  int64_t(p.Hq) * D, nq);
+
+  Region reg[2];
+  key_regions(seg, reg);
+  const Region r0 = reg[0], r1 = reg[1];
+  const int pq_first = seg.pos0 + (q0 - seg.start), pq_last = pq_first + nq - 1;
+  int b00 = 0, b01 = 0;
+  const int nb0 = key_blocks<BN>(r0, pq_first, pq_last, p.mask, &b00);
+  const int nb1 = key_blocks<BN>(r1, pq_first, pq_last, p.mask, &b01);
+  const int total = nb0 + nb1;
+  auto block_of = [&](int j, Region& R, int& kb) {
+    const bool first = j < nb0;
+    R = first ? r0 : r1;
+    kb = (first ? b00 + j : b01 + j - nb0) * BN;
+  };
+  auto load_kv = [&](int j, int stage) {
+    Region R;
+    int kb;
+    block_of(j, R, kb);
+    const int nk = min(BN, R.len - kb);
+    const int64_t ks = int64_t(R.start) + kb;
+    load_tile_sw128<BN, D, THREADS>(sK0 + stage * Cfg::KV_BYTES, kg + ks * p.k_tok, p.k_tok, nk);
+    load_tile_sw128<BN, D, THREADS>(sV0 + stage * Cfg::KV_BYTES, vg + ks * p.v_tok, p.v_tok, nk);
+  };
+  if (total > 0) load_kv(0, 0);
+  cp_commit();
+
+  const int g = lane >> 2, tq = lane & 3;
+  const int row0 = wg * 64 + (warp & 3) * 16 + g;
+  float lse2[2], del[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + 8 * r;
+    lse2[r] = row < nq ? p.lse2[int64_t(h) * p.T + q0 + row] : INFINITY;
+    del[r] = row < nq ? p.delta[int64_t(h) * p.T + q0 + row] : 0.f;
+  }
+  constexpr int AR = D / 2, SR = BN / 2;
+  float acc[AR];
+#pragma unroll
+  for (int i = 0; i < AR; ++i) acc[i] = 0.f;
+
+  for (int j = 0; j < total; ++j) {
+    const int st = j & 1;
+    if (j + 1 < total) {
+      load_kv(j + 1, st ^ 1);
+      cp_commit();
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    fence_proxy_async();
+    __syncthreads();
+    const uint32_t sK = sK0 + st * Cfg::KV_BYTES, sV = sV0 + st * Cfg::KV_BYTES;
+
+    float s[SR], dp[SR];
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      Wgmma<T, BN>::template ss<0>(s, desc_kmajor<BM>(sQ, wg * 64, kk * 16), desc_kmajor<BN>(sK, 0, kk * 16), kk > 0);
+    }
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      Wgmma<T, BN>::template ss<0>(dp, desc_kmajor<BM>(sdO, wg * 64, kk * 16), desc_kmajor<BN>(sV, 0, kk * 16),
+                                   kk > 0);
+    }
+    wg_commit();
+    wg_wait<0>();
+    fence_regs(s);
+    fence_regs(dp);
+
+    Region R;
+    int kb;
+    block_of(j, R, kb);
+    const int nk = min(BN, R.len - kb);
+    const int pk_first = R.pos0 + kb;
+    const bool msk = needs_mask(nq, BM, nk, BN, pq_first, pq_last, pk_first, pk_first + BN - 1, p.mask);
+#pragma unroll
+    for (int i = 0; i < SR; ++i) {
+      const int nt = i >> 2, e = i & 3, r = e >> 1;
+      float x, dcap = 1.f;
+      if constexpr (kCap) {
+        const float t = tanhf(s[i] * p.cap_inv);
+        x = p.cap_log2 * t;
+        dcap = 1.f - t * t;
+      } else {
+        x = s[i] * p.scale_log2;
+      }
+      float pr = fast_exp2(x - lse2[r]);
+      if (msk) {
+        const int kr = kb + nt * 8 + 2 * tq + (e & 1);
+        if (!(kr < R.len && p.mask.allowed(pq_first + row0 + 8 * r, R.pos0 + kr))) pr = 0.f;
+      }
+      dp[i] = pr * (dp[i] - del[r]) * dcap;
+    }
+    uint32_t da[BN / 16][4];
+#pragma unroll
+    for (int kt = 0; kt < BN / 16; ++kt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) da[kt][c] = pack2<T>(dp[8 * kt + 2 * c], dp[8 * kt + 2 * c + 1]);
+    fence_regs(da);
+    fence_regs(acc);
+    wg_fence();
+#pragma unroll
+    for (int kt = 0; kt < BN / 16; ++kt) Wgmma<T, D>::template rs<1>(acc, da[kt], desc_mnmajor<BN>(sK, kt * 16), 1);
+    wg_commit();
+    wg_wait<0>();
+    fence_regs(acc);
+    fence_regs(da);
+    __syncthreads();
+  }
+  cp_wait<0>();
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + 8 * r;
+    if (row < nq) {
+      T* dst = static_cast<T*>(p.dq) + (int64_t(q0 + row) * p.Hq + h) * D + 2 * tq;
+#pragma unroll
+      for (int nd = 0; nd < D / 8; ++nd) {
+        *reinterpret_cast<uint32_t*>(dst + nd * 8) = pack2<T>(acc[nd * 4 + 2 * r] * p.scale, acc[nd * 4 + 2 * r + 1] * p.scale);
+      }
+    }
+  }
+#endif
+}
+
+template <typename T, int D>
+void launch_backward_sm90(const Params& p, cudaStream_t stream) {
+  const int64_t rows = int64_t(p.T) * p.Hq;
+  if (rows == 0) return;
+  {
+    const int64_t threads = rows * (D / 8);
+    bwd_pre_kernel<T, D><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(p, false);
+    check_launch("dualkv backward preprocess");
+  }
+  const bool cap = p.softcap > 0.f;
+  if constexpr (D <= 128) {
+    using C = Dkdv90Cfg<D>;
+    const int64_t grid = int64_t(p.nkt) * p.Hkv;
+    if (grid > 0) {
+      auto kernel = cap ? dkdv_kernel_sm90<T, D, true> : dkdv_kernel_sm90<T, D, false>;
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
+      kernel<<<unsigned(grid), C::THREADS, C::SMEM, stream>>>(p);
+      check_launch("dualkv backward dk/dv (sm90a)");
+    }
+  } else {
+    using C = BwdCfg<D>;
+    const int64_t grid = int64_t(p.nkt) * (kTileSize / C::BN) * p.Hkv;
+    if (grid > 0) {
+      auto kernel = cap ? dkdv_kernel_sm80<T, D, true, false> : dkdv_kernel_sm80<T, D, false, false>;
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
+      kernel<<<unsigned(grid), C::THREADS, C::SMEM, stream>>>(p);
+      check_launch("dualkv backward dk/dv (sm80 kernel, D=256)");
+    }
+  }
+  {
+    using C = Dq90Cfg<D>;
+    const int64_t grid = int64_t(p.nqt) * p.Hq;
+    if (grid > 0) {
+      auto kernel = cap ? dq_kernel_sm90<T, D, true> : dq_kernel_sm90<T, D, false>;
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
+      kernel<<<unsigned(grid), C::THREADS, C::SMEM, stream>>>(p);
+      check_launch("dualkv backward dq (sm90a)");
+    }
+  }
+}
+
+}  // namespace dualkv::cuda::detail

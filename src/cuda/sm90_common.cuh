@@ -1,0 +1,99 @@
+// sm_90a helpers: wgmma fences, shared-memory matrix descriptors and the 128-byte-swizzled tile
+// layout the descriptors describe. Kernels that use them are compiled for sm_90a only (their
+// bodies are empty elsewhere) and selected at run time on compute capability 9.x.
+#pragma once
+
+#include "common.cuh"
+#include "wgmma_ops.cuh"
+
+namespace dualkv::cuda::detail {
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define DUALKV_SM90_BODY 1
+#else
+#define DUALKV_SM90_BODY 0
+#endif
+
+#if DUALKV_SM90_BODY
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+#else
+__device__ __forceinline__ void wg_fence() {}
+__device__ __forceinline__ void wg_commit() {}
+template <int N>
+__device__ __forceinline__ void wg_wait() {}
+#endif
+// Keeps the compiler from moving accesses of accumulator registers across wgmma waits/fences.
+template <int R>
+__device__ __forceinline__ void fence_regs(float (&d)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// The same for 32-bit fragments that an RS wgmma reads asynchronously: fencing them after the
+// wait keeps them live (unchanged, unreused) until the wgmma has consumed them.
+template <int R, int C>
+__device__ __forceinline__ void fence_regs(uint32_t (&a)[R][C]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int j = 0; j < C; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
+}
+// Orders this thread's generic-proxy shared-memory writes (cp.async, st.shared) before later
+// async-proxy reads (wgmma operands).
+__device__ __forceinline__ void fence_proxy_async() {
+#if DUALKV_SM90_BODY
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+// Tile layout ("SW128"): a [ROWS][D] 16-bit tile is stored as D/64 column blocks of ROWS x 128 B;
+// in row r the 16-byte chunk c (of the block) lives at chunk c ^ (r & 7). The tile base must be
+// 1024-byte aligned. This is the canonical 128B-swizzled wgmma layout, K-major when rows are the
+// M/N dimension (Q, K as B of Q K^T) and MN-major when rows are the K dimension (V in P V).
+template <int ROWS>
+__device__ __forceinline__ uint32_t sw128(int r, int c) {  // byte offset of element (r, c), c % 8 == 0
+  return uint32_t((c >> 6) * (ROWS * 128) + r * 128 + ((((c & 63) >> 3) ^ (r & 7)) << 4));
+}
+
+template <int ROWS, int D, int THREADS, typename T>
+__device__ __forceinline__ void load_tile_sw128(uint32_t s_base, const T* base, int64_t row_stride, int valid) {
+  constexpr int kChunks = D / 8;
+  constexpr int kTotal = ROWS * kChunks;
+  static_assert(kTotal % THREADS == 0, "tile chunks must divide by the thread count");
+#pragma unroll
+  for (int i = 0; i < kTotal / THREADS; ++i) {
+    const int idx = i * THREADS + int(threadIdx.x);
+    const int r = idx / kChunks, c = (idx % kChunks) * 8;
+    const bool ok = r < valid;
+    const T* src = base + (ok ? int64_t(r) * row_stride + c : 0);
+    cp_async16(s_base + sw128<ROWS>(r, c), src, ok);
+  }
+}
+
+// Shared-memory matrix descriptor, 128-byte swizzle. lbo/sbo in bytes.
+__device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  uint64_t d = 0;
+  d |= uint64_t((addr & 0x3FFFF) >> 4);
+  d |= uint64_t((lbo & 0x3FFFF) >> 4) << 16;
+  d |= uint64_t((sbo & 0x3FFFF) >> 4) << 32;
+  d |= uint64_t(1) << 62;  // SWIZZLE_128B
+  return d;
+}
+// K-major operand (rows = M or N, 16 columns of K from column k0 (multiple of 16)) of an SW128 tile
+// with ROWS rows, starting at row r0 (multiple of 8).
+template <int ROWS>
+__device__ __forceinline__ uint64_t desc_kmajor(uint32_t tile, int r0, int k0) {
+  return make_desc(tile + (k0 >> 6) * (ROWS * 128) + r0 * 128 + (k0 & 63) * 2, 16, 1024);
+}
+// MN-major operand (rows = K: 16 rows from k0 (multiple of 16); all D columns = N) of an SW128
+// tile with ROWS rows.
+template <int ROWS>
+__device__ __forceinline__ uint64_t desc_mnmajor(uint32_t tile, int k0) {
+  return make_desc(tile + k0 * 128, ROWS * 128, 1024);
+}
+
+}  // namespace dualkv::cuda::detail

@@ -1,0 +1,201 @@
+// sm_90a forward: the sm_80 forward's schedule (one CTA per (query tile, q head), region A then
+// region B, one online softmax, masks only on boundary blocks) with the matrix products on wgmma:
+// two warpgroups of 64 query rows each; S = Q K^T with both operands in shared memory, O += P V
+// with P in registers. K/V blocks are double-buffered with cp.async (no TMA, no warp
+// specialisation yet).
+#pragma once
+
+#include "launch.h"
+#include "sm90_common.cuh"
+
+namespace dualkv::cuda::detail {
+
+template <int D>
+struct Fwd90Cfg {
+  static constexpr int BM = kTileSize;          // 128 rows: 2 warpgroups x 64
+  static constexpr int BN = D >= 256 ? 64 : 128;
+  static constexpr int THREADS = 256;
+  static constexpr int Q_BYTES = BM * D * 2;
+  static constexpr int KV_BYTES = BN * D * 2;
+  static constexpr int SMEM = Q_BYTES + 4 * KV_BYTES + 1024;  // + alignment slack
+};
+
+template <typename T, int D, bool kCap>
+__global__ void __launch_bounds__(256, 1) fwd_kernel_sm90(const __grid_constant__ Params p) {
+#if DUALKV_SM90_BODY
+  using Cfg = Fwd90Cfg<D>;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, THREADS = Cfg::THREADS;
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
+  const uint32_t sQ = base;
+  const uint32_t sK0 = sQ + Cfg::Q_BYTES;                  // stage s: + s * KV_BYTES
+  const uint32_t sV0 = sK0 + 2 * Cfg::KV_BYTES;
+
+  const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int wg = warp >> 2;
+  const int h = int(blockIdx.x % unsigned(p.Hq));
+  const int ti = int(blockIdx.x / unsigned(p.Hq));
+  const Tile tile = p.qtiles[ti];
+  const Segment seg = p.segs[tile.segment];
+  const int q0 = tile.begin, nq = tile.end - tile.begin;
+  const int hk = h / p.group;
+  const T* qg = static_cast<const T*>(p.q) + int64_t(q0) * p.q_tok + int64_t(h) * p.q_head;
+  const T* kg = static_cast<const T*>(p.k) + int64_t(hk) * p.k_head;
+  const T* vg = static_cast<const T*>(p.v) + int64_t(hk) * p.v_head;
+
+  load_tile_sw128<BM, D, THREADS>(sQ, qg, p.q_tok, nq);
+
+  Region reg[2];
+  key_regions(seg, reg);
+  const Region r0 = reg[0], r1 = reg[1];
+  const int pq_first = seg.pos0 + (q0 - seg.start), pq_last = pq_first + nq - 1;
+  int b00 = 0, b01 = 0;
+  const int nb0 = key_blocks<BN>(r0, pq_first, pq_last, p.mask, &b00);
+  const int nb1 = key_blocks<BN>(r1, pq_first, pq_last, p.mask, &b01);
+  const int total = nb0 + nb1;
+  auto block_of = [&](int j, Region& R, int& kb) {
+    const bool first = j < nb0;
+    R = first ? r0 : r1;
+    kb = (first ? b00 + j : b01 + j - nb0) * BN;
+  };
+  auto load_kv = [&](int j, int stage) {
+    Region R;
+    int kb;
+    block_of(j, R, kb);
+    const int nk = min(BN, R.len - kb);
+    const int64_t ks = int64_t(R.start) + kb;
+    load_tile_sw128<BN, D, THREADS>(sK0 + stage * Cfg::KV_BYTES, kg + ks * p.k_tok, p.k_tok, nk);
+    load_tile_sw128<BN, D, THREADS>(sV0 + stage * Cfg::KV_BYTES, vg + ks * p.v_tok, p.v_tok, nk);
+  };
+  if (total > 0) load_kv(0, 0);
+  cp_commit();
+
+  constexpr int OR = D / 2, SR = BN / 2;  // accumulator floats per thread
+  float o[OR];
+#pragma unroll
+  for (int i = 0; i < OR; ++i) o[i] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+  const int g = lane >> 2, tq = lane & 3;
+  const int row0 = wg * 64 + (warp & 3) * 16 + g;  // rows row0, row0 + 8
+
+  for (int j = 0; j < total; ++j) {
+    const int st = j & 1;
+    if (j + 1 < total) {
+      load_kv(j + 1, st ^ 1);
+      cp_commit();
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    fence_proxy_async();
+    __syncthreads();
+    const uint32_t sK = sK0 + st * Cfg::KV_BYTES, sV = sV0 + st * Cfg::KV_BYTES;
+
+    float s[SR];
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      Wgmma<T, BN>::template ss<0>(s, desc_kmajor<BM>(sQ, wg * 64, kk * 16), desc_kmajor<BN>(sK, 0, kk * 16),
+                                   kk > 0);
+    }
+    wg_commit();
+    wg_wait<0>();
+    fence_regs(s);
+
+    Region R;
+    int kb;
+    block_of(j, R, kb);
+    const int nk = min(BN, R.len - kb);
+    const int pk_first = R.pos0 + kb;
+    const bool msk = needs_mask(nq, BM, nk, BN, pq_first, pq_last, pk_first, pk_first + BN - 1, p.mask);
+#pragma unroll
+    for (int i = 0; i < SR; ++i) {
+      const int nt = i >> 2, e = i & 3;
+      float x;
+      if constexpr (kCap) {
+        x = p.cap_log2 * tanhf(s[i] * p.cap_inv);
+      } else {
+        x = s[i] * p.scale_log2;
+      }
+      if (msk) {
+        const int pq = pq_first + row0 + (e >> 1) * 8;
+        const int kr = kb + nt * 8 + 2 * tq + (e & 1);
+        if (!(kr < R.len && p.mask.allowed(pq, R.pos0 + kr))) x = -INFINITY;
+      }
+      s[i] = x;
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = m_run[r];
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt * 4 + 2 * r], s[nt * 4 + 2 * r + 1]));
+      mx = quad_max(mx);
+      const float mu = mx == -INFINITY ? 0.f : mx;
+      const float corr = fast_exp2(m_run[r] - mu);
+      m_run[r] = mx;
+      l_run[r] *= corr;
+#pragma unroll
+      for (int nd = 0; nd < D / 8; ++nd) {
+        o[nd * 4 + 2 * r] *= corr;
+        o[nd * 4 + 2 * r + 1] *= corr;
+      }
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) {
+        const float p0 = fast_exp2(s[nt * 4 + 2 * r] - mu), p1 = fast_exp2(s[nt * 4 + 2 * r + 1] - mu);
+        s[nt * 4 + 2 * r] = p0;
+        s[nt * 4 + 2 * r + 1] = p1;
+        l_run[r] += p0 + p1;
+      }
+    }
+
+    // O += P V (P from registers, V MN-major).
+    uint32_t pa[BN / 16][4];
+#pragma unroll
+    for (int kt = 0; kt < BN / 16; ++kt) {
+      pa[kt][0] = pack2<T>(s[8 * kt + 0], s[8 * kt + 1]);
+      pa[kt][1] = pack2<T>(s[8 * kt + 2], s[8 * kt + 3]);
+      pa[kt][2] = pack2<T>(s[8 * kt + 4], s[8 * kt + 5]);
+      pa[kt][3] = pack2<T>(s[8 * kt + 6], s[8 * kt + 7]);
+    }
+    fence_regs(pa);
+    fence_regs(o);
+    wg_fence();
+#pragma unroll
+    for (int kt = 0; kt < BN / 16; ++kt) Wgmma<T, D>::template rs<1>(o, pa[kt], desc_mnmajor<BN>(sV, kt * 16), 1);
+    wg_commit();
+    wg_wait<0>();
+    fence_regs(o);
+    fence_regs(pa);
+    __syncthreads();
+  }
+  cp_wait<0>();
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float l = quad_sum(l_run[r]);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int row = row0 + 8 * r;
+    if (row < nq) {
+      T* og = static_cast<T*>(p.out) + (int64_t(q0 + row) * p.Hq + h) * D;
+#pragma unroll
+      for (int nd = 0; nd < D / 8; ++nd) {
+        *reinterpret_cast<uint32_t*>(og + nd * 8 + 2 * tq) = pack2<T>(o[nd * 4 + 2 * r] * inv, o[nd * 4 + 2 * r + 1] * inv);
+      }
+      if (tq == 0) p.lse[int64_t(h) * p.T + q0 + row] = l > 0.f ? (m_run[r] + log2f(l)) * kLn2 : -INFINITY;
+    }
+  }
+#endif
+}
+
+template <typename T, int D>
+void launch_forward_sm90(const Params& p, cudaStream_t stream) {
+  using Cfg = Fwd90Cfg<D>;
+  const int64_t grid = int64_t(p.nqt) * p.Hq;
+  if (grid == 0) return;
+  auto kernel = p.softcap > 0.f ? fwd_kernel_sm90<T, D, true> : fwd_kernel_sm90<T, D, false>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM);
+  kernel<<<unsigned(grid), Cfg::THREADS, Cfg::SMEM, stream>>>(p);
+  check_launch("dualkv forward (sm90a)");
+}
+
+}  // namespace dualkv::cuda::detail
