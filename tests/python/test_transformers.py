@@ -87,7 +87,7 @@ def test_packed_step_equals_rows_fp32(seed, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_packed_step_bf16_tolerance(seed, family):
-    """bf16: |packed - fp64 ref| <= 2-3 x |rows bf16 - fp64 ref| + slack, log-probs, loss, grads.
+    """bf16: error vs an fp64 reference within 2.5-3x the bf16 rows' error: log-probs, loss, grads.
 
     The ratio clip is opened wide here so that the loss is smooth: a bf16 rounding that moves a
     token across the clip boundary would change the gradient discontinuously on either path
@@ -106,16 +106,23 @@ def test_packed_step_bf16_tolerance(seed, family):
         return (a.double() - b.double()).abs().max().item()
 
     e_r, e_p = err(lp_r, lp_ref), err(lp_p, lp_ref)
-    assert e_p <= 2 * e_r + 1e-2, ("logprobs", e_p, e_r)
-    # the scalar loss sums per-token errors that may cancel on one path and not on the other:
-    # allow what the rows' own log-prob error implies for a mean of A * ratio terms
-    e_lp_rows = e_r
+    assert e_p <= 2.5 * e_r + 1e-2, ("logprobs", e_p, e_r)
+    # the loss is one function of the log-probs on both paths (checked exactly in test_losses):
+    # its error must stay within what the log-prob error allows, |dL| <= max|A * ratio| * |dlogp|
+    # (x1.5 for the exp's curvature), or within 2x the rows' own loss error
+    ratio = torch.exp(lp_ref - old) * pk.response_mask
+    bound = (adv[:, None].abs() * ratio).max().item() * e_p * 1.5
     e_r, e_p = err(loss_r, loss_ref), err(loss_p, loss_ref)
-    assert e_p <= 2 * e_r + 0.25 * adv.abs().max().item() * e_lp_rows + 1e-4, ("loss", e_p, e_r)
+    assert e_p <= max(2 * e_r, bound) + 1e-4, ("loss", e_p, e_r, bound)
+
+    # gradients: relative L2 error per parameter (with bf16 everywhere in the model, the max
+    # element error of either path is a noisy extreme; the L2 error is what accumulates)
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
     for name, gref in g_ref.items():
-        scale = gref.abs().max().item()
-        e_r, e_p = err(g_r[name], gref), err(g_p[name], gref)
-        assert e_p <= 3 * e_r + 1e-2 * scale + 1e-6, (name, e_p, e_r, scale)
+        e_r, e_p = rel(g_r[name], gref), rel(g_p[name], gref)
+        assert e_p <= 3 * e_r + 1e-3, (name, e_p, e_r)
 
 
 def _grads(model):
