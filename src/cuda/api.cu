@@ -172,7 +172,10 @@ void attention_forward(const ForwardArgs& a, cudaStream_t stream) {
     using T = decltype(t);
     constexpr int D = decltype(d)::value;
 #if DUALKV_HAS_SM90A
-    if (sm90) return launch_forward_sm90<T, D>(p, stream);
+    // D = 64: the sm_80 forward measured faster on an H200 (2.02 vs 2.28 ms, N=16 P=R=2048, Hq=16).
+    if constexpr (D != 64) {
+      if (sm90) return launch_forward_sm90<T, D>(p, stream);
+    }
 #endif
     launch_forward_sm80<T, D>(p, stream);
   });
