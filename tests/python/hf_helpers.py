@@ -9,7 +9,7 @@ import torch
 VOCAB = 131
 
 
-def tiny_config(family: str, window: int = 5) -> object:
+def tiny_config(family: str, window: int = 5, head_dim: int = 16) -> object:
     """A tiny random config of ``family`` (qwen3, llama, gemma3, qwen3-sliding)."""
     common = dict(
         vocab_size=VOCAB,
@@ -17,7 +17,7 @@ def tiny_config(family: str, window: int = 5) -> object:
         intermediate_size=96,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=head_dim,
         max_position_embeddings=512,
         rms_norm_eps=1e-6,
     )
@@ -54,12 +54,14 @@ def tiny_config(family: str, window: int = 5) -> object:
     raise ValueError(family)
 
 
-def tiny_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
+def tiny_model(
+    family: str, dtype: torch.dtype = torch.float32, seed: int = 0, head_dim: int = 16
+) -> torch.nn.Module:
     """A tiny random causal LM; its weights are scaled up a little so logits are not flat."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = tiny_config(family)
+    config = tiny_config(family, head_dim=head_dim)
     config._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     with torch.no_grad():

@@ -47,7 +47,10 @@ def _batch(seed: int, groups: int = 3):
 def _step(
     model, ids, mask, pw, pk, adv, old, packed: bool, clip: tuple[float, float] = (0.2, 0.28)
 ):
-    """One policy-update step; returns (logprobs, loss, {param: grad})."""
+    """One policy-update step on the model's device; returns (logprobs, loss, {param: grad})."""
+    dev = next(model.parameters()).device
+    if dev.type != "cpu":
+        ids, mask, pk, adv, old = ids.to(dev), mask.to(dev), pk.to(dev), adv.to(dev), old.to(dev)
     model.zero_grad(set_to_none=True)
     model.set_attn_implementation("dualkv" if packed else "sdpa")
     if packed:
@@ -56,8 +59,8 @@ def _step(
         lp = dkt.rows_response_logprobs(model, ids, mask, pw, temperature=TEMPERATURE)
     loss, _ = dapo_loss(lp, old, adv, pk.response_mask, clip_low=clip[0], clip_high=clip[1])
     loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return lp.detach(), loss.detach(), grads
+    grads = {n: p.grad.detach().cpu() for n, p in model.named_parameters() if p.grad is not None}
+    return lp.detach().cpu(), loss.detach().cpu(), grads
 
 
 def _old_logprobs(model, ids, mask, pw, noise):
@@ -85,8 +88,9 @@ def test_packed_step_equals_rows_fp32(seed, family):
         assert err <= 1e-4 * scale + 1e-7, (name, err, scale)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_packed_step_bf16_tolerance(seed, family):
+def test_packed_step_bf16_tolerance(seed, family, device):
     """bf16: error vs an fp64 reference within 2.5-3x the bf16 rows' error: log-probs, loss, grads.
 
     The ratio clip is opened wide here so that the loss is smooth: a bf16 rounding that moves a
@@ -94,11 +98,12 @@ def test_packed_step_bf16_tolerance(seed, family):
     (clipping itself is covered in float32 above and in test_losses).
     """
     wide = (0.99, 100.0)
+    hd = 16 if device == "cpu" else 64  # the CUDA kernels are built for head dims 64/128/256
     ids, mask, pw, pk, adv, noise = _batch(seed)
-    ref_model = tiny_model(family, torch.float64, seed=seed % 1000)
+    ref_model = tiny_model(family, torch.float64, seed=seed % 1000, head_dim=hd)
     old = _old_logprobs(ref_model, ids, mask, pw, noise).double()
     lp_ref, loss_ref, g_ref = _step(ref_model, ids, mask, pw, pk, adv, old, False, wide)
-    model = tiny_model(family, torch.bfloat16, seed=seed % 1000)
+    model = tiny_model(family, torch.bfloat16, seed=seed % 1000, head_dim=hd).to(device)
     lp_r, loss_r, g_r = _step(model, ids, mask, pw, pk, adv, old.float(), False, wide)
     lp_p, loss_p, g_p = _step(model, ids, mask, pw, pk, adv, old.float(), True, wide)
 
