@@ -273,9 +273,8 @@ def _run_path(
             loss.backward()
             _sync(device)
             res.time_s = time.perf_counter() - t0
-    except torch.OutOfMemoryError as exc:  # the standard path at long shapes
+    except torch.OutOfMemoryError:  # the standard path at long shapes
         res.error = "out of memory"
-        res.extra = str(exc)  # type: ignore[attr-defined]
         model.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -307,9 +306,7 @@ def _compare(std: PathResult, pk: PathResult, mask: torch.Tensor, out: StepResul
         out.max_grad_rel_diff = worst
 
 
-def run_step(
-    model: torch.nn.Module, batch: Batch, args: argparse.Namespace, first: bool
-) -> StepResult:
+def run_step(model: torch.nn.Module, batch: Batch, args: argparse.Namespace) -> StepResult:
     """Both paths on one batch (the standard path first), then an SGD step on the packed grads."""
     with torch.no_grad():  # the rollout policy's log-probs: current ones, slightly perturbed
         model.set_attn_implementation("dualkv")
@@ -440,7 +437,7 @@ def run(argv: Sequence[str] | None = None, out: Any = None) -> list[StepResult]:
         batch = make_batch(args.groups, args.n, args.prompt_len, args.response_len,
                            cfg.vocab_size, device, seed=args.seed + step,
                            uneven=not args.even)  # fmt: skip
-        res = run_step(model, batch, args, first=step == 0)
+        res = run_step(model, batch, args)
         results.append(res)
         if bar is not None:
             bar.update(1)
