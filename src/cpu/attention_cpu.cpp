@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "convert.h"
@@ -60,7 +61,6 @@ using detail::Scratch;
 template <class A>
 struct Kernels {
   void (*forward)(const Problem<A>&, const Segment&, int32_t, int, int, Scratch<A>&);
-  void (*stats)(const Problem<A>&, const Segment&, int32_t, int, int, Scratch<A>&);
   void (*dq)(const Problem<A>&, const Segment&, int32_t, int, int, Scratch<A>&);
   void (*dkdv)(const Problem<A>&, int32_t, int32_t, int, int, A*, A*, Scratch<A>&);
 };
@@ -72,13 +72,11 @@ Kernels<A> select_kernels() {
   static const bool have_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (have_avx2 && std::getenv("DUALKV_CPU_NO_AVX2") == nullptr) {
     namespace k = detail::avx2;
-    return {&k::forward_rows<A, true>, &k::forward_rows<A, false>, &k::dq_rows<A>,
-            &k::dkdv_block<A>};
+    return {&k::forward_rows<A>, &k::dq_rows<A>, &k::dkdv_block<A>};
   }
 #endif
   namespace k = detail::generic;
-  return {&k::forward_rows<A, true>, &k::forward_rows<A, false>, &k::dq_rows<A>,
-          &k::dkdv_block<A>};
+  return {&k::forward_rows<A>, &k::dq_rows<A>, &k::dkdv_block<A>};
 }
 
 // ---- argument validation --------------------------------------------------------------------
@@ -214,6 +212,8 @@ void forward_typed(const ForwardArgs& args) {
   p.v = v.get();
   const Kernels<A> ks = select_kernels<A>();
   S* out = static_cast<S*>(args.out);
+  // fp64 writes lse64 (and lse too when given); the others write the fp32 lse.
+  constexpr bool kFp64 = std::is_same_v<A, double>;
   const int64_t tasks = int64_t(lv.num_query_tiles) * p.Hq;
 #pragma omp parallel
   {
@@ -231,13 +231,17 @@ void forward_typed(const ForwardArgs& args) {
           const A* o = sc.o.data() + int64_t(i) * p.Dp;
           const A l = sc.l[i];
           S* y = out + (t * p.Hq + h) * p.D;
+          A lse;
           if (l == A(0)) {  // no visible key: impossible with window >= 1, but never garbage
             for (int d = 0; d < p.D; ++d) y[d] = store<S>(A(0));
-            args.lse[int64_t(h) * p.T + t] = -std::numeric_limits<float>::infinity();
+            lse = -std::numeric_limits<A>::infinity();
           } else {  // (a NaN input gives l = NaN and so NaN outputs, never a silent 0)
             for (int d = 0; d < p.D; ++d) y[d] = store<S>(o[d] / l);
-            args.lse[int64_t(h) * p.T + t] = float(sc.m[i] + std::log(l));
+            lse = sc.m[i] + std::log(l);
           }
+          const int64_t row = int64_t(h) * p.T + t;
+          if constexpr (kFp64) args.lse64[row] = lse;
+          if (args.lse) args.lse[row] = float(lse);
         }
       }
     }
@@ -260,6 +264,13 @@ void backward_typed(const BackwardArgs& args) {
   std::unique_ptr<A[]> delta(new A[size_t(rows)]);
   std::unique_ptr<A[]> lse(new A[size_t(rows)]);
   const S* out = static_cast<const S*>(args.out);
+  // fp64 reads the fp64 lse64 / dlse64: an fp32 lse would cap its gradients at fp32 accuracy.
+  constexpr bool kFp64 = std::is_same_v<A, double>;
+  auto lse_in = [&](int64_t row) { return kFp64 ? A(args.lse64[row]) : A(args.lse[row]); };
+  auto dlse_in = [&](int64_t row) {
+    if (kFp64 && args.dlse64) return A(args.dlse64[row]);
+    return args.dlse ? A(args.dlse[row]) : A(0);
+  };
   // delta = rowsum(dO * O) - dlse: with it, dS = P (dP - delta) also carries the lse gradient.
 #pragma omp parallel for schedule(static)
   for (int32_t t = 0; t < p.T; ++t) {
@@ -269,8 +280,8 @@ void backward_typed(const BackwardArgs& args) {
       const A* g = dout.get() + row * p.Dp;
       A acc = 0;
       for (int32_t d = 0; d < p.D; ++d) acc += g[d] * load<A>(o[d]);
-      delta[size_t(row)] = acc - (args.dlse ? A(args.dlse[row]) : A(0));
-      lse[size_t(row)] = A(args.lse[row]);
+      delta[size_t(row)] = acc - dlse_in(row);
+      lse[size_t(row)] = lse_in(row);
     }
   }
   p.q = q.get();
@@ -279,8 +290,6 @@ void backward_typed(const BackwardArgs& args) {
   p.dout = dout.get();
   p.delta = delta.get();
   p.lse = lse.get();
-  // The fp32 lse argument would cap fp64 gradients at fp32 accuracy: recompute it in fp64.
-  constexpr bool kRecomputeLse = sizeof(A) > sizeof(float);
   const Kernels<A> ks = select_kernels<A>();
   S* dq = static_cast<S*>(args.dq);
   S* dk = static_cast<S*>(args.dk);
@@ -298,13 +307,6 @@ void backward_typed(const BackwardArgs& args) {
       const Segment& seg = lv.segments[tile.segment];
       for (int32_t t0 = tile.begin; t0 < tile.end; t0 += kTileSize) {
         const int n = std::min(kTileSize, tile.end - t0);
-        if constexpr (kRecomputeLse) {
-          ks.stats(p, seg, t0, n, h, sc);
-          for (int i = 0; i < n; ++i) {
-            p.lse[int64_t(h) * p.T + t0 + i] =
-                sc.l[i] == A(0) ? -std::numeric_limits<A>::infinity() : sc.m[i] + std::log(sc.l[i]);
-          }
-        }
         ks.dq(p, seg, t0, n, h, sc);
         for (int i = 0; i < n; ++i) {
           const A* g = sc.o.data() + int64_t(i) * p.Dp;
@@ -313,7 +315,7 @@ void backward_typed(const BackwardArgs& args) {
         }
       }
     }
-    // (implicit barrier: the dk/dv pass reads the lse rows written above)
+    // (implicit barrier between the passes)
     std::vector<A> gk(size_t(kBlock<A>) * p.Dp), gv(size_t(kBlock<A>) * p.Dp);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < kv_tasks; ++task) {
@@ -363,7 +365,11 @@ void attention_forward(const ForwardArgs& args) {
   if (args.shape.tokens == 0) return;
   DUALKV_CHECK(args.q && args.k && args.v, fn, ": q, k and v must not be null");
   DUALKV_CHECK(args.out, fn, ": out must not be null");
-  DUALKV_CHECK(args.lse, fn, ": lse must not be null");
+  if (args.dtype == DType::kFloat64) {
+    DUALKV_CHECK(args.lse64, fn, ": lse64 must not be null for float64 inputs");
+  } else {
+    DUALKV_CHECK(args.lse, fn, ": lse must not be null");
+  }
   dispatch<Forward>(args);
 }
 
@@ -373,7 +379,11 @@ void attention_backward(const BackwardArgs& args) {
   if (args.shape.tokens == 0) return;
   DUALKV_CHECK(args.q && args.k && args.v, fn, ": q, k and v must not be null");
   DUALKV_CHECK(args.out && args.dout, fn, ": out and dout must not be null");
-  DUALKV_CHECK(args.lse, fn, ": lse must not be null");
+  if (args.dtype == DType::kFloat64) {
+    DUALKV_CHECK(args.lse64, fn, ": lse64 must not be null for float64 inputs");
+  } else {
+    DUALKV_CHECK(args.lse, fn, ": lse must not be null");
+  }
   DUALKV_CHECK(args.dq && args.dk && args.dv, fn, ": dq, dk and dv must not be null");
   dispatch<Backward>(args);
 }

@@ -131,8 +131,8 @@ inline void row_keys(const Problem<A>& p, int32_t pq, int32_t kb, int bk, int& a
 }
 
 // Forward for query rows [t0, t0 + n) of segment `seg`, q head h (n <= kTileSize). Leaves the
-// unnormalised output in sc.o (when kOutput) and the running max / sum of exp in sc.m / sc.l.
-template <class A, bool kOutput>
+// unnormalised output in sc.o and the running max / sum of exp in sc.m / sc.l.
+template <class A>
 void forward_rows(const Problem<A>& p, const Segment& seg, int32_t t0, int n, int h,
                   Scratch<A>& sc) {
   constexpr int B = kBlock<A>;
@@ -144,7 +144,7 @@ void forward_rows(const Problem<A>& p, const Segment& seg, int32_t t0, int n, in
   A* m = sc.m.data();
   A* l = sc.l.data();
   A* s = sc.s.data();
-  if constexpr (kOutput) std::fill_n(o, int64_t(n) * Dp, A(0));
+  std::fill_n(o, int64_t(n) * Dp, A(0));
   std::fill_n(m, n, -std::numeric_limits<A>::infinity());
   std::fill_n(l, n, A(0));
 
@@ -180,13 +180,11 @@ void forward_rows(const Problem<A>& p, const Segment& seg, int32_t t0, int n, in
         for (int j = a; j < b; ++j) sum += si[j];
         l[i] = alpha * l[i] + sum;
         m[i] = m_new;
-        if constexpr (kOutput) {
-          A* oi = o + int64_t(i) * Dp;
-          if (alpha != A(1)) {
-            for (int d = 0; d < Dp; ++d) oi[d] *= alpha;
-          }
-          gemv<A, true>(oi, si + a, vblk + int64_t(a) * Dp, b - a, Dp, Dp);
+        A* oi = o + int64_t(i) * Dp;
+        if (alpha != A(1)) {
+          for (int d = 0; d < Dp; ++d) oi[d] *= alpha;
         }
+        gemv<A, true>(oi, si + a, vblk + int64_t(a) * Dp, b - a, Dp, Dp);
       }
     }
   }

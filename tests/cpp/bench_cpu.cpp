@@ -82,11 +82,12 @@ int main(int argc, char** argv) {
   auto q = make(Hq), k = make(Hkv), v = make(Hkv), dout = make(Hq);
   std::vector<unsigned char> out(q.size()), dq(q.size()), dk(k.size()), dv(v.size());
   std::vector<float> lse(size_t(Hq) * T);
+  std::vector<double> lse64(lse.size());
 
   dualkv::ForwardArgs f;
   f.dtype = dtype;
   f.shape = {T, Hq, Hkv, D};
-  f.score.softmax_scale = 1.0f / std::sqrt(float(D));
+  f.score.softmax_scale = 1.0 / std::sqrt(double(D));
   f.layout = lv;
   f.q = q.data();
   f.k = k.data();
@@ -95,6 +96,7 @@ int main(int argc, char** argv) {
   f.k_stride = f.v_stride = {int64_t(Hkv) * D, D};
   f.out = out.data();
   f.lse = lse.data();
+  f.lse64 = lse64.data();
 
   dualkv::BackwardArgs b;
   b.dtype = dtype;
@@ -110,6 +112,7 @@ int main(int argc, char** argv) {
   b.out = out.data();
   b.dout = dout.data();
   b.lse = lse.data();
+  b.lse64 = lse64.data();
   b.dq = dq.data();
   b.dk = dk.data();
   b.dv = dv.data();

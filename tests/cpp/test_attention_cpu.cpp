@@ -10,6 +10,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "dualkv/cpu.h"
@@ -92,12 +93,16 @@ struct Config {
   Strides strides = Strides::kContiguous;
 };
 
+// lse and dlse are float64 (lse64, dlse64) for float64 inputs, float32 otherwise.
+template <class S>
+using LseOf = std::conditional_t<std::is_same_v<S, double>, double, float>;
+
 template <class S>
 struct Call {
   Input<S> q, k, v, dout;
-  std::vector<float> dlse;  // empty when off
+  std::vector<LseOf<S>> dlse;  // empty when off
   std::vector<S> out, dq, dk, dv;
-  std::vector<float> lse;
+  std::vector<LseOf<S>> lse;
   RefConfig ref;
 };
 
@@ -106,8 +111,8 @@ ForwardArgs forward_args(const LayoutTables& lt, Call<S>& r) {
   ForwardArgs a;
   a.dtype = StorageOf<S>::kType;
   a.shape = {r.ref.T, r.ref.Hq, r.ref.Hkv, r.ref.D};
-  a.score.softmax_scale = float(r.ref.scale);
-  a.score.softcap = float(r.ref.softcap);
+  a.score.softmax_scale = r.ref.scale;
+  a.score.softcap = r.ref.softcap;
   a.score.mask.window = int32_t(r.ref.window);
   a.layout = lt.view();
   a.q = r.q.data.data();
@@ -117,7 +122,11 @@ ForwardArgs forward_args(const LayoutTables& lt, Call<S>& r) {
   a.k_stride = r.k.stride;
   a.v_stride = r.v.stride;
   a.out = r.out.data();
-  a.lse = r.lse.data();
+  if constexpr (std::is_same_v<S, double>) {
+    a.lse64 = r.lse.data();
+  } else {
+    a.lse = r.lse.data();
+  }
   return a;
 }
 
@@ -137,8 +146,13 @@ BackwardArgs backward_args(const LayoutTables& lt, Call<S>& r) {
   a.v_stride = f.v_stride;
   a.out = r.out.data();
   a.dout = r.dout.data.data();
-  a.lse = r.lse.data();
-  a.dlse = r.dlse.empty() ? nullptr : r.dlse.data();
+  if constexpr (std::is_same_v<S, double>) {
+    a.lse64 = r.lse.data();
+    a.dlse64 = r.dlse.empty() ? nullptr : r.dlse.data();
+  } else {
+    a.lse = r.lse.data();
+    a.dlse = r.dlse.empty() ? nullptr : r.dlse.data();
+  }
   a.dq = r.dq.data();
   a.dk = r.dk.data();
   a.dv = r.dv.data();
@@ -158,7 +172,7 @@ Call<S> run_attention(std::mt19937_64& rng, const LayoutTables& lt, const Config
   r.v = random_input<S>(rng, T, c.Hkv, c.D, c.strides, 1.0);
   r.dout = random_input<S>(rng, T, c.Hq, c.D, Strides::kContiguous, 1.0);
   if (c.dlse) {
-    std::normal_distribution<float> nd;
+    std::normal_distribution<LseOf<S>> nd;
     r.dlse.resize(size_t(c.Hq) * T);
     for (auto& x : r.dlse) x = nd(rng);
   }
@@ -215,10 +229,7 @@ void check_against_reference(const Lens& lens, const Call<S>& r) {
       const Err e_lp = compare(*lp_of[i], *it.ref);
       tol = (it.grad ? 3.0 : 2.0) * e_lp.max_err + 1e-5 * std::max(1.0, e.max_ref);
     } else {
-      // lse is float32 in every mode.
-      const double rel = std::is_same_v<S, double> && std::string(it.name) != "lse" ? 1e-10
-                         : it.grad                                                  ? 2e-5
-                                                                                    : 1e-5;
+      const double rel = std::is_same_v<S, double> ? 1e-10 : it.grad ? 2e-5 : 1e-5;
       tol = rel * std::max(1.0, e.max_ref);
     }
     if (std::getenv("DUALKV_TEST_VERBOSE")) {
@@ -410,7 +421,6 @@ TEST(AttentionCpu, GenericKernels) {
 // ---- finite differences ---------------------------------------------------------------------
 
 // Gradients of L = sum(out * W) + sum(lse * U) in fp64 against central differences.
-// lse is returned in float32, so the lse term is checked with a coarser step and tolerance.
 TEST(AttentionCpu, FiniteDifferences) {
   DUALKV_SEEDED_RNG(rng);
   const Lens lens{{3, 2}, {{2, 3}, {0, 1}}};
@@ -422,19 +432,17 @@ TEST(AttentionCpu, FiniteDifferences) {
     SCOPED_TRACE("variant " + std::to_string(variant));
     Call<double> r = run_attention<double>(rng, lt, c, window);
     auto loss = [&]() {
-      std::vector<double> out(r.out.size());
-      std::vector<float> lse(r.lse.size());
+      std::vector<double> out(r.out.size()), lse(r.lse.size());
       ForwardArgs f = forward_args(lt, r);
       f.out = out.data();
-      f.lse = lse.data();
+      f.lse64 = lse.data();
       cpu::attention_forward(f);
       double L = 0;
       for (size_t i = 0; i < out.size(); ++i) L += out[i] * r.dout.values[i];
-      for (size_t i = 0; i < r.dlse.size(); ++i) L += double(lse[i]) * r.dlse[i];
+      for (size_t i = 0; i < r.dlse.size(); ++i) L += lse[i] * r.dlse[i];
       return L;
     };
-    const double eps = with_lse ? 1e-3 : 1e-6;
-    const double tol = with_lse ? 2e-3 : 1e-7;
+    const double eps = 1e-6, tol = 1e-7;
     struct Target {
       const char* name;
       Input<double>* x;
@@ -580,6 +588,26 @@ TEST_F(BadArgs, LayoutTables) {
   segs = lt.segments;
   segs[2].prompt_len = 2;  // a response whose region A is not its group's prompt
   expect_error_both([&](auto& a) { a.layout.segments = segs.data(); }, "segments[2]");
+}
+
+TEST(AttentionCpu, Float64NeedsLse64) {
+  const LayoutTables lt(Lens{{3}, {{2}}});
+  std::mt19937_64 rng(2);
+  Call<double> r = run_attention<double>(rng, lt, {2, 1, 8}, kNoWindow);
+  std::vector<float> lse32(r.lse.size());
+  ForwardArgs f = forward_args(lt, r);
+  f.lse64 = nullptr;
+  f.lse = lse32.data();
+  EXPECT_THROW(cpu::attention_forward(f), Error);
+  BackwardArgs b = backward_args(lt, r);
+  b.lse64 = nullptr;
+  b.lse = lse32.data();
+  EXPECT_THROW(cpu::attention_backward(b), Error);
+  // An fp32 lse passed alongside lse64 is filled too.
+  f = forward_args(lt, r);
+  f.lse = lse32.data();
+  cpu::attention_forward(f);
+  for (size_t i = 0; i < lse32.size(); ++i) EXPECT_EQ(lse32[i], float(r.lse[i]));
 }
 
 TEST(AttentionCpu, EmptyLayoutIsNoOp) {
