@@ -10,7 +10,7 @@ VOCAB = 131
 
 
 def tiny_config(family: str, window: int = 5, head_dim: int = 16) -> object:
-    """A tiny random config of ``family`` (qwen3, llama, gemma3, qwen3-sliding)."""
+    """A tiny random config of ``family`` (qwen3, llama, gemma3, qwen3-sliding, gemma2)."""
     common = dict(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -51,7 +51,24 @@ def tiny_config(family: str, window: int = 5, head_dim: int = 16) -> object:
             final_logit_softcapping=15.0,
             **common,
         )
+    if family == "gemma2":  # attention logit soft-capping + sliding window
+        from transformers import Gemma2Config
+
+        return Gemma2Config(
+            num_hidden_layers=2,
+            sliding_window=window,
+            layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=16,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=10.0,
+            **common,
+        )
     raise ValueError(family)
+
+
+def rows_attention(family: str) -> str:
+    """The attention of the unshared reference rows (HF SDPA; eager where SDPA cannot softcap)."""
+    return "eager" if family == "gemma2" else "sdpa"
 
 
 def tiny_model(
@@ -62,8 +79,9 @@ def tiny_model(
 
     torch.manual_seed(seed)
     config = tiny_config(family, head_dim=head_dim)
-    config._attn_implementation = "sdpa"
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    impl = rows_attention(family)
+    config._attn_implementation = impl
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=impl)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:

@@ -16,7 +16,14 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_helpers import VOCAB, random_groups, shuffled_rows, tiny_config, tiny_model  # noqa: E402
+from hf_helpers import (  # noqa: E402
+    VOCAB,
+    random_groups,
+    rows_attention,
+    shuffled_rows,
+    tiny_config,
+    tiny_model,
+)
 
 import dualkv  # noqa: E402
 from dualkv.grpo_demo import enable_gradient_checkpointing  # noqa: E402
@@ -52,7 +59,7 @@ def _step(
     if dev.type != "cpu":
         ids, mask, pk, adv, old = ids.to(dev), mask.to(dev), pk.to(dev), adv.to(dev), old.to(dev)
     model.zero_grad(set_to_none=True)
-    model.set_attn_implementation("dualkv" if packed else "sdpa")
+    model.set_attn_implementation("dualkv" if packed else rows_attention(model.config.model_type))
     if packed:
         lp = dkt.packed_response_logprobs(model, pk, temperature=TEMPERATURE)
     else:
@@ -64,13 +71,13 @@ def _step(
 
 
 def _old_logprobs(model, ids, mask, pw, noise):
-    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation(rows_attention(model.config.model_type))
     with torch.no_grad():
         lp = dkt.rows_response_logprobs(model, ids, mask, pw, temperature=TEMPERATURE)
     return (lp.float() + noise) * (mask[:, pw:] != 0)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "gemma2"])
 def test_packed_step_equals_rows_fp32(seed, family):
     model = tiny_model(family, torch.float32, seed=seed % 1000)
     ids, mask, pw, pk, adv, noise = _batch(seed)
