@@ -38,7 +38,7 @@ struct Problem {
   const A* v = nullptr;      // [Hkv][T][Dp]
   const A* dout = nullptr;   // [Hq][T][Dp]   (backward)
   const A* delta = nullptr;  // [Hq][T] rowsum(dO * O) - dlse   (backward)
-  A* lse = nullptr;          // [Hq][T]   (backward; written by the fp64 stats sweep)
+  const A* lse = nullptr;    // [Hq][T]   (backward)
 };
 
 // Per-thread working memory, sized once per call.
