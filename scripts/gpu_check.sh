@@ -24,10 +24,10 @@ for step in "${steps[@]}"; do
     ;;
   test)
     echo "== GPU tests (default kernels) =="
-    (cd /tmp && python3 -m pytest "$OLDPWD/tests/python" -q -x -k "cuda or gpu" -p no:cacheprovider \
+    (cd /tmp && python3 -m pytest "$OLDPWD/tests/python" -q --maxfail=20 -k "cuda or gpu" -p no:cacheprovider \
       >"$OUT/pytest.log" 2>&1); rc=$?; tail -4 "$OUT/pytest.log"; [ $rc = 0 ] || status=1
     echo "== GPU tests (DUALKV_FORCE_SM80=1) =="
-    (cd /tmp && DUALKV_FORCE_SM80=1 python3 -m pytest "$OLDPWD/tests/python" -q -x -k "cuda or gpu" \
+    (cd /tmp && DUALKV_FORCE_SM80=1 python3 -m pytest "$OLDPWD/tests/python" -q --maxfail=20 -k "cuda or gpu" \
       -p no:cacheprovider >"$OUT/pytest_sm80.log" 2>&1); rc=$?; tail -4 "$OUT/pytest_sm80.log"
     [ $rc = 0 ] || status=1
     ;;

@@ -72,25 +72,37 @@ def unshared_attention(
     T = q.shape[0]
     out = q.new_zeros(q.shape)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    lse = torch.full((q.shape[1], T), float("-inf"), dtype=lse_dtype)
+    lse = torch.full((q.shape[1], T), float("-inf"), dtype=lse_dtype, device=q.device)
     pieces_o, pieces_l, index = [], [], []
     start = 0
     for P, rs in zip(prefix_lens, response_lens):
-        prompt = torch.arange(start, start + P)
+        prompt = torch.arange(start, start + P, device=q.device)
         if P > 0:
             o, lse_row = _row_attention(
-                q[prompt], k[prompt], v[prompt], torch.arange(P), scale, window, softcap
+                q[prompt],
+                k[prompt],
+                v[prompt],
+                torch.arange(P, device=q.device),
+                scale,
+                window,
+                softcap,
             )
             pieces_o.append(o)
             pieces_l.append(lse_row)
             index.append(prompt)
         cur = start + P
         for R in rs:
-            resp = torch.arange(cur, cur + R)
+            resp = torch.arange(cur, cur + R, device=q.device)
             row = torch.cat([prompt, resp])
             if R > 0:
                 o, lse_row = _row_attention(
-                    q[row], k[row], v[row], torch.arange(P + R), scale, window, softcap
+                    q[row],
+                    k[row],
+                    v[row],
+                    torch.arange(P + R, device=q.device),
+                    scale,
+                    window,
+                    softcap,
                 )
                 pieces_o.append(o[P:])
                 pieces_l.append(lse_row[:, P:])
