@@ -147,6 +147,8 @@ def test_large_head_dims(
 ) -> None:
     if device == "cuda" and dtype == torch.float32:
         pytest.skip("float32 is a CPU-only dtype")
+    if device == "cuda" and d == 512:
+        pytest.skip("head dim 512 is not supported yet on GPU (test_gpu checks the error)")
     rng = random.Random(seed)
     lens = random_layout_lens(rng, groups=2, max_p=150, max_n=3, max_r=100)
     run_case(lens, 4, 2, d, dtype, device, window, softcap, seed)
