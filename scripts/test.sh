@@ -15,7 +15,7 @@ ctest --test-dir build/cpp --output-on-failure
 if command -v nvcc >/dev/null 2>&1 && [ "${DUALKV_SKIP_CUDA_COMPILE:-0}" != 1 ]; then
   echo "== CUDA kernels: compile check (head dim 128, sm_80 and sm_90a; nothing runs) =="
   cmake -S . -B build/cuda-compile -G Ninja -DDUALKV_BUILD_TORCH=OFF -DDUALKV_CUDA=ON \
-    -DDUALKV_CUDA_HEAD_DIMS=128 "-DCMAKE_CUDA_ARCHITECTURES=80-real;90a-real"
+    -DDUALKV_CUDA_HEAD_DIMS=128 "-DDUALKV_CUDA_ARCHS=80-real;90a-real"
   cmake --build build/cuda-compile --target dualkv_cuda
 fi
 
