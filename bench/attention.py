@@ -24,10 +24,10 @@ import os
 import statistics
 from collections.abc import Callable
 
+import torch
 import torch.nn.functional as F
 
 import dualkv
-import torch
 
 # (N, P, R, Hq, Hkv, D): DESIGN.md's reference shapes.
 SHAPES = [

@@ -34,8 +34,9 @@ import time
 import traceback
 from typing import Any
 
-import dualkv
 import torch
+
+import dualkv
 from dualkv.grpo_demo import build_model, enable_gradient_checkpointing
 from dualkv.integrations.transformers import packed_hidden_states
 from dualkv.logprobs import logprobs_from_logits, response_logprobs

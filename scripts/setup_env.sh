@@ -14,4 +14,4 @@ if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   fi
 fi
 python3 -c "import torch" 2>/dev/null || python3 -m pip install -q "$DUALKV_TORCH_PIN"
-python3 -m pip install -q "scikit-build-core>=0.10" pytest numpy
+python3 -m pip install -q "scikit-build-core>=0.10" pytest numpy "transformers==5.17.0"

@@ -6,7 +6,25 @@ same function as causal attention over the N rows ``[prompt | r_i]``.
 
 from .attention import attention
 from .layout import Layout
+from .logprobs import logprobs_from_logits, response_logprobs
+from .losses import aggregate, dapo_loss, group_advantages, grpo_loss, policy_loss
+from .packing import PackedBatch, pack, pack_lists, pack_rows, rows_from_lists
 
 __version__ = "0.1.0"
-__all__ = ["Layout", "attention", "__version__"]
-from .training import *  # noqa: E402, F403  (issue 4 training API: pack, response_logprobs, losses)
+__all__ = [
+    "Layout",
+    "PackedBatch",
+    "__version__",
+    "aggregate",
+    "attention",
+    "dapo_loss",
+    "group_advantages",
+    "grpo_loss",
+    "logprobs_from_logits",
+    "pack",
+    "pack_lists",
+    "pack_rows",
+    "policy_loss",
+    "response_logprobs",
+    "rows_from_lists",
+]

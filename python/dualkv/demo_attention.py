@@ -14,8 +14,9 @@ import random
 import time
 from collections.abc import Callable
 
-import dualkv
 import torch
+
+import dualkv
 from dualkv.reference import unshared_attention
 
 

@@ -10,9 +10,9 @@ import math
 import random
 
 import pytest
+import torch
 
 import dualkv
-import torch
 from dualkv.reference import random_layout_lens, unshared_attention
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]

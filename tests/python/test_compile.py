@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import dualkv
-import torch
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -17,8 +17,9 @@ def test_compile_fullgraph(device: str, backend: str, seed: int) -> None:
     layout = dualkv.Layout([20, 5], [[7, 3], [4]], device=device)
     T = layout.total_tokens
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    q, k, v = (torch.randn(T, h, 64, device=device, dtype=dtype, requires_grad=True)
-               for h in (4, 2, 2))
+    q, k, v = (
+        torch.randn(T, h, 64, device=device, dtype=dtype, requires_grad=True) for h in (4, 2, 2)
+    )
 
     def step(q, k, v):  # noqa: ANN001, ANN202
         out, lse = dualkv.attention(q * 1.5, k, v, layout, window=9, return_lse=True)

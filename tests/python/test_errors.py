@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import dualkv
-import torch
 
 LAYOUT = dualkv.Layout([4], [[2, 3]])  # T = 9
 
 
 def qkv(T: int = 9, hq: int = 4, hkv: int = 2, d: int = 16, dtype: torch.dtype = torch.float32):
-    return (torch.randn(T, hq, d, dtype=dtype), torch.randn(T, hkv, d, dtype=dtype),
-            torch.randn(T, hkv, d, dtype=dtype))
+    return (
+        torch.randn(T, hq, d, dtype=dtype),
+        torch.randn(T, hkv, d, dtype=dtype),
+        torch.randn(T, hkv, d, dtype=dtype),
+    )
 
 
 def call(q, k, v, layout=LAYOUT, **kw):  # noqa: ANN001, ANN003, ANN201

@@ -6,9 +6,9 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 import dualkv
-import torch
 from dualkv.reference import random_layout_lens
 
 pytestmark = pytest.mark.gpu

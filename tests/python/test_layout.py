@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 import dualkv
-import torch
 from dualkv.reference import random_layout_lens
 
 
@@ -34,8 +34,11 @@ def test_structure_and_positions() -> None:
     assert layout.token_reduction == pytest.approx(layout.unshared_tokens / 10)
     # segments: [start, len, pos0, prompt_start, prompt_len, group, response_index], non-empty only
     assert layout.segments.tolist() == [
-        [0, 3, 0, 0, 3, 0, -1], [3, 2, 3, 0, 3, 0, 0], [5, 1, 3, 0, 3, 0, 2],
-        [6, 2, 0, 6, 0, 1, 0], [8, 2, 0, 8, 2, 2, -1],
+        [0, 3, 0, 0, 3, 0, -1],
+        [3, 2, 3, 0, 3, 0, 0],
+        [5, 1, 3, 0, 3, 0, 2],
+        [6, 2, 0, 6, 0, 1, 0],
+        [8, 2, 0, 8, 2, 2, -1],
     ]
     assert "groups=3" in repr(layout)
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import random
 
 import pytest
-from hf_helpers import random_groups
-
 import torch
+
 from dualkv.logprobs import logprobs_from_logits, response_logprobs
 from dualkv.packing import pack, rows_from_lists
+from hf_helpers import random_groups
 
 
 def _rows_reference(hidden, weight, bias, pk, ids, mask, pw, temperature, softcap):

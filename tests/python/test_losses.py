@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
-
 import torch
+
 from dualkv.losses import (
     LOSS_AGG_MODES,
     aggregate,

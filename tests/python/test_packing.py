@@ -5,11 +5,11 @@ from __future__ import annotations
 import random
 
 import pytest
-from hf_helpers import VOCAB, random_groups, shuffled_rows
+import torch
 
 import dualkv
-import torch
 from dualkv.packing import PackedBatch, pack, rows_from_lists
+from hf_helpers import VOCAB, random_groups, shuffled_rows
 
 
 def _check_maps(pk: PackedBatch, ids: torch.Tensor, mask: torch.Tensor, pw: int) -> None:

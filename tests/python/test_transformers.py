@@ -11,11 +11,15 @@ from __future__ import annotations
 import random
 
 import pytest
-
 import torch
 
 pytest.importorskip("transformers")
 
+import dualkv  # noqa: E402
+from dualkv.grpo_demo import enable_gradient_checkpointing  # noqa: E402
+from dualkv.integrations import transformers as dkt  # noqa: E402
+from dualkv.losses import dapo_loss, group_advantages  # noqa: E402
+from dualkv.packing import pack  # noqa: E402
 from hf_helpers import (  # noqa: E402
     VOCAB,
     random_groups,
@@ -24,12 +28,6 @@ from hf_helpers import (  # noqa: E402
     tiny_config,
     tiny_model,
 )
-
-import dualkv  # noqa: E402
-from dualkv.grpo_demo import enable_gradient_checkpointing  # noqa: E402
-from dualkv.integrations import transformers as dkt  # noqa: E402
-from dualkv.losses import dapo_loss, group_advantages  # noqa: E402
-from dualkv.packing import pack  # noqa: E402
 
 FAMILIES = ["qwen3", "llama", "gemma3", "qwen3-sliding"]
 TEMPERATURE = 0.9
