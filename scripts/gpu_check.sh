@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's job, one call: build the package (CUDA library included) against the
-# machine's torch, run the GPU tests (default path, then the
-# sm_80 path forced), the standalone CUDA tests and sanitizers, then the benchmark.
+# machine's torch, run the GPU tests (default path, then the sm_80 path forced), the standalone
+# CUDA tests and sanitizers, then the benchmark.
 # Logs and results go to $OUT. Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,16 +32,12 @@ for step in "${steps[@]}"; do
     [ $rc = 0 ] || status=1
     ;;
   sanitize)
+    # The standalone CUDA test binary (built on the dev machine into .out/, carried along):
+    # full case matrix, races, then compute-sanitizer memcheck/racecheck on small cases.
     if [ -x .out/dualkv_cuda_test ]; then
-      echo "== standalone CUDA tests =="
-      .out/dualkv_cuda_test >"$OUT/cuda_test.log" 2>&1; rc=$?; tail -5 "$OUT/cuda_test.log"
-      [ $rc = 0 ] || status=1
-      for tool in memcheck racecheck; do
-        echo "== compute-sanitizer $tool (small cases) =="
-        compute-sanitizer --tool $tool --error-exitcode 9 .out/dualkv_cuda_test --small \
-          >"$OUT/sanitizer_$tool.log" 2>&1; rc=$?; tail -3 "$OUT/sanitizer_$tool.log"
-        [ $rc = 0 ] || status=1
-      done
+      OUT="$OUT" bash tests/cuda/device_run.sh test sanitize || status=1
+    else
+      echo "no .out/dualkv_cuda_test: build it first (see src/cuda/NOTES.md)"
     fi
     ;;
   bench)
