@@ -3,9 +3,9 @@
 // the caller provides the workspace.
 #pragma once
 
-#include <cstddef>
-
 #include <cuda_runtime_api.h>
+
+#include <cstddef>
 
 #include "dualkv/params.h"
 

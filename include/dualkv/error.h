@@ -25,7 +25,7 @@ std::string concat(const Args&... args) {
 }  // namespace dualkv
 
 // DUALKV_CHECK(cond, "argument 'x' must be ...", value) throws dualkv::Error when cond is false.
-#define DUALKV_CHECK(cond, ...)                                           \
-  do {                                                                    \
+#define DUALKV_CHECK(cond, ...)                                                \
+  do {                                                                         \
     if (!(cond)) throw ::dualkv::Error(::dualkv::detail::concat(__VA_ARGS__)); \
   } while (0)

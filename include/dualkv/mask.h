@@ -4,8 +4,9 @@
 // Within a group, a query at logical position pq sees the keys at logical positions
 //   [lo, pq]  with  lo = max(0, pq - window + 1),
 // taken from two contiguous key regions of the packed stream:
-//   region A, the group's prompt:            positions [0, P)          (prompt and response queries)
-//   region B, the query's own response:      positions [P, P + R)      (response queries only)
+//   region A, the group's prompt:            positions [0, P)          (prompt and response
+//   queries) region B, the query's own response:      positions [P, P + R)      (response queries
+//   only)
 // Causality (pk <= pq) and the sliding window (pq - pk < window) are the only position rules.
 #pragma once
 

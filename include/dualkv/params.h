@@ -26,10 +26,10 @@ struct LayoutView {
 };
 
 struct Shape {
-  int32_t tokens = 0;       // T
-  int32_t num_q_heads = 0;  // Hq
-  int32_t num_kv_heads = 0; // Hkv (Hq % Hkv == 0)
-  int32_t head_dim = 0;     // D
+  int32_t tokens = 0;        // T
+  int32_t num_q_heads = 0;   // Hq
+  int32_t num_kv_heads = 0;  // Hkv (Hq % Hkv == 0)
+  int32_t head_dim = 0;      // D
 };
 
 // Kept in double so the fp64 CPU oracle is exact; fp32 backends convert once.
@@ -69,16 +69,16 @@ struct BackwardArgs {
   const void* k = nullptr;
   const void* v = nullptr;
   TokenHeadStrides q_stride{}, k_stride{}, v_stride{};
-  const void* out = nullptr;   // [T, Hq, D], contiguous (forward output)
-  const void* dout = nullptr;  // [T, Hq, D], contiguous
-  const float* lse = nullptr;  // [Hq, T]
-  const float* dlse = nullptr; // [Hq, T] or nullptr: gradient w.r.t. lse
+  const void* out = nullptr;       // [T, Hq, D], contiguous (forward output)
+  const void* dout = nullptr;      // [T, Hq, D], contiguous
+  const float* lse = nullptr;      // [Hq, T]
+  const float* dlse = nullptr;     // [Hq, T] or nullptr: gradient w.r.t. lse
   const double* lse64 = nullptr;   // instead of lse for kFloat64 inputs (CPU only)
   const double* dlse64 = nullptr;  // instead of dlse for kFloat64 inputs (CPU only)
-  void* dq = nullptr;          // [T, Hq, D], contiguous
-  void* dk = nullptr;          // [T, Hkv, D], contiguous
-  void* dv = nullptr;          // [T, Hkv, D], contiguous
-  bool deterministic = false;  // bitwise-reproducible dq too
+  void* dq = nullptr;              // [T, Hq, D], contiguous
+  void* dk = nullptr;              // [T, Hkv, D], contiguous
+  void* dv = nullptr;              // [T, Hkv, D], contiguous
+  bool deterministic = false;      // bitwise-reproducible dq too
 };
 
 }  // namespace dualkv

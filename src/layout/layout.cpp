@@ -15,7 +15,7 @@ constexpr int64_t kMaxTokens = std::numeric_limits<int32_t>::max();
 // Sum of min(p + 1, window) over the logical positions p in [pos0, pos0 + len).
 int64_t keys_seen_sum(int64_t pos0, int64_t len, int64_t window) {
   // Positions p with p + 1 <= window see p + 1 keys; the rest see window keys.
-  const int64_t end = pos0 + len;                     // one past the last position
+  const int64_t end = pos0 + len;                           // one past the last position
   const int64_t split = std::clamp(window - 1, pos0, end);  // first position seeing `window` keys
   const int64_t ramp = (split - pos0) * (pos0 + 1 + split) / 2;  // sum of p + 1 over [pos0, split)
   return ramp + (end - split) * window;
@@ -24,19 +24,23 @@ int64_t keys_seen_sum(int64_t pos0, int64_t len, int64_t window) {
 
 const char* dtype_name(DType t) {
   switch (t) {
-    case DType::kFloat16: return "float16";
-    case DType::kBFloat16: return "bfloat16";
-    case DType::kFloat32: return "float32";
-    case DType::kFloat64: return "float64";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kFloat32:
+      return "float32";
+    case DType::kFloat64:
+      return "float64";
   }
   return "unknown";
 }
 
 Layout::Layout(std::vector<int64_t> prefix_lens, std::vector<std::vector<int64_t>> response_lens)
     : prefix_lens_(std::move(prefix_lens)), response_lens_(std::move(response_lens)) {
-  DUALKV_CHECK(prefix_lens_.size() == response_lens_.size(),
-               "prefix_lens has ", prefix_lens_.size(), " groups but response_lens has ",
-               response_lens_.size(), "; they must describe the same groups");
+  DUALKV_CHECK(prefix_lens_.size() == response_lens_.size(), "prefix_lens has ",
+               prefix_lens_.size(), " groups but response_lens has ", response_lens_.size(),
+               "; they must describe the same groups");
   int64_t total = 0;
   for (size_t g = 0; g < prefix_lens_.size(); ++g) {
     const int64_t P = prefix_lens_[g];
@@ -50,8 +54,8 @@ Layout::Layout(std::vector<int64_t> prefix_lens, std::vector<std::vector<int64_t
     }
     const int64_t prompt_start = total;
     if (P > 0) {
-      segments_.push_back({int32_t(total), int32_t(P), 0, int32_t(prompt_start), int32_t(P),
-                           int32_t(g), -1});
+      segments_.push_back(
+          {int32_t(total), int32_t(P), 0, int32_t(prompt_start), int32_t(P), int32_t(g), -1});
     }
     total += P;
     DUALKV_CHECK(total <= kMaxTokens, "total tokens exceed the int32 range (", kMaxTokens, ")");
@@ -70,7 +74,8 @@ Layout::Layout(std::vector<int64_t> prefix_lens, std::vector<std::vector<int64_t
 
 std::vector<int64_t> Layout::position_ids() const {
   std::vector<int64_t> pos(static_cast<size_t>(total_tokens_));
-  for (const Segment& s : segments_) std::iota(pos.begin() + s.start, pos.begin() + s.start + s.len, int64_t(s.pos0));
+  for (const Segment& s : segments_)
+    std::iota(pos.begin() + s.start, pos.begin() + s.start + s.len, int64_t(s.pos0));
   return pos;
 }
 
@@ -102,8 +107,8 @@ std::vector<Tile> tiles_longest_first(const std::vector<Segment>& segments, int3
       } else {
         cost = (s.len - b) + group_response_tokens * (s.is_response() ? 0 : 1);
       }
-      tiles.push_back({int32_t(i), s.start + b, s.start + e,
-                       int32_t(std::min<int64_t>(cost, kMaxTokens))});
+      tiles.push_back(
+          {int32_t(i), s.start + b, s.start + e, int32_t(std::min<int64_t>(cost, kMaxTokens))});
     }
   }
   std::stable_sort(tiles.begin(), tiles.end(),
@@ -112,8 +117,12 @@ std::vector<Tile> tiles_longest_first(const std::vector<Segment>& segments, int3
 }
 }  // namespace
 
-std::vector<Tile> Layout::query_tiles() const { return tiles_longest_first(segments_, num_groups(), false); }
-std::vector<Tile> Layout::key_tiles() const { return tiles_longest_first(segments_, num_groups(), true); }
+std::vector<Tile> Layout::query_tiles() const {
+  return tiles_longest_first(segments_, num_groups(), false);
+}
+std::vector<Tile> Layout::key_tiles() const {
+  return tiles_longest_first(segments_, num_groups(), true);
+}
 
 int64_t Layout::allowed_pairs(const MaskRule& rule) const {
   DUALKV_CHECK(rule.window >= 1, "window must be >= 1, got ", rule.window);

@@ -7,21 +7,26 @@ namespace dualkv::torch_ops {
 
 namespace {
 void check_table(const at::Tensor& t, const char* name, int64_t fields, const at::Tensor& q) {
-  TORCH_CHECK_VALUE(t.scalar_type() == at::kInt && t.dim() == 2 && t.size(1) == fields &&
-                        t.is_contiguous(),
-                    "layout table '", name, "' must be a contiguous int32 [n, ", fields,
-                    "] tensor; build it with dualkv.Layout");
+  TORCH_CHECK_VALUE(
+      t.scalar_type() == at::kInt && t.dim() == 2 && t.size(1) == fields && t.is_contiguous(),
+      "layout table '", name, "' must be a contiguous int32 [n, ", fields,
+      "] tensor; build it with dualkv.Layout");
   TORCH_CHECK_VALUE(t.device() == q.device(), "the layout is on ", t.device(), " but q is on ",
-                    q.device(), "; build the Layout with device=q.device or use layout.to(q.device)");
+                    q.device(),
+                    "; build the Layout with device=q.device or use layout.to(q.device)");
 }
 }  // namespace
 
 DType to_dtype(at::ScalarType t) {
   switch (t) {
-    case at::kHalf: return DType::kFloat16;
-    case at::kBFloat16: return DType::kBFloat16;
-    case at::kFloat: return DType::kFloat32;
-    case at::kDouble: return DType::kFloat64;
+    case at::kHalf:
+      return DType::kFloat16;
+    case at::kBFloat16:
+      return DType::kBFloat16;
+    case at::kFloat:
+      return DType::kFloat32;
+    case at::kDouble:
+      return DType::kFloat64;
     default:
       TORCH_CHECK_TYPE(false, "q has dtype ", t,
                        "; supported: bfloat16, float16 (CPU and CUDA), float32, float64 (CPU)");
@@ -45,8 +50,8 @@ Shape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   TORCH_CHECK_VALUE(q.size(2) == k.size(2), "q has head dim ", q.size(2), " but k and v have ",
                     k.size(2), "; the head dim must be the same for q, k and v");
   TORCH_CHECK_VALUE(q.size(2) > 0, "head dim must be positive, got ", q.size(2));
-  TORCH_CHECK_VALUE(k.size(1) > 0 && q.size(1) > 0, "q and k need at least one head, got Hq=",
-                    q.size(1), ", Hkv=", k.size(1));
+  TORCH_CHECK_VALUE(k.size(1) > 0 && q.size(1) > 0,
+                    "q and k need at least one head, got Hq=", q.size(1), ", Hkv=", k.size(1));
   TORCH_CHECK_VALUE(q.size(1) % k.size(1) == 0, "Hq=", q.size(1),
                     " (q heads) must be a multiple of Hkv=", k.size(1), " (k/v heads)");
   TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),

@@ -15,8 +15,8 @@ void check_supported(const at::Tensor& q) {
   TORCH_CHECK_VALUE(dtype == DType::kBFloat16 || dtype == DType::kFloat16,
                     "on CUDA, q/k/v must be bfloat16 or float16, got ", q.scalar_type());
   TORCH_CHECK_VALUE(q.dim() == 3, "q must have shape [T, Hq, D], got ", q.sizes());
-  TORCH_CHECK_VALUE(cuda::supports(dtype, int(q.size(2))), "head dim ", q.size(2),
-                    " with ", q.scalar_type(),
+  TORCH_CHECK_VALUE(cuda::supports(dtype, int(q.size(2))), "head dim ", q.size(2), " with ",
+                    q.scalar_type(),
                     " is not supported yet by the CUDA kernels of this build (supported on CPU)");
 }
 

@@ -84,19 +84,23 @@ BwdResult bwd_no_cuda(DUALKV_BWD_PARAMS) { no_cuda(); }
 
 TORCH_LIBRARY(dualkv, m) {
   using namespace dualkv::torch_ops;
-  m.def("layout_tables(int[] prefix_lens, int[] response_counts, int[] response_lens) -> "
-        "(Tensor segments, Tensor query_tiles, Tensor key_tiles, Tensor position_ids)",
-        &layout_tables);
-  m.def("layout_pairs(int[] prefix_lens, int[] response_counts, int[] response_lens, "
-        "int? window) -> int",
-        &layout_pairs);
-  m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor segments, Tensor query_tiles, "
-        "Tensor key_tiles, int total_tokens, float softmax_scale, int? window, float softcap, "
-        "bool deterministic) -> (Tensor out, Tensor lse)");
-  m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
-        "Tensor segments, Tensor query_tiles, Tensor key_tiles, int total_tokens, "
-        "float softmax_scale, int? window, float softcap, bool deterministic) -> "
-        "(Tensor dq, Tensor dk, Tensor dv)");
+  m.def(
+      "layout_tables(int[] prefix_lens, int[] response_counts, int[] response_lens) -> "
+      "(Tensor segments, Tensor query_tiles, Tensor key_tiles, Tensor position_ids)",
+      &layout_tables);
+  m.def(
+      "layout_pairs(int[] prefix_lens, int[] response_counts, int[] response_lens, "
+      "int? window) -> int",
+      &layout_pairs);
+  m.def(
+      "fwd(Tensor q, Tensor k, Tensor v, Tensor segments, Tensor query_tiles, "
+      "Tensor key_tiles, int total_tokens, float softmax_scale, int? window, float softcap, "
+      "bool deterministic) -> (Tensor out, Tensor lse)");
+  m.def(
+      "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
+      "Tensor segments, Tensor query_tiles, Tensor key_tiles, int total_tokens, "
+      "float softmax_scale, int? window, float softcap, bool deterministic) -> "
+      "(Tensor dq, Tensor dk, Tensor dv)");
 }
 
 TORCH_LIBRARY_IMPL(dualkv, Meta, m) {

@@ -18,12 +18,12 @@ using BwdResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
   const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &segments, \
       const at::Tensor &query_tiles, const at::Tensor &key_tiles, int64_t total_tokens,      \
       double softmax_scale, std::optional<int64_t> window, double softcap, bool deterministic
-#define DUALKV_BWD_PARAMS                                                                    \
-  const at::Tensor &dout, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,     \
-      const at::Tensor &out, const at::Tensor &lse, const std::optional<at::Tensor> &dlse,   \
-      const at::Tensor &segments, const at::Tensor &query_tiles, const at::Tensor &key_tiles, \
-      int64_t total_tokens, double softmax_scale, std::optional<int64_t> window,             \
-      double softcap, bool deterministic
+#define DUALKV_BWD_PARAMS                                                                        \
+  const at::Tensor &dout, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,         \
+      const at::Tensor &out, const at::Tensor &lse, const std::optional<at::Tensor>&dlse,        \
+      const at::Tensor &segments, const at::Tensor &query_tiles, const at::Tensor &key_tiles,    \
+      int64_t total_tokens, double softmax_scale, std::optional<int64_t> window, double softcap, \
+      bool deterministic
 
 // Core errors (dualkv::Error) surface in Python as ValueError.
 template <typename F>

@@ -2,17 +2,17 @@
 
 namespace dualkv::torch_ops {
 
-std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q_in, const at::Tensor& k_in,
-                                               const at::Tensor& v_in, const LayoutTensors& layout,
-                                               const ScoreOptions& opts,
-                                               const std::function<void(const ForwardArgs&)>& launch) {
+std::tuple<at::Tensor, at::Tensor> run_forward(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const LayoutTensors& layout, const ScoreOptions& opts,
+    const std::function<void(const ForwardArgs&)>& launch) {
   const Shape shape = check_qkv(q_in, k_in, v_in, layout);
   const ScoreParams score = check_score(opts);
   const at::Tensor q = with_unit_inner_stride(q_in), k = with_unit_inner_stride(k_in),
                    v = with_unit_inner_stride(v_in);
   at::Tensor out = at::empty({shape.tokens, shape.num_q_heads, shape.head_dim}, q.options());
-  at::Tensor lse = at::empty({shape.num_q_heads, shape.tokens},
-                             q.options().dtype(lse_dtype(q.scalar_type())));
+  at::Tensor lse =
+      at::empty({shape.num_q_heads, shape.tokens}, q.options().dtype(lse_dtype(q.scalar_type())));
   if (shape.tokens == 0) return {out, lse};
   ForwardArgs a;
   a.dtype = to_dtype(q.scalar_type());
@@ -34,23 +34,22 @@ std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q_in, const at:
 std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
     const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in,
-    const std::optional<at::Tensor>& dlse_in, const LayoutTensors& layout,
-    const ScoreOptions& opts, bool deterministic,
-    const std::function<void(const BackwardArgs&)>& launch) {
+    const std::optional<at::Tensor>& dlse_in, const LayoutTensors& layout, const ScoreOptions& opts,
+    bool deterministic, const std::function<void(const BackwardArgs&)>& launch) {
   const Shape shape = check_qkv(q_in, k_in, v_in, layout);
   const ScoreParams score = check_score(opts);
   TORCH_CHECK_VALUE(dout_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes(),
                     "dout and out must have q's shape ", q_in.sizes(), ", got ", dout_in.sizes(),
                     " and ", out_in.sizes());
-  TORCH_CHECK_TYPE(dout_in.scalar_type() == q_in.scalar_type() &&
-                       out_in.scalar_type() == q_in.scalar_type(),
-                   "dout and out must have q's dtype ", q_in.scalar_type());
+  TORCH_CHECK_TYPE(
+      dout_in.scalar_type() == q_in.scalar_type() && out_in.scalar_type() == q_in.scalar_type(),
+      "dout and out must have q's dtype ", q_in.scalar_type());
   const std::vector<int64_t> lse_shape{shape.num_q_heads, shape.tokens};
   const at::ScalarType lse_type = lse_dtype(q_in.scalar_type());
-  TORCH_CHECK_VALUE(lse_in.sizes() == at::IntArrayRef(lse_shape) &&
-                        lse_in.scalar_type() == lse_type,
-                    "lse must be ", lse_type, " [Hq, T] = ", at::IntArrayRef(lse_shape), ", got ",
-                    lse_in.scalar_type(), " ", lse_in.sizes());
+  TORCH_CHECK_VALUE(
+      lse_in.sizes() == at::IntArrayRef(lse_shape) && lse_in.scalar_type() == lse_type,
+      "lse must be ", lse_type, " [Hq, T] = ", at::IntArrayRef(lse_shape), ", got ",
+      lse_in.scalar_type(), " ", lse_in.sizes());
   const at::Tensor q = with_unit_inner_stride(q_in), k = with_unit_inner_stride(k_in),
                    v = with_unit_inner_stride(v_in);
   const at::Tensor dout = dout_in.contiguous(), out = out_in.contiguous(),

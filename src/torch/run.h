@@ -9,10 +9,9 @@
 
 namespace dualkv::torch_ops {
 
-std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, const at::Tensor& k,
-                                               const at::Tensor& v, const LayoutTensors& layout,
-                                               const ScoreOptions& opts,
-                                               const std::function<void(const ForwardArgs&)>& launch);
+std::tuple<at::Tensor, at::Tensor> run_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const LayoutTensors& layout,
+    const ScoreOptions& opts, const std::function<void(const ForwardArgs&)>& launch);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
