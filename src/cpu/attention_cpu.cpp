@@ -7,8 +7,6 @@
 //   forward       tasks (query tile, q head)
 //   backward dq   tasks (query tile, q head)
 //   backward dkdv tasks (key tile, kv head), each looping over every query that sees the tile.
-#include "dualkv/cpu.h"
-
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -20,6 +18,7 @@
 #include <vector>
 
 #include "convert.h"
+#include "dualkv/cpu.h"
 #include "dualkv/error.h"
 #include "kernels.h"
 
@@ -99,14 +98,13 @@ void check_layout(const LayoutView& lv, int32_t T, const char* fn) {
                            : prompt >= 0 && lv.segments[prompt].group == s.group &&
                                  lv.segments[prompt].start == s.prompt_start &&
                                  lv.segments[prompt].len == s.prompt_len);
-    const bool ok = s.len > 0 && s.start >= 0 && int64_t(s.start) + s.len <= T &&
-                    s.prompt_len >= 0 && s.prompt_start >= 0 &&
-                    int64_t(s.prompt_start) + s.prompt_len <= T && s.pos0 >= 0 &&
-                    int64_t(s.pos0) + s.len <= std::numeric_limits<int32_t>::max() &&
-                    (s.is_response() ? s.pos0 == s.prompt_len
-                                     : s.pos0 == 0 && s.start == s.prompt_start &&
-                                           s.len == s.prompt_len) &&
-                    (i == 0 || s.group >= lv.segments[i - 1].group) && same_prompt;
+    const bool ok =
+        s.len > 0 && s.start >= 0 && int64_t(s.start) + s.len <= T && s.prompt_len >= 0 &&
+        s.prompt_start >= 0 && int64_t(s.prompt_start) + s.prompt_len <= T && s.pos0 >= 0 &&
+        int64_t(s.pos0) + s.len <= std::numeric_limits<int32_t>::max() &&
+        (s.is_response() ? s.pos0 == s.prompt_len
+                         : s.pos0 == 0 && s.start == s.prompt_start && s.len == s.prompt_len) &&
+        (i == 0 || s.group >= lv.segments[i - 1].group) && same_prompt;
     DUALKV_CHECK(ok, fn, ": layout.segments[", i, "] is inconsistent (start ", s.start, ", len ",
                  s.len, ", pos0 ", s.pos0, ", prompt_start ", s.prompt_start, ", prompt_len ",
                  s.prompt_len, ", T ", T, ")");
@@ -139,16 +137,14 @@ void check_layout(const LayoutView& lv, int32_t T, const char* fn) {
 
 void check_common(DType dtype, const Shape& sh, const ScoreParams& sc, const LayoutView& lv,
                   const char* fn) {
-  DUALKV_CHECK(dtype == DType::kFloat16 || dtype == DType::kBFloat16 ||
-                   dtype == DType::kFloat32 || dtype == DType::kFloat64,
+  DUALKV_CHECK(dtype == DType::kFloat16 || dtype == DType::kBFloat16 || dtype == DType::kFloat32 ||
+                   dtype == DType::kFloat64,
                fn, ": unsupported dtype ", int(dtype));
   DUALKV_CHECK(sh.tokens >= 0, fn, ": shape.tokens must be >= 0, got ", sh.tokens);
   DUALKV_CHECK(sh.num_q_heads > 0, fn, ": shape.num_q_heads must be > 0, got ", sh.num_q_heads);
-  DUALKV_CHECK(sh.num_kv_heads > 0, fn, ": shape.num_kv_heads must be > 0, got ",
-               sh.num_kv_heads);
-  DUALKV_CHECK(sh.num_q_heads % sh.num_kv_heads == 0, fn, ": shape.num_q_heads (",
-               sh.num_q_heads, ") must be a multiple of shape.num_kv_heads (", sh.num_kv_heads,
-               ")");
+  DUALKV_CHECK(sh.num_kv_heads > 0, fn, ": shape.num_kv_heads must be > 0, got ", sh.num_kv_heads);
+  DUALKV_CHECK(sh.num_q_heads % sh.num_kv_heads == 0, fn, ": shape.num_q_heads (", sh.num_q_heads,
+               ") must be a multiple of shape.num_kv_heads (", sh.num_kv_heads, ")");
   DUALKV_CHECK(sh.head_dim > 0, fn, ": shape.head_dim must be > 0, got ", sh.head_dim);
   DUALKV_CHECK(sh.tokens == lv.total_tokens, fn, ": shape.tokens (", sh.tokens,
                ") does not match layout.total_tokens (", lv.total_tokens, ")");
@@ -181,8 +177,8 @@ Problem<A> make_problem(const Shape& sh, const ScoreParams& sc, const LayoutView
 
 // Widens a strided [T, H, D] tensor to A, per head: y[(h * T + t) * Dp + d], zero-padded.
 template <class S, class A>
-std::unique_ptr<A[]> to_heads(const void* src, TokenHeadStrides st, int32_t T, int32_t H,
-                              int32_t D, int32_t Dp) {
+std::unique_ptr<A[]> to_heads(const void* src, TokenHeadStrides st, int32_t T, int32_t H, int32_t D,
+                              int32_t Dp) {
   std::unique_ptr<A[]> y(new A[size_t(H) * size_t(T) * size_t(Dp)]);
   const S* x = static_cast<const S*>(src);
 #pragma omp parallel for schedule(static)
@@ -341,10 +337,14 @@ void backward_typed(const BackwardArgs& args) {
 template <template <class, class> class Fn, class Args>
 void dispatch(const Args& args) {
   switch (args.dtype) {
-    case DType::kFloat16: return Fn<Half, float>::run(args);
-    case DType::kBFloat16: return Fn<BFloat16, float>::run(args);
-    case DType::kFloat32: return Fn<float, float>::run(args);
-    case DType::kFloat64: return Fn<double, double>::run(args);
+    case DType::kFloat16:
+      return Fn<Half, float>::run(args);
+    case DType::kBFloat16:
+      return Fn<BFloat16, float>::run(args);
+    case DType::kFloat32:
+      return Fn<float, float>::run(args);
+    case DType::kFloat64:
+      return Fn<double, double>::run(args);
   }
 }
 

@@ -32,8 +32,8 @@ inline uint16_t float_to_half_bits(float f) {
   const uint32_t a = u & 0x7FFFFFFFu;
   if (a > 0x7F800000u) return uint16_t(sign | 0x7E00u | ((a >> 13) & 0x3FFu));  // quiet NaN
   if (a >= 0x477FF000u) return uint16_t(sign | 0x7C00u);  // >= 65520 (half-way past 65504): inf
-  if (a >= 0x38800000u) {                                  // normal half (>= 2^-14)
-    const uint32_t m = a - 0x38000000u;                    // rebias the exponent 127 -> 15
+  if (a >= 0x38800000u) {                                 // normal half (>= 2^-14)
+    const uint32_t m = a - 0x38000000u;                   // rebias the exponent 127 -> 15
     return uint16_t(sign | ((m + 0xFFFu + ((m >> 13) & 1u)) >> 13));  // RNE; carries into exp
   }
   const uint32_t e = a >> 23;

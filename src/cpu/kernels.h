@@ -55,11 +55,11 @@ struct Scratch {
         l(kTileSize),
         pt(size_t(kBlock<A>) * kQBlock),
         dst(size_t(kBlock<A>) * kQBlock) {}
-  std::vector<A> kt, vt;  // K and V blocks transposed: [Dp][kBlock]
-  std::vector<A> s, dp;   // scores and dO.V of up to kTileSize rows: [row][kBlock]
-  std::vector<A> th;      // tanh(score / softcap) of one row
-  std::vector<A> o;       // [kTileSize][Dp]: output (forward) or dq (backward) accumulator
-  std::vector<A> m, l;    // running max and sum of exp per query row
+  std::vector<A> kt, vt;   // K and V blocks transposed: [Dp][kBlock]
+  std::vector<A> s, dp;    // scores and dO.V of up to kTileSize rows: [row][kBlock]
+  std::vector<A> th;       // tanh(score / softcap) of one row
+  std::vector<A> o;        // [kTileSize][Dp]: output (forward) or dq (backward) accumulator
+  std::vector<A> m, l;     // running max and sum of exp per query row
   std::vector<A> pt, dst;  // P and dS of a query batch, transposed: [kBlock][kQBlock]
 };
 

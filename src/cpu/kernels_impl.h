@@ -65,7 +65,7 @@ inline float exp_approx(float x) {
   const float t = xc * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23: rounds x/ln2 to int
   const float n = t - 12582912.0f;
   const int32_t ni = std::bit_cast<int32_t>(t) - 0x4B400000;  // the same integer, from the bits
-  float r = xc - n * 0.693359375f;                              // Cody-Waite: x - n ln2
+  float r = xc - n * 0.693359375f;                            // Cody-Waite: x - n ln2
   r = r - n * -2.12194440e-4f;
   float y = 1.9875691500e-4f;
   y = y * r + 1.3981999507e-3f;
@@ -107,8 +107,8 @@ inline A logits(const Problem<A>& p, A* __restrict s, A* __restrict th, int a, i
 // Softmax backward of one row over [a, b). In: s = raw scores q.k, dp = dO.v. Out: s = p,
 // dp = dS = p (dp - delta) (1 - tanh^2), the gradient w.r.t. the raw scores divided by scale.
 template <class A>
-inline void softmax_grad(const Problem<A>& p, A* __restrict s, A* __restrict dp,
-                         A* __restrict th, int a, int b, A lse, A delta) {
+inline void softmax_grad(const Problem<A>& p, A* __restrict s, A* __restrict dp, A* __restrict th,
+                         int a, int b, A lse, A delta) {
   logits(p, s, th, a, b);
 #pragma omp simd
   for (int j = a; j < b; ++j) {
@@ -234,8 +234,7 @@ void dq_rows(const Problem<A>& p, const Segment& seg, int32_t t0, int n, int h, 
         row_keys(p, pq0 + i, kb, bk, a, b);
         if (a >= b) continue;
         softmax_grad(p, s + i * B, dp + i * B, sc.th.data(), a, b, lse[i], delta[i]);
-        gemv<A, true>(dq + int64_t(i) * Dp, dp + i * B + a, kblk + int64_t(a) * Dp, b - a, Dp,
-                      Dp);
+        gemv<A, true>(dq + int64_t(i) * Dp, dp + i * B + a, kblk + int64_t(a) * Dp, b - a, Dp, Dp);
       }
     }
   }
@@ -293,8 +292,7 @@ void dkdv_block(const Problem<A>& p, int32_t seg_index, int32_t k0, int nk, int 
           if (a >= b) continue;
           A* si = s + i * B;
           A* dpi = dp + i * B;
-          softmax_grad(p, si, dpi, sc.th.data(), a, b, p.lse[row_base + i],
-                       p.delta[row_base + i]);
+          softmax_grad(p, si, dpi, sc.th.data(), a, b, p.lse[row_base + i], p.delta[row_base + i]);
           for (int j = a; j < b; ++j) {
             pt[j * kQBlock + i] = si[j];
             dst[j * kQBlock + i] = dpi[j];

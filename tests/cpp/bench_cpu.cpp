@@ -5,11 +5,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
-#include <ctime>
 #include <cstdlib>
 #include <cstring>
-#include <cmath>
+#include <ctime>
 #include <random>
 #include <string>
 #include <vector>
@@ -57,7 +57,7 @@ int main(int argc, char** argv) {
   const auto segs = layout.segments();
   const auto qt = layout.query_tiles();
   const auto kt = layout.key_tiles();
-  dualkv::LayoutView lv{segs.data(), qt.data(),        kt.data(), int32_t(segs.size()),
+  dualkv::LayoutView lv{segs.data(),        qt.data(),          kt.data(), int32_t(segs.size()),
                         int32_t(qt.size()), int32_t(kt.size()), T};
 
   std::mt19937 rng(1234);

@@ -37,9 +37,15 @@ template <class S>
 Input<S> random_input(std::mt19937_64& rng, int T, int H, int D, Strides kind, double sigma) {
   Input<S> x;
   switch (kind) {
-    case Strides::kContiguous: x.stride = {int64_t(H) * D, D}; break;
-    case Strides::kPadded: x.stride = {int64_t(H) * (D + 5) + 7, D + 5}; break;
-    case Strides::kHeadMajor: x.stride = {D, int64_t(T) * D + 3}; break;
+    case Strides::kContiguous:
+      x.stride = {int64_t(H) * D, D};
+      break;
+    case Strides::kPadded:
+      x.stride = {int64_t(H) * (D + 5) + 7, D + 5};
+      break;
+    case Strides::kHeadMajor:
+      x.stride = {D, int64_t(T) * D + 3};
+      break;
   }
   const int64_t size = T == 0 ? 1 : (T - 1) * x.stride.token + (H - 1) * x.stride.head + D;
   // Gaps between rows hold NaN: reading one would poison the result.
@@ -162,7 +168,7 @@ BackwardArgs backward_args(const LayoutTables& lt, Call<S>& r) {
 // Draws inputs, poisons the outputs with NaN and runs forward then backward.
 template <class S>
 Call<S> run_attention(std::mt19937_64& rng, const LayoutTables& lt, const Config& c,
-                     int64_t window) {
+                      int64_t window) {
   Call<S> r;
   const int T = lt.layout.total_tokens();
   r.ref = {T, c.Hq, c.Hkv, c.D, 1.0 / std::sqrt(double(c.D)), c.softcap ? 3.0 : 0.0, window};
@@ -300,10 +306,14 @@ void run_case(const Config& c) {
 TEST_P(AttentionVsReference, OutputsAndGradients) {
   const Case& p = GetParam();
   switch (p.dtype) {
-    case DType::kFloat64: return run_case<double>(p.config);
-    case DType::kFloat32: return run_case<float>(p.config);
-    case DType::kBFloat16: return run_case<cpu::BFloat16>(p.config);
-    case DType::kFloat16: return run_case<cpu::Half>(p.config);
+    case DType::kFloat64:
+      return run_case<double>(p.config);
+    case DType::kFloat32:
+      return run_case<float>(p.config);
+    case DType::kBFloat16:
+      return run_case<cpu::BFloat16>(p.config);
+    case DType::kFloat16:
+      return run_case<cpu::Half>(p.config);
   }
 }
 
@@ -448,8 +458,8 @@ TEST(AttentionCpu, FiniteDifferences) {
       Input<double>* x;
       const std::vector<double>* grad;
     };
-    for (const Target& tg : {Target{"q", &r.q, &r.dq}, Target{"k", &r.k, &r.dk},
-                             Target{"v", &r.v, &r.dv}}) {
+    for (const Target& tg :
+         {Target{"q", &r.q, &r.dq}, Target{"k", &r.k, &r.dk}, Target{"v", &r.v, &r.dv}}) {
       for (size_t i = 0; i < tg.x->data.size(); ++i) {
         const double x0 = tg.x->data[i];
         tg.x->data[i] = x0 + eps;

@@ -26,9 +26,10 @@ bool same_half(uint16_t a, uint16_t b) {
 // one float ulp either side of them (where round-to-nearest-even decides), plus random floats
 // of every magnitude and the special values.
 std::vector<float> probe_floats(float (*to_float)(uint16_t)) {
-  std::vector<float> xs = {0.f, -0.f, INFINITY, -INFINITY, NAN, 65504.f, 65519.996f, 65520.f,
-                           0x1p-24f, 0x1p-25f, 0x1.000002p-25f, 0x1p-26f, 0x1p-14f,
-                           3.3895314e38f, 3.39e38f, 3.4028235e38f, 1e-45f, -1e-45f};
+  std::vector<float> xs = {
+      0.f,      -0.f,          INFINITY, -INFINITY,       NAN,      65504.f,  65519.996f,
+      65520.f,  0x1p-24f,      0x1p-25f, 0x1.000002p-25f, 0x1p-26f, 0x1p-14f, 3.3895314e38f,
+      3.39e38f, 3.4028235e38f, 1e-45f,   -1e-45f};
   for (uint32_t b = 0; b < 0x10000; ++b) {
     const float f = to_float(uint16_t(b));
     const float g = to_float(uint16_t(b + 1));
@@ -72,7 +73,7 @@ uint16_t bf16_reference(float x) {
   const uint32_t u = std::bit_cast<uint32_t>(x);
   const uint32_t sign = (u >> 16) & 0x8000;
   const uint32_t lo = (u & 0x7FFFFFFF) >> 16;  // truncation toward zero
-  auto value = [](uint32_t b) {                 // magnitude; the step past the max is 2^128
+  auto value = [](uint32_t b) {                // magnitude; the step past the max is 2^128
     return b == 0x7F80 ? std::ldexp(1.0, 128) : double(bf16_bits_to_float(uint16_t(b)));
   };
   if (lo >= 0x7F80) return uint16_t(sign | 0x7F80);  // inf stays inf
@@ -102,7 +103,7 @@ TEST(Convert, BFloat16) {
 TEST(Convert, LoadStoreTemplates) {
   EXPECT_EQ(load<float>(Half{0x3C00}), 1.0f);
   EXPECT_EQ(load<double>(BFloat16{0xC000}), -2.0);
-  EXPECT_EQ(store<Half>(1.0f + 0x1p-11f).bits, 0x3C00);  // tie: even mantissa stays
+  EXPECT_EQ(store<Half>(1.0f + 0x1p-11f).bits, 0x3C00);             // tie: even mantissa stays
   EXPECT_EQ(store<Half>(1.0f + 0x1p-10f + 0x1p-11f).bits, 0x3C02);  // tie: rounds up to even
   EXPECT_EQ(store<BFloat16>(1.0f + 0x1p-8f).bits, 0x3F80);
   EXPECT_EQ(store<BFloat16>(1.0f + 0x1p-7f + 0x1p-8f).bits, 0x3F82);

@@ -32,7 +32,7 @@ TEST(Layout, Validation) {
   expect_layout_error({{2, 3}, {{1}}}, "same groups");
   expect_layout_error({{2}, {{1}, {}}}, "same groups");
   expect_layout_error({{kInt32Max + 1}, {{}}}, "int32");
-  expect_layout_error({{kInt32Max - 5}, {{6}}}, "int32");  // positions P + R overflow
+  expect_layout_error({{kInt32Max - 5}, {{6}}}, "int32");        // positions P + R overflow
   expect_layout_error({{1 << 30, 1 << 30}, {{}, {}}}, "int32");  // total overflows
   expect_layout_error({{1 << 30}, {{1 << 29, 1 << 29}}}, "int32");
   // The largest legal sizes are accepted (nothing is allocated per token).
@@ -47,7 +47,7 @@ TEST(Layout, SegmentsAndPositions) {
   EXPECT_EQ(l.total_tokens(), 12);
   EXPECT_EQ(l.num_groups(), 4);
   const std::vector<Segment> want = {
-      {0, 3, 0, 0, 3, 0, -1}, {3, 2, 3, 0, 3, 0, 0},   {5, 1, 3, 0, 3, 0, 2},
+      {0, 3, 0, 0, 3, 0, -1}, {3, 2, 3, 0, 3, 0, 0},    {5, 1, 3, 0, 3, 0, 2},
       {6, 4, 0, 6, 0, 1, 0},  {10, 2, 0, 10, 2, 2, -1},
   };
   ASSERT_EQ(l.segments().size(), want.size());
