@@ -10,6 +10,9 @@
 #include "dualkv/cuda.h"
 #include "dualkv/error.h"
 #include "launch.h"
+#if DUALKV_HAS_SM90A
+#include "sm90_exp.h"
+#endif
 
 namespace dualkv::cuda {
 namespace detail {
@@ -172,6 +175,8 @@ void attention_forward(const ForwardArgs& a, cudaStream_t stream) {
     using T = decltype(t);
     constexpr int D = decltype(d)::value;
 #if DUALKV_HAS_SM90A
+    // Unverified FA3-style candidate, only on request (falls back when it cannot run).
+    if (sm90 && sm90_experimental() && launch_forward_sm90_ws<T, D>(p, stream)) return;
     // D = 64: the sm_80 forward measured faster on an H200 (2.02 vs 2.28 ms, N=16 P=R=2048, Hq=16).
     if constexpr (D != 64) {
       if (sm90) return launch_forward_sm90<T, D>(p, stream);

@@ -1,0 +1,393 @@
+// Experimental sm_90a forward, FlashAttention-3 style (DUALKV_SM90_EXPERIMENTAL=1 only; NOT yet
+// run on a GPU). Same schedule and semantics as sm90_fwd.cuh (one CTA per (query tile, q head),
+// region A then region B, one online softmax, masks on boundary blocks only), different machinery:
+//   - warpgroup 0 is the producer: one thread issues TMA copies (cp.async.bulk.tensor, 128-byte
+//     swizzle straight into the SW128 wgmma layout) of Q once and of K/V blocks through a
+//     STAGES-deep ring; full barriers complete on the copies' byte count, empty barriers on the
+//     256 consumer threads' arrivals. setmaxnreg gives its registers to the consumers.
+//   - warpgroups 1 and 2 consume, 64 query rows each. Intra-warpgroup overlap: S_j = Q K_j^T and
+//     O += P_{j-1} V_{j-1} are issued back to back as two wgmma groups; the softmax of S_j runs
+//     while P V is in flight (wait_group 1), O is rescaled after wait_group 0.
+//   - ping-pong (named barriers 1, 2): the two consumer warpgroups take turns issuing their GEMMs,
+//     so one's softmax (MUFU/FMA) overlaps the other's tensor-core work. Off when
+//     DUALKV_SM90_EXP_PINGPONG=0, for A/B timing.
+//   - softmax in the log2 domain with the scale folded into one FFMA per element
+//     (exp2(s * scale_log2 - m * scale_log2)); softcap or a non-positive scale pre-scales instead.
+// Differences from the verified kernel: K/V rows past a region's end (inside T) are read from the
+// neighbouring tokens instead of zero-filled; they are masked to P = 0, so only a non-finite V
+// value there could leak (0 * inf). Q rows past the tile's end are likewise real tokens (their
+// rows are computed and not written).
+#pragma once
+
+#include <cuda.h>
+
+#include "launch.h"
+#include "sm90_common.cuh"
+#include "sm90_exp.h"
+
+namespace dualkv::cuda::detail {
+
+template <int D>
+struct FwdWsCfg {
+  static constexpr int BM = kTileSize;  // 2 consumer warpgroups x 64 rows
+  static constexpr int BN = D >= 256 ? 64 : 128;
+  static constexpr int STAGES = 2;
+  static constexpr int THREADS = 384;  // warpgroup 0 produces, 1 and 2 consume
+  static constexpr int CONSUMERS = 256;
+  static constexpr int Q_BYTES = BM * D * 2;
+  static constexpr int KV_BYTES = BN * D * 2;
+  static constexpr int OFF_K = Q_BYTES;
+  static constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
+  static constexpr int OFF_BAR = OFF_V + STAGES * KV_BYTES;  // q, fullK[S], fullV[S], emptyK[S], emptyV[S]
+  static constexpr int SMEM = OFF_BAR + 8 * (1 + 4 * STAGES) + 1024;  // + alignment slack
+  // setmaxnreg: 40 + 2 x 232 = 504 registers per thread slot of the three warpgroups (<= 512).
+  static constexpr int PRODUCER_REGS = 40;
+  static constexpr int CONSUMER_REGS = 232;
+  static_assert(SMEM <= 227 * 1024, "shared memory per block");
+};
+
+// Kernel parameter block: the common parameters plus the TMA maps (by value, __grid_constant__).
+struct FwdWsArgs {
+  CUtensorMap tq, tk, tv;
+  Params p;
+  int pingpong;
+  int prescale;  // 1: multiply scores by scale_log2 first (scale <= 0); the FFMA fold needs scale > 0
+};
+
+namespace ws {
+
+#if DUALKV_SM90_BODY
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// Blocks until the phase of parity `parity` has completed (a fresh barrier counts its phase of
+// parity 1 as completed, so a producer's first pass through the ring does not wait).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred P1;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      "@!P1 bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void tma_load3(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1,
+                                          int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
+      "[%2];" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+__device__ __forceinline__ void prefetch_tmap(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void reg_dealloc() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void reg_alloc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
+}
+__device__ __forceinline__ void bar_sync(int id, int n) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int n) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+#endif
+
+}  // namespace ws
+
+template <typename T, int D, bool kCap>
+__global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_constant__ FwdWsArgs a) {
+#if DUALKV_SM90_BODY
+  using Cfg = FwdWsCfg<D>;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
+  const Params& p = a.p;
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
+  const uint32_t sQ = base, sK0 = base + Cfg::OFF_K, sV0 = base + Cfg::OFF_V;
+  const uint32_t bQ = base + Cfg::OFF_BAR;
+  auto full_k = [&](int s) { return bQ + 8u * (1 + s); };
+  auto full_v = [&](int s) { return bQ + 8u * (1 + S + s); };
+  auto empty_k = [&](int s) { return bQ + 8u * (1 + 2 * S + s); };
+  auto empty_v = [&](int s) { return bQ + 8u * (1 + 3 * S + s); };
+
+  const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int h = int(blockIdx.x % unsigned(p.Hq));
+  const int ti = int(blockIdx.x / unsigned(p.Hq));
+  const Tile tile = p.qtiles[ti];
+  const Segment seg = p.segs[tile.segment];
+  const int q0 = tile.begin, nq = tile.end - tile.begin;
+  const int hk = h / p.group;
+
+  Region reg[2];
+  key_regions(seg, reg);
+  const Region r0 = reg[0], r1 = reg[1];
+  const int pq_first = seg.pos0 + (q0 - seg.start), pq_last = pq_first + nq - 1;
+  int b00 = 0, b01 = 0;
+  const int nb0 = key_blocks<BN>(r0, pq_first, pq_last, p.mask, &b00);
+  const int nb1 = key_blocks<BN>(r1, pq_first, pq_last, p.mask, &b01);
+  const int total = nb0 + nb1;
+  auto block_of = [&](int j, Region& R, int& kb) {
+    const bool first = j < nb0;
+    R = first ? r0 : r1;
+    kb = (first ? b00 + j : b01 + j - nb0) * BN;
+  };
+
+  if (tid == 0) {
+    ws::mbar_init(bQ, 1);
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      ws::mbar_init(full_k(s), 1);
+      ws::mbar_init(full_v(s), 1);
+      ws::mbar_init(empty_k(s), NC);
+      ws::mbar_init(empty_v(s), NC);
+    }
+    // Make the initialised barriers visible to the copy engine (async proxy).
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    fence_proxy_async();
+  }
+  __syncthreads();
+
+  if (warp < 4) {
+    // ---- producer warpgroup: one thread issues every copy ---------------------------------------
+    ws::reg_dealloc<Cfg::PRODUCER_REGS>();
+    if (tid == 0) {
+      ws::prefetch_tmap(&a.tq);
+      ws::prefetch_tmap(&a.tk);
+      ws::prefetch_tmap(&a.tv);
+      ws::mbar_expect_tx(bQ, Cfg::Q_BYTES);
+#pragma unroll
+      for (int c = 0; c < D / 64; ++c) ws::tma_load3(sQ + c * (BM * 128), &a.tq, bQ, c * 64, h, q0);
+      for (int j = 0; j < total; ++j) {
+        const int s = j % S;
+        const uint32_t ph = uint32_t(j / S) & 1u;
+        Region R;
+        int kb;
+        block_of(j, R, kb);
+        const int row = R.start + kb;
+        ws::mbar_wait(empty_k(s), ph ^ 1u);
+        ws::mbar_expect_tx(full_k(s), Cfg::KV_BYTES);
+#pragma unroll
+        for (int c = 0; c < D / 64; ++c) {
+          ws::tma_load3(sK0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tk, full_k(s), c * 64, hk, row);
+        }
+        ws::mbar_wait(empty_v(s), ph ^ 1u);
+        ws::mbar_expect_tx(full_v(s), Cfg::KV_BYTES);
+#pragma unroll
+        for (int c = 0; c < D / 64; ++c) {
+          ws::tma_load3(sV0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tv, full_v(s), c * 64, hk, row);
+        }
+      }
+    }
+  } else {
+    // ---- consumer warpgroups ----------------------------------------------------------------------
+    ws::reg_alloc<Cfg::CONSUMER_REGS>();
+    const int cw = (warp >> 2) - 1;  // 0 or 1: query rows [64 cw, 64 cw + 64)
+    const int g = lane >> 2, tq = lane & 3;
+    const int row0 = cw * 64 + (warp & 3) * 16 + g;  // rows row0, row0 + 8
+    const bool pp = a.pingpong != 0;
+    const int my_bar = 1 + cw, other_bar = 2 - cw;
+    const float sl = (kCap || a.prescale) ? 1.f : p.scale_log2;  // log2-domain factor of the scores
+
+    constexpr int OR = D / 2, SR = BN / 2;  // accumulator floats per thread
+    float o[OR];
+#pragma unroll
+    for (int i = 0; i < OR; ++i) o[i] = 0.f;
+    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+    float s[SR];
+    uint32_t pa[BN / 16][4];
+
+    // Scores of block j (in s) -> unnormalised probabilities (in place); updates the running max
+    // and sum; corr = factor by which O must be rescaled.
+    auto softmax = [&](int j, float (&corr)[2]) {
+      Region R;
+      int kb;
+      block_of(j, R, kb);
+      const int nk = min(BN, R.len - kb);
+      const int pk_first = R.pos0 + kb;
+      const bool msk = needs_mask(nq, BM, nk, BN, pq_first, pq_last, pk_first, pk_first + BN - 1, p.mask);
+      if constexpr (kCap) {
+#pragma unroll
+        for (int i = 0; i < SR; ++i) s[i] = p.cap_log2 * tanhf(s[i] * p.cap_inv);
+      } else {
+        if (a.prescale) {
+#pragma unroll
+          for (int i = 0; i < SR; ++i) s[i] *= p.scale_log2;
+        }
+      }
+      if (msk) {
+#pragma unroll
+        for (int i = 0; i < SR; ++i) {
+          const int nt = i >> 2, e = i & 3;
+          const int pq = pq_first + row0 + (e >> 1) * 8;
+          const int kr = kb + nt * 8 + 2 * tq + (e & 1);
+          if (!(kr < R.len && p.mask.allowed(pq, R.pos0 + kr))) s[i] = -INFINITY;
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = m_run[r];
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt * 4 + 2 * r], s[nt * 4 + 2 * r + 1]));
+        mx = quad_max(mx);
+        const float mu = (mx == -INFINITY ? 0.f : mx) * sl;  // scaled max; 0 while the row saw nothing
+        corr[r] = fast_exp2(fmaf(m_run[r], sl, -mu));       // m_run = -inf -> 0
+        m_run[r] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) {
+          const float p0 = fast_exp2(fmaf(s[nt * 4 + 2 * r], sl, -mu));
+          const float p1 = fast_exp2(fmaf(s[nt * 4 + 2 * r + 1], sl, -mu));
+          s[nt * 4 + 2 * r] = p0;
+          s[nt * 4 + 2 * r + 1] = p1;
+          sum += p0 + p1;
+        }
+        l_run[r] = l_run[r] * corr[r] + sum;
+      }
+    };
+    auto pack_p = [&]() {
+#pragma unroll
+      for (int kt = 0; kt < BN / 16; ++kt) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) pa[kt][c] = pack2<T>(s[8 * kt + 2 * c], s[8 * kt + 2 * c + 1]);
+      }
+    };
+    auto issue_s = [&](int st) {
+      const uint32_t sK = sK0 + st * Cfg::KV_BYTES;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        Wgmma<T, BN>::template ss<0>(s, desc_kmajor<BM>(sQ, cw * 64, kk * 16), desc_kmajor<BN>(sK, 0, kk * 16),
+                                     kk > 0);
+      }
+      wg_commit();
+    };
+    auto issue_pv = [&](int st) {
+      const uint32_t sV = sV0 + st * Cfg::KV_BYTES;
+#pragma unroll
+      for (int kt = 0; kt < BN / 16; ++kt) Wgmma<T, D>::template rs<1>(o, pa[kt], desc_mnmajor<BN>(sV, kt * 16), 1);
+      wg_commit();
+    };
+
+    // Consumer 1 lets consumer 0 issue first; every turn ends by handing over to the other.
+    if (pp && cw == 1) ws::bar_arrive(other_bar, NC);
+    ws::mbar_wait(bQ, 0);
+
+    if (total > 0) {
+      // Block 0: S only (O is still zero).
+      ws::mbar_wait(full_k(0), 0);
+      if (pp) ws::bar_sync(my_bar, NC);
+      wg_fence();
+      issue_s(0);
+      if (pp) ws::bar_arrive(other_bar, NC);
+      wg_wait<0>();
+      fence_regs(s);
+      ws::mbar_arrive(empty_k(0));
+      float corr[2];
+      softmax(0, corr);
+      pack_p();
+
+      for (int j = 1; j < total; ++j) {
+        const int st = j % S, pst = (j - 1) % S;
+        ws::mbar_wait(full_k(st), uint32_t(j / S) & 1u);
+        ws::mbar_wait(full_v(pst), uint32_t((j - 1) / S) & 1u);
+        if (pp) ws::bar_sync(my_bar, NC);
+        fence_regs(pa);
+        fence_regs(o);
+        wg_fence();
+        issue_s(st);   // S_j = Q K_j^T
+        issue_pv(pst);  // O += P_{j-1} V_{j-1}
+        if (pp) ws::bar_arrive(other_bar, NC);
+        wg_wait<1>();  // S_j done; P V still in flight
+        fence_regs(s);
+        ws::mbar_arrive(empty_k(st));
+        softmax(j, corr);
+        // Keep the exp2s before the wait: ptxas hoists the wait over straight-line code, which
+        // would stall on P V before the softmax instead of overlapping it. A branch on the row
+        // sums (never taken: they are >= 0 or NaN) ends the basic block after the last exp2.
+        fence_regs(s);
+        if (l_run[0] + l_run[1] < 0.f) asm volatile("nanosleep.u32 0;");
+        wg_wait<0>();
+        fence_regs(o);
+        fence_regs(pa);
+        ws::mbar_arrive(empty_v(pst));
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+#pragma unroll
+          for (int nd = 0; nd < D / 8; ++nd) {
+            o[nd * 4 + 2 * r] *= corr[r];
+            o[nd * 4 + 2 * r + 1] *= corr[r];
+          }
+        }
+        pack_p();
+      }
+
+      // Last block's P V.
+      const int lst = (total - 1) % S;
+      ws::mbar_wait(full_v(lst), uint32_t((total - 1) / S) & 1u);
+      if (pp) ws::bar_sync(my_bar, NC);
+      fence_regs(pa);
+      fence_regs(o);
+      wg_fence();
+      issue_pv(lst);
+      if (pp) ws::bar_arrive(other_bar, NC);
+      wg_wait<0>();
+      fence_regs(o);
+      fence_regs(pa);
+    }
+    // Consumer 0 takes consumer 1's last hand-over, so no barrier is left half-arrived.
+    if (pp && cw == 0) ws::bar_sync(my_bar, NC);
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float l = quad_sum(l_run[r]);
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const int row = row0 + 8 * r;
+      if (row < nq) {
+        T* og = static_cast<T*>(p.out) + (int64_t(q0 + row) * p.Hq + h) * D;
+#pragma unroll
+        for (int nd = 0; nd < D / 8; ++nd) {
+          *reinterpret_cast<uint32_t*>(og + nd * 8 + 2 * tq) =
+              pack2<T>(o[nd * 4 + 2 * r] * inv, o[nd * 4 + 2 * r + 1] * inv);
+        }
+        if (tq == 0) {
+          p.lse[int64_t(h) * p.T + q0 + row] = l > 0.f ? (m_run[r] * sl + log2f(l)) * kLn2 : -INFINITY;
+        }
+      }
+    }
+  }
+#endif
+}
+
+template <typename T, int D>
+bool launch_forward_sm90_ws(const Params& p, cudaStream_t stream) {
+  using Cfg = FwdWsCfg<D>;
+  const int64_t grid = int64_t(p.nqt) * p.Hq;
+  if (grid == 0) return true;
+  FwdWsArgs a{};
+  if (!encode_tmap_thd(&a.tq, p.q, p.T, p.Hq, D, p.q_tok, p.q_head, Cfg::BM) ||
+      !encode_tmap_thd(&a.tk, p.k, p.T, p.Hkv, D, p.k_tok, p.k_head, Cfg::BN) ||
+      !encode_tmap_thd(&a.tv, p.v, p.T, p.Hkv, D, p.v_tok, p.v_head, Cfg::BN)) {
+    warn_experimental_fallback("cuTensorMapEncodeTiled failed or is unavailable");
+    return false;
+  }
+  a.p = p;
+  const char* e = std::getenv("DUALKV_SM90_EXP_PINGPONG");
+  a.pingpong = !(e && e[0] == '0');
+  a.prescale = !(p.scale_log2 > 0.f);
+  auto kernel = p.softcap > 0.f ? fwd_ws_kernel_sm90<T, D, true> : fwd_ws_kernel_sm90<T, D, false>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM);
+  kernel<<<unsigned(grid), Cfg::THREADS, Cfg::SMEM, stream>>>(a);
+  check_launch("dualkv forward (sm90a experimental, warp-specialised)");
+  return true;
+}
+
+}  // namespace dualkv::cuda::detail
