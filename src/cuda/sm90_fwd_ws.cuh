@@ -67,7 +67,8 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 // Blocks until the phase of parity `parity` has completed (a fresh barrier counts its phase of
-// parity 1 as completed, so a producer's first pass through the ring does not wait).
+// parity 1 as completed, so a producer's first pass through the ring does not wait). No watchdog:
+// a clock64 timeout here made ptxas spill and serialise the wgmmas; the test scripts time out.
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   asm volatile(
       "{\n.reg .pred P1;\nWAIT:\n"

@@ -1,7 +1,9 @@
 // Standalone test and benchmark of the CUDA library (no torch).
 //
 //   dualkv_cuda_test [--seed S] [--quick] [--small] [--no-check] [--race N] [--bench] [--bench-reps N]
-//   (--small: the quick matrix and 3 race repeats, for compute-sanitizer)
+//                    [--bench-no-exp]
+//   (--small: the quick matrix and 3 race repeats, for compute-sanitizer; --bench-no-exp: leave
+//   the experimental sm_90a forward out of the bench, e.g. after it failed its checks)
 //
 // Correctness: random layouts over a case matrix; every output is compared with the CPU backend
 // run in float64 on the same (rounded) inputs (the reference) and the GPU's max error must be at
@@ -10,6 +12,10 @@
 // are poisoned with NaN before every run; NaN never passes. Deterministic mode must be bitwise
 // reproducible; the race test repeats a run many times and requires bitwise-equal results.
 // Bench: CUDA events, warm-up, median of repeats, useful TFLOP/s (Layout::forward_flops).
+// DUALKV_SM90_EXPERIMENTAL=1 in the environment: the default path's forward is the experimental
+// sm_90a kernel, and each case also checks its forward with ping-pong off
+// (DUALKV_SM90_EXP_PINGPONG=0). The bench always times the experimental forward in rows of
+// its own ("exp", "exp-nopp"), next to the default and sm80 rows.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -137,6 +143,12 @@ Err max_error(size_t n, const std::vector<double>& ref, Get get) {
   }
   if (e.nan) e.max_err = INFINITY;
   return e;
+}
+
+// DUALKV_SM90_EXPERIMENTAL=1 (the library's switch for the experimental sm_90a forward).
+bool experimental() {
+  const char* e = std::getenv("DUALKV_SM90_EXPERIMENTAL");
+  return e && std::strcmp(e, "1") == 0;
 }
 
 int g_failures = 0;
@@ -362,10 +374,15 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   const CpuOut ref = run_cpu(c, in, tb, true);
   const CpuOut lp = run_cpu(c, in, tb, false);
   GpuCase g(c, in, tb);
-  // Both kernel paths: the default (wgmma on sm_90) and the sm_80 one forced.
-  for (int path = 0; path < 2; ++path) {
+  // Both kernel paths: the default (wgmma on sm_90) and the sm_80 one forced; with the
+  // experimental forward on, a third pass checks it with ping-pong off (forward only).
+  const int paths = experimental() ? 3 : 2;
+  for (int path = 0; path < paths; ++path) {
   if (path == 1) setenv("DUALKV_FORCE_SM80", "1", 1);
-  std::printf("  path %s\n", path == 0 ? "default" : "DUALKV_FORCE_SM80=1");
+  if (path == 2) setenv("DUALKV_SM90_EXP_PINGPONG", "0", 1);
+  std::printf("  path %s\n", path == 0   ? (experimental() ? "default, DUALKV_SM90_EXPERIMENTAL=1" : "default")
+                             : path == 1 ? "DUALKV_FORCE_SM80=1"
+                                         : "DUALKV_SM90_EXPERIMENTAL=1 DUALKV_SM90_EXP_PINGPONG=0 (forward only)");
   g.forward(true);
   const auto out = download<uint16_t>(g.out, g.nq);
   const auto lse = download<float>(g.lse, g.nl);
@@ -383,6 +400,10 @@ void run_case(const Case& c, std::mt19937_64& rng) {
     const Err cl = errd(lp.lse, ref.lse);
     // lse is fp32 in both; the GPU's exp2 is approximate (2^-22 relative): slack 1e-5 * (1 + max|lse|).
     judge("lse", gl, cl, 2.0, 1e-5 * (1 + gl.max_ref));
+  }
+  if (path == 2) {
+    unsetenv("DUALKV_SM90_EXP_PINGPONG");
+    continue;
   }
   std::vector<uint16_t> dq0, dk0, dv0;
   // Modes: 0 default, 1 deterministic, 2 default with DUALKV_ATOMIC_DQ=1 (fused atomic dq).
@@ -558,7 +579,8 @@ float median(std::vector<float> v) {
   return v[v.size() / 2];
 }
 
-void bench(int reps) {
+void bench(int reps, bool with_exp) {
+  unsetenv("DUALKV_SM90_EXPERIMENTAL");  // the rows set it themselves
   const BenchShape shapes[] = {
       {16, 8192, 1024, 32, 8, 128, "3-pass cuDNN 21.0 ms (481 TF/s), Flex 26.5 ms"},
       {32, 4096, 2048, 32, 8, 128, "3-pass cuDNN 45.3 ms (435 TF/s), Flex 69.2 ms"},
@@ -628,19 +650,30 @@ void bench(int reps) {
       CK(cudaGetLastError());
       return median(ts);
     };
-    for (int path = 0; path < 2; ++path) {
-    if (path == 1) setenv("DUALKV_FORCE_SM80", "1", 1);
+    // Paths: default (verified), experimental sm_90a forward with and without ping-pong, sm80.
+    // The experimental switch only changes the forward; its rows skip the atomic-dq timing.
+    const char* path_names[4] = {"default", "exp", "exp-nopp", "sm80"};
+    for (int path = 0; path < 4; ++path) {
+    if (!with_exp && (path == 1 || path == 2)) continue;
+    if (path == 1 || path == 2) setenv("DUALKV_SM90_EXPERIMENTAL", "1", 1);
+    if (path == 2) setenv("DUALKV_SM90_EXP_PINGPONG", "0", 1);
+    if (path == 3) setenv("DUALKV_FORCE_SM80", "1", 1);
     Row r;
     char name[128];
-    std::snprintf(name, sizeof name, "%s N=%d P=%d R=%d Hq=%d Hkv=%d D=%d", path ? "sm80" : "default", s.N, s.P,
-                  s.R, s.Hq, s.Hkv, s.D);
+    std::snprintf(name, sizeof name, "%s N=%d P=%d R=%d Hq=%d Hkv=%d D=%d", path_names[path], s.N, s.P, s.R, s.Hq,
+                  s.Hkv, s.D);
     r.name = name;
     r.fwd = time([&] { cuda::attention_forward(f, nullptr); });
     b.deterministic = false;
     r.bwd = time([&] { cuda::attention_backward(b, ws.p, nullptr); });
-    setenv("DUALKV_ATOMIC_DQ", "1", 1);
-    r.bwd_det = time([&] { cuda::attention_backward(b, ws.p, nullptr); });
-    unsetenv("DUALKV_ATOMIC_DQ");
+    r.bwd_det = NAN;
+    if (path == 0 || path == 3) {
+      setenv("DUALKV_ATOMIC_DQ", "1", 1);
+      r.bwd_det = time([&] { cuda::attention_backward(b, ws.p, nullptr); });
+      unsetenv("DUALKV_ATOMIC_DQ");
+    }
+    unsetenv("DUALKV_SM90_EXPERIMENTAL");
+    unsetenv("DUALKV_SM90_EXP_PINGPONG");
     r.ff = L.forward_flops(s.D, s.Hq);
     r.bf = L.backward_flops(s.D, s.Hq);
     r.ref = s.ref;
@@ -665,7 +698,7 @@ void bench(int reps) {
 
 int main(int argc, char** argv) {
   uint64_t seed = uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
-  bool quick = false, check = true, do_bench = false;
+  bool quick = false, check = true, do_bench = false, bench_exp = true;
   int race = 100, bench_reps = 10;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -675,17 +708,19 @@ int main(int argc, char** argv) {
     else if (a == "--no-check") check = false;
     else if (a == "--race" && i + 1 < argc) race = std::atoi(argv[++i]);
     else if (a == "--bench") do_bench = true;
+    else if (a == "--bench-no-exp") bench_exp = false;
     else if (a == "--bench-reps" && i + 1 < argc) bench_reps = std::atoi(argv[++i]);
     else {
-      std::fprintf(stderr, "usage: %s [--seed S] [--quick] [--small] [--no-check] [--race N] [--bench] [--bench-reps N]\n",
+      std::fprintf(stderr, "usage: %s [--seed S] [--quick] [--small] [--no-check] [--race N] [--bench] [--bench-reps N] [--bench-no-exp]\n",
                    argv[0]);
       return 2;
     }
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device: %s (sm_%d%d, %d SMs), seed %llu\n", prop.name, prop.major, prop.minor,
-              prop.multiProcessorCount, (unsigned long long)seed);
+  std::printf("device: %s (sm_%d%d, %d SMs), seed %llu%s\n", prop.name, prop.major, prop.minor,
+              prop.multiProcessorCount, (unsigned long long)seed,
+              experimental() ? ", DUALKV_SM90_EXPERIMENTAL=1" : "");
   std::mt19937_64 rng(seed);
   if (check) {
     // Argument errors are reported, not silently accepted.
@@ -708,6 +743,6 @@ int main(int argc, char** argv) {
     if (race > 0) race_test(race, rng);
     std::printf("\ncorrectness: %d checks, %d failures\n", g_checks, g_failures);
   }
-  if (do_bench) bench(bench_reps);
+  if (do_bench) bench(bench_reps, bench_exp);
   return g_failures == 0 ? 0 : 1;
 }
