@@ -2,7 +2,7 @@
 # The GPU machine's job, one call: build the package (CUDA library included) against the
 # machine's torch, run the GPU tests (default path, then the sm_80 path forced), the standalone
 # CUDA tests and sanitizers, then the benchmark.
-# Logs and results go to $OUT. Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench]...
+# Logs and results go to $OUT. Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|model]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-.out/gpu}"
@@ -39,6 +39,11 @@ for step in "${steps[@]}"; do
     else
       echo "no .out/dualkv_cuda_test: build it first (see src/cuda/NOTES.md)"
     fi
+    ;;
+  model)
+    echo "== model-level GRPO step benchmark (issue 4) =="
+    python3 bench/model_step.py --presets "${MODEL_PRESETS:-1.7b}" 2>&1 |
+      tee "$OUT/model_step.log" | tail -20
     ;;
   bench)
     echo "== benchmark =="
