@@ -223,6 +223,7 @@ void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t str
     using T = decltype(t);
     constexpr int D = decltype(d)::value;
 #if DUALKV_HAS_SM90A
+    if (sm90 && sm90_experimental() && launch_backward_sm90_ws<T, D>(p, stream)) return;
     if (sm90) return launch_backward_sm90<T, D>(p, stream);
 #endif
     launch_backward_sm80<T, D>(p, a.deterministic, stream);

@@ -30,4 +30,9 @@ void warn_experimental_fallback(const char* why);
 template <typename T, int D>
 bool launch_forward_sm90_ws(const Params& p, cudaStream_t stream);
 
+// Backward with the warp-specialised dK/dV kernel (D <= 128; the preprocess and dQ pass are the
+// verified ones). False (nothing launched) for D = 256 or when a tensor map cannot be encoded.
+template <typename T, int D>
+bool launch_backward_sm90_ws(const Params& p, cudaStream_t stream);
+
 }  // namespace dualkv::cuda::detail

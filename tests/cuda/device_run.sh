@@ -3,7 +3,7 @@
 # Expects the prebuilt binary at .out/dualkv_cuda_test (built on the dev machine), logs to $OUT.
 #   bash tests/cuda/device_run.sh [test] [test-exp] [sanitize] [sanitize-exp] [bench]
 # test-exp / sanitize-exp: the same with DUALKV_SM90_EXPERIMENTAL=1 (the unverified FA3-style
-# sm_90a forward). bench always has rows for the experimental forward next to the default ones,
+# sm_90a forward and dK/dV). bench always has rows for the experimental path next to the default ones,
 # unless test-exp ran before it in this call and failed (then --bench-no-exp: a broken kernel
 # could hang the bench).
 set -uo pipefail

@@ -1,0 +1,338 @@
+// Experimental sm_90a backward (DUALKV_SM90_EXPERIMENTAL=1 only; NOT yet run on a GPU): the
+// verified preprocess and dQ pass, with a warp-specialised dK/dV kernel in the style of
+// sm90_fwd_ws.cuh. Same schedule and order as dkdv_kernel_sm90 (one CTA per (128-key tile, kv
+// head), query blocks of 64 in the fixed walk of seek_query_region), so still atomic-free and
+// deterministic.
+//   - producer warp 0: TMA of K and V once, then per query block of the walk: Q and dO tiles by
+//     TMA, lse2/delta rows by cp.async (completing on the same full barrier with
+//     cp.async.mbarrier.arrive.noinc), and a small record (query count, first position, or "end")
+//     in shared memory, through a STAGES-deep ring. The consumers read the walk from the ring, so
+//     they never touch the segment tables.
+//   - consumer warpgroups 1, 2 (64 keys each): S^T = K Q^T and dP^T = V dO^T issued as two wgmma
+//     groups; P is computed while dP^T is in flight, dV += P^T dO is issued before dS is computed,
+//     so dS overlaps the dV product. With softcap the tanh derivative needs S, so that variant
+//     waits for both products first.
+// D = 256 keeps the verified path (the accumulators would not fit).
+#pragma once
+
+#include "sm90_bwd.cuh"
+#include "sm90_fwd_ws.cuh"
+
+namespace dualkv::cuda::detail {
+
+template <int D>
+struct DkdvWsCfg {
+  static constexpr int BN = kTileSize;  // 128 keys: 2 consumer warpgroups x 64
+  static constexpr int BM = 64;         // queries per step
+  static constexpr int STAGES = 3;
+  static constexpr int THREADS = 384;
+  static constexpr int CONSUMERS = 256;
+  static constexpr int K_BYTES = BN * D * 2;
+  static constexpr int Q_BYTES = BM * D * 2;
+  static constexpr int OFF_V = K_BYTES;
+  static constexpr int OFF_Q = 2 * K_BYTES;
+  static constexpr int OFF_DO = OFF_Q + STAGES * Q_BYTES;
+  static constexpr int OFF_L = OFF_DO + STAGES * Q_BYTES;        // per stage: lse2[BM], delta[BM]
+  static constexpr int OFF_META = OFF_L + STAGES * 2 * BM * 4;   // per stage: int[4]
+  static constexpr int OFF_BAR = OFF_META + STAGES * 16;         // kv, full[S], empty[S]
+  static constexpr int SMEM = OFF_BAR + 8 * (1 + 2 * STAGES) + 1024;
+  // Full barrier: the elected lane's arrive.expect_tx + the producer warp's 32 cp.async arrivals.
+  static constexpr int FULL_COUNT = 1 + 32;
+  static constexpr int PRODUCER_REGS = 24;
+  static constexpr int CONSUMER_REGS = 240;
+  static_assert(D <= 128, "D = 256 keeps the verified dK/dV kernel");
+  static_assert(SMEM <= 227 * 1024, "shared memory per block");
+};
+
+struct DkdvWsArgs {
+  CUtensorMap tq, tdo, tk, tv;
+  Params p;
+};
+
+namespace ws {
+#if DUALKV_SM90_BODY
+// Arrives on `bar` once this thread's earlier cp.async copies have landed (counts as one of the
+// barrier's expected arrivals).
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+#endif
+}  // namespace ws
+
+template <typename T, int D, bool kCap>
+__global__ void __launch_bounds__(384, 1) dkdv_ws_kernel_sm90(const __grid_constant__ DkdvWsArgs a) {
+#if DUALKV_SM90_BODY
+  using Cfg = DkdvWsCfg<D>;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
+  const Params& p = a.p;
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
+  unsigned char* gbase = smem + (base - smem_u32(smem));
+  const uint32_t sK = base, sV = base + Cfg::OFF_V;
+  const uint32_t sQ0 = base + Cfg::OFF_Q, sdO0 = base + Cfg::OFF_DO, sL0 = base + Cfg::OFF_L;
+  const uint32_t bKV = base + Cfg::OFF_BAR;
+  auto full = [&](int s) { return bKV + 8u * (1 + s); };
+  auto empty = [&](int s) { return bKV + 8u * (1 + S + s); };
+  auto meta = [&](int s) { return reinterpret_cast<volatile int*>(gbase + Cfg::OFF_META + 16 * s); };
+
+  const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int hk = int(blockIdx.x % unsigned(p.Hkv));
+  const int ti = int(blockIdx.x / unsigned(p.Hkv));
+  const Tile tile = p.ktiles[ti];
+  const int k0 = tile.begin, nk = tile.end - tile.begin;
+  const int ksi = tile.segment;
+  const Segment kseg = p.segs[ksi];
+  const int pk_first = kseg.pos0 + (k0 - kseg.start), pk_last = pk_first + nk - 1;
+
+  if (tid == 0) {
+    ws::mbar_init(bKV, 1);
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      ws::mbar_init(full(s), Cfg::FULL_COUNT);
+      ws::mbar_init(empty(s), NC);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    fence_proxy_async();
+  }
+  __syncthreads();
+
+  if (warp < 4) {
+    // ---- producer: warp 0 walks the query blocks ------------------------------------------------
+    ws::reg_dealloc<Cfg::PRODUCER_REGS>();
+    if (warp == 0) {
+      if (lane == 0) {
+        ws::prefetch_tmap(&a.tq);
+        ws::prefetch_tmap(&a.tdo);
+        ws::mbar_expect_tx(bKV, 2 * Cfg::K_BYTES);
+#pragma unroll
+        for (int c = 0; c < D / 64; ++c) {
+          ws::tma_load3(sK + c * (BN * 128), &a.tk, bKV, c * 64, hk, k0);
+          ws::tma_load3(sV + c * (BN * 128), &a.tv, bKV, c * 64, hk, k0);
+        }
+      }
+      QIter cur;
+      cur.hi = 0;
+      bool valid = seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pk_last, cur);
+      for (int it = 0;; ++it) {
+        const int s = it % S;
+        ws::mbar_wait(empty(s), (uint32_t(it / S) & 1u) ^ 1u);
+        if (!valid) {
+          if (lane == 0) {
+            meta(s)[0] = 0;
+            ws::mbar_arrive(full(s));
+          }
+          ws::mbar_arrive(full(s));
+          break;
+        }
+        const int h = hk * p.group + cur.hi;
+        const int qs = cur.qs.start + cur.qb * BM;
+        const int nq = min(BM, cur.qs.len - cur.qb * BM);
+        if (lane == 0) {
+          meta(s)[0] = 1;
+          meta(s)[1] = nq;
+          meta(s)[2] = cur.qs.pos0 + cur.qb * BM;
+          ws::mbar_expect_tx(full(s), 2 * Cfg::Q_BYTES);
+#pragma unroll
+          for (int c = 0; c < D / 64; ++c) {
+            ws::tma_load3(sQ0 + s * Cfg::Q_BYTES + c * (BM * 128), &a.tq, full(s), c * 64, h, qs);
+            ws::tma_load3(sdO0 + s * Cfg::Q_BYTES + c * (BM * 128), &a.tdo, full(s), c * 64, h, qs);
+          }
+        }
+#pragma unroll
+        for (int i = lane; i < 2 * BM; i += 32) {
+          const int r = i % BM;
+          const float* src = (i < BM ? p.lse2 : p.delta) + int64_t(h) * p.T + qs + (r < nq ? r : 0);
+          cp_async4(sL0 + (s * 2 * BM + i) * 4, src, r < nq);
+        }
+        ws::cp_async_mbar_arrive(full(s));
+        if (++cur.qb < cur.qb_end) continue;
+        valid = seek_query_region<BM>(p, kseg, ksi, cur.si + 1, pk_first, pk_last, cur);
+        if (!valid && ++cur.hi < p.group) valid = seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pk_last, cur);
+      }
+    }
+  } else {
+    // ---- consumers ------------------------------------------------------------------------------
+    ws::reg_alloc<Cfg::CONSUMER_REGS>();
+    const int cw = (warp >> 2) - 1;
+    const int g = lane >> 2, tq = lane & 3;
+    const int kr0 = cw * 64 + (warp & 3) * 16 + g;  // key rows kr0, kr0 + 8
+    constexpr int AR = D / 2, SR = BM / 2;
+    float dk[AR], dv[AR];
+#pragma unroll
+    for (int i = 0; i < AR; ++i) dk[i] = dv[i] = 0.f;
+    const float* lse_s = reinterpret_cast<const float*>(gbase + Cfg::OFF_L);
+
+    ws::mbar_wait(bKV, 0);
+    for (int it = 0;; ++it) {
+      const int s = it % S;
+      ws::mbar_wait(full(s), uint32_t(it / S) & 1u);
+      if (meta(s)[0] == 0) break;
+      const int nq = meta(s)[1], pq_first = meta(s)[2];
+      const bool msk = needs_mask(nq, BM, nk, BN, pq_first, pq_first + nq - 1, pk_first, pk_last, p.mask);
+      const uint32_t sQ = sQ0 + s * Cfg::Q_BYTES, sdO = sdO0 + s * Cfg::Q_BYTES;
+      const float* lse_c = lse_s + s * 2 * BM;
+      const float* del_c = lse_c + BM;
+
+      float sc[SR], dp[SR];
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        Wgmma<T, BM>::template ss<0>(sc, desc_kmajor<BN>(sK, cw * 64, kk * 16), desc_kmajor<BM>(sQ, 0, kk * 16),
+                                     kk > 0);
+      }
+      wg_commit();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        Wgmma<T, BM>::template ss<0>(dp, desc_kmajor<BN>(sV, cw * 64, kk * 16), desc_kmajor<BM>(sdO, 0, kk * 16),
+                                     kk > 0);
+      }
+      wg_commit();
+
+      uint32_t pa[BM / 16][4], da[BM / 16][4];
+      auto prob = [&](int i, float x) {
+        const int nt = i >> 2, e = i & 3;
+        const int qc = nt * 8 + 2 * tq + (e & 1);
+        const int kr = kr0 + (e >> 1) * 8;
+        float pr = fast_exp2(x - lse_c[qc]);
+        if (msk && !(kr < nk && qc < nq && p.mask.allowed(pq_first + qc, pk_first + kr))) pr = 0.f;
+        return pr;
+      };
+      auto dsc = [&](int i, float pr, float dcap) {
+        const int qc = (i >> 2) * 8 + 2 * tq + (i & 1);
+        return pr * (dp[i] - del_c[qc]) * dcap;
+      };
+      if constexpr (kCap) {
+        // dS needs tanh'(S): wait for both products, then one pass (as the verified kernel).
+        wg_wait<0>();
+        fence_regs(sc);
+        fence_regs(dp);
+        // Packed as computed, so each pair of S/dP registers dies at once (no spills).
+#pragma unroll
+        for (int kt = 0; kt < BM / 16; ++kt)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            float pr[2], ds[2];
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+              const int i = 8 * kt + 2 * c + u;
+              const float t = tanhf(sc[i] * p.cap_inv);
+              pr[u] = prob(i, p.cap_log2 * t);
+              ds[u] = dsc(i, pr[u], 1.f - t * t);
+            }
+            pa[kt][c] = pack2<T>(pr[0], pr[1]);
+            da[kt][c] = pack2<T>(ds[0], ds[1]);
+          }
+        fence_regs(pa);
+        fence_regs(da);
+        fence_regs(dv);
+        fence_regs(dk);
+        wg_fence();
+#pragma unroll
+        for (int kt = 0; kt < BM / 16; ++kt) Wgmma<T, D>::template rs<1>(dv, pa[kt], desc_mnmajor<BM>(sdO, kt * 16), 1);
+#pragma unroll
+        for (int kt = 0; kt < BM / 16; ++kt) Wgmma<T, D>::template rs<1>(dk, da[kt], desc_mnmajor<BM>(sQ, kt * 16), 1);
+        wg_commit();
+      } else {
+        wg_wait<1>();  // S^T done, dP^T in flight
+        fence_regs(sc);
+#pragma unroll
+        for (int i = 0; i < SR; ++i) sc[i] = prob(i, sc[i] * p.scale_log2);
+#pragma unroll
+        for (int kt = 0; kt < BM / 16; ++kt)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) pa[kt][c] = pack2<T>(sc[8 * kt + 2 * c], sc[8 * kt + 2 * c + 1]);
+        fence_regs(pa);
+        fence_regs(dv);
+        wg_fence();
+#pragma unroll
+        for (int kt = 0; kt < BM / 16; ++kt) Wgmma<T, D>::template rs<1>(dv, pa[kt], desc_mnmajor<BM>(sdO, kt * 16), 1);
+        wg_commit();
+        wg_wait<1>();  // dP^T done, dV in flight
+        fence_regs(dp);
+#pragma unroll
+        for (int i = 0; i < SR; ++i) dp[i] = dsc(i, sc[i], 1.f);
+#pragma unroll
+        for (int kt = 0; kt < BM / 16; ++kt)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) da[kt][c] = pack2<T>(dp[8 * kt + 2 * c], dp[8 * kt + 2 * c + 1]);
+        fence_regs(da);
+        fence_regs(dk);
+        wg_fence();
+#pragma unroll
+        for (int kt = 0; kt < BM / 16; ++kt) Wgmma<T, D>::template rs<1>(dk, da[kt], desc_mnmajor<BM>(sQ, kt * 16), 1);
+        wg_commit();
+      }
+      wg_wait<0>();
+      fence_regs(dv);
+      fence_regs(dk);
+      fence_regs(pa);
+      fence_regs(da);
+      ws::mbar_arrive(empty(s));
+    }
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int kr = kr0 + 8 * r;
+      if (kr < nk) {
+        const int64_t off = (int64_t(k0 + kr) * p.Hkv + hk) * D + 2 * tq;
+        T* dkg = static_cast<T*>(p.dk) + off;
+        T* dvg = static_cast<T*>(p.dv) + off;
+#pragma unroll
+        for (int nd = 0; nd < D / 8; ++nd) {
+          *reinterpret_cast<uint32_t*>(dkg + nd * 8) =
+              pack2<T>(dk[nd * 4 + 2 * r] * p.scale, dk[nd * 4 + 2 * r + 1] * p.scale);
+          *reinterpret_cast<uint32_t*>(dvg + nd * 8) = pack2<T>(dv[nd * 4 + 2 * r], dv[nd * 4 + 2 * r + 1]);
+        }
+      }
+    }
+  }
+#endif
+}
+
+// Preprocess, the warp-specialised dK/dV kernel, the verified dQ pass. False (nothing launched)
+// for D = 256 or when a tensor map cannot be encoded.
+template <typename T, int D>
+bool launch_backward_sm90_ws(const Params& p, cudaStream_t stream) {
+  if constexpr (D > 128) {
+    return false;
+  } else {
+    using C = DkdvWsCfg<D>;
+    const int64_t rows = int64_t(p.T) * p.Hq;
+    if (rows == 0) return true;
+    DkdvWsArgs a{};
+    if (!encode_tmap_thd(&a.tq, p.q, p.T, p.Hq, D, p.q_tok, p.q_head, C::BM) ||
+        !encode_tmap_thd(&a.tdo, p.dout, p.T, p.Hq, D, int64_t(p.Hq) * D, D, C::BM) ||
+        !encode_tmap_thd(&a.tk, p.k, p.T, p.Hkv, D, p.k_tok, p.k_head, C::BN) ||
+        !encode_tmap_thd(&a.tv, p.v, p.T, p.Hkv, D, p.v_tok, p.v_head, C::BN)) {
+      warn_experimental_fallback("cuTensorMapEncodeTiled failed or is unavailable");
+      return false;
+    }
+    a.p = p;
+    {
+      const int64_t threads = rows * (D / 8);
+      bwd_pre_kernel<T, D><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(p, false);
+      check_launch("dualkv backward preprocess");
+    }
+    const bool cap = p.softcap > 0.f;
+    const int64_t grid = int64_t(p.nkt) * p.Hkv;
+    if (grid > 0) {
+      auto kernel = cap ? dkdv_ws_kernel_sm90<T, D, true> : dkdv_ws_kernel_sm90<T, D, false>;
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
+      kernel<<<unsigned(grid), C::THREADS, C::SMEM, stream>>>(a);
+      check_launch("dualkv backward dk/dv (sm90a experimental, warp-specialised)");
+    }
+    {
+      using QC = Dq90Cfg<D>;
+      const int64_t qgrid = int64_t(p.nqt) * p.Hq;
+      if (qgrid > 0) {
+        auto kernel = cap ? dq_kernel_sm90<T, D, true> : dq_kernel_sm90<T, D, false>;
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, QC::SMEM);
+        kernel<<<unsigned(qgrid), QC::THREADS, QC::SMEM, stream>>>(p);
+        check_launch("dualkv backward dq (sm90a)");
+      }
+    }
+    return true;
+  }
+}
+
+}  // namespace dualkv::cuda::detail
