@@ -32,9 +32,9 @@ struct DkdvWsCfg {
   static constexpr int OFF_V = K_BYTES;
   static constexpr int OFF_Q = 2 * K_BYTES;
   static constexpr int OFF_DO = OFF_Q + STAGES * Q_BYTES;
-  static constexpr int OFF_L = OFF_DO + STAGES * Q_BYTES;        // per stage: lse2[BM], delta[BM]
-  static constexpr int OFF_META = OFF_L + STAGES * 2 * BM * 4;   // per stage: int[4]
-  static constexpr int OFF_BAR = OFF_META + STAGES * 16;         // kv, full[S], empty[S]
+  static constexpr int OFF_L = OFF_DO + STAGES * Q_BYTES;       // per stage: lse2[BM], delta[BM]
+  static constexpr int OFF_META = OFF_L + STAGES * 2 * BM * 4;  // per stage: int[4]
+  static constexpr int OFF_BAR = OFF_META + STAGES * 16;        // kv, full[S], empty[S]
   static constexpr int SMEM = OFF_BAR + 8 * (1 + 2 * STAGES) + 1024;
   // Full barrier: the elected lane's arrive.expect_tx + the producer warp's 32 cp.async arrivals.
   static constexpr int FULL_COUNT = 1 + 32;
@@ -60,7 +60,8 @@ __device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
 }  // namespace ws
 
 template <typename T, int D, bool kCap>
-__global__ void __launch_bounds__(384, 1) dkdv_ws_kernel_sm90(const __grid_constant__ DkdvWsArgs a) {
+__global__ void __launch_bounds__(384, 1)
+    dkdv_ws_kernel_sm90(const __grid_constant__ DkdvWsArgs a) {
 #if DUALKV_SM90_BODY
   using Cfg = DkdvWsCfg<D>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
@@ -73,7 +74,9 @@ __global__ void __launch_bounds__(384, 1) dkdv_ws_kernel_sm90(const __grid_const
   const uint32_t bKV = base + Cfg::OFF_BAR;
   auto full = [&](int s) { return bKV + 8u * (1 + s); };
   auto empty = [&](int s) { return bKV + 8u * (1 + S + s); };
-  auto meta = [&](int s) { return reinterpret_cast<volatile int*>(gbase + Cfg::OFF_META + 16 * s); };
+  auto meta = [&](int s) {
+    return reinterpret_cast<volatile int*>(gbase + Cfg::OFF_META + 16 * s);
+  };
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const int hk = int(blockIdx.x % unsigned(p.Hkv));
@@ -97,7 +100,7 @@ __global__ void __launch_bounds__(384, 1) dkdv_ws_kernel_sm90(const __grid_const
   __syncthreads();
 
   if (warp < 4) {
-    // ---- producer: warp 0 walks the query blocks ------------------------------------------------
+    // ---- producer: warp 0 walks the query blocks ---------------------------------------------
     ws::reg_dealloc<Cfg::PRODUCER_REGS>();
     if (warp == 0) {
       if (lane == 0) {
@@ -147,11 +150,12 @@ __global__ void __launch_bounds__(384, 1) dkdv_ws_kernel_sm90(const __grid_const
         ws::cp_async_mbar_arrive(full(s));
         if (++cur.qb < cur.qb_end) continue;
         valid = seek_query_region<BM>(p, kseg, ksi, cur.si + 1, pk_first, pk_last, cur);
-        if (!valid && ++cur.hi < p.group) valid = seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pk_last, cur);
+        if (!valid && ++cur.hi < p.group)
+          valid = seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pk_last, cur);
       }
     }
   } else {
-    // ---- consumers ------------------------------------------------------------------------------
+    // ---- consumers ---------------------------------------------------------------------------
     ws::reg_alloc<Cfg::CONSUMER_REGS>();
     const int cw = (warp >> 2) - 1;
     const int g = lane >> 2, tq = lane & 3;
@@ -168,7 +172,8 @@ __global__ void __launch_bounds__(384, 1) dkdv_ws_kernel_sm90(const __grid_const
       ws::mbar_wait(full(s), uint32_t(it / S) & 1u);
       if (meta(s)[0] == 0) break;
       const int nq = meta(s)[1], pq_first = meta(s)[2];
-      const bool msk = needs_mask(nq, BM, nk, BN, pq_first, pq_first + nq - 1, pk_first, pk_last, p.mask);
+      const bool msk =
+          needs_mask(nq, BM, nk, BN, pq_first, pq_first + nq - 1, pk_first, pk_last, p.mask);
       const uint32_t sQ = sQ0 + s * Cfg::Q_BYTES, sdO = sdO0 + s * Cfg::Q_BYTES;
       const float* lse_c = lse_s + s * 2 * BM;
       const float* del_c = lse_c + BM;
@@ -177,14 +182,14 @@ __global__ void __launch_bounds__(384, 1) dkdv_ws_kernel_sm90(const __grid_const
       wg_fence();
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
-        Wgmma<T, BM>::template ss<0>(sc, desc_kmajor<BN>(sK, cw * 64, kk * 16), desc_kmajor<BM>(sQ, 0, kk * 16),
-                                     kk > 0);
+        Wgmma<T, BM>::template ss<0>(sc, desc_kmajor<BN>(sK, cw * 64, kk * 16),
+                                     desc_kmajor<BM>(sQ, 0, kk * 16), kk > 0);
       }
       wg_commit();
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
-        Wgmma<T, BM>::template ss<0>(dp, desc_kmajor<BN>(sV, cw * 64, kk * 16), desc_kmajor<BM>(sdO, 0, kk * 16),
-                                     kk > 0);
+        Wgmma<T, BM>::template ss<0>(dp, desc_kmajor<BN>(sV, cw * 64, kk * 16),
+                                     desc_kmajor<BM>(sdO, 0, kk * 16), kk > 0);
       }
       wg_commit();
 
@@ -228,9 +233,11 @@ __global__ void __launch_bounds__(384, 1) dkdv_ws_kernel_sm90(const __grid_const
         fence_regs(dk);
         wg_fence();
 #pragma unroll
-        for (int kt = 0; kt < BM / 16; ++kt) Wgmma<T, D>::template rs<1>(dv, pa[kt], desc_mnmajor<BM>(sdO, kt * 16), 1);
+        for (int kt = 0; kt < BM / 16; ++kt)
+          Wgmma<T, D>::template rs<1>(dv, pa[kt], desc_mnmajor<BM>(sdO, kt * 16), 1);
 #pragma unroll
-        for (int kt = 0; kt < BM / 16; ++kt) Wgmma<T, D>::template rs<1>(dk, da[kt], desc_mnmajor<BM>(sQ, kt * 16), 1);
+        for (int kt = 0; kt < BM / 16; ++kt)
+          Wgmma<T, D>::template rs<1>(dk, da[kt], desc_mnmajor<BM>(sQ, kt * 16), 1);
         wg_commit();
       } else {
         wg_wait<1>();  // S^T done, dP^T in flight
@@ -240,12 +247,14 @@ __global__ void __launch_bounds__(384, 1) dkdv_ws_kernel_sm90(const __grid_const
 #pragma unroll
         for (int kt = 0; kt < BM / 16; ++kt)
 #pragma unroll
-          for (int c = 0; c < 4; ++c) pa[kt][c] = pack2<T>(sc[8 * kt + 2 * c], sc[8 * kt + 2 * c + 1]);
+          for (int c = 0; c < 4; ++c)
+            pa[kt][c] = pack2<T>(sc[8 * kt + 2 * c], sc[8 * kt + 2 * c + 1]);
         fence_regs(pa);
         fence_regs(dv);
         wg_fence();
 #pragma unroll
-        for (int kt = 0; kt < BM / 16; ++kt) Wgmma<T, D>::template rs<1>(dv, pa[kt], desc_mnmajor<BM>(sdO, kt * 16), 1);
+        for (int kt = 0; kt < BM / 16; ++kt)
+          Wgmma<T, D>::template rs<1>(dv, pa[kt], desc_mnmajor<BM>(sdO, kt * 16), 1);
         wg_commit();
         wg_wait<1>();  // dP^T done, dV in flight
         fence_regs(dp);
@@ -254,12 +263,14 @@ __global__ void __launch_bounds__(384, 1) dkdv_ws_kernel_sm90(const __grid_const
 #pragma unroll
         for (int kt = 0; kt < BM / 16; ++kt)
 #pragma unroll
-          for (int c = 0; c < 4; ++c) da[kt][c] = pack2<T>(dp[8 * kt + 2 * c], dp[8 * kt + 2 * c + 1]);
+          for (int c = 0; c < 4; ++c)
+            da[kt][c] = pack2<T>(dp[8 * kt + 2 * c], dp[8 * kt + 2 * c + 1]);
         fence_regs(da);
         fence_regs(dk);
         wg_fence();
 #pragma unroll
-        for (int kt = 0; kt < BM / 16; ++kt) Wgmma<T, D>::template rs<1>(dk, da[kt], desc_mnmajor<BM>(sQ, kt * 16), 1);
+        for (int kt = 0; kt < BM / 16; ++kt)
+          Wgmma<T, D>::template rs<1>(dk, da[kt], desc_mnmajor<BM>(sQ, kt * 16), 1);
         wg_commit();
       }
       wg_wait<0>();
@@ -281,7 +292,8 @@ __global__ void __launch_bounds__(384, 1) dkdv_ws_kernel_sm90(const __grid_const
         for (int nd = 0; nd < D / 8; ++nd) {
           *reinterpret_cast<uint32_t*>(dkg + nd * 8) =
               pack2<T>(dk[nd * 4 + 2 * r] * p.scale, dk[nd * 4 + 2 * r + 1] * p.scale);
-          *reinterpret_cast<uint32_t*>(dvg + nd * 8) = pack2<T>(dv[nd * 4 + 2 * r], dv[nd * 4 + 2 * r + 1]);
+          *reinterpret_cast<uint32_t*>(dvg + nd * 8) =
+              pack2<T>(dv[nd * 4 + 2 * r], dv[nd * 4 + 2 * r + 1]);
         }
       }
     }

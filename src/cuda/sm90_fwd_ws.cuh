@@ -38,7 +38,8 @@ struct FwdWsCfg {
   static constexpr int KV_BYTES = BN * D * 2;
   static constexpr int OFF_K = Q_BYTES;
   static constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
-  static constexpr int OFF_BAR = OFF_V + STAGES * KV_BYTES;  // q, fullK[S], fullV[S], emptyK[S], emptyV[S]
+  // mbarriers: q, full_k[S], full_v[S], empty_k[S], empty_v[S]
+  static constexpr int OFF_BAR = OFF_V + STAGES * KV_BYTES;
   static constexpr int SMEM = OFF_BAR + 8 * (1 + 4 * STAGES) + 1024;  // + alignment slack
   // setmaxnreg: 40 + 2 x 232 = 504 registers per thread slot of the three warpgroups (<= 512).
   static constexpr int PRODUCER_REGS = 40;
@@ -51,7 +52,7 @@ struct FwdWsArgs {
   CUtensorMap tq, tk, tv;
   Params p;
   int pingpong;
-  int prescale;  // 1: multiply scores by scale_log2 first (scale <= 0); the FFMA fold needs scale > 0
+  int prescale;  // 1: scale the scores first (scale <= 0: the FFMA fold needs scale > 0)
 };
 
 namespace ws {
@@ -61,7 +62,8 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }
 __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
@@ -77,11 +79,11 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
       "r"(parity)
       : "memory");
 }
-__device__ __forceinline__ void tma_load3(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1,
-                                          int c2) {
+__device__ __forceinline__ void tma_load3(uint32_t dst, const CUtensorMap* map, uint32_t bar,
+                                          int c0, int c1, int c2) {
   asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
-      "[%2];" ::"r"(dst),
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
 }
@@ -159,7 +161,7 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
   __syncthreads();
 
   if (warp < 4) {
-    // ---- producer warpgroup: one thread issues every copy ---------------------------------------
+    // ---- producer warpgroup: one thread issues every copy ------------------------------------
     ws::reg_dealloc<Cfg::PRODUCER_REGS>();
     if (tid == 0) {
       ws::prefetch_tmap(&a.tq);
@@ -179,18 +181,20 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
         ws::mbar_expect_tx(full_k(s), Cfg::KV_BYTES);
 #pragma unroll
         for (int c = 0; c < D / 64; ++c) {
-          ws::tma_load3(sK0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tk, full_k(s), c * 64, hk, row);
+          ws::tma_load3(sK0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tk, full_k(s), c * 64, hk,
+                        row);
         }
         ws::mbar_wait(empty_v(s), ph ^ 1u);
         ws::mbar_expect_tx(full_v(s), Cfg::KV_BYTES);
 #pragma unroll
         for (int c = 0; c < D / 64; ++c) {
-          ws::tma_load3(sV0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tv, full_v(s), c * 64, hk, row);
+          ws::tma_load3(sV0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tv, full_v(s), c * 64, hk,
+                        row);
         }
       }
     }
   } else {
-    // ---- consumer warpgroups ----------------------------------------------------------------------
+    // ---- consumer warpgroups -----------------------------------------------------------------
     ws::reg_alloc<Cfg::CONSUMER_REGS>();
     const int cw = (warp >> 2) - 1;  // 0 or 1: query rows [64 cw, 64 cw + 64)
     const int g = lane >> 2, tq = lane & 3;
@@ -215,7 +219,8 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
       block_of(j, R, kb);
       const int nk = min(BN, R.len - kb);
       const int pk_first = R.pos0 + kb;
-      const bool msk = needs_mask(nq, BM, nk, BN, pq_first, pq_last, pk_first, pk_first + BN - 1, p.mask);
+      const bool msk =
+          needs_mask(nq, BM, nk, BN, pq_first, pq_last, pk_first, pk_first + BN - 1, p.mask);
       if constexpr (kCap) {
 #pragma unroll
         for (int i = 0; i < SR; ++i) s[i] = p.cap_log2 * tanhf(s[i] * p.cap_inv);
@@ -238,10 +243,12 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
       for (int r = 0; r < 2; ++r) {
         float mx = m_run[r];
 #pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt * 4 + 2 * r], s[nt * 4 + 2 * r + 1]));
+        for (int nt = 0; nt < BN / 8; ++nt)
+          mx = fmaxf(mx, fmaxf(s[nt * 4 + 2 * r], s[nt * 4 + 2 * r + 1]));
         mx = quad_max(mx);
-        const float mu = (mx == -INFINITY ? 0.f : mx) * sl;  // scaled max; 0 while the row saw nothing
-        corr[r] = fast_exp2(fmaf(m_run[r], sl, -mu));       // m_run = -inf -> 0
+        const float mu =
+            (mx == -INFINITY ? 0.f : mx) * sl;         // scaled max; 0 while the row saw nothing
+        corr[r] = fast_exp2(fmaf(m_run[r], sl, -mu));  // m_run = -inf -> 0
         m_run[r] = mx;
         float sum = 0.f;
 #pragma unroll
@@ -266,15 +273,16 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
       const uint32_t sK = sK0 + st * Cfg::KV_BYTES;
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
-        Wgmma<T, BN>::template ss<0>(s, desc_kmajor<BM>(sQ, cw * 64, kk * 16), desc_kmajor<BN>(sK, 0, kk * 16),
-                                     kk > 0);
+        Wgmma<T, BN>::template ss<0>(s, desc_kmajor<BM>(sQ, cw * 64, kk * 16),
+                                     desc_kmajor<BN>(sK, 0, kk * 16), kk > 0);
       }
       wg_commit();
     };
     auto issue_pv = [&](int st) {
       const uint32_t sV = sV0 + st * Cfg::KV_BYTES;
 #pragma unroll
-      for (int kt = 0; kt < BN / 16; ++kt) Wgmma<T, D>::template rs<1>(o, pa[kt], desc_mnmajor<BN>(sV, kt * 16), 1);
+      for (int kt = 0; kt < BN / 16; ++kt)
+        Wgmma<T, D>::template rs<1>(o, pa[kt], desc_mnmajor<BN>(sV, kt * 16), 1);
       wg_commit();
     };
 
@@ -304,7 +312,7 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
         fence_regs(pa);
         fence_regs(o);
         wg_fence();
-        issue_s(st);   // S_j = Q K_j^T
+        issue_s(st);    // S_j = Q K_j^T
         issue_pv(pst);  // O += P_{j-1} V_{j-1}
         if (pp) ws::bar_arrive(other_bar, NC);
         wg_wait<1>();  // S_j done; P V still in flight
@@ -360,7 +368,8 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
               pack2<T>(o[nd * 4 + 2 * r] * inv, o[nd * 4 + 2 * r + 1] * inv);
         }
         if (tq == 0) {
-          p.lse[int64_t(h) * p.T + q0 + row] = l > 0.f ? (m_run[r] * sl + log2f(l)) * kLn2 : -INFINITY;
+          p.lse[int64_t(h) * p.T + q0 + row] =
+              l > 0.f ? (m_run[r] * sl + log2f(l)) * kLn2 : -INFINITY;
         }
       }
     }
