@@ -153,6 +153,7 @@ __global__ void __launch_bounds__(384, 1)
         if (!valid && ++cur.hi < p.group)
           valid = seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pk_last, cur);
       }
+      cp_wait<0>();  // no lse/delta copy outlives its thread
     }
   } else {
     // ---- consumers ---------------------------------------------------------------------------
@@ -302,13 +303,16 @@ __global__ void __launch_bounds__(384, 1)
 }
 
 // Preprocess, the warp-specialised dK/dV kernel, the verified dQ pass. False (nothing launched)
-// for D = 256 or when a tensor map cannot be encoded.
+// for D = 256, with DUALKV_SM90_EXP_BWD=0, or when a tensor map cannot be encoded.
 template <typename T, int D>
 bool launch_backward_sm90_ws(const Params& p, cudaStream_t stream) {
   if constexpr (D > 128) {
     return false;
   } else {
     using C = DkdvWsCfg<D>;
+    // DUALKV_SM90_EXP_BWD=0: experimental forward only (to tell the two kernels' faults apart).
+    const char* e = std::getenv("DUALKV_SM90_EXP_BWD");
+    if (e && e[0] == '0') return false;
     const int64_t rows = int64_t(p.T) * p.Hq;
     if (rows == 0) return true;
     DkdvWsArgs a{};
