@@ -1,8 +1,8 @@
 // Experimental sm_90a backward (DUALKV_SM90_EXPERIMENTAL=1 only; NOT yet run on a GPU): the
-// verified preprocess and dQ pass, with a warp-specialised dK/dV kernel in the style of
-// sm90_fwd_ws.cuh. Same schedule and order as dkdv_kernel_sm90 (one CTA per (128-key tile, kv
-// head), query blocks of 64 in the fixed walk of seek_query_region), so still atomic-free and
-// deterministic.
+// verified preprocess, a warp-specialised dK/dV kernel in the style of sm90_fwd_ws.cuh, and the
+// warp-specialised dQ pass of sm90_dq_ws.cuh (DUALKV_SM90_EXP_DQ=0: the verified one). Same
+// schedule and order as dkdv_kernel_sm90 (one CTA per (128-key tile, kv head), query blocks of 64
+// in the fixed walk of seek_query_region), so still atomic-free and deterministic.
 //   - producer warp 0: TMA of K and V once, then per query block of the walk: Q and dO tiles by
 //     TMA, lse2/delta rows by cp.async (completing on the same full barrier with
 //     cp.async.mbarrier.arrive.noinc), and a small record (query count, first position, or "end")
@@ -16,6 +16,7 @@
 #pragma once
 
 #include "sm90_bwd.cuh"
+#include "sm90_dq_ws.cuh"
 #include "sm90_fwd_ws.cuh"
 
 namespace dualkv::cuda::detail {
@@ -302,7 +303,7 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
-// Preprocess, the warp-specialised dK/dV kernel, the verified dQ pass. False (nothing launched)
+// Preprocess, the warp-specialised dK/dV kernel, the dQ pass. False (nothing launched)
 // for D = 256, with DUALKV_SM90_EXP_BWD=0, or when a tensor map cannot be encoded.
 template <typename T, int D>
 bool launch_backward_sm90_ws(const Params& p, cudaStream_t stream) {
@@ -337,6 +338,9 @@ bool launch_backward_sm90_ws(const Params& p, cudaStream_t stream) {
       kernel<<<unsigned(grid), C::THREADS, C::SMEM, stream>>>(a);
       check_launch("dualkv backward dk/dv (sm90a experimental, warp-specialised)");
     }
+    // DUALKV_SM90_EXP_DQ=0: the verified dQ pass.
+    const char* edq = std::getenv("DUALKV_SM90_EXP_DQ");
+    if (!(edq && edq[0] == '0') && launch_dq_sm90_ws<T, D>(p, stream)) return true;
     {
       using QC = Dq90Cfg<D>;
       const int64_t qgrid = int64_t(p.nqt) * p.Hq;

@@ -1,0 +1,258 @@
+// Experimental sm_90a dQ pass (DUALKV_SM90_EXPERIMENTAL=1 only, off with DUALKV_SM90_EXP_DQ=0;
+// NOT yet run on a GPU). Same schedule as dq_kernel_sm90 (one CTA per (128-query tile, q head),
+// the forward's key-block walk), with the forward's warp specialisation: a producer thread issues
+// TMA for Q and dO once and K/V blocks through a STAGES-deep ring; two consumer warpgroups of 64
+// query rows. Per block j: S_j = Q K_j^T and dP_j = dO V_j^T as two wgmma groups, issued right
+// behind the still-running dQ += dS_{j-1} K_{j-1}; P_j is computed while dP_j runs; dQ's wait
+// moves to the next block, so the tensor cores see dQ_{j-1}, S_j, dP_j back to back.
+#pragma once
+
+#include "sm90_fwd_ws.cuh"
+
+namespace dualkv::cuda::detail {
+
+template <int D>
+struct DqWsCfg {
+  static constexpr int BM = kTileSize;  // 2 consumer warpgroups x 64 queries
+  static constexpr int BN = D >= 256 ? 32 : 64;
+  static constexpr int STAGES = D >= 256 ? 2 : 3;
+  static constexpr int THREADS = 384;
+  static constexpr int CONSUMERS = 256;
+  static constexpr int Q_BYTES = BM * D * 2;
+  static constexpr int KV_BYTES = BN * D * 2;
+  static constexpr int OFF_DO = Q_BYTES;
+  static constexpr int OFF_K = 2 * Q_BYTES;
+  static constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
+  static constexpr int OFF_BAR = OFF_V + STAGES * KV_BYTES;  // q, full[S], empty[S]
+  static constexpr int SMEM = OFF_BAR + 8 * (1 + 2 * STAGES) + 1024;
+  static constexpr int PRODUCER_REGS = 40;
+  static constexpr int CONSUMER_REGS = 232;
+  static_assert(SMEM <= 227 * 1024, "shared memory per block");
+};
+
+struct DqWsArgs {
+  CUtensorMap tq, tdo, tk, tv;
+  Params p;
+};
+
+template <typename T, int D, bool kCap>
+__global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constant__ DqWsArgs a) {
+#if DUALKV_SM90_BODY
+  using Cfg = DqWsCfg<D>;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
+  const Params& p = a.p;
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
+  const uint32_t sQ = base, sdO = base + Cfg::OFF_DO, sK0 = base + Cfg::OFF_K,
+                 sV0 = base + Cfg::OFF_V;
+  const uint32_t bQ = base + Cfg::OFF_BAR;
+  auto full = [&](int s) { return bQ + 8u * (1 + s); };
+  auto empty = [&](int s) { return bQ + 8u * (1 + S + s); };
+
+  const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int h = int(blockIdx.x % unsigned(p.Hq));
+  const int ti = int(blockIdx.x / unsigned(p.Hq));
+  const Tile tile = p.qtiles[ti];
+  const Segment seg = p.segs[tile.segment];
+  const int q0 = tile.begin, nq = tile.end - tile.begin;
+  const int hk = h / p.group;
+
+  Region reg[2];
+  key_regions(seg, reg);
+  const Region r0 = reg[0], r1 = reg[1];
+  const int pq_first = seg.pos0 + (q0 - seg.start), pq_last = pq_first + nq - 1;
+  int b00 = 0, b01 = 0;
+  const int nb0 = key_blocks<BN>(r0, pq_first, pq_last, p.mask, &b00);
+  const int nb1 = key_blocks<BN>(r1, pq_first, pq_last, p.mask, &b01);
+  const int total = nb0 + nb1;
+  auto block_of = [&](int j, Region& R, int& kb) {
+    const bool first = j < nb0;
+    R = first ? r0 : r1;
+    kb = (first ? b00 + j : b01 + j - nb0) * BN;
+  };
+
+  if (tid == 0) {
+    ws::mbar_init(bQ, 1);
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      ws::mbar_init(full(s), 1);
+      ws::mbar_init(empty(s), NC);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    fence_proxy_async();
+  }
+  __syncthreads();
+
+  if (warp < 4) {
+    // ---- producer warpgroup: one thread issues every copy ------------------------------------
+    ws::reg_dealloc<Cfg::PRODUCER_REGS>();
+    if (tid == 0) {
+      ws::prefetch_tmap(&a.tk);
+      ws::prefetch_tmap(&a.tv);
+      ws::mbar_expect_tx(bQ, 2 * Cfg::Q_BYTES);
+#pragma unroll
+      for (int c = 0; c < D / 64; ++c) {
+        ws::tma_load3(sQ + c * (BM * 128), &a.tq, bQ, c * 64, h, q0);
+        ws::tma_load3(sdO + c * (BM * 128), &a.tdo, bQ, c * 64, h, q0);
+      }
+      for (int j = 0; j < total; ++j) {
+        const int s = j % S;
+        Region R;
+        int kb;
+        block_of(j, R, kb);
+        const int row = R.start + kb;
+        ws::mbar_wait(empty(s), (uint32_t(j / S) & 1u) ^ 1u);
+        ws::mbar_expect_tx(full(s), 2 * Cfg::KV_BYTES);
+#pragma unroll
+        for (int c = 0; c < D / 64; ++c) {
+          ws::tma_load3(sK0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tk, full(s), c * 64, hk, row);
+          ws::tma_load3(sV0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tv, full(s), c * 64, hk, row);
+        }
+      }
+    }
+  } else {
+    // ---- consumer warpgroups -----------------------------------------------------------------
+    ws::reg_alloc<Cfg::CONSUMER_REGS>();
+    const int cw = (warp >> 2) - 1;
+    const int g = lane >> 2, tq = lane & 3;
+    const int row0 = cw * 64 + (warp & 3) * 16 + g;  // rows row0, row0 + 8
+    float lse2[2], del[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row0 + 8 * r;
+      lse2[r] = row < nq ? p.lse2[int64_t(h) * p.T + q0 + row] : INFINITY;
+      del[r] = row < nq ? p.delta[int64_t(h) * p.T + q0 + row] : 0.f;
+    }
+    constexpr int AR = D / 2, SR = BN / 2;
+    float acc[AR];  // defined by the first dQ product (zero when no key block is seen)
+    float sc[SR], dp[SR];
+    uint32_t da[BN / 16][4];
+
+    ws::mbar_wait(bQ, 0);
+    for (int j = 0; j < total; ++j) {
+      const int st = j % S;
+      ws::mbar_wait(full(st), uint32_t(j / S) & 1u);
+      const uint32_t sK = sK0 + st * Cfg::KV_BYTES, sV = sV0 + st * Cfg::KV_BYTES;
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        Wgmma<T, BN>::template ss<0>(sc, desc_kmajor<BM>(sQ, cw * 64, kk * 16),
+                                     desc_kmajor<BN>(sK, 0, kk * 16), kk > 0);
+      }
+      wg_commit();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        Wgmma<T, BN>::template ss<0>(dp, desc_kmajor<BM>(sdO, cw * 64, kk * 16),
+                                     desc_kmajor<BN>(sV, 0, kk * 16), kk > 0);
+      }
+      wg_commit();
+      // Pending: dQ_{j-1}, S_j, dP_j. Waiting down to one leaves only dP_j running.
+      wg_wait<1>();
+      fence_regs(sc);
+      fence_regs(da);  // dQ_{j-1} read them: keep them untouched until here
+      if (j > 0) ws::mbar_arrive(empty((j - 1) % S));  // dQ_{j-1} has read K_{j-1}
+
+      Region R;
+      int kb;
+      block_of(j, R, kb);
+      const int nk = min(BN, R.len - kb);
+      const int pk_first = R.pos0 + kb;
+      const bool msk =
+          needs_mask(nq, BM, nk, BN, pq_first, pq_last, pk_first, pk_first + BN - 1, p.mask);
+      float dcap[kCap ? SR : 1];
+#pragma unroll
+      for (int i = 0; i < SR; ++i) {
+        const int nt = i >> 2, e = i & 3, r = e >> 1;
+        float x;
+        if constexpr (kCap) {
+          const float t = tanhf(sc[i] * p.cap_inv);
+          x = p.cap_log2 * t;
+          dcap[i] = 1.f - t * t;
+        } else {
+          x = sc[i] * p.scale_log2;
+        }
+        float pr = fast_exp2(x - lse2[r]);
+        if (msk) {
+          const int kr = kb + nt * 8 + 2 * tq + (e & 1);
+          if (!(kr < R.len && p.mask.allowed(pq_first + row0 + 8 * r, R.pos0 + kr))) pr = 0.f;
+        }
+        sc[i] = pr;
+      }
+      // Keep the exp2s ahead of the wait (ptxas hoists the wait over straight-line code); the
+      // branch is never taken (probabilities are >= 0 or NaN).
+      fence_regs(sc);
+      if (sc[0] + sc[SR - 1] < 0.f) asm volatile("nanosleep.u32 0;");
+      wg_wait<0>();  // dP_j done (the only group still pending)
+      fence_regs(dp);
+#pragma unroll
+      for (int kt = 0; kt < BN / 16; ++kt) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          float ds[2];
+#pragma unroll
+          for (int u = 0; u < 2; ++u) {
+            const int i = 8 * kt + 2 * c + u;
+            const float d = sc[i] * (dp[i] - del[(i & 3) >> 1]);
+            if constexpr (kCap) {
+              ds[u] = d * dcap[i];
+            } else {
+              ds[u] = d;
+            }
+          }
+          da[kt][c] = pack2<T>(ds[0], ds[1]);
+        }
+      }
+      fence_regs(da);
+      fence_regs(acc);
+      wg_fence();
+#pragma unroll
+      for (int kt = 0; kt < BN / 16; ++kt) {
+        // The first product overwrites acc: a zero fill before the loop would be a non-wgmma
+        // definition of an accumulator in flight across the back edge (ptxas then serialises).
+        Wgmma<T, D>::template rs<1>(acc, da[kt], desc_mnmajor<BN>(sK, kt * 16), j > 0 || kt > 0);
+      }
+      wg_commit();
+    }
+    wg_wait<0>();
+    fence_regs(acc);
+    fence_regs(da);
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row0 + 8 * r;
+      if (row < nq) {
+        T* dst = static_cast<T*>(p.dq) + (int64_t(q0 + row) * p.Hq + h) * D + 2 * tq;
+#pragma unroll
+        for (int nd = 0; nd < D / 8; ++nd) {
+          *reinterpret_cast<uint32_t*>(dst + nd * 8) =
+              pack2<T>(total > 0 ? acc[nd * 4 + 2 * r] * p.scale : 0.f,
+                       total > 0 ? acc[nd * 4 + 2 * r + 1] * p.scale : 0.f);
+        }
+      }
+    }
+  }
+#endif
+}
+
+// False (nothing launched) when a tensor map cannot be encoded.
+template <typename T, int D>
+bool launch_dq_sm90_ws(const Params& p, cudaStream_t stream) {
+  using C = DqWsCfg<D>;
+  const int64_t grid = int64_t(p.nqt) * p.Hq;
+  if (grid == 0) return true;
+  DqWsArgs a{};
+  if (!encode_tmap_thd(&a.tq, p.q, p.T, p.Hq, D, p.q_tok, p.q_head, C::BM) ||
+      !encode_tmap_thd(&a.tdo, p.dout, p.T, p.Hq, D, int64_t(p.Hq) * D, D, C::BM) ||
+      !encode_tmap_thd(&a.tk, p.k, p.T, p.Hkv, D, p.k_tok, p.k_head, C::BN) ||
+      !encode_tmap_thd(&a.tv, p.v, p.T, p.Hkv, D, p.v_tok, p.v_head, C::BN)) {
+    return false;
+  }
+  a.p = p;
+  auto kernel = p.softcap > 0.f ? dq_ws_kernel_sm90<T, D, true> : dq_ws_kernel_sm90<T, D, false>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
+  kernel<<<unsigned(grid), C::THREADS, C::SMEM, stream>>>(a);
+  check_launch("dualkv backward dq (sm90a experimental, warp-specialised)");
+  return true;
+}
+
+}  // namespace dualkv::cuda::detail
