@@ -15,7 +15,8 @@
 // DUALKV_SM90_EXPERIMENTAL=1 in the environment: the default path's forward and dK/dV kernels
 // are the experimental sm_90a ones, and each case also checks the forward with ping-pong off
 // (DUALKV_SM90_EXP_PINGPONG=0). The bench always times the experimental path in rows of its
-// own ("exp", "exp-nopp"), next to the default and sm80 rows.
+// own ("exp", "exp-nopp": ping-pong off, "exp-vdq": verified dQ pass), next to the default
+// and sm80 rows.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -653,12 +654,15 @@ void bench(int reps, bool with_exp) {
     // Paths: default (verified), experimental sm_90a forward with and without ping-pong, sm80.
     // The experimental switch changes the forward and the dK/dV kernel (D <= 128); its rows
     // skip the atomic-dq timing (that runs the sm80 kernels either way).
-    const char* path_names[4] = {"default", "exp", "exp-nopp", "sm80"};
-    for (int path = 0; path < 4; ++path) {
-    if (!with_exp && (path == 1 || path == 2)) continue;
-    if (path == 1 || path == 2) setenv("DUALKV_SM90_EXPERIMENTAL", "1", 1);
+    // exp-vdq: the experimental path with the verified dQ pass (attributes the backward time).
+    const char* path_names[5] = {"default", "exp", "exp-nopp", "exp-vdq", "sm80"};
+    for (int path = 0; path < 5; ++path) {
+    const bool exp_row = path >= 1 && path <= 3;
+    if (!with_exp && exp_row) continue;
+    if (exp_row) setenv("DUALKV_SM90_EXPERIMENTAL", "1", 1);
     if (path == 2) setenv("DUALKV_SM90_EXP_PINGPONG", "0", 1);
-    if (path == 3) setenv("DUALKV_FORCE_SM80", "1", 1);
+    if (path == 3) setenv("DUALKV_SM90_EXP_DQ", "0", 1);
+    if (path == 4) setenv("DUALKV_FORCE_SM80", "1", 1);
     Row r;
     char name[128];
     std::snprintf(name, sizeof name, "%s N=%d P=%d R=%d Hq=%d Hkv=%d D=%d", path_names[path], s.N, s.P, s.R, s.Hq,
@@ -668,13 +672,14 @@ void bench(int reps, bool with_exp) {
     b.deterministic = false;
     r.bwd = time([&] { cuda::attention_backward(b, ws.p, nullptr); });
     r.bwd_det = NAN;
-    if (path == 0 || path == 3) {
+    if (!exp_row) {
       setenv("DUALKV_ATOMIC_DQ", "1", 1);
       r.bwd_det = time([&] { cuda::attention_backward(b, ws.p, nullptr); });
       unsetenv("DUALKV_ATOMIC_DQ");
     }
     unsetenv("DUALKV_SM90_EXPERIMENTAL");
     unsetenv("DUALKV_SM90_EXP_PINGPONG");
+    unsetenv("DUALKV_SM90_EXP_DQ");
     r.ff = L.forward_flops(s.D, s.Hq);
     r.bf = L.backward_flops(s.D, s.Hq);
     r.ref = s.ref;
