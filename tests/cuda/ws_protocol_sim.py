@@ -1,0 +1,316 @@
+"""Randomised model of the barrier protocols of the experimental sm_90a kernels.
+
+src/cuda/sm90_fwd_ws.cuh, sm90_dq_ws.cuh and sm90_bwd_ws.cuh (dK/dV) hand K/V (or Q/dO) blocks
+from a producer to two consumer warpgroups through mbarrier rings; the forward also alternates the
+consumers' GEMM issue with two named barriers. This model replays each kernel's sequence of
+waits and arrivals (mbarrier phases and parities, copies landing asynchronously, cp.async
+arrivals, named-barrier counts) under random interleavings and checks: no deadlock, every
+consumer read sees the block it expects, no stage is overwritten while a consumer reads it, no
+named barrier is left half-arrived. It does not run the kernels; keep it in step with them.
+
+    python3 tests/cuda/ws_protocol_sim.py
+"""
+
+import random
+
+
+class MBar:
+    def __init__(s, count):
+        s.count, s.pending, s.phase, s.tx = count, count, 0, 0
+
+    def arrive(s):
+        s.pending -= 1
+        s._chk()
+
+    def expect_tx(s, n):
+        s.tx += n
+        s.arrive()
+
+    def complete_tx(s, n):
+        s.tx -= n
+        s._chk()
+
+    def _chk(s):
+        assert s.pending >= 0
+        if s.pending == 0 and s.tx == 0:
+            s.phase += 1
+            s.pending = s.count
+
+    def done(s, parity):  # the phase of this parity has completed (PTX try_wait.parity)
+        return (s.phase & 1) != parity
+
+
+class Named:
+    def __init__(s, n):
+        s.n, s.cnt, s.gen = n, 0, 0
+
+
+def run_fwd(total, S, pp, rng):
+    bQ = MBar(1)
+    fk = [MBar(1) for _ in range(S)]
+    fv = [MBar(1) for _ in range(S)]
+    ek = [MBar(2) for _ in range(S)]
+    ev = [MBar(2) for _ in range(S)]
+    slotk = [None] * S
+    slotv = [None] * S
+    readers_k = [set() for _ in range(S)]
+    readers_v = [set() for _ in range(S)]
+    inflight = []  # (bar, stage slot, value, kind)
+    bars = {1: Named(2), 2: Named(2)}  # counts in warpgroups
+
+    def wait(bar, par):
+        while not bar.done(par):
+            yield
+
+    def bsync(i):
+        b = bars[i]
+        b.cnt += 1
+        g = b.gen
+        if b.cnt == b.n:
+            b.cnt = 0
+            b.gen += 1
+            return
+        while b.gen == g:
+            yield
+
+    def barrive(i):
+        b = bars[i]
+        b.cnt += 1
+        assert b.cnt <= b.n
+        if b.cnt == b.n:
+            b.cnt = 0
+            b.gen += 1
+
+    def producer():
+        bQ.expect_tx(1)
+        inflight.append((bQ, None, None, "q"))
+        for j in range(total):
+            s = j % S
+            ph = (j // S) & 1
+            yield from wait(ek[s], ph ^ 1)
+            assert not readers_k[s], "K overwritten while read"
+            fk[s].expect_tx(1)
+            inflight.append((fk[s], s, j, "k"))
+            yield from wait(ev[s], ph ^ 1)
+            assert not readers_v[s], "V overwritten while read"
+            fv[s].expect_tx(1)
+            inflight.append((fv[s], s, j, "v"))
+
+    def consumer(cw):
+        my, other = 1 + cw, 2 - cw
+        if pp and cw == 1:
+            barrive(other)
+        yield from wait(bQ, 0)
+        if total > 0:
+            yield from wait(fk[0], 0)
+            assert slotk[0] == 0
+            if pp:
+                yield from bsync(my)
+            readers_k[0].add(cw)
+            if pp:
+                barrive(other)
+            yield
+            readers_k[0].discard(cw)
+            ek[0].arrive()
+            for j in range(1, total):
+                st, pst = j % S, (j - 1) % S
+                yield from wait(fk[st], (j // S) & 1)
+                yield from wait(fv[pst], ((j - 1) // S) & 1)
+                assert slotk[st] == j and slotv[pst] == j - 1, (slotk, slotv, j)
+                if pp:
+                    yield from bsync(my)
+                readers_k[st].add(cw)
+                readers_v[pst].add(cw)
+                if pp:
+                    barrive(other)
+                yield
+                readers_k[st].discard(cw)
+                ek[st].arrive()
+                yield
+                readers_v[pst].discard(cw)
+                ev[pst].arrive()
+            lst = (total - 1) % S
+            yield from wait(fv[lst], ((total - 1) // S) & 1)
+            assert slotv[lst] == total - 1
+            if pp:
+                yield from bsync(my)
+            readers_v[lst].add(cw)
+            if pp:
+                barrive(other)
+            yield
+            readers_v[lst].discard(cw)
+        if pp and cw == 0:
+            yield from bsync(my)
+
+    ths = [producer(), consumer(0), consumer(1)]
+    alive = list(ths)
+    steps = 0
+    while alive or inflight:
+        steps += 1
+        if steps > 100000:
+            raise RuntimeError("deadlock")
+        if inflight and rng.random() < 0.3:
+            bar, s, v, kind = inflight.pop(rng.randrange(len(inflight)))
+            if kind == "k":
+                slotk[s] = v
+            if kind == "v":
+                slotv[s] = v
+            bar.complete_tx(1)
+            continue
+        if not alive:
+            continue
+        t = rng.choice(alive)
+        try:
+            next(t)
+        except StopIteration:
+            alive.remove(t)
+    for b in bars.values():
+        assert b.cnt == 0, "named barrier left half-arrived"
+
+
+def run_dq(total, S, rng):
+    bQ = MBar(1)
+    full = [MBar(1) for _ in range(S)]
+    empty = [MBar(2) for _ in range(S)]
+    slot = [None] * S
+    readers = [set() for _ in range(S)]
+    inflight = []
+
+    def wait(bar, par):
+        while not bar.done(par):
+            yield
+
+    def producer():
+        bQ.expect_tx(1)
+        inflight.append((bQ, None, None))
+        for j in range(total):
+            s = j % S
+            yield from wait(empty[s], ((j // S) & 1) ^ 1)
+            assert not readers[s]
+            full[s].expect_tx(1)
+            inflight.append((full[s], s, j))
+
+    def consumer(cw):
+        yield from wait(bQ, 0)
+        for j in range(total):
+            st = j % S
+            yield from wait(full[st], (j // S) & 1)
+            assert slot[st] == j
+            readers[st].add(cw)  # S, dP, and later dQ_j read the stage
+            yield
+            if j > 0:
+                readers[(j - 1) % S].discard(cw)
+                empty[(j - 1) % S].arrive()
+            yield
+
+    ths = [producer(), consumer(0), consumer(1)]
+    alive = list(ths)
+    steps = 0
+    while alive or inflight:
+        steps += 1
+        if steps > 100000:
+            raise RuntimeError("deadlock dq")
+        if inflight and rng.random() < 0.3:
+            bar, s, v = inflight.pop(rng.randrange(len(inflight)))
+            if s is not None:
+                slot[s] = v
+            bar.complete_tx(1)
+            continue
+        if not alive:
+            continue
+        t = rng.choice(alive)
+        try:
+            next(t)
+        except StopIteration:
+            alive.remove(t)
+
+
+def run_dkdv(nblocks, S, rng):
+    # full count: 1 (expect_tx lane) + 32 (cp.async lanes), modelled as 1 + L lanes
+    L = 3
+    bKV = MBar(1)
+    full = [MBar(1 + L) for _ in range(S)]
+    empty = [MBar(2) for _ in range(S)]
+    meta = [None] * S
+    slot = [None] * S
+    readers = [set() for _ in range(S)]
+    inflight = []
+
+    def wait(bar, par):
+        while not bar.done(par):
+            yield
+
+    def lane(ln):
+        if ln == 0:
+            bKV.expect_tx(1)
+            inflight.append((bKV, None, None))
+        it = 0
+        while True:
+            s = it % S
+            yield from wait(empty[s], ((it // S) & 1) ^ 1)
+            if it == nblocks:
+                if ln == 0:
+                    meta[s] = "end"
+                    full[s].arrive()
+                full[s].arrive()
+                return
+            if ln == 0:
+                assert not readers[s]
+                meta[s] = it
+                full[s].expect_tx(1)
+                inflight.append((full[s], s, it))
+            inflight.append(("cp", full[s], None))  # cp.async arrive.noinc, lands later
+            it += 1
+            yield
+
+    def consumer(cw):
+        yield from wait(bKV, 0)
+        it = 0
+        while True:
+            s = it % S
+            yield from wait(full[s], (it // S) & 1)
+            if meta[s] == "end":
+                return
+            assert meta[s] == it and slot[s] == it, (meta[s], slot[s], it)
+            readers[s].add(cw)
+            yield
+            readers[s].discard(cw)
+            empty[s].arrive()
+            it += 1
+
+    ths = [lane(i) for i in range(L)] + [consumer(0), consumer(1)]
+    alive = list(ths)
+    steps = 0
+    while alive or inflight:
+        steps += 1
+        if steps > 100000:
+            raise RuntimeError("deadlock dkdv")
+        if inflight and rng.random() < 0.3:
+            x = inflight.pop(rng.randrange(len(inflight)))
+            if x[0] == "cp":
+                x[1].arrive()
+                continue
+            bar, s, v = x
+            if s is not None:
+                slot[s] = v
+            bar.complete_tx(1)
+            continue
+        if not alive:
+            continue
+        t = rng.choice(alive)
+        try:
+            next(t)
+        except StopIteration:
+            alive.remove(t)
+
+
+rng = random.Random(1)
+n = 0
+for _trial in range(3000):
+    S = rng.choice([2, 3])
+    total = rng.randrange(0, 9)
+    run_fwd(total, S, rng.random() < 0.7, rng)
+    run_dq(total, S, rng)
+    run_dkdv(total, S, rng)
+    n += 1
+print("ok", n, "random schedules each for fwd, dq, dkdv")
