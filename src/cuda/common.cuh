@@ -186,6 +186,31 @@ __device__ __forceinline__ int key_blocks(const Region& r, int pq_first, int pq_
   return (hi - r.pos0) / B + 1 - *b0;
 }
 
+// The key blocks of `B` keys that queries [q0, q0 + nq) of segment `seg` walk, in order: the
+// prompt region's blocks, then the own response's. One online softmax runs over all of them.
+template <int B>
+struct KeyBlockWalk {
+  Region r0, r1;
+  int b00 = 0, b01 = 0;  // first block of each region
+  int nb0, total;        // blocks in region 0; in both
+  int pq_first, pq_last; // logical positions of the first and last query
+
+  __device__ __forceinline__ KeyBlockWalk(const Segment& seg, int q0, int nq, const MaskRule& m) {
+    Region reg[2];
+    key_regions(seg, reg);
+    r0 = reg[0], r1 = reg[1];
+    pq_first = seg.pos0 + (q0 - seg.start), pq_last = pq_first + nq - 1;
+    nb0 = key_blocks<B>(r0, pq_first, pq_last, m, &b00);
+    total = nb0 + key_blocks<B>(r1, pq_first, pq_last, m, &b01);
+  }
+  // Key block j: its region and its first key relative to the region.
+  __device__ __forceinline__ void block(int j, Region& R, int& kb) const {
+    const bool first = j < nb0;
+    R = first ? r0 : r1;
+    kb = (first ? b00 + j : b01 + j - nb0) * B;
+  }
+};
+
 // Blocks of `B` queries of segment `qs` (aligned to its start) that see some key at positions
 // [pk_first, pk_last] of the same group (the keys are in qs's prompt or in qs itself).
 template <int B>

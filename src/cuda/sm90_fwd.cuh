@@ -45,23 +45,12 @@ __global__ void __launch_bounds__(256, 1) fwd_kernel_sm90(const __grid_constant_
 
   load_tile_sw128<BM, D, THREADS>(sQ, qg, p.q_tok, nq);
 
-  Region reg[2];
-  key_regions(seg, reg);
-  const Region r0 = reg[0], r1 = reg[1];
-  const int pq_first = seg.pos0 + (q0 - seg.start), pq_last = pq_first + nq - 1;
-  int b00 = 0, b01 = 0;
-  const int nb0 = key_blocks<BN>(r0, pq_first, pq_last, p.mask, &b00);
-  const int nb1 = key_blocks<BN>(r1, pq_first, pq_last, p.mask, &b01);
-  const int total = nb0 + nb1;
-  auto block_of = [&](int j, Region& R, int& kb) {
-    const bool first = j < nb0;
-    R = first ? r0 : r1;
-    kb = (first ? b00 + j : b01 + j - nb0) * BN;
-  };
+  const KeyBlockWalk<BN> walk(seg, q0, nq, p.mask);
+  const int total = walk.total, pq_first = walk.pq_first, pq_last = walk.pq_last;
   auto load_kv = [&](int j, int stage) {
     Region R;
     int kb;
-    block_of(j, R, kb);
+    walk.block(j, R, kb);
     const int nk = min(BN, R.len - kb);
     const int64_t ks = int64_t(R.start) + kb;
     load_tile_sw128<BN, D, THREADS>(sK0 + stage * Cfg::KV_BYTES, kg + ks * p.k_tok, p.k_tok, nk);
@@ -104,7 +93,7 @@ __global__ void __launch_bounds__(256, 1) fwd_kernel_sm90(const __grid_constant_
 
     Region R;
     int kb;
-    block_of(j, R, kb);
+    walk.block(j, R, kb);
     const int nk = min(BN, R.len - kb);
     const int pk_first = R.pos0 + kb;
     const bool msk = needs_mask(nq, BM, nk, BN, pq_first, pq_last, pk_first, pk_first + BN - 1, p.mask);

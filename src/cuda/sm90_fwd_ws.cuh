@@ -131,19 +131,8 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
   const int q0 = tile.begin, nq = tile.end - tile.begin;
   const int hk = h / p.group;
 
-  Region reg[2];
-  key_regions(seg, reg);
-  const Region r0 = reg[0], r1 = reg[1];
-  const int pq_first = seg.pos0 + (q0 - seg.start), pq_last = pq_first + nq - 1;
-  int b00 = 0, b01 = 0;
-  const int nb0 = key_blocks<BN>(r0, pq_first, pq_last, p.mask, &b00);
-  const int nb1 = key_blocks<BN>(r1, pq_first, pq_last, p.mask, &b01);
-  const int total = nb0 + nb1;
-  auto block_of = [&](int j, Region& R, int& kb) {
-    const bool first = j < nb0;
-    R = first ? r0 : r1;
-    kb = (first ? b00 + j : b01 + j - nb0) * BN;
-  };
+  const KeyBlockWalk<BN> walk(seg, q0, nq, p.mask);
+  const int total = walk.total, pq_first = walk.pq_first, pq_last = walk.pq_last;
 
   if (tid == 0) {
     ws::mbar_init(bQ, 1);
@@ -175,7 +164,7 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
         const uint32_t ph = uint32_t(j / S) & 1u;
         Region R;
         int kb;
-        block_of(j, R, kb);
+        walk.block(j, R, kb);
         const int row = R.start + kb;
         ws::mbar_wait(empty_k(s), ph ^ 1u);
         ws::mbar_expect_tx(full_k(s), Cfg::KV_BYTES);
@@ -216,7 +205,7 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
     auto softmax = [&](int j, float (&corr)[2]) {
       Region R;
       int kb;
-      block_of(j, R, kb);
+      walk.block(j, R, kb);
       const int nk = min(BN, R.len - kb);
       const int pk_first = R.pos0 + kb;
       const bool msk =
