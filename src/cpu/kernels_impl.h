@@ -130,6 +130,25 @@ inline void row_keys(const Problem<A>& p, int32_t pq, int32_t kb, int bk, int& a
   b = int(std::min<int64_t>(int64_t(pq) + 1, int64_t(kb) + bk) - kb);
 }
 
+// Calls fn(kb, bk, row0) for each block of up to kBlock keys that query rows at logical positions
+// [pq0, pq0 + n) of `seg` see: the prompt region, then the own response; kb is the block's first
+// logical position, bk its length, row0 its first packed token.
+template <class A, class Fn>
+void for_each_key_block(const Problem<A>& p, const Segment& seg, int32_t pq0, int n, Fn&& fn) {
+  constexpr int B = kBlock<A>;
+  Region regions[2];
+  const int nr = key_regions(seg, regions);
+  for (int ri = 0; ri < nr; ++ri) {
+    const Region& rg = regions[ri];
+    // Keys any row of the tile sees in this region, as logical positions [klo, khi).
+    const int32_t klo = std::max(rg.pos0, p.mask.lowest_key(pq0));
+    const int32_t khi = int32_t(std::min<int64_t>(int64_t(rg.pos0) + rg.len, int64_t(pq0) + n));
+    for (int32_t kb = klo; kb < khi; kb += B) {
+      fn(kb, int(std::min<int64_t>(B, int64_t(khi) - kb)), rg.start + (kb - rg.pos0));
+    }
+  }
+}
+
 // Forward for query rows [t0, t0 + n) of segment `seg`, q head h (n <= kTileSize). Leaves the
 // unnormalised output in sc.o and the running max / sum of exp in sc.m / sc.l.
 template <class A>
@@ -148,46 +167,35 @@ void forward_rows(const Problem<A>& p, const Segment& seg, int32_t t0, int n, in
   std::fill_n(m, n, -std::numeric_limits<A>::infinity());
   std::fill_n(l, n, A(0));
 
-  Region regions[2];
-  const int nr = key_regions(seg, regions);
-  for (int ri = 0; ri < nr; ++ri) {
-    const Region& rg = regions[ri];
-    // Keys any row of the tile sees in this region, as logical positions [klo, khi).
-    const int32_t klo = std::max(rg.pos0, p.mask.lowest_key(pq0));
-    const int32_t khi = int32_t(std::min<int64_t>(int64_t(rg.pos0) + rg.len, int64_t(pq0) + n));
-    for (int32_t kb = klo; kb < khi; kb += B) {
-      const int bk = int(std::min<int64_t>(B, int64_t(khi) - kb));
-      const int64_t row0 = rg.start + (kb - rg.pos0);
-      const A* vblk = p.v + kv_head + row0 * Dp;
-      transpose_block(p.k + kv_head + row0 * Dp, bk, Dp, sc.kt.data());
-      for (int i = 0; i < n; ++i) {
-        int a, b;
-        row_keys(p, pq0 + i, kb, bk, a, b);
-        if (a < b) gemv<A, false>(s + i * B, q + int64_t(i) * Dp, sc.kt.data(), Dp, B, B);
-      }
-      for (int i = 0; i < n; ++i) {
-        int a, b;
-        row_keys(p, pq0 + i, kb, bk, a, b);
-        if (a >= b) continue;
-        A* si = s + i * B;
-        const A m_new = std::max(m[i], logits(p, si, sc.th.data(), a, b));
-        const A alpha =
-            m[i] == -std::numeric_limits<A>::infinity() ? A(0) : exp_approx(m[i] - m_new);
-#pragma omp simd
-        for (int j = a; j < b; ++j) si[j] = exp_approx(si[j] - m_new);
-        A sum = 0;
-#pragma omp simd reduction(+ : sum)
-        for (int j = a; j < b; ++j) sum += si[j];
-        l[i] = alpha * l[i] + sum;
-        m[i] = m_new;
-        A* oi = o + int64_t(i) * Dp;
-        if (alpha != A(1)) {
-          for (int d = 0; d < Dp; ++d) oi[d] *= alpha;
-        }
-        gemv<A, true>(oi, si + a, vblk + int64_t(a) * Dp, b - a, Dp, Dp);
-      }
+  for_each_key_block(p, seg, pq0, n, [&](int32_t kb, int bk, int64_t row0) {
+    const A* vblk = p.v + kv_head + row0 * Dp;
+    transpose_block(p.k + kv_head + row0 * Dp, bk, Dp, sc.kt.data());
+    for (int i = 0; i < n; ++i) {
+      int a, b;
+      row_keys(p, pq0 + i, kb, bk, a, b);
+      if (a < b) gemv<A, false>(s + i * B, q + int64_t(i) * Dp, sc.kt.data(), Dp, B, B);
     }
-  }
+    for (int i = 0; i < n; ++i) {
+      int a, b;
+      row_keys(p, pq0 + i, kb, bk, a, b);
+      if (a >= b) continue;
+      A* si = s + i * B;
+      const A m_new = std::max(m[i], logits(p, si, sc.th.data(), a, b));
+      const A alpha = m[i] == -std::numeric_limits<A>::infinity() ? A(0) : exp_approx(m[i] - m_new);
+#pragma omp simd
+      for (int j = a; j < b; ++j) si[j] = exp_approx(si[j] - m_new);
+      A sum = 0;
+#pragma omp simd reduction(+ : sum)
+      for (int j = a; j < b; ++j) sum += si[j];
+      l[i] = alpha * l[i] + sum;
+      m[i] = m_new;
+      A* oi = o + int64_t(i) * Dp;
+      if (alpha != A(1)) {
+        for (int d = 0; d < Dp; ++d) oi[d] *= alpha;
+      }
+      gemv<A, true>(oi, si + a, vblk + int64_t(a) * Dp, b - a, Dp, Dp);
+    }
+  });
 }
 
 // dq of query rows [t0, t0 + n) of `seg`, q head h, into sc.o (still to be multiplied by scale).
@@ -207,37 +215,28 @@ void dq_rows(const Problem<A>& p, const Segment& seg, int32_t t0, int n, int h, 
   A* dp = sc.dp.data();
   std::fill_n(dq, int64_t(n) * Dp, A(0));
 
-  Region regions[2];
-  const int nr = key_regions(seg, regions);
-  for (int ri = 0; ri < nr; ++ri) {
-    const Region& rg = regions[ri];
-    const int32_t klo = std::max(rg.pos0, p.mask.lowest_key(pq0));
-    const int32_t khi = int32_t(std::min<int64_t>(int64_t(rg.pos0) + rg.len, int64_t(pq0) + n));
-    for (int32_t kb = klo; kb < khi; kb += B) {
-      const int bk = int(std::min<int64_t>(B, int64_t(khi) - kb));
-      const int64_t row0 = rg.start + (kb - rg.pos0);
-      const A* kblk = p.k + kv_head + row0 * Dp;
-      transpose_block(kblk, bk, Dp, sc.kt.data());
-      transpose_block(p.v + kv_head + row0 * Dp, bk, Dp, sc.vt.data());
-      for (int i = 0; i < n; ++i) {
-        int a, b;
-        row_keys(p, pq0 + i, kb, bk, a, b);
-        if (a < b) gemv<A, false>(s + i * B, q + int64_t(i) * Dp, sc.kt.data(), Dp, B, B);
-      }
-      for (int i = 0; i < n; ++i) {
-        int a, b;
-        row_keys(p, pq0 + i, kb, bk, a, b);
-        if (a < b) gemv<A, false>(dp + i * B, dout + int64_t(i) * Dp, sc.vt.data(), Dp, B, B);
-      }
-      for (int i = 0; i < n; ++i) {
-        int a, b;
-        row_keys(p, pq0 + i, kb, bk, a, b);
-        if (a >= b) continue;
-        softmax_grad(p, s + i * B, dp + i * B, sc.th.data(), a, b, lse[i], delta[i]);
-        gemv<A, true>(dq + int64_t(i) * Dp, dp + i * B + a, kblk + int64_t(a) * Dp, b - a, Dp, Dp);
-      }
+  for_each_key_block(p, seg, pq0, n, [&](int32_t kb, int bk, int64_t row0) {
+    const A* kblk = p.k + kv_head + row0 * Dp;
+    transpose_block(kblk, bk, Dp, sc.kt.data());
+    transpose_block(p.v + kv_head + row0 * Dp, bk, Dp, sc.vt.data());
+    for (int i = 0; i < n; ++i) {
+      int a, b;
+      row_keys(p, pq0 + i, kb, bk, a, b);
+      if (a < b) gemv<A, false>(s + i * B, q + int64_t(i) * Dp, sc.kt.data(), Dp, B, B);
     }
-  }
+    for (int i = 0; i < n; ++i) {
+      int a, b;
+      row_keys(p, pq0 + i, kb, bk, a, b);
+      if (a < b) gemv<A, false>(dp + i * B, dout + int64_t(i) * Dp, sc.vt.data(), Dp, B, B);
+    }
+    for (int i = 0; i < n; ++i) {
+      int a, b;
+      row_keys(p, pq0 + i, kb, bk, a, b);
+      if (a >= b) continue;
+      softmax_grad(p, s + i * B, dp + i * B, sc.th.data(), a, b, lse[i], delta[i]);
+      gemv<A, true>(dq + int64_t(i) * Dp, dp + i * B + a, kblk + int64_t(a) * Dp, b - a, Dp, Dp);
+    }
+  });
 }
 
 // dk, dv (accumulated into dk/dv [nk][Dp]; dk still to be multiplied by scale) of the keys
