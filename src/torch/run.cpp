@@ -2,6 +2,20 @@
 
 namespace dualkv::torch_ops {
 
+namespace {
+// The fields ForwardArgs and BackwardArgs share: problem, options, layout and the q/k/v inputs.
+template <typename Args>
+void fill_inputs(Args& a, const Shape& shape, const ScoreParams& score, const LayoutTensors& layout,
+                 const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  a.dtype = to_dtype(q.scalar_type());
+  a.shape = shape;
+  a.score = score;
+  a.layout = view_of(layout);
+  a.q = q.data_ptr(), a.k = k.data_ptr(), a.v = v.data_ptr();
+  a.q_stride = strides_of(q), a.k_stride = strides_of(k), a.v_stride = strides_of(v);
+}
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor> run_forward(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const LayoutTensors& layout, const ScoreOptions& opts,
@@ -15,12 +29,7 @@ std::tuple<at::Tensor, at::Tensor> run_forward(
       at::empty({shape.num_q_heads, shape.tokens}, q.options().dtype(lse_dtype(q.scalar_type())));
   if (shape.tokens == 0) return {out, lse};
   ForwardArgs a;
-  a.dtype = to_dtype(q.scalar_type());
-  a.shape = shape;
-  a.score = score;
-  a.layout = view_of(layout);
-  a.q = q.data_ptr(), a.k = k.data_ptr(), a.v = v.data_ptr();
-  a.q_stride = strides_of(q), a.k_stride = strides_of(k), a.v_stride = strides_of(v);
+  fill_inputs(a, shape, score, layout, q, k, v);
   a.out = out.data_ptr();
   if (a.dtype == DType::kFloat64) {
     a.lse64 = lse.data_ptr<double>();
@@ -65,12 +74,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(
   at::Tensor dv = at::empty({shape.tokens, shape.num_kv_heads, shape.head_dim}, q.options());
   if (shape.tokens == 0) return {dq, dk, dv};
   BackwardArgs a;
-  a.dtype = to_dtype(q.scalar_type());
-  a.shape = shape;
-  a.score = score;
-  a.layout = view_of(layout);
-  a.q = q.data_ptr(), a.k = k.data_ptr(), a.v = v.data_ptr();
-  a.q_stride = strides_of(q), a.k_stride = strides_of(k), a.v_stride = strides_of(v);
+  fill_inputs(a, shape, score, layout, q, k, v);
   a.out = out.data_ptr();
   a.dout = dout.data_ptr();
   if (a.dtype == DType::kFloat64) {
