@@ -138,6 +138,22 @@ def step(model, path: str, ids, mask, gid, adv, p: int, old: torch.Tensor) -> to
     return loss.detach()
 
 
+def profile_step(model, path, ids, mask, gid, adv, p, old, top: int) -> None:
+    """One more step under torch.profiler: the GPU time per kernel, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model.zero_grad(set_to_none=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step(model, path, ids, mask, gid, adv, p, old)
+        torch.cuda.synchronize()
+    model.zero_grad(set_to_none=True)
+    print(f"-- profile: {path} --")
+    table = prof.key_averages().table(
+        sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=70
+    )
+    print(table)
+
+
 def bench_path(model, path, ids, mask, gid, adv, p, old, warmup, repeats, device):
     times = []
     loss = None
@@ -186,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--preset-tiny-cpu", action="store_true", help="smoke run: tiny shape on CPU")
     ap.add_argument("--out", help="append the markdown table to this file")
+    ap.add_argument("--profile", type=int, default=0, metavar="K",
+                    help="profile one more step per path: its top K GPU kernels")  # fmt: skip
     args = ap.parse_args(argv)
     if args.preset_tiny_cpu:
         args.presets, args.shapes, args.device = "tiny", ["4,64,16"], "cpu"
@@ -217,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
             old = torch.zeros(n, r, device=device)  # on-policy-ish: ratio = exp(logp)
             results = [bench_path(model, path, ids, mask, gid, adv, p, old, args.warmup,
                                   args.repeats, device) for path in paths]  # fmt: skip
+            if args.profile and device.type == "cuda":
+                for res in results:
+                    if "time" in res:
+                        profile_step(model, res["path"], ids, mask, gid, adv, p, old, args.profile)
             std = next((x for x in results if x["path"] == "standard" and "time" in x), None)
             for res in results:
                 if "time" in res:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's job, one call: build the package (CUDA library included) against the
-# machine's torch, run the GPU tests (default path, then the sm_80 path forced), the standalone
-# CUDA tests and sanitizers, then the benchmark.
+# machine's torch, run the GPU tests on each kernel path, the standalone CUDA tests and
+# sanitizers, then the benchmarks.
 # Logs and results go to $OUT. Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|model]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,17 +23,22 @@ for step in "${steps[@]}"; do
     python3 -c "import torch, dualkv; print('dualkv', dualkv.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())"
     ;;
   test)
-    echo "== GPU tests (default kernels) =="
-    (cd /tmp && python3 -m pytest "$OLDPWD/tests/python" -q --maxfail=20 -k "cuda or gpu" -p no:cacheprovider \
-      >"$OUT/pytest.log" 2>&1); rc=$?; tail -4 "$OUT/pytest.log"; [ $rc = 0 ] || status=1
-    echo "== GPU tests (DUALKV_FORCE_SM80=1) =="
-    (cd /tmp && DUALKV_FORCE_SM80=1 python3 -m pytest "$OLDPWD/tests/python" -q --maxfail=20 -k "cuda or gpu" \
-      -p no:cacheprovider >"$OUT/pytest_sm80.log" 2>&1); rc=$?; tail -4 "$OUT/pytest_sm80.log"
-    [ $rc = 0 ] || status=1
+    # Each kernel path: default (warp-specialised on sm_90), the synchronous wgmma one, sm_80.
+    for path in default DUALKV_SM90_WS=0 DUALKV_FORCE_SM80=1; do
+      echo "== GPU tests ($path) =="
+      log="$OUT/pytest_${path%%=*}.log"
+      envs=()
+      [ "$path" = default ] || envs=("$path")
+      (cd /tmp && env "${envs[@]}" python3 -m pytest "$OLDPWD/tests/python" -q --maxfail=20 -k "cuda or gpu" \
+        -p no:cacheprovider >"$log" 2>&1); rc=$?
+      tail -1 "$log"; grep -E "^(FAILED|ERROR)" "$log" | head -20
+      grep -q "kernels cannot run" "$log" && { echo "FAIL: the warp-specialised kernels fell back"; rc=1; }
+      [ $rc = 0 ] || status=1
+    done
     ;;
   sanitize)
     # The standalone CUDA test binary (built on the dev machine into .out/, carried along):
-    # full case matrix, races, then compute-sanitizer memcheck/racecheck on small cases.
+    # full case matrix on every kernel path, races, compute-sanitizer on small cases.
     if [ -x .out/dualkv_cuda_test ]; then
       OUT="$OUT" bash tests/cuda/device_run.sh test sanitize || status=1
     else

@@ -11,7 +11,7 @@
 #include "dualkv/error.h"
 #include "launch.h"
 #if DUALKV_HAS_SM90A
-#include "sm90_exp.h"
+#include "sm90_ws.h"
 #endif
 
 namespace dualkv::cuda {
@@ -175,9 +175,9 @@ void attention_forward(const ForwardArgs& a, cudaStream_t stream) {
     using T = decltype(t);
     constexpr int D = decltype(d)::value;
 #if DUALKV_HAS_SM90A
-    // Unverified FA3-style candidate, only on request (falls back when it cannot run).
-    if (sm90 && sm90_experimental() && launch_forward_sm90_ws<T, D>(p, stream)) return;
-    // D = 64: the sm_80 forward measured faster on an H200 (2.02 vs 2.28 ms, N=16 P=R=2048, Hq=16).
+    // Warp-specialised FA3-style kernels first (false: a TMA map could not be encoded).
+    if (sm90 && sm90_ws_enabled() && launch_forward_sm90_ws<T, D>(p, stream)) return;
+    // Synchronous wgmma forward; at D = 64 the sm_80 one measured faster (2.02 vs 2.28 ms, H200).
     if constexpr (D != 64) {
       if (sm90) return launch_forward_sm90<T, D>(p, stream);
     }
@@ -223,7 +223,7 @@ void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t str
     using T = decltype(t);
     constexpr int D = decltype(d)::value;
 #if DUALKV_HAS_SM90A
-    if (sm90 && sm90_experimental() && launch_backward_sm90_ws<T, D>(p, stream)) return;
+    if (sm90 && sm90_ws_enabled() && launch_backward_sm90_ws<T, D>(p, stream)) return;
     if (sm90) return launch_backward_sm90<T, D>(p, stream);
 #endif
     launch_backward_sm80<T, D>(p, a.deterministic, stream);

@@ -1,6 +1,6 @@
-// Experimental sm_90a backward (DUALKV_SM90_EXPERIMENTAL=1 only; NOT yet run on a GPU): the
-// verified preprocess, a warp-specialised dK/dV kernel in the style of sm90_fwd_ws.cuh, and the
-// warp-specialised dQ pass of sm90_dq_ws.cuh (DUALKV_SM90_EXP_DQ=0: the verified one). Same
+// sm_90a backward, warp-specialised (the default on Hopper for D <= 128; DUALKV_SM90_WS=0 selects
+// sm90_bwd.cuh): the shared preprocess, a dK/dV kernel in the style of sm90_fwd_ws.cuh, and the
+// dQ pass of sm90_dq_ws.cuh. Same
 // schedule and order as dkdv_kernel_sm90 (one CTA per (128-key tile, kv head), query blocks of 64
 // in the fixed walk of seek_query_region), so still atomic-free and deterministic.
 //   - producer warp 0: TMA of K and V once, then per query block of the walk: Q and dO tiles by
@@ -12,7 +12,7 @@
 //     groups; P is computed while dP^T is in flight, dV += P^T dO is issued before dS is computed,
 //     so dS overlaps the dV product. With softcap the tanh derivative needs S, so that variant
 //     waits for both products first.
-// D = 256 keeps the verified path (the accumulators would not fit).
+// D = 256 keeps the synchronous path (the accumulators would not fit).
 #pragma once
 
 #include "sm90_bwd.cuh"
@@ -41,7 +41,7 @@ struct DkdvWsCfg {
   static constexpr int FULL_COUNT = 1 + 32;
   static constexpr int PRODUCER_REGS = 24;
   static constexpr int CONSUMER_REGS = 240;
-  static_assert(D <= 128, "D = 256 keeps the verified dK/dV kernel");
+  static_assert(D <= 128, "D = 256 keeps the synchronous dK/dV kernel");
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
 
@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(384, 1)
         return pr * (dp[i] - del_c[qc]) * dcap;
       };
       if constexpr (kCap) {
-        // dS needs tanh'(S): wait for both products, then one pass (as the verified kernel).
+        // dS needs tanh'(S): wait for both products, then one pass (as the synchronous kernel).
         wg_wait<0>();
         fence_regs(sc);
         fence_regs(dp);
@@ -304,16 +304,13 @@ __global__ void __launch_bounds__(384, 1)
 }
 
 // Preprocess, the warp-specialised dK/dV kernel, the dQ pass. False (nothing launched)
-// for D = 256, with DUALKV_SM90_EXP_BWD=0, or when a tensor map cannot be encoded.
+// for D = 256 or when a tensor map cannot be encoded.
 template <typename T, int D>
 bool launch_backward_sm90_ws(const Params& p, cudaStream_t stream) {
   if constexpr (D > 128) {
     return false;
   } else {
     using C = DkdvWsCfg<D>;
-    // DUALKV_SM90_EXP_BWD=0: experimental forward only (to tell the two kernels' faults apart).
-    const char* e = std::getenv("DUALKV_SM90_EXP_BWD");
-    if (e && e[0] == '0') return false;
     const int64_t rows = int64_t(p.T) * p.Hq;
     if (rows == 0) return true;
     DkdvWsArgs a{};
@@ -321,7 +318,7 @@ bool launch_backward_sm90_ws(const Params& p, cudaStream_t stream) {
         !encode_tmap_thd(&a.tdo, p.dout, p.T, p.Hq, D, int64_t(p.Hq) * D, D, C::BM) ||
         !encode_tmap_thd(&a.tk, p.k, p.T, p.Hkv, D, p.k_tok, p.k_head, C::BN) ||
         !encode_tmap_thd(&a.tv, p.v, p.T, p.Hkv, D, p.v_tok, p.v_head, C::BN)) {
-      warn_experimental_fallback("cuTensorMapEncodeTiled failed or is unavailable");
+      warn_ws_fallback("cuTensorMapEncodeTiled failed or is unavailable");
       return false;
     }
     a.p = p;
@@ -336,11 +333,10 @@ bool launch_backward_sm90_ws(const Params& p, cudaStream_t stream) {
       auto kernel = cap ? dkdv_ws_kernel_sm90<T, D, true> : dkdv_ws_kernel_sm90<T, D, false>;
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
       kernel<<<unsigned(grid), C::THREADS, C::SMEM, stream>>>(a);
-      check_launch("dualkv backward dk/dv (sm90a experimental, warp-specialised)");
+      check_launch("dualkv backward dk/dv (sm90a, warp-specialised)");
     }
-    // DUALKV_SM90_EXP_DQ=0: the verified dQ pass.
-    const char* edq = std::getenv("DUALKV_SM90_EXP_DQ");
-    if (!(edq && edq[0] == '0') && launch_dq_sm90_ws<T, D>(p, stream)) return true;
+    // The synchronous dQ pass only when its tensor maps cannot be encoded.
+    if (launch_dq_sm90_ws<T, D>(p, stream)) return true;
     {
       using QC = Dq90Cfg<D>;
       const int64_t qgrid = int64_t(p.nqt) * p.Hq;

@@ -1,5 +1,5 @@
-// Experimental sm_90a dQ pass (DUALKV_SM90_EXPERIMENTAL=1 only, off with DUALKV_SM90_EXP_DQ=0;
-// NOT yet run on a GPU). Same schedule as dq_kernel_sm90 (one CTA per (128-query tile, q head),
+// Warp-specialised sm_90a dQ pass (part of the default backward on Hopper for D <= 128). Same
+// schedule as dq_kernel_sm90 (one CTA per (128-query tile, q head),
 // the forward's key-block walk), with the forward's warp specialisation: a producer thread issues
 // TMA for Q and dO once and K/V blocks through a STAGES-deep ring; two consumer warpgroups of 64
 // query rows. Per block j: S_j = Q K_j^T and dP_j = dO V_j^T as two wgmma groups, issued right
@@ -240,7 +240,7 @@ bool launch_dq_sm90_ws(const Params& p, cudaStream_t stream) {
   auto kernel = p.softcap > 0.f ? dq_ws_kernel_sm90<T, D, true> : dq_ws_kernel_sm90<T, D, false>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
   kernel<<<unsigned(grid), C::THREADS, C::SMEM, stream>>>(a);
-  check_launch("dualkv backward dq (sm90a experimental, warp-specialised)");
+  check_launch("dualkv backward dq (sm90a, warp-specialised)");
   return true;
 }
 

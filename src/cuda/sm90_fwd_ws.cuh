@@ -1,5 +1,5 @@
-// Experimental sm_90a forward, FlashAttention-3 style (DUALKV_SM90_EXPERIMENTAL=1 only; NOT yet
-// run on a GPU). Same schedule and semantics as sm90_fwd.cuh (one CTA per (query tile, q head),
+// sm_90a forward, FlashAttention-3 style (the default on Hopper; DUALKV_SM90_WS=0 selects
+// sm90_fwd.cuh instead). Same schedule and semantics as sm90_fwd.cuh (one CTA per (query tile, q head),
 // region A then region B, one online softmax, masks on boundary blocks only), different machinery:
 //   - warpgroup 0 is the producer: one thread issues TMA copies (cp.async.bulk.tensor, 128-byte
 //     swizzle straight into the SW128 wgmma layout) of Q once and of K/V blocks through a
@@ -10,10 +10,10 @@
 //     while P V is in flight (wait_group 1), O is rescaled after wait_group 0.
 //   - ping-pong (named barriers 1, 2): the two consumer warpgroups take turns issuing their GEMMs,
 //     so one's softmax (MUFU/FMA) overlaps the other's tensor-core work. Off when
-//     DUALKV_SM90_EXP_PINGPONG=0, for A/B timing.
+//     DUALKV_SM90_PINGPONG=0, for A/B timing.
 //   - softmax in the log2 domain with the scale folded into one FFMA per element
 //     (exp2(s * scale_log2 - m * scale_log2)); softcap or a non-positive scale pre-scales instead.
-// Differences from the verified kernel: K/V rows past a region's end (inside T) are read from the
+// Differences from the synchronous kernel: K/V rows past a region's end (inside T) are read from the
 // neighbouring tokens instead of zero-filled; they are masked to P = 0, so only a non-finite V
 // value there could leak (0 * inf). Q rows past the tile's end are likewise real tokens (their
 // rows are computed and not written).
@@ -23,7 +23,7 @@
 
 #include "launch.h"
 #include "sm90_common.cuh"
-#include "sm90_exp.h"
+#include "sm90_ws.h"
 
 namespace dualkv::cuda::detail {
 
@@ -375,17 +375,17 @@ bool launch_forward_sm90_ws(const Params& p, cudaStream_t stream) {
   if (!encode_tmap_thd(&a.tq, p.q, p.T, p.Hq, D, p.q_tok, p.q_head, Cfg::BM) ||
       !encode_tmap_thd(&a.tk, p.k, p.T, p.Hkv, D, p.k_tok, p.k_head, Cfg::BN) ||
       !encode_tmap_thd(&a.tv, p.v, p.T, p.Hkv, D, p.v_tok, p.v_head, Cfg::BN)) {
-    warn_experimental_fallback("cuTensorMapEncodeTiled failed or is unavailable");
+    warn_ws_fallback("cuTensorMapEncodeTiled failed or is unavailable");
     return false;
   }
   a.p = p;
-  const char* e = std::getenv("DUALKV_SM90_EXP_PINGPONG");
+  const char* e = std::getenv("DUALKV_SM90_PINGPONG");
   a.pingpong = !(e && e[0] == '0');
   a.prescale = !(p.scale_log2 > 0.f);
   auto kernel = p.softcap > 0.f ? fwd_ws_kernel_sm90<T, D, true> : fwd_ws_kernel_sm90<T, D, false>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM);
   kernel<<<unsigned(grid), Cfg::THREADS, Cfg::SMEM, stream>>>(a);
-  check_launch("dualkv forward (sm90a experimental, warp-specialised)");
+  check_launch("dualkv forward (sm90a, warp-specialised)");
   return true;
 }
 

@@ -1,4 +1,4 @@
-// Host side of the experimental sm_90a path: the env switch and TMA tensor-map encoding. The
+// Host side of the warp-specialised sm_90a path: the env switch and TMA tensor-map encoding. The
 // driver's cuTensorMapEncodeTiled is fetched through the runtime (no libcuda link), once.
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -7,21 +7,21 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "sm90_exp.h"
+#include "sm90_ws.h"
 
 namespace dualkv::cuda::detail {
 
-bool sm90_experimental() {
-  const char* e = std::getenv("DUALKV_SM90_EXPERIMENTAL");
-  return e && e[0] == '1' && e[1] == '\0';
+bool sm90_ws_enabled() {
+  const char* e = std::getenv("DUALKV_SM90_WS");
+  return !(e && e[0] == '0' && e[1] == '\0');
 }
 
-void warn_experimental_fallback(const char* why) {
+void warn_ws_fallback(const char* why) {
   static std::atomic<bool> warned{false};
   if (!warned.exchange(true)) {
     std::fprintf(stderr,
-                 "dualkv: DUALKV_SM90_EXPERIMENTAL=1 but the experimental kernel cannot run (%s); "
-                 "using the verified sm_90a path\n",
+                 "dualkv: the warp-specialised sm_90a kernels cannot run (%s); "
+                 "using the synchronous wgmma kernels\n",
                  why);
   }
 }

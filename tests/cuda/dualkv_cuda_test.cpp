@@ -1,9 +1,9 @@
 // Standalone test and benchmark of the CUDA library (no torch).
 //
 //   dualkv_cuda_test [--seed S] [--quick] [--small] [--no-check] [--race N] [--bench] [--bench-reps N]
-//                    [--bench-no-exp]
-//   (--small: the quick matrix and 3 race repeats, for compute-sanitizer; --bench-no-exp: leave
-//   the experimental sm_90a forward out of the bench, e.g. after it failed its checks)
+//                    [--path default|sm80|sm90-sync|sm90-nopp]
+//   (--small: the quick matrix and 3 race repeats, for compute-sanitizer; --path: that kernel
+//   path only)
 //
 // Correctness: random layouts over a case matrix; every output is compared with the CPU backend
 // run in float64 on the same (rounded) inputs (the reference) and the GPU's max error must be at
@@ -12,11 +12,9 @@
 // are poisoned with NaN before every run; NaN never passes. Deterministic mode must be bitwise
 // reproducible; the race test repeats a run many times and requires bitwise-equal results.
 // Bench: CUDA events, warm-up, median of repeats, useful TFLOP/s (Layout::forward_flops).
-// DUALKV_SM90_EXPERIMENTAL=1 in the environment: the default path's forward and dK/dV kernels
-// are the experimental sm_90a ones, and each case also checks the forward with ping-pong off
-// (DUALKV_SM90_EXP_PINGPONG=0). The bench always times the experimental path in rows of its
-// own ("exp", "exp-nopp": ping-pong off, "exp-vdq": verified dQ pass), next to the default
-// and sm80 rows.
+// Kernel paths, each checked and timed: the default (warp-specialised on sm_90), the sm_80 one
+// (DUALKV_FORCE_SM80=1), the synchronous wgmma one (DUALKV_SM90_WS=0) and, forward only, the
+// warp-specialised forward with ping-pong off (DUALKV_SM90_PINGPONG=0).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -26,6 +24,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <random>
 #include <string>
 #include <vector>
@@ -146,10 +145,25 @@ Err max_error(size_t n, const std::vector<double>& ref, Get get) {
   return e;
 }
 
-// DUALKV_SM90_EXPERIMENTAL=1 (the library's switch for the experimental sm_90a forward).
-bool experimental() {
-  const char* e = std::getenv("DUALKV_SM90_EXPERIMENTAL");
-  return e && std::strcmp(e, "1") == 0;
+// The kernel paths: name and the environment variable that selects it (none: the default).
+struct KernelPath {
+  const char* name;
+  const char* env;
+};
+constexpr KernelPath kPaths[] = {{"default", nullptr},
+                                 {"sm80", "DUALKV_FORCE_SM80"},
+                                 {"sm90-sync", "DUALKV_SM90_WS"},
+                                 {"sm90-nopp", "DUALKV_SM90_PINGPONG"}};
+constexpr int kForwardOnlyPath = 3;  // ping-pong exists in the forward only
+std::string g_only_path;              // --path: run this one only
+
+bool path_selected(const KernelPath& k) { return g_only_path.empty() || g_only_path == k.name; }
+
+void select_path(const KernelPath& k) {
+  for (const KernelPath& o : kPaths)
+    if (o.env) unsetenv(o.env);
+  // DUALKV_FORCE_SM80 is switched on by "1"; the sm_90 switches are switched off by "0".
+  if (k.env) setenv(k.env, std::strcmp(k.env, "DUALKV_FORCE_SM80") == 0 ? "1" : "0", 1);
 }
 
 int g_failures = 0;
@@ -375,15 +389,10 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   const CpuOut ref = run_cpu(c, in, tb, true);
   const CpuOut lp = run_cpu(c, in, tb, false);
   GpuCase g(c, in, tb);
-  // Both kernel paths: the default (wgmma on sm_90) and the sm_80 one forced; with the
-  // experimental forward on, a third pass checks it with ping-pong off (forward only).
-  const int paths = experimental() ? 3 : 2;
-  for (int path = 0; path < paths; ++path) {
-  if (path == 1) setenv("DUALKV_FORCE_SM80", "1", 1);
-  if (path == 2) setenv("DUALKV_SM90_EXP_PINGPONG", "0", 1);
-  std::printf("  path %s\n", path == 0   ? (experimental() ? "default, DUALKV_SM90_EXPERIMENTAL=1" : "default")
-                             : path == 1 ? "DUALKV_FORCE_SM80=1"
-                                         : "DUALKV_SM90_EXPERIMENTAL=1 DUALKV_SM90_EXP_PINGPONG=0 (forward only)");
+  for (int path = 0; path < int(std::size(kPaths)); ++path) {
+  if (!path_selected(kPaths[path])) continue;
+  select_path(kPaths[path]);
+  std::printf("  path %s%s\n", kPaths[path].name, path == kForwardOnlyPath ? " (forward only)" : "");
   g.forward(true);
   const auto out = download<uint16_t>(g.out, g.nq);
   const auto lse = download<float>(g.lse, g.nl);
@@ -402,10 +411,7 @@ void run_case(const Case& c, std::mt19937_64& rng) {
     // lse is fp32 in both; the GPU's exp2 is approximate (2^-22 relative): slack 1e-5 * (1 + max|lse|).
     judge("lse", gl, cl, 2.0, 1e-5 * (1 + gl.max_ref));
   }
-  if (path == 2) {
-    unsetenv("DUALKV_SM90_EXP_PINGPONG");
-    continue;
-  }
+  if (path == kForwardOnlyPath) continue;
   std::vector<uint16_t> dq0, dk0, dv0;
   // Modes: 0 default, 1 deterministic, 2 default with DUALKV_ATOMIC_DQ=1 (fused atomic dq).
   for (int det = 0; det < 3; ++det) {
@@ -434,8 +440,8 @@ void run_case(const Case& c, std::mt19937_64& rng) {
       dq0 = dq, dk0 = dk, dv0 = dv;
     }
   }
-  unsetenv("DUALKV_FORCE_SM80");
   }
+  select_path(kPaths[0]);
 }
 
 // Repeats the whole forward + backward `reps` times: out, lse, dk, dv (and dq in deterministic
@@ -456,9 +462,11 @@ void race_test(int reps, std::mt19937_64& rng) {
   std::vector<uint16_t> out0, dk0, dv0, dq0;
   std::vector<float> lse0;
   int bad = 0;
-  for (int mode = 0; mode < 4; ++mode) {
+  // Each full (forward + backward) kernel path, default and deterministic mode.
+  for (int mode = 0; mode < 2 * kForwardOnlyPath; ++mode) {
     const int det = mode & 1;
-    if (mode >= 2) setenv("DUALKV_FORCE_SM80", "1", 1);
+    if (!path_selected(kPaths[mode / 2])) continue;
+    select_path(kPaths[mode / 2]);
     for (int r = 0; r < reps; ++r) {
       g.forward(r == 0);
       g.backward(det, r == 0);
@@ -476,7 +484,7 @@ void race_test(int reps, std::mt19937_64& rng) {
       }
     }
   }
-  unsetenv("DUALKV_FORCE_SM80");
+  select_path(kPaths[0]);
   expect(bad == 0, "race test: " + std::to_string(bad) + " mismatching repeats");
   std::printf("    %s\n", bad == 0 ? "ok: bitwise equal" : "FAIL");
 }
@@ -580,8 +588,7 @@ float median(std::vector<float> v) {
   return v[v.size() / 2];
 }
 
-void bench(int reps, bool with_exp) {
-  unsetenv("DUALKV_SM90_EXPERIMENTAL");  // the rows set it themselves
+void bench(int reps) {
   const BenchShape shapes[] = {
       {16, 8192, 1024, 32, 8, 128, "3-pass cuDNN 21.0 ms (481 TF/s), Flex 26.5 ms"},
       {32, 4096, 2048, 32, 8, 128, "3-pass cuDNN 45.3 ms (435 TF/s), Flex 69.2 ms"},
@@ -651,43 +658,33 @@ void bench(int reps, bool with_exp) {
       CK(cudaGetLastError());
       return median(ts);
     };
-    // Paths: default (verified), experimental sm_90a forward with and without ping-pong, sm80.
-    // The experimental switch changes the forward and the dK/dV kernel (D <= 128); its rows
-    // skip the atomic-dq timing (that runs the sm80 kernels either way).
-    // exp-vdq: the experimental path with the verified dQ pass (attributes the backward time).
-    const char* path_names[5] = {"default", "exp", "exp-nopp", "exp-vdq", "sm80"};
-    for (int path = 0; path < 5; ++path) {
-    const bool exp_row = path >= 1 && path <= 3;
-    if (!with_exp && exp_row) continue;
-    if (exp_row) setenv("DUALKV_SM90_EXPERIMENTAL", "1", 1);
-    if (path == 2) setenv("DUALKV_SM90_EXP_PINGPONG", "0", 1);
-    if (path == 3) setenv("DUALKV_SM90_EXP_DQ", "0", 1);
-    if (path == 4) setenv("DUALKV_FORCE_SM80", "1", 1);
+    // Every kernel path; the atomic-dq timing only on the sm80 row (the variant exists there only).
+    for (const KernelPath& kp : kPaths) {
+    if (!path_selected(kp)) continue;
+    select_path(kp);
+    const bool sm80_row = std::strcmp(kp.name, "sm80") == 0;
     Row r;
     char name[128];
-    std::snprintf(name, sizeof name, "%s N=%d P=%d R=%d Hq=%d Hkv=%d D=%d", path_names[path], s.N, s.P, s.R, s.Hq,
-                  s.Hkv, s.D);
+    std::snprintf(name, sizeof name, "%s N=%d P=%d R=%d Hq=%d Hkv=%d D=%d", kp.name, s.N, s.P, s.R, s.Hq, s.Hkv,
+                  s.D);
     r.name = name;
     r.fwd = time([&] { cuda::attention_forward(f, nullptr); });
     b.deterministic = false;
     r.bwd = time([&] { cuda::attention_backward(b, ws.p, nullptr); });
     r.bwd_det = NAN;
-    if (!exp_row) {
+    if (sm80_row) {
       setenv("DUALKV_ATOMIC_DQ", "1", 1);
       r.bwd_det = time([&] { cuda::attention_backward(b, ws.p, nullptr); });
       unsetenv("DUALKV_ATOMIC_DQ");
     }
-    unsetenv("DUALKV_SM90_EXPERIMENTAL");
-    unsetenv("DUALKV_SM90_EXP_PINGPONG");
-    unsetenv("DUALKV_SM90_EXP_DQ");
     r.ff = L.forward_flops(s.D, s.Hq);
     r.bf = L.backward_flops(s.D, s.Hq);
     r.ref = s.ref;
     rows.push_back(r);
     std::printf("bench %s: fwd %.2f ms, bwd %.2f ms, bwd(atomic dq) %.2f ms\n", name, r.fwd, r.bwd, r.bwd_det);
     std::fflush(stdout);
-    unsetenv("DUALKV_FORCE_SM80");
     }
+    select_path(kPaths[0]);
     CK(cudaEventDestroy(e0));
     CK(cudaEventDestroy(e1));
   }
@@ -704,7 +701,7 @@ void bench(int reps, bool with_exp) {
 
 int main(int argc, char** argv) {
   uint64_t seed = uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
-  bool quick = false, check = true, do_bench = false, bench_exp = true;
+  bool quick = false, check = true, do_bench = false;
   int race = 100, bench_reps = 10;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -714,19 +711,23 @@ int main(int argc, char** argv) {
     else if (a == "--no-check") check = false;
     else if (a == "--race" && i + 1 < argc) race = std::atoi(argv[++i]);
     else if (a == "--bench") do_bench = true;
-    else if (a == "--bench-no-exp") bench_exp = false;
     else if (a == "--bench-reps" && i + 1 < argc) bench_reps = std::atoi(argv[++i]);
+    else if (a == "--path" && i + 1 < argc) g_only_path = argv[++i];
     else {
-      std::fprintf(stderr, "usage: %s [--seed S] [--quick] [--small] [--no-check] [--race N] [--bench] [--bench-reps N] [--bench-no-exp]\n",
+      std::fprintf(stderr, "usage: %s [--seed S] [--quick] [--small] [--no-check] [--race N] [--bench] [--bench-reps N] [--path NAME]\n",
                    argv[0]);
       return 2;
     }
   }
+  if (!g_only_path.empty() &&
+      std::none_of(std::begin(kPaths), std::end(kPaths), [](const KernelPath& k) { return g_only_path == k.name; })) {
+    std::fprintf(stderr, "unknown --path %s (default, sm80, sm90-sync, sm90-nopp)\n", g_only_path.c_str());
+    return 2;
+  }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device: %s (sm_%d%d, %d SMs), seed %llu%s\n", prop.name, prop.major, prop.minor,
-              prop.multiProcessorCount, (unsigned long long)seed,
-              experimental() ? ", DUALKV_SM90_EXPERIMENTAL=1" : "");
+  std::printf("device: %s (sm_%d%d, %d SMs), seed %llu\n", prop.name, prop.major, prop.minor,
+              prop.multiProcessorCount, (unsigned long long)seed);
   std::mt19937_64 rng(seed);
   if (check) {
     // Argument errors are reported, not silently accepted.
@@ -749,6 +750,6 @@ int main(int argc, char** argv) {
     if (race > 0) race_test(race, rng);
     std::printf("\ncorrectness: %d checks, %d failures\n", g_checks, g_failures);
   }
-  if (do_bench) bench(bench_reps, bench_exp);
+  if (do_bench) bench(bench_reps);
   return g_failures == 0 ? 0 : 1;
 }

@@ -1,6 +1,6 @@
-// Experimental sm_90a kernels (FlashAttention-3 style: TMA, warp specialisation, ping-pong),
-// chosen at run time only with DUALKV_SM90_EXPERIMENTAL=1. Not yet verified on a GPU: the
-// default path never reaches them.
+// Warp-specialised sm_90a kernels (FlashAttention-3 style: TMA, producer warps, ping-pong): the
+// default path on Hopper. DUALKV_SM90_WS=0 selects the synchronous wgmma kernels instead
+// (sm90_fwd.cuh, sm90_bwd.cuh), which also run when a TMA tensor map cannot be encoded.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -13,8 +13,8 @@ struct CUtensorMap_st;
 
 namespace dualkv::cuda::detail {
 
-// DUALKV_SM90_EXPERIMENTAL=1 in the environment.
-bool sm90_experimental();
+// True unless DUALKV_SM90_WS=0 in the environment.
+bool sm90_ws_enabled();
 
 // Encodes a 3-D TMA map over a [T][H][D] 16-bit tensor (strides in elements, D contiguous):
 // box = 64 columns x 1 head x `rows` tokens, 128-byte swizzle (the SW128 tile layout of
@@ -22,16 +22,16 @@ bool sm90_experimental();
 bool encode_tmap_thd(CUtensorMap_st* map, const void* base, int T, int H, int D, int64_t tok_stride,
                      int64_t head_stride, int rows);
 
-// Warns once on stderr that the experimental path was asked for but could not run.
-void warn_experimental_fallback(const char* why);
+// Warns once on stderr that the warp-specialised path could not run (the synchronous one does).
+void warn_ws_fallback(const char* why);
 
 // Warp-specialised TMA forward. Returns false (nothing launched) when a tensor map cannot be
-// encoded; the caller then runs the verified path.
+// encoded; the caller then runs the synchronous wgmma path.
 template <typename T, int D>
 bool launch_forward_sm90_ws(const Params& p, cudaStream_t stream);
 
-// Backward with the warp-specialised dK/dV kernel (D <= 128; the preprocess and dQ pass are the
-// verified ones). False (nothing launched) for D = 256 or when a tensor map cannot be encoded.
+// Backward: preprocess, the warp-specialised dK/dV and dQ kernels (D <= 128). False (nothing
+// launched) for D = 256 or when a tensor map cannot be encoded.
 template <typename T, int D>
 bool launch_backward_sm90_ws(const Params& p, cudaStream_t stream);
 
