@@ -8,7 +8,9 @@ after a P-token prompt), gradient checkpointing on:
 * flex           the packed stream P+NR with FlexAttention and a shared-prefix BlockMask (what
                  mask-based shared-prefix trainers do), full logits of the response tokens;
 * flex-chunked   as flex but with DualKV's chunked log-probs (isolates the attention kernel);
-* dualkv         the packed stream with attn_implementation="dualkv" and chunked log-probs.
+* dualkv         the packed stream with attn_implementation="dualkv" and chunked log-probs;
+                 checkpointing keeps the attention outputs (no attention forward in the recompute);
+* dualkv-recompute  as dualkv, but the checkpoint recompute runs the attention forward again.
 
 Per path: median step time (pack + forward + log-probs + loss + backward), peak memory, and MFU
 on the *useful* FLOPs of the packed layout (dense layers and LM head on the packed tokens, DualKV
@@ -37,13 +39,13 @@ from typing import Any
 import torch
 
 import dualkv
-from dualkv.grpo_demo import build_model, enable_gradient_checkpointing
-from dualkv.integrations.transformers import packed_hidden_states
+from dualkv.grpo_demo import build_model
+from dualkv.integrations.transformers import enable_gradient_checkpointing, packed_hidden_states
 from dualkv.logprobs import logprobs_from_logits, response_logprobs
 from dualkv.losses import dapo_loss, group_advantages
 from dualkv.packing import pack_rows
 
-ALL_PATHS = ("standard", "flex", "flex-chunked", "dualkv")
+ALL_PATHS = ("standard", "flex", "flex-chunked", "dualkv", "dualkv-recompute")
 DEFAULT_SHAPES = ("16,8192,1024", "32,4096,2048", "8,16384,2048")
 
 
@@ -115,7 +117,7 @@ def step(model, path: str, ids, mask, gid, adv, p: int, old: torch.Tensor) -> to
         packed = pack_rows(ids, mask, p, gid)
         resp_mask = packed.response_mask
         head = model.get_output_embeddings().weight
-        if path == "dualkv":
+        if path.startswith("dualkv"):
             model.set_attn_implementation("dualkv")
             hidden = packed_hidden_states(model, packed)
         else:
@@ -222,8 +224,6 @@ def main(argv: list[str] | None = None) -> int:
     for preset in args.presets.split(","):
         overrides = {"num_hidden_layers": args.layers} if args.layers else None
         model = build_model(preset, device, dtype, overrides=overrides)
-        if not args.no_grad_ckpt:
-            enable_gradient_checkpointing(model)
         model.train()
         for shape in args.shapes:
             n, p, r = (int(x) for x in shape.split(","))
@@ -233,11 +233,19 @@ def main(argv: list[str] | None = None) -> int:
             layout = dualkv.Layout([p], [[r] * n])
             flops = useful_flops(model, layout, n * r)
             old = torch.zeros(n, r, device=device)  # on-policy-ish: ratio = exp(logp)
-            results = [bench_path(model, path, ids, mask, gid, adv, p, old, args.warmup,
-                                  args.repeats, device) for path in paths]  # fmt: skip
+            results = []
+            for path in paths:
+                if not args.no_grad_ckpt:
+                    keep = path != "dualkv-recompute"
+                    enable_gradient_checkpointing(model, keep_attention=keep)
+                results.append(bench_path(model, path, ids, mask, gid, adv, p, old,
+                                          args.warmup, args.repeats, device))  # fmt: skip
             if args.profile and device.type == "cuda":
                 for res in results:
                     if "time" in res:
+                        if not args.no_grad_ckpt:
+                            keep = res["path"] != "dualkv-recompute"
+                            enable_gradient_checkpointing(model, keep_attention=keep)
                         profile_step(model, res["path"], ids, mask, gid, adv, p, old, args.profile)
             std = next((x for x in results if x["path"] == "standard" and "time" in x), None)
             for res in results:

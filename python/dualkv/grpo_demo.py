@@ -40,7 +40,6 @@ __all__ = [
     "PRESETS",
     "StepResult",
     "build_model",
-    "enable_gradient_checkpointing",
     "main",
     "make_batch",
     "run",
@@ -96,12 +95,6 @@ def build_model(
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
     return model.to(device=device, dtype=dtype)
-
-
-def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
-    """Turn on HF gradient checkpointing (``activation_checkpointing_enable`` where it exists)."""
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    (enable or model.gradient_checkpointing_enable)()
 
 
 @dataclass
@@ -418,6 +411,8 @@ def run(argv: Sequence[str] | None = None, out: Any = None) -> list[StepResult]:
         overrides["vocab_size"] = args.vocab
     model = build_model(args.preset, device, dtype, seed=args.seed, overrides=overrides)
     if args.grad_ckpt:
+        from .integrations.transformers import enable_gradient_checkpointing
+
         enable_gradient_checkpointing(model)
     model.train()
     cfg = model.config

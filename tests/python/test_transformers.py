@@ -12,12 +12,13 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("transformers")
 
 import dualkv  # noqa: E402
-from dualkv.grpo_demo import enable_gradient_checkpointing  # noqa: E402
 from dualkv.integrations import transformers as dkt  # noqa: E402
+from dualkv.integrations.transformers import enable_gradient_checkpointing  # noqa: E402
 from dualkv.losses import dapo_loss, group_advantages  # noqa: E402
 from dualkv.packing import pack  # noqa: E402
 from hf_helpers import (  # noqa: E402
@@ -145,8 +146,22 @@ def _close_grads(a, b):
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
 
 
+class _CountAttention(TorchDispatchMode):
+    """Counts the dualkv::fwd calls that reach the kernels (not answered from a checkpoint)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func is torch.ops.dualkv.fwd.default:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("keep_attention", [True, False])
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
-def test_gradient_checkpointing_kwarg_and_context(seed, family):
+def test_gradient_checkpointing_kwarg_and_context(seed, family, keep_attention):
     model = tiny_model(family, torch.float32, seed=seed % 1000)
     model.set_attn_implementation("dualkv")
     model.train()
@@ -163,12 +178,16 @@ def test_gradient_checkpointing_kwarg_and_context(seed, family):
     loss_of(dkt.packed_hidden_states(model, pk)).backward()
     want = _grads(model)
 
-    enable_gradient_checkpointing(model)
+    enable_gradient_checkpointing(model, keep_attention=keep_attention)
     try:
-        # keyword: the checkpointed layers replay with it
+        # keyword: the checkpointed layers replay with it; the attention forward runs again in
+        # the recompute unless its outputs were kept
         model.zero_grad(set_to_none=True)
-        loss_of(dkt.packed_hidden_states(model, pk)).backward()
+        with _CountAttention() as count:
+            loss_of(dkt.packed_hidden_states(model, pk)).backward()
         _close_grads(_grads(model), want)
+        layers = model.config.num_hidden_layers
+        assert count.calls == (layers if keep_attention else 2 * layers)
 
         # context manager with the model: backward after the block
         model.zero_grad(set_to_none=True)

@@ -31,6 +31,7 @@ Typical step::
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,9 +44,11 @@ from ..packing import PackedBatch
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "checkpoint_kwargs",
     "current_layout",
     "dualkv_attention_forward",
     "dualkv_mask",
+    "enable_gradient_checkpointing",
     "packed_hidden_states",
     "packed_response_logprobs",
     "register",
@@ -192,6 +195,51 @@ def register() -> None:
     except ImportError:  # transformers without the mask interface builds no mask for it anyway
         return
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, dualkv_mask)
+
+
+def _keep_attention_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if op is torch.ops.dualkv.fwd.default:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpoint_kwargs(keep_attention: bool = True) -> dict[str, Any]:
+    """Keyword arguments for ``torch.utils.checkpoint.checkpoint`` (transformers'
+    ``gradient_checkpointing_kwargs``).
+
+    Args:
+        keep_attention: save DualKV attention's outputs (``out`` and ``lse``) in the forward, so
+            the backward's recompute of a checkpointed layer runs everything but the attention
+            kernel (PyTorch's selective activation checkpointing). Costs ``T * Hq * D`` elements
+            of the activation dtype plus ``Hq * T`` floats per layer; saves one attention
+            forward per layer and step.
+
+    Returns:
+        ``{"use_reentrant": False}``, plus the selective-checkpoint ``context_fn`` when
+        ``keep_attention``.
+    """
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if keep_attention:
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        kwargs["context_fn"] = functools.partial(
+            create_selective_checkpoint_contexts, _keep_attention_policy
+        )
+    return kwargs
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module, keep_attention: bool = True) -> None:
+    """Turn on transformers' gradient checkpointing with :func:`checkpoint_kwargs`.
+
+    Args:
+        model: a transformers model that supports gradient checkpointing.
+        keep_attention: see :func:`checkpoint_kwargs` (no effect on other attention backends).
+    """
+    model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs=checkpoint_kwargs(keep_attention)
+    )
 
 
 def _decoder(model: torch.nn.Module) -> torch.nn.Module:
