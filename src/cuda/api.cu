@@ -217,14 +217,16 @@ void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t str
   p.delta = reinterpret_cast<float*>(ws);
   p.lse2 = reinterpret_cast<float*>(ws + align256(rows * sizeof(float)));
   p.dq_accum = reinterpret_cast<float*>(ws + 2 * align256(rows * sizeof(float)));
-  // The fused atomic-dq variant (DUALKV_ATOMIC_DQ=1, non-deterministic) exists on the sm_80 path only.
-  const bool sm90 = use_sm90() && !use_atomic_dq(a.deterministic);
+  // The fused atomic-dq variant (DUALKV_ATOMIC_DQ=1, non-deterministic) exists in the
+  // warp-specialised and the sm_80 kernels (the synchronous wgmma path falls back to sm_80).
+  const bool sm90 = use_sm90();
+  const bool atomic_dq = use_atomic_dq(a.deterministic);
   dispatch(a.dtype, a.shape.head_dim, [&](auto t, auto d) {
     using T = decltype(t);
     constexpr int D = decltype(d)::value;
 #if DUALKV_HAS_SM90A
-    if (sm90 && sm90_ws_enabled() && launch_backward_sm90_ws<T, D>(p, stream)) return;
-    if (sm90) return launch_backward_sm90<T, D>(p, stream);
+    if (sm90 && sm90_ws_enabled() && launch_backward_sm90_ws<T, D>(p, atomic_dq, stream)) return;
+    if (sm90 && !atomic_dq) return launch_backward_sm90<T, D>(p, stream);
 #endif
     launch_backward_sm80<T, D>(p, a.deterministic, stream);
   });

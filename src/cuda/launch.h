@@ -10,10 +10,11 @@
 
 namespace dualkv::cuda::detail {
 
-// dq strategy. Measured on an H200 (bf16, D=128, Hq=32, Hkv=8, N=16 P=8192 R=1024): the separate
-// dq pass (7 matmul units, no atomics) took 36.7 ms against 45.5 ms for dk/dv with fused atomic
-// dq (5 units + fp32 atomics), so the atomic-free pass is the default in both modes; the fused
-// atomic variant stays selectable (DUALKV_ATOMIC_DQ=1, never with deterministic=true).
+// dq strategy: by default a separate dq pass (7 matmul units per block pair, no atomics, every
+// output bitwise reproducible); DUALKV_ATOMIC_DQ=1 (never with deterministic=true) selects the
+// fused variant (5 units + fp32 atomics into dq_accum, then a conversion) where a kernel has it:
+// the warp-specialised sm_90a dK/dV kernel (D <= 128) and the sm_80 one. On the sm_80 path it
+// measured slower (45.5 vs 36.7 ms, H200, bf16, D=128, Hq=32, Hkv=8, N=16 P=8192 R=1024).
 inline bool use_atomic_dq(bool deterministic) {
   if (deterministic) return false;
   const char* e = std::getenv("DUALKV_ATOMIC_DQ");

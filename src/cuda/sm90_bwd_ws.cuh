@@ -12,6 +12,11 @@
 //     groups; P is computed while dP^T is in flight, dV += P^T dO is issued before dS is computed,
 //     so dS overlaps the dV product. With softcap the tanh derivative needs S, so that variant
 //     waits for both products first.
+// With kFusedDq (DUALKV_ATOMIC_DQ=1, never in deterministic mode) the kernel also adds
+// dQ = dS K into the fp32 dq_accum with atomics, instead of the separate dQ pass: dS^T goes
+// to shared memory (double-buffered by iteration), and at D = 128 each consumer warpgroup
+// computes 64 of the 128 dQ columns over all 128 keys (a named barrier joins the two dS halves);
+// at D = 64 each computes all columns over its own 64 keys.
 // D = 256 keeps the synchronous path (the accumulators would not fit).
 #pragma once
 
@@ -21,7 +26,7 @@
 
 namespace dualkv::cuda::detail {
 
-template <int D>
+template <int D, bool kFusedDq = false>
 struct DkdvWsCfg {
   static constexpr int BN = kTileSize;  // 128 keys: 2 consumer warpgroups x 64
   static constexpr int BM = 64;         // queries per step
@@ -33,7 +38,9 @@ struct DkdvWsCfg {
   static constexpr int OFF_V = K_BYTES;
   static constexpr int OFF_Q = 2 * K_BYTES;
   static constexpr int OFF_DO = OFF_Q + STAGES * Q_BYTES;
-  static constexpr int OFF_L = OFF_DO + STAGES * Q_BYTES;       // per stage: lse2[BM], delta[BM]
+  static constexpr int DS_BYTES = BN * BM * 2;                   // dS^T [BN keys][BM queries]
+  static constexpr int OFF_DS = OFF_DO + STAGES * Q_BYTES;       // kFusedDq: 2 buffers
+  static constexpr int OFF_L = OFF_DS + (kFusedDq ? 2 * DS_BYTES : 0);  // per stage: lse2, delta
   static constexpr int OFF_META = OFF_L + STAGES * 2 * BM * 4;  // per stage: int[4]
   static constexpr int OFF_BAR = OFF_META + STAGES * 16;        // kv, full[S], empty[S]
   static constexpr int SMEM = OFF_BAR + 8 * (1 + 2 * STAGES) + 1024;
@@ -42,6 +49,7 @@ struct DkdvWsCfg {
   static constexpr int PRODUCER_REGS = 24;
   static constexpr int CONSUMER_REGS = 240;
   static_assert(D <= 128, "D = 256 keeps the synchronous dK/dV kernel");
+  static_assert(BM == 64, "a dS^T row is one 128-byte swizzle row");
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
 
@@ -57,14 +65,17 @@ namespace ws {
 __device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
+__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
 #endif
 }  // namespace ws
 
-template <typename T, int D, bool kCap>
+template <typename T, int D, bool kCap, bool kFusedDq>
 __global__ void __launch_bounds__(384, 1)
     dkdv_ws_kernel_sm90(const __grid_constant__ DkdvWsArgs a) {
 #if DUALKV_SM90_BODY
-  using Cfg = DkdvWsCfg<D>;
+  using Cfg = DkdvWsCfg<D, kFusedDq>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
   const Params& p = a.p;
   extern __shared__ __align__(1024) unsigned char smem[];
@@ -122,7 +133,7 @@ __global__ void __launch_bounds__(384, 1)
         ws::mbar_wait(empty(s), (uint32_t(it / S) & 1u) ^ 1u);
         if (!valid) {
           if (lane == 0) {
-            meta(s)[0] = 0;
+            meta(s)[0] = 0;  // end of the walk
             ws::mbar_arrive(full(s));
           }
           ws::mbar_arrive(full(s));
@@ -132,9 +143,10 @@ __global__ void __launch_bounds__(384, 1)
         const int qs = cur.qs.start + cur.qb * BM;
         const int nq = min(BM, cur.qs.len - cur.qb * BM);
         if (lane == 0) {
-          meta(s)[0] = 1;
+          meta(s)[0] = 1 + cur.hi;  // which q head of the GQA group
           meta(s)[1] = nq;
           meta(s)[2] = cur.qs.pos0 + cur.qb * BM;
+          meta(s)[3] = qs;
           ws::mbar_expect_tx(full(s), 2 * Cfg::Q_BYTES);
 #pragma unroll
           for (int c = 0; c < D / 64; ++c) {
@@ -167,6 +179,10 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
     for (int i = 0; i < AR; ++i) dk[i] = dv[i] = 0.f;
     const float* lse_s = reinterpret_cast<const float*>(gbase + Cfg::OFF_L);
+    // kFusedDq: D = 128 splits dQ's columns between the warpgroups (each sums all 128 keys),
+    // D = 64 splits the keys (each warpgroup adds all columns over its own 64 keys).
+    constexpr bool kSplitD = D == 128;
+    constexpr int DQ_KEYS = kSplitD ? BN : 64;
 
     ws::mbar_wait(bKV, 0);
     for (int it = 0;; ++it) {
@@ -174,6 +190,7 @@ __global__ void __launch_bounds__(384, 1)
       ws::mbar_wait(full(s), uint32_t(it / S) & 1u);
       if (meta(s)[0] == 0) break;
       const int nq = meta(s)[1], pq_first = meta(s)[2];
+      const int hq = hk * p.group + meta(s)[0] - 1, qs = meta(s)[3];
       const bool msk =
           needs_mask(nq, BM, nk, BN, pq_first, pq_first + nq - 1, pk_first, pk_last, p.mask);
       const uint32_t sQ = sQ0 + s * Cfg::Q_BYTES, sdO = sdO0 + s * Cfg::Q_BYTES;
@@ -208,6 +225,18 @@ __global__ void __launch_bounds__(384, 1)
         const int qc = (i >> 2) * 8 + 2 * tq + (i & 1);
         return pr * (dp[i] - del_c[qc]) * dcap;
       };
+      // kFusedDq: dS^T (key rows x query columns, SW128) to this iteration's shared buffer.
+      const uint32_t sDS = base + Cfg::OFF_DS + uint32_t(it & 1) * Cfg::DS_BYTES;
+      auto stash_ds = [&]() {
+#pragma unroll
+        for (int kt = 0; kt < BM / 16; ++kt)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int kr = kr0 + 8 * (c & 1), qc = (2 * kt + (c >> 1)) * 8 + 2 * tq;
+            ws::st_shared_u32(sDS + sw128<BN>(kr, qc & ~7) + (qc & 7) * 2, da[kt][c]);
+          }
+        fence_proxy_async();
+      };
       if constexpr (kCap) {
         // dS needs tanh'(S): wait for both products, then one pass (as the synchronous kernel).
         wg_wait<0>();
@@ -229,6 +258,7 @@ __global__ void __launch_bounds__(384, 1)
             pa[kt][c] = pack2<T>(pr[0], pr[1]);
             da[kt][c] = pack2<T>(ds[0], ds[1]);
           }
+        if constexpr (kFusedDq) stash_ds();
         fence_regs(pa);
         fence_regs(da);
         fence_regs(dv);
@@ -267,6 +297,7 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
           for (int c = 0; c < 4; ++c)
             da[kt][c] = pack2<T>(dp[8 * kt + 2 * c], dp[8 * kt + 2 * c + 1]);
+        if constexpr (kFusedDq) stash_ds();
         fence_regs(da);
         fence_regs(dk);
         wg_fence();
@@ -275,12 +306,46 @@ __global__ void __launch_bounds__(384, 1)
           Wgmma<T, D>::template rs<1>(dk, da[kt], desc_mnmajor<BM>(sQ, kt * 16), 1);
         wg_commit();
       }
+      float dqa[32];  // kFusedDq: this warpgroup's m64n64 block of dQ
+      if constexpr (kFusedDq) {
+        // Both dS^T halves (D = 128) or this warpgroup's own (D = 64) are in shared memory.
+        if constexpr (kSplitD) {
+          ws::bar_sync(1, NC);
+        } else {
+          ws::bar_sync(2 + cw, NC / 2);
+        }
+        const uint32_t a_tile = sDS + (kSplitD ? 0u : uint32_t(cw * 64 * 128));
+        const uint32_t b_tile = sK + (kSplitD ? uint32_t(cw * BN * 128) : uint32_t(cw * 64 * 128));
+        wg_fence();
+#pragma unroll
+        for (int kt = 0; kt < DQ_KEYS / 16; ++kt) {
+          Wgmma<T, 64>::template ss<1, 1>(dqa, desc_mnmajor<BN>(a_tile, kt * 16),
+                                          desc_mnmajor<BN>(b_tile, kt * 16), kt > 0);
+        }
+        wg_commit();
+      }
       wg_wait<0>();
       fence_regs(dv);
       fence_regs(dk);
       fence_regs(pa);
       fence_regs(da);
       ws::mbar_arrive(empty(s));
+      if constexpr (kFusedDq) {
+        fence_regs(dqa);
+        const int col0 = kSplitD ? cw * 64 : 0;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int qr = (warp & 3) * 16 + g + 8 * r;
+          if (qr < nq) {
+            float* dst = p.dq_accum + (int64_t(qs + qr) * p.Hq + hq) * D + col0 + 2 * tq;
+#pragma unroll
+            for (int nd = 0; nd < 8; ++nd) {
+              atomicAdd(reinterpret_cast<float2*>(dst + nd * 8),
+                        make_float2(dqa[nd * 4 + 2 * r], dqa[nd * 4 + 2 * r + 1]));
+            }
+          }
+        }
+      }
     }
 
 #pragma unroll
@@ -303,14 +368,16 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
-// Preprocess, the warp-specialised dK/dV kernel, the dQ pass. False (nothing launched)
-// for D = 256 or when a tensor map cannot be encoded.
+// Preprocess, the warp-specialised dK/dV kernel, then the dQ pass or (atomic_dq) the conversion
+// of the dQ the kernel added up. False (nothing launched) for D = 256 or when a tensor map
+// cannot be encoded.
 template <typename T, int D>
-bool launch_backward_sm90_ws(const Params& p, cudaStream_t stream) {
+bool launch_backward_sm90_ws(const Params& p, bool atomic_dq, cudaStream_t stream) {
   if constexpr (D > 128) {
     return false;
   } else {
     using C = DkdvWsCfg<D>;
+    using CF = DkdvWsCfg<D, true>;
     const int64_t rows = int64_t(p.T) * p.Hq;
     if (rows == 0) return true;
     DkdvWsArgs a{};
@@ -324,16 +391,25 @@ bool launch_backward_sm90_ws(const Params& p, cudaStream_t stream) {
     a.p = p;
     {
       const int64_t threads = rows * (D / 8);
-      bwd_pre_kernel<T, D><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(p, false);
+      bwd_pre_kernel<T, D><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(p, atomic_dq);
       check_launch("dualkv backward preprocess");
     }
     const bool cap = p.softcap > 0.f;
     const int64_t grid = int64_t(p.nkt) * p.Hkv;
     if (grid > 0) {
-      auto kernel = cap ? dkdv_ws_kernel_sm90<T, D, true> : dkdv_ws_kernel_sm90<T, D, false>;
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
-      kernel<<<unsigned(grid), C::THREADS, C::SMEM, stream>>>(a);
+      auto kernel = atomic_dq ? (cap ? dkdv_ws_kernel_sm90<T, D, true, true> : dkdv_ws_kernel_sm90<T, D, false, true>)
+                              : (cap ? dkdv_ws_kernel_sm90<T, D, true, false> : dkdv_ws_kernel_sm90<T, D, false, false>);
+      const int smem = atomic_dq ? CF::SMEM : C::SMEM;
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      kernel<<<unsigned(grid), C::THREADS, smem, stream>>>(a);
       check_launch("dualkv backward dk/dv (sm90a, warp-specialised)");
+    }
+    if (atomic_dq) {
+      const int64_t n8 = rows * D / 8;
+      dq_convert_kernel<T><<<unsigned((n8 + 255) / 256), 256, 0, stream>>>(p.dq_accum, static_cast<T*>(p.dq), n8,
+                                                                           p.scale);
+      check_launch("dualkv backward dq convert");
+      return true;
     }
     // The synchronous dQ pass only when its tensor maps cannot be encoded.
     if (launch_dq_sm90_ws<T, D>(p, stream)) return true;
