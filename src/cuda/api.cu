@@ -30,15 +30,19 @@ namespace {
 bool head_dim_built(int d) {
   switch (d) {
 #if DUALKV_HAS_HD64
-    case 64: return true;
+    case 64:
+      return true;
 #endif
 #if DUALKV_HAS_HD128
-    case 128: return true;
+    case 128:
+      return true;
 #endif
 #if DUALKV_HAS_HD256
-    case 256: return true;
+    case 256:
+      return true;
 #endif
-    default: return false;
+    default:
+      return false;
   }
 }
 
@@ -50,20 +54,24 @@ bool aligned16(const T* p) {
 void check_common(DType dtype, const Shape& s, const ScoreParams& sc, const LayoutView& lv) {
   DUALKV_CHECK(dtype == DType::kBFloat16 || dtype == DType::kFloat16,
                "dtype: the CUDA kernels take float16 or bfloat16, got ", dtype_name(dtype));
-  DUALKV_CHECK(supports(dtype, s.head_dim), "head_dim ", s.head_dim,
-               " is not supported by the CUDA kernels of this build (built: 64/128/256 as configured "
-               "by DUALKV_CUDA_HEAD_DIMS)");
+  DUALKV_CHECK(
+      supports(dtype, s.head_dim), "head_dim ", s.head_dim,
+      " is not supported by the CUDA kernels of this build (built: 64/128/256 as configured "
+      "by DUALKV_CUDA_HEAD_DIMS)");
   DUALKV_CHECK(s.tokens >= 0, "shape.tokens must be >= 0, got ", s.tokens);
-  DUALKV_CHECK(s.num_q_heads > 0 && s.num_kv_heads > 0, "num_q_heads and num_kv_heads must be > 0, got ",
-               s.num_q_heads, " and ", s.num_kv_heads);
+  DUALKV_CHECK(s.num_q_heads > 0 && s.num_kv_heads > 0,
+               "num_q_heads and num_kv_heads must be > 0, got ", s.num_q_heads, " and ",
+               s.num_kv_heads);
   DUALKV_CHECK(s.num_q_heads % s.num_kv_heads == 0, "num_q_heads (", s.num_q_heads,
                ") must be a multiple of num_kv_heads (", s.num_kv_heads, ")");
   DUALKV_CHECK(sc.mask.window >= 1, "window must be >= 1, got ", sc.mask.window);
-  DUALKV_CHECK(sc.softcap >= 0.f && sc.softcap < INFINITY, "softcap must be finite and >= 0, got ", sc.softcap);
-  DUALKV_CHECK(lv.total_tokens == s.tokens, "layout has ", lv.total_tokens, " tokens but the tensors have ",
-               s.tokens);
-  DUALKV_CHECK(s.tokens == 0 || (lv.segments && lv.query_tiles && lv.key_tiles),
-               "layout tables (segments, query_tiles, key_tiles) must be device pointers, got null");
+  DUALKV_CHECK(sc.softcap >= 0.f && sc.softcap < INFINITY, "softcap must be finite and >= 0, got ",
+               sc.softcap);
+  DUALKV_CHECK(lv.total_tokens == s.tokens, "layout has ", lv.total_tokens,
+               " tokens but the tensors have ", s.tokens);
+  DUALKV_CHECK(
+      s.tokens == 0 || (lv.segments && lv.query_tiles && lv.key_tiles),
+      "layout tables (segments, query_tiles, key_tiles) must be device pointers, got null");
   DUALKV_CHECK(int64_t(lv.num_query_tiles) * s.num_q_heads * 2 < (int64_t(1) << 31) &&
                    int64_t(lv.num_key_tiles) * 4 * s.num_kv_heads < (int64_t(1) << 31),
                "too many tiles x heads for one launch");
@@ -75,12 +83,18 @@ void check_qkv(const void* q, const void* k, const void* v, const TokenHeadStrid
   auto ok = [](const void* p, const TokenHeadStrides& st) {
     return aligned16(p) && st.token % 8 == 0 && st.head % 8 == 0;
   };
-  DUALKV_CHECK(ok(q, qs), "q must be 16-byte aligned with token and head strides that are multiples of 8 "
-               "elements (got strides ", qs.token, ", ", qs.head, ")");
-  DUALKV_CHECK(ok(k, ks), "k must be 16-byte aligned with token and head strides that are multiples of 8 "
-               "elements (got strides ", ks.token, ", ", ks.head, ")");
-  DUALKV_CHECK(ok(v, vs), "v must be 16-byte aligned with token and head strides that are multiples of 8 "
-               "elements (got strides ", vs.token, ", ", vs.head, ")");
+  DUALKV_CHECK(ok(q, qs),
+               "q must be 16-byte aligned with token and head strides that are multiples of 8 "
+               "elements (got strides ",
+               qs.token, ", ", qs.head, ")");
+  DUALKV_CHECK(ok(k, ks),
+               "k must be 16-byte aligned with token and head strides that are multiples of 8 "
+               "elements (got strides ",
+               ks.token, ", ", ks.head, ")");
+  DUALKV_CHECK(ok(v, vs),
+               "v must be 16-byte aligned with token and head strides that are multiples of 8 "
+               "elements (got strides ",
+               vs.token, ", ", vs.head, ")");
 }
 
 Params make_params(const Shape& s, const ScoreParams& sc, const LayoutView& lv) {
@@ -114,7 +128,8 @@ bool use_sm90() {
   static std::atomic<int> major_of[64];  // 0 = unknown
   int major = dev < 64 ? major_of[dev].load(std::memory_order_relaxed) : 0;
   if (major == 0) {
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+      return false;
     if (dev < 64) major_of[dev].store(major, std::memory_order_relaxed);
   }
   return major == 9;
@@ -131,15 +146,23 @@ void dispatch(DType dtype, int d, F&& f) {
     using T = decltype(tag);
     switch (d) {
 #if DUALKV_HAS_HD64
-      case 64: f(T{}, std::integral_constant<int, 64>{}); return;
+      case 64:
+        f(T{}, std::integral_constant<int, 64>{});
+        return;
 #endif
 #if DUALKV_HAS_HD128
-      case 128: f(T{}, std::integral_constant<int, 128>{}); return;
+      case 128:
+        f(T{}, std::integral_constant<int, 128>{});
+        return;
 #endif
 #if DUALKV_HAS_HD256
-      case 256: f(T{}, std::integral_constant<int, 256>{}); return;
+      case 256:
+        f(T{}, std::integral_constant<int, 256>{});
+        return;
 #endif
-      default: throw Error(::dualkv::detail::concat("head_dim ", d, " is not supported by the CUDA kernels"));
+      default:
+        throw Error(
+            ::dualkv::detail::concat("head_dim ", d, " is not supported by the CUDA kernels"));
     }
   };
   if (dtype == DType::kBFloat16) {
@@ -153,7 +176,8 @@ void dispatch(DType dtype, int d, F&& f) {
 }  // namespace detail
 
 bool supports(DType dtype, int head_dim) {
-  return (dtype == DType::kBFloat16 || dtype == DType::kFloat16) && detail::head_dim_built(head_dim);
+  return (dtype == DType::kBFloat16 || dtype == DType::kFloat16) &&
+         detail::head_dim_built(head_dim);
 }
 
 void attention_forward(const ForwardArgs& a, cudaStream_t stream) {
@@ -187,8 +211,10 @@ void attention_forward(const ForwardArgs& a, cudaStream_t stream) {
 }
 
 size_t backward_workspace_bytes(const Shape& s) {
-  const size_t rows = size_t(s.tokens > 0 ? s.tokens : 0) * size_t(s.num_q_heads > 0 ? s.num_q_heads : 0);
-  return 2 * detail::align256(rows * sizeof(float)) + detail::align256(rows * size_t(s.head_dim) * sizeof(float));
+  const size_t rows =
+      size_t(s.tokens > 0 ? s.tokens : 0) * size_t(s.num_q_heads > 0 ? s.num_q_heads : 0);
+  return 2 * detail::align256(rows * sizeof(float)) +
+         detail::align256(rows * size_t(s.head_dim) * sizeof(float));
 }
 
 void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t stream) {
@@ -198,10 +224,12 @@ void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t str
   check_qkv(a.q, a.k, a.v, a.q_stride, a.k_stride, a.v_stride);
   DUALKV_CHECK(a.out && a.dout && a.lse && a.dq && a.dk && a.dv,
                "out, dout, lse, dq, dk and dv must be non-null device pointers");
-  DUALKV_CHECK(aligned16(a.out) && aligned16(a.dout) && aligned16(a.dq) && aligned16(a.dk) && aligned16(a.dv),
+  DUALKV_CHECK(aligned16(a.out) && aligned16(a.dout) && aligned16(a.dq) && aligned16(a.dk) &&
+                   aligned16(a.dv),
                "out, dout, dq, dk and dv must be 16-byte aligned");
   DUALKV_CHECK(workspace && (reinterpret_cast<uintptr_t>(workspace) & 255u) == 0,
-               "workspace must be a non-null, 256-byte aligned device pointer of backward_workspace_bytes()");
+               "workspace must be a non-null, 256-byte aligned device pointer of "
+               "backward_workspace_bytes()");
   Params p = make_params(a.shape, a.score, a.layout);
   p.q = a.q, p.k = a.k, p.v = a.v;
   p.q_tok = a.q_stride.token, p.q_head = a.q_stride.head;
@@ -220,12 +248,13 @@ void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t str
   // The fused atomic-dq variant (DUALKV_ATOMIC_DQ=1, non-deterministic) exists in the
   // warp-specialised and the sm_80 kernels (the synchronous wgmma path falls back to sm_80).
   const bool sm90 = use_sm90();
-  const bool atomic_dq = use_atomic_dq(a.deterministic);
+  const int dq_mode = atomic_dq_mode(a.deterministic);
+  const bool atomic_dq = dq_mode != 0;
   dispatch(a.dtype, a.shape.head_dim, [&](auto t, auto d) {
     using T = decltype(t);
     constexpr int D = decltype(d)::value;
 #if DUALKV_HAS_SM90A
-    if (sm90 && sm90_ws_enabled() && launch_backward_sm90_ws<T, D>(p, atomic_dq, stream)) return;
+    if (sm90 && sm90_ws_enabled() && launch_backward_sm90_ws<T, D>(p, dq_mode, stream)) return;
     if (sm90 && !atomic_dq) return launch_backward_sm90<T, D>(p, stream);
 #endif
     launch_backward_sm80<T, D>(p, a.deterministic, stream);

@@ -13,13 +13,17 @@ namespace dualkv::cuda::detail {
 // dq strategy: by default a separate dq pass (7 matmul units per block pair, no atomics, every
 // output bitwise reproducible); DUALKV_ATOMIC_DQ=1 (never with deterministic=true) selects the
 // fused variant (5 units + fp32 atomics into dq_accum, then a conversion) where a kernel has it:
-// the warp-specialised sm_90a dK/dV kernel (D <= 128) and the sm_80 one. On the sm_80 path it
-// measured slower (45.5 vs 36.7 ms, H200, bf16, D=128, Hq=32, Hkv=8, N=16 P=8192 R=1024).
-inline bool use_atomic_dq(bool deterministic) {
-  if (deterministic) return false;
+// the warp-specialised sm_90a dK/dV kernel (D <= 128) and the sm_80 one. Both measured slower
+// than the separate pass (H200, bf16, D=128, Hq=32, Hkv=8, N=16 P=8192 R=1024: sm_80 45.5 vs
+// 36.7 ms, sm_90a 20.8 vs 19.6 ms). DUALKV_ATOMIC_DQ=2: the sm_90a kernel hands its dQ blocks to
+// reducer warps that add them with bulk async reductions (experimental; elsewhere 2 acts as 1).
+inline int atomic_dq_mode(bool deterministic) {
+  if (deterministic) return 0;
   const char* e = std::getenv("DUALKV_ATOMIC_DQ");
-  return e && e[0] == '1';
+  if (!e || e[0] == '\0' || e[1] != '\0') return 0;
+  return e[0] == '1' ? 1 : e[0] == '2' ? 2 : 0;
 }
+inline bool use_atomic_dq(bool deterministic) { return atomic_dq_mode(deterministic) != 0; }
 
 // Throws std::runtime_error naming `what` when the last launch failed.
 void check_launch(const char* what);

@@ -12,13 +12,18 @@
 //     groups; P is computed while dP^T is in flight, dV += P^T dO is issued before dS is computed,
 //     so dS overlaps the dV product. With softcap the tanh derivative needs S, so that variant
 //     waits for both products first.
-// With kFusedDq (DUALKV_ATOMIC_DQ=1, never in deterministic mode) the kernel also adds
-// dQ = dS K into the fp32 dq_accum with atomics, instead of the separate dQ pass: dS^T goes
-// to shared memory (double-buffered by iteration), and at D = 128 each consumer warpgroup
-// computes 64 of the 128 dQ columns over all 128 keys (a named barrier joins the two dS halves);
-// at D = 64 each computes all columns over its own 64 keys.
+// With kDq > 0 (DUALKV_ATOMIC_DQ=1 or 2, never in deterministic mode) the kernel also adds
+// dQ = dS K into the fp32 dq_accum, instead of the separate dQ pass: dS^T goes to shared memory
+// (double-buffered by iteration), and at D = 128 each consumer warpgroup computes 64 of the 128
+// dQ columns over all 128 keys (a named barrier joins the two dS halves); at D = 64 each computes
+// all columns over its own 64 keys. kDq = 1: the consumers add their block with atomicAdd.
+// kDq = 2 (experimental, FA3-like): they hand it to shared memory and producer warps 1-2 (one
+// per consumer warpgroup) add it with bulk async reductions (cp.reduce.async.bulk, one 256-byte
+// row each), so the consumers never wait on global atomics.
 // D = 256 keeps the synchronous path (the accumulators would not fit).
 #pragma once
+
+#include <utility>
 
 #include "sm90_bwd.cuh"
 #include "sm90_dq_ws.cuh"
@@ -26,7 +31,7 @@
 
 namespace dualkv::cuda::detail {
 
-template <int D, bool kFusedDq = false>
+template <int D, int kDq = 0>
 struct DkdvWsCfg {
   static constexpr int BN = kTileSize;  // 128 keys: 2 consumer warpgroups x 64
   static constexpr int BM = 64;         // queries per step
@@ -38,15 +43,19 @@ struct DkdvWsCfg {
   static constexpr int OFF_V = K_BYTES;
   static constexpr int OFF_Q = 2 * K_BYTES;
   static constexpr int OFF_DO = OFF_Q + STAGES * Q_BYTES;
-  static constexpr int DS_BYTES = BN * BM * 2;                   // dS^T [BN keys][BM queries]
-  static constexpr int OFF_DS = OFF_DO + STAGES * Q_BYTES;       // kFusedDq: 2 buffers
-  static constexpr int OFF_L = OFF_DS + (kFusedDq ? 2 * DS_BYTES : 0);  // per stage: lse2, delta
-  static constexpr int OFF_META = OFF_L + STAGES * 2 * BM * 4;  // per stage: int[4]
-  static constexpr int OFF_BAR = OFF_META + STAGES * 16;        // kv, full[S], empty[S]
-  static constexpr int SMEM = OFF_BAR + 8 * (1 + 2 * STAGES) + 1024;
+  static constexpr int DS_BYTES = BN * BM * 2;              // dS^T [BN keys][BM queries]
+  static constexpr int OFF_DS = OFF_DO + STAGES * Q_BYTES;  // kDq > 0: 2 buffers
+  static constexpr int DQ_BYTES = BM * 64 * 4;              // kDq = 2: fp32 [BM][64] per WG
+  static constexpr int OFF_DQ = OFF_DS + (kDq > 0 ? 2 * DS_BYTES : 0);
+  static constexpr int OFF_L = OFF_DQ + (kDq == 2 ? 2 * DQ_BYTES : 0);  // per stage: lse2, delta
+  static constexpr int OFF_META = OFF_L + STAGES * 2 * BM * 4;          // per stage: int[4]
+  static constexpr int OFF_DQMETA = OFF_META + STAGES * 16;             // kDq = 2: per WG: int[4]
+  static constexpr int OFF_BAR =
+      OFF_DQMETA + 2 * 16;  // kv, full[S], empty[S], dq_full[2], dq_empty[2]
+  static constexpr int SMEM = OFF_BAR + 8 * (1 + 2 * STAGES + 4) + 1024;
   // Full barrier: the elected lane's arrive.expect_tx + the producer warp's 32 cp.async arrivals.
   static constexpr int FULL_COUNT = 1 + 32;
-  static constexpr int PRODUCER_REGS = 24;
+  static constexpr int PRODUCER_REGS = kDq == 2 ? 32 : 24;  // 128 x (P + 2 x 240) <= 65536
   static constexpr int CONSUMER_REGS = 240;
   static_assert(D <= 128, "D = 256 keeps the synchronous dK/dV kernel");
   static_assert(BM == 64, "a dS^T row is one 128-byte swizzle row");
@@ -68,14 +77,36 @@ __device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
 __device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
 }
+__device__ __forceinline__ void st_shared_f32x2(uint32_t addr, float x, float y) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y) : "memory");
+}
+// dst[0:bytes/4] += src[0:bytes/4] (fp32), asynchronously; bytes a multiple of 16.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes) {
+  asm volatile(
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst),
+      "r"(src), "r"(bytes)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+// This thread's committed bulk operations have read their shared-memory sources.
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+// ... and have completed.
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
 #endif
 }  // namespace ws
 
-template <typename T, int D, bool kCap, bool kFusedDq>
+template <typename T, int D, bool kCap, int kDq>
 __global__ void __launch_bounds__(384, 1)
     dkdv_ws_kernel_sm90(const __grid_constant__ DkdvWsArgs a) {
 #if DUALKV_SM90_BODY
-  using Cfg = DkdvWsCfg<D, kFusedDq>;
+  constexpr bool kFusedDq = kDq > 0;
+  using Cfg = DkdvWsCfg<D, kDq>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
   const Params& p = a.p;
   extern __shared__ __align__(1024) unsigned char smem[];
@@ -89,6 +120,16 @@ __global__ void __launch_bounds__(384, 1)
   auto meta = [&](int s) {
     return reinterpret_cast<volatile int*>(gbase + Cfg::OFF_META + 16 * s);
   };
+  // kDq = 2: consumer warpgroup c's dQ block is ready (128 arrivals) / free again (32 arrivals),
+  // and its record {valid, first query token, q head, query count}.
+  auto dq_full = [&](int c) { return bKV + 8u * (1 + 2 * S + c); };
+  auto dq_empty = [&](int c) { return bKV + 8u * (3 + 2 * S + c); };
+  auto dq_meta = [&](int c) {
+    return reinterpret_cast<volatile int*>(gbase + Cfg::OFF_DQMETA + 16 * c);
+  };
+  // kDq > 0: D = 128 splits dQ's columns between the consumer warpgroups (each sums all 128
+  // keys), D = 64 splits the keys (each adds all columns over its own 64 keys).
+  constexpr bool kSplitD = D == 128;
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const int hk = int(blockIdx.x % unsigned(p.Hkv));
@@ -105,6 +146,12 @@ __global__ void __launch_bounds__(384, 1)
     for (int s = 0; s < S; ++s) {
       ws::mbar_init(full(s), Cfg::FULL_COUNT);
       ws::mbar_init(empty(s), NC);
+    }
+    if constexpr (kDq == 2) {
+      for (int c = 0; c < 2; ++c) {
+        ws::mbar_init(dq_full(c), NC / 2);
+        ws::mbar_init(dq_empty(c), 32);
+      }
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     fence_proxy_async();
@@ -167,6 +214,27 @@ __global__ void __launch_bounds__(384, 1)
           valid = seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pk_last, cur);
       }
       cp_wait<0>();  // no lse/delta copy outlives its thread
+    } else if (kDq == 2 && warp <= 2) {
+      if constexpr (kDq == 2) {
+        // ---- dQ reducers: warp 1 + c adds consumer warpgroup c's blocks into dq_accum --------
+        const int c = warp - 1;
+        const uint32_t src = base + Cfg::OFF_DQ + uint32_t(c) * Cfg::DQ_BYTES;
+        volatile int* dm = dq_meta(c);
+        const int col0 = kSplitD ? c * 64 : 0;
+        for (int it = 0;; ++it) {
+          ws::mbar_wait(dq_full(c), uint32_t(it) & 1u);
+          if (dm[0] == 0) break;
+          const int qs = dm[1], hq = dm[2], nq = dm[3];
+          for (int r = lane; r < nq; r += 32) {
+            ws::bulk_reduce_add_f32(p.dq_accum + (int64_t(qs + r) * p.Hq + hq) * D + col0,
+                                    src + r * 256, 256);
+          }
+          ws::bulk_commit();
+          ws::bulk_wait_read();
+          ws::mbar_arrive(dq_empty(c));
+        }
+        ws::bulk_wait();  // every reduction has landed before the CTA ends
+      }
     }
   } else {
     // ---- consumers ---------------------------------------------------------------------------
@@ -179,13 +247,11 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
     for (int i = 0; i < AR; ++i) dk[i] = dv[i] = 0.f;
     const float* lse_s = reinterpret_cast<const float*>(gbase + Cfg::OFF_L);
-    // kFusedDq: D = 128 splits dQ's columns between the warpgroups (each sums all 128 keys),
-    // D = 64 splits the keys (each warpgroup adds all columns over its own 64 keys).
-    constexpr bool kSplitD = D == 128;
     constexpr int DQ_KEYS = kSplitD ? BN : 64;
 
     ws::mbar_wait(bKV, 0);
-    for (int it = 0;; ++it) {
+    int it = 0;  // after the loop: the number of query blocks seen
+    for (;; ++it) {
       const int s = it % S;
       ws::mbar_wait(full(s), uint32_t(it / S) & 1u);
       if (meta(s)[0] == 0) break;
@@ -330,7 +396,26 @@ __global__ void __launch_bounds__(384, 1)
       fence_regs(pa);
       fence_regs(da);
       ws::mbar_arrive(empty(s));
-      if constexpr (kFusedDq) {
+      if constexpr (kDq == 2) {
+        // Hand the block to this warpgroup's reducer warp once it has read the previous one.
+        fence_regs(dqa);
+        ws::mbar_wait(dq_empty(cw), (uint32_t(it) & 1u) ^ 1u);
+        const uint32_t dst = base + Cfg::OFF_DQ + uint32_t(cw) * Cfg::DQ_BYTES;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int qr = (warp & 3) * 16 + g + 8 * r;
+#pragma unroll
+          for (int nd = 0; nd < 8; ++nd)
+            ws::st_shared_f32x2(dst + qr * 256 + (nd * 8 + 2 * tq) * 4, dqa[nd * 4 + 2 * r],
+                                dqa[nd * 4 + 2 * r + 1]);
+        }
+        if ((tid & 127) == 0) {
+          volatile int* dm = dq_meta(cw);
+          dm[0] = 1, dm[1] = qs, dm[2] = hq, dm[3] = nq;
+        }
+        fence_proxy_async();  // the bulk reduction reads through the async proxy
+        ws::mbar_arrive(dq_full(cw));
+      } else if constexpr (kFusedDq) {
         fence_regs(dqa);
         const int col0 = kSplitD ? cw * 64 : 0;
 #pragma unroll
@@ -346,6 +431,12 @@ __global__ void __launch_bounds__(384, 1)
           }
         }
       }
+    }
+    if constexpr (kDq == 2) {
+      // Tells this warpgroup's reducer that the walk has ended.
+      ws::mbar_wait(dq_empty(cw), (uint32_t(it) & 1u) ^ 1u);
+      if ((tid & 127) == 0) dq_meta(cw)[0] = 0;
+      ws::mbar_arrive(dq_full(cw));
     }
 
 #pragma unroll
@@ -368,16 +459,16 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
-// Preprocess, the warp-specialised dK/dV kernel, then the dQ pass or (atomic_dq) the conversion
-// of the dQ the kernel added up. False (nothing launched) for D = 256 or when a tensor map
-// cannot be encoded.
+// Preprocess, the warp-specialised dK/dV kernel, then the dQ pass or (dq_mode 1, 2: the kernel's
+// kDq) the conversion of the dQ the kernel added up. False (nothing launched) for D = 256 or when a
+// tensor map cannot be encoded.
 template <typename T, int D>
-bool launch_backward_sm90_ws(const Params& p, bool atomic_dq, cudaStream_t stream) {
+bool launch_backward_sm90_ws(const Params& p, int dq_mode, cudaStream_t stream) {
   if constexpr (D > 128) {
     return false;
   } else {
     using C = DkdvWsCfg<D>;
-    using CF = DkdvWsCfg<D, true>;
+    const bool atomic_dq = dq_mode > 0;
     const int64_t rows = int64_t(p.T) * p.Hq;
     if (rows == 0) return true;
     DkdvWsArgs a{};
@@ -397,17 +488,23 @@ bool launch_backward_sm90_ws(const Params& p, bool atomic_dq, cudaStream_t strea
     const bool cap = p.softcap > 0.f;
     const int64_t grid = int64_t(p.nkt) * p.Hkv;
     if (grid > 0) {
-      auto kernel = atomic_dq ? (cap ? dkdv_ws_kernel_sm90<T, D, true, true> : dkdv_ws_kernel_sm90<T, D, false, true>)
-                              : (cap ? dkdv_ws_kernel_sm90<T, D, true, false> : dkdv_ws_kernel_sm90<T, D, false, false>);
-      const int smem = atomic_dq ? CF::SMEM : C::SMEM;
+      auto pick = [&](auto mode) {
+        constexpr int M = decltype(mode)::value;
+        return std::make_pair(
+            cap ? dkdv_ws_kernel_sm90<T, D, true, M> : dkdv_ws_kernel_sm90<T, D, false, M>,
+            DkdvWsCfg<D, M>::SMEM);
+      };
+      const auto [kernel, smem] = dq_mode == 2   ? pick(std::integral_constant<int, 2>{})
+                                  : dq_mode == 1 ? pick(std::integral_constant<int, 1>{})
+                                                 : pick(std::integral_constant<int, 0>{});
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
       kernel<<<unsigned(grid), C::THREADS, smem, stream>>>(a);
       check_launch("dualkv backward dk/dv (sm90a, warp-specialised)");
     }
     if (atomic_dq) {
       const int64_t n8 = rows * D / 8;
-      dq_convert_kernel<T><<<unsigned((n8 + 255) / 256), 256, 0, stream>>>(p.dq_accum, static_cast<T*>(p.dq), n8,
-                                                                           p.scale);
+      dq_convert_kernel<T><<<unsigned((n8 + 255) / 256), 256, 0, stream>>>(
+          p.dq_accum, static_cast<T*>(p.dq), n8, p.scale);
       check_launch("dualkv backward dq convert");
       return true;
     }

@@ -30,10 +30,10 @@ void warn_ws_fallback(const char* why);
 template <typename T, int D>
 bool launch_forward_sm90_ws(const Params& p, cudaStream_t stream);
 
-// Backward: preprocess, the warp-specialised dK/dV and dQ kernels (D <= 128); with atomic_dq
-// the dK/dV kernel also adds up dQ with fp32 atomics (non-deterministic dQ). False (nothing
-// launched) for D = 256 or when a tensor map cannot be encoded.
+// Backward: preprocess, the warp-specialised dK/dV and dQ kernels (D <= 128); with dq_mode 1 or
+// 2 (atomic_dq_mode) the dK/dV kernel also adds up dQ in fp32 (non-deterministic dQ). False
+// (nothing launched) for D = 256 or when a tensor map cannot be encoded.
 template <typename T, int D>
-bool launch_backward_sm90_ws(const Params& p, bool atomic_dq, cudaStream_t stream);
+bool launch_backward_sm90_ws(const Params& p, int dq_mode, cudaStream_t stream);
 
 }  // namespace dualkv::cuda::detail

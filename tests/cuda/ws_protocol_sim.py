@@ -225,8 +225,12 @@ def run_dq(total, S, rng):
             alive.remove(t)
 
 
-def run_dkdv(nblocks, S, rng):
-    # full count: 1 (expect_tx lane) + 32 (cp.async lanes), modelled as 1 + L lanes
+def run_dkdv(nblocks, S, rng, dq_mode=0):
+    # full count: 1 (expect_tx lane) + 32 (cp.async lanes), modelled as 1 + L lanes.
+    # dq_mode (the kernel's kDq) 1, 2: each consumer writes its dS^T half into buffer it & 1,
+    # named barrier 1 (both warpgroups), both read both halves (the dQ product) until their
+    # wgmma wait. 2: then the consumer hands its dQ block to its reducer warp (dq_full[c],
+    # dq_empty[c], a record with an end marker); the reducer's bulk reads end at its wait_group.read.
     L = 3
     bKV = MBar(1)
     full = [MBar(1 + L) for _ in range(S)]
@@ -235,10 +239,41 @@ def run_dkdv(nblocks, S, rng):
     slot = [None] * S
     readers = [set() for _ in range(S)]
     inflight = []
+    ds_slot = [[None, None], [None, None]]  # [buffer][half]
+    ds_readers = [set(), set()]
+    bar1 = Named(2)
+    dq_full = [MBar(1), MBar(1)]  # count 128 (a warpgroup) modelled as 1
+    dq_empty = [MBar(1), MBar(1)]  # count 32 (the reducer warp) modelled as 1
+    dq_buf = [None, None]
+    dq_meta = [None, None]
+    dq_reading = [False, False]
+    reduced = [[], []]
 
     def wait(bar, par):
         while not bar.done(par):
             yield
+
+    def bsync(b):
+        gen = b.gen
+        b.cnt += 1
+        if b.cnt == b.n:
+            b.cnt, b.gen = 0, b.gen + 1
+        while b.gen == gen:
+            yield
+
+    def reducer(c):
+        it = 0
+        while True:
+            yield from wait(dq_full[c], it & 1)
+            if dq_meta[c] == "end":
+                return
+            assert dq_meta[c] == it and dq_buf[c] == it, (dq_meta[c], dq_buf[c], it)
+            dq_reading[c] = True
+            yield  # bulk reductions read the buffer
+            dq_reading[c] = False
+            reduced[c].append(it)
+            dq_empty[c].arrive()
+            it += 1
 
     def lane(ln):
         if ln == 0:
@@ -270,21 +305,42 @@ def run_dkdv(nblocks, S, rng):
             s = it % S
             yield from wait(full[s], (it // S) & 1)
             if meta[s] == "end":
-                return
+                break
             assert meta[s] == it and slot[s] == it, (meta[s], slot[s], it)
             readers[s].add(cw)
             yield
+            b = it & 1
+            if dq_mode:
+                assert not ds_readers[b], "dS buffer overwritten while read"
+                ds_slot[b][cw] = it
+                yield from bsync(bar1)
+                assert ds_slot[b] == [it, it], (ds_slot[b], it)
+                ds_readers[b].add(cw)
+                yield  # the dQ wgmma reads both halves
+                ds_readers[b].discard(cw)
             readers[s].discard(cw)
             empty[s].arrive()
+            if dq_mode == 2:
+                yield from wait(dq_empty[cw], (it & 1) ^ 1)
+                assert not dq_reading[cw], "dQ buffer overwritten while reduced"
+                dq_buf[cw] = it
+                dq_meta[cw] = it
+                dq_full[cw].arrive()
             it += 1
+        if dq_mode == 2:
+            yield from wait(dq_empty[cw], (it & 1) ^ 1)
+            dq_meta[cw] = "end"
+            dq_full[cw].arrive()
 
     ths = [lane(i) for i in range(L)] + [consumer(0), consumer(1)]
+    if dq_mode == 2:
+        ths += [reducer(0), reducer(1)]
     alive = list(ths)
     steps = 0
     while alive or inflight:
         steps += 1
         if steps > 100000:
-            raise RuntimeError("deadlock dkdv")
+            raise RuntimeError(f"deadlock dkdv (dq_mode {dq_mode})")
         if inflight and rng.random() < 0.3:
             x = inflight.pop(rng.randrange(len(inflight)))
             if x[0] == "cp":
@@ -302,6 +358,9 @@ def run_dkdv(nblocks, S, rng):
             next(t)
         except StopIteration:
             alive.remove(t)
+    if dq_mode == 2:
+        assert reduced == [list(range(nblocks))] * 2, reduced
+    assert bar1.cnt == 0, "named barrier left half-arrived"
 
 
 rng = random.Random(1)
@@ -311,6 +370,7 @@ for _trial in range(3000):
     total = rng.randrange(0, 9)
     run_fwd(total, S, rng.random() < 0.7, rng)
     run_dq(total, S, rng)
-    run_dkdv(total, S, rng)
+    for dq_mode in (0, 1, 2):
+        run_dkdv(total, S, rng, dq_mode)
     n += 1
-print("ok", n, "random schedules each for fwd, dq, dkdv")
+print("ok", n, "random schedules each for fwd, dq, dkdv (dq modes 0, 1, 2)")
