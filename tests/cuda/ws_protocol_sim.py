@@ -230,7 +230,8 @@ def run_dkdv(nblocks, S, rng, dq_mode=0):
     # dq_mode (the kernel's kDq) 1, 2: each consumer writes its dS^T half into buffer it & 1,
     # named barrier 1 (both warpgroups), both read both halves (the dQ product) until their
     # wgmma wait. 2: then the consumer hands its dQ block to its reducer warp (dq_full[c],
-    # dq_empty[c], a record with an end marker); the reducer's bulk reads end at its wait_group.read.
+    # dq_empty[c], a record with an end marker); the reducer's bulk reads end at its
+    # wait_group.read.
     L = 3
     bKV = MBar(1)
     full = [MBar(1 + L) for _ in range(S)]

@@ -154,6 +154,26 @@ def test_large_head_dims(
     run_case(lens, 4, 2, d, dtype, device, window, softcap, seed)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["1", "2"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("window,softcap", [(None, 0.0), (37, 5.0)])
+def test_atomic_dq_modes(
+    mode: str,
+    d: int,
+    window: int | None,
+    softcap: float,
+    seed: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fused dQ variants (DUALKV_ATOMIC_DQ=1: atomics; =2: reducer warps on sm_90a,
+    experimental) compute the same gradients (non-deterministic dq, default mode only)."""
+    monkeypatch.setenv("DUALKV_ATOMIC_DQ", mode)
+    rng = random.Random(seed)
+    lens = random_layout_lens(rng, groups=rng.randint(1, 3), max_p=300, max_r=200)
+    run_case(lens, 8, 2, d, torch.bfloat16, "cuda", window, softcap, seed)
+
+
 EDGE_LAYOUTS = [
     ([], []),  # no groups
     ([0], [[0]]),  # T = 0

@@ -2,6 +2,7 @@
 """Generates src/cuda/wgmma_ops.cuh: inline-PTX wrappers of the sm_90a wgmma instructions the
 Hopper kernels use (f32 accumulators, bf16/fp16 inputs, N in {32, 64, 128, 256}), both operands
 in shared memory (SS) or A in registers (RS). Run: python3 src/cuda/tools/gen_wgmma.py"""
+
 import os
 
 NS = [32, 64, 128, 256]
@@ -27,32 +28,43 @@ for ctype, ptype in TYPES:
         r = n // 2
         dregs = ", ".join(f"%{i}" for i in range(r))
         outs = ", ".join(f'"+f"(d[{i}])' for i in range(r))
+        mma = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptype}.{ptype}"
         w(f"template <> struct Wgmma<{ctype}, {n}> {{")
         # SS
-        w(f"  // D (+)= A(smem desc; tnspA: 0 K-major, 1 MN-major) * B(smem desc; tnspB likewise)")
-        w(f"  template <int kTnspB, int kTnspA = 0>")
-        w(f"  __device__ __forceinline__ static void ss(float (&d)[{r}], uint64_t da, uint64_t db, int accumulate) {{")
-        w(f"#if defined(__CUDA_ARCH_FEAT_SM90_ALL)")
-        w(f'    asm volatile(')
-        w(f'        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{r+2}, 0;\\n"')
-        w(f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptype}.{ptype} {{{dregs}}}, %{r}, %{r+1}, p, 1, 1, %{r+4}, %{r+3};\\n}}\\n"')
-        w(f'        : {outs}')
-        w(f'        : "l"(da), "l"(db), "r"(accumulate), "n"(kTnspB), "n"(kTnspA));')
-        w(f"#endif")
-        w(f"  }}")
+        w("  // D (+)= A(smem desc; tnspA: 0 K-major, 1 MN-major) * B(smem desc; tnspB likewise)")
+        w("  template <int kTnspB, int kTnspA = 0>")
+        w(
+            f"  __device__ __forceinline__ static void ss(float (&d)[{r}], uint64_t da, "
+            "uint64_t db, int accumulate) {"
+        )
+        w("#if defined(__CUDA_ARCH_FEAT_SM90_ALL)")
+        w("    asm volatile(")
+        w(f'        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{r + 2}, 0;\\n"')
+        w(f'        "{mma} {{{dregs}}}, %{r}, %{r + 1}, p, 1, 1, %{r + 4}, %{r + 3};\\n}}\\n"')
+        w(f"        : {outs}")
+        w('        : "l"(da), "l"(db), "r"(accumulate), "n"(kTnspB), "n"(kTnspA));')
+        w("#endif")
+        w("  }")
         # RS
-        w(f"  // D (+)= A(registers: the m16k16 A fragment of the warp's 16 rows) * B(smem desc)")
-        w(f"  template <int kTnspB>")
-        w(f"  __device__ __forceinline__ static void rs(float (&d)[{r}], const uint32_t (&a)[4], uint64_t db, int accumulate) {{")
-        w(f"#if defined(__CUDA_ARCH_FEAT_SM90_ALL)")
-        w(f'    asm volatile(')
-        w(f'        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{r+5}, 0;\\n"')
-        w(f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptype}.{ptype} {{{dregs}}}, {{%{r}, %{r+1}, %{r+2}, %{r+3}}}, %{r+4}, p, 1, 1, %{r+6};\\n}}\\n"')
-        w(f'        : {outs}')
-        w(f'        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate), "n"(kTnspB));')
-        w(f"#endif")
-        w(f"  }}")
-        w(f"}};")
+        w("  // D (+)= A(registers: the m16k16 A fragment of the warp's 16 rows) * B(smem desc)")
+        w("  template <int kTnspB>")
+        w(
+            f"  __device__ __forceinline__ static void rs(float (&d)[{r}], const uint32_t (&a)[4], "
+            "uint64_t db, int accumulate) {"
+        )
+        w("#if defined(__CUDA_ARCH_FEAT_SM90_ALL)")
+        w("    asm volatile(")
+        w(f'        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{r + 5}, 0;\\n"')
+        a_regs = f"{{%{r}, %{r + 1}, %{r + 2}, %{r + 3}}}"
+        w(f'        "{mma} {{{dregs}}}, {a_regs}, %{r + 4}, p, 1, 1, %{r + 6};\\n}}\\n"')
+        w(f"        : {outs}")
+        w(
+            '        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate), '
+            '"n"(kTnspB));'
+        )
+        w("#endif")
+        w("  }")
+        w("};")
         w("")
 w("}  // namespace dualkv::cuda::detail")
 path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "wgmma_ops.cuh")
