@@ -235,16 +235,15 @@ def main(argv: list[str] | None = None) -> int:
             old = torch.zeros(n, r, device=device)  # on-policy-ish: ratio = exp(logp)
             results = []
             for path in paths:
-                if not args.no_grad_ckpt:
-                    keep = path != "dualkv-recompute"
-                    enable_gradient_checkpointing(model, keep_attention=keep)
+                if not args.no_grad_ckpt:  # selective policy for DualKV only (dispatch cost)
+                    enable_gradient_checkpointing(model, keep_attention=path == "dualkv")
                 results.append(bench_path(model, path, ids, mask, gid, adv, p, old,
                                           args.warmup, args.repeats, device))  # fmt: skip
             if args.profile and device.type == "cuda":
                 for res in results:
                     if "time" in res:
                         if not args.no_grad_ckpt:
-                            keep = res["path"] != "dualkv-recompute"
+                            keep = res["path"] == "dualkv"
                             enable_gradient_checkpointing(model, keep_attention=keep)
                         profile_step(model, res["path"], ids, mask, gid, adv, p, old, args.profile)
             std = next((x for x in results if x["path"] == "standard" and "time" in x), None)

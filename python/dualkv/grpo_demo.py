@@ -299,6 +299,16 @@ def _compare(std: PathResult, pk: PathResult, mask: torch.Tensor, out: StepResul
         out.max_grad_rel_diff = worst
 
 
+def _checkpointing(model: torch.nn.Module, args: argparse.Namespace, keep_attention: bool) -> None:
+    """With --grad-ckpt: (re)enable checkpointing; the packed path keeps DualKV's attention
+    outputs, the standard path gets plain checkpointing (the selective-checkpoint policy would
+    only add its per-op dispatch overhead there)."""
+    if args.grad_ckpt:
+        from .integrations.transformers import enable_gradient_checkpointing
+
+        enable_gradient_checkpointing(model, keep_attention=keep_attention)
+
+
 def run_step(model: torch.nn.Module, batch: Batch, args: argparse.Namespace) -> StepResult:
     """Both paths on one batch (the standard path first), then an SGD step on the packed grads."""
     with torch.no_grad():  # the rollout policy's log-probs: current ones, slightly perturbed
@@ -309,7 +319,9 @@ def run_step(model: torch.nn.Module, batch: Batch, args: argparse.Namespace) -> 
     compare = not args.no_compare
     std = PathResult(error="skipped")
     if not args.no_standard:
+        _checkpointing(model, args, keep_attention=False)  # plain checkpointing for SDPA
         std = _run_path(model, batch, old, packed=False, args=args, keep_grads=compare)
+    _checkpointing(model, args, keep_attention=True)
     pk = _run_path(model, batch, old, packed=True, args=args, keep_grads=False)
     result = StepResult(std, pk)
     if compare and std.error is None:
@@ -410,10 +422,6 @@ def run(argv: Sequence[str] | None = None, out: Any = None) -> list[StepResult]:
     if args.vocab:
         overrides["vocab_size"] = args.vocab
     model = build_model(args.preset, device, dtype, seed=args.seed, overrides=overrides)
-    if args.grad_ckpt:
-        from .integrations.transformers import enable_gradient_checkpointing
-
-        enable_gradient_checkpointing(model)
     model.train()
     cfg = model.config
     params = sum(p.numel() for p in model.parameters())
