@@ -25,7 +25,7 @@ for s in "${steps[@]}"; do
   case "$s" in
   test)
     echo "== correctness (full matrix, every path, race 100) =="
-    timeout 300 $BIN --race 100 >"$OUT/test.log" 2>&1; rc=$?
+    timeout 420 $BIN --race 100 >"$OUT/test.log" 2>&1; rc=$?
     grep -E "FAIL|error|note" "$OUT/test.log" | head -30; tail -2 "$OUT/test.log"; echo "rc=$rc"
     fallback_check "$OUT/test.log" || rc=1
     [ $rc = 0 ] || status=1 ;;
