@@ -1,6 +1,12 @@
 // The CUDA library's plain C++ entry points (no torch): raw device pointers, strides, the
 // layout tables already on the device, and a stream. No host synchronisation, no allocation:
 // the caller provides the workspace.
+//
+// Kernels, chosen per call: on compute capability 9.x (built with 90a) the warp-specialised
+// sm_90a kernels (TMA, producer warps); DUALKV_SM90_WS=0 selects the synchronous wgmma ones;
+// DUALKV_FORCE_SM80=1, or any other GPU, the sm_80 (mma.sync) ones. Every output is bitwise
+// reproducible by default; DUALKV_ATOMIC_DQ=1 (ignored when deterministic) computes dq with
+// fp32 atomics inside the dK/dV kernel instead of a separate pass (not reproducible bitwise).
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -1,4 +1,4 @@
-"""Randomised model of the barrier protocols of the experimental sm_90a kernels.
+"""Randomised model of the barrier protocols of the warp-specialised sm_90a kernels.
 
 src/cuda/sm90_fwd_ws.cuh, sm90_dq_ws.cuh and sm90_bwd_ws.cuh (dK/dV) hand K/V (or Q/dO) blocks
 from a producer to two consumer warpgroups through mbarrier rings; the forward also alternates the
