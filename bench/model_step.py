@@ -151,7 +151,7 @@ def profile_step(model, path, ids, mask, gid, adv, p, old, top: int) -> None:
     model.zero_grad(set_to_none=True)
     print(f"-- profile: {path} --")
     table = prof.key_averages().table(
-        sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=70
+        sort_by="self_device_time_total", row_limit=top, max_name_column_width=70
     )
     print(table)
 
@@ -245,7 +245,12 @@ def main(argv: list[str] | None = None) -> int:
                         if not args.no_grad_ckpt:
                             keep = res["path"] == "dualkv"
                             enable_gradient_checkpointing(model, keep_attention=keep)
-                        profile_step(model, res["path"], ids, mask, gid, adv, p, old, args.profile)
+                        try:
+                            profile_step(model, res["path"], ids, mask, gid, adv, p, old,
+                                         args.profile)  # fmt: skip
+                        except Exception:  # the timings above still get printed
+                            traceback.print_exc()
+                            model.zero_grad(set_to_none=True)
             std = next((x for x in results if x["path"] == "standard" and "time" in x), None)
             for res in results:
                 if "time" in res:

@@ -17,9 +17,9 @@
 // (double-buffered by iteration), and at D = 128 each consumer warpgroup computes 64 of the 128
 // dQ columns over all 128 keys (a named barrier joins the two dS halves); at D = 64 each computes
 // all columns over its own 64 keys. kDq = 1: the consumers add their block with atomicAdd.
-// kDq = 2 (experimental, FA3-like): they hand it to shared memory and producer warps 1-2 (one
-// per consumer warpgroup) add it with bulk async reductions (cp.reduce.async.bulk, one 256-byte
-// row each), so the consumers never wait on global atomics.
+// kDq = 2 (experimental, FA3-like): they hand it to shared memory and lane 0 of producer warps
+// 1-2 (one per consumer warpgroup) adds it with bulk async reductions (cp.reduce.async.bulk, one
+// 256-byte row each), so the consumers never wait on global atomics.
 // D = 256 keeps the synchronous path (the accumulators would not fit).
 #pragma once
 
@@ -55,8 +55,12 @@ struct DkdvWsCfg {
   static constexpr int SMEM = OFF_BAR + 8 * (1 + 2 * STAGES + 4) + 1024;
   // Full barrier: the elected lane's arrive.expect_tx + the producer warp's 32 cp.async arrivals.
   static constexpr int FULL_COUNT = 1 + 32;
-  static constexpr int PRODUCER_REGS = kDq == 2 ? 32 : 24;  // 128 x (P + 2 x 240) <= 65536
+  static constexpr int PRODUCER_REGS = 24;
   static constexpr int CONSUMER_REGS = 240;
+  // setmaxnreg moves registers within the CTA's pool: 384 threads x 168 (the launch bound's
+  // allocation), i.e. 504 per thread slot of the three warpgroups. More would leave a consumer
+  // warp waiting in setmaxnreg.inc forever.
+  static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "register pool of one CTA");
   static_assert(D <= 128, "D = 256 keeps the synchronous dK/dV kernel");
   static_assert(BM == 64, "a dS^T row is one 128-byte swizzle row");
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
@@ -120,7 +124,7 @@ __global__ void __launch_bounds__(384, 1)
   auto meta = [&](int s) {
     return reinterpret_cast<volatile int*>(gbase + Cfg::OFF_META + 16 * s);
   };
-  // kDq = 2: consumer warpgroup c's dQ block is ready (128 arrivals) / free again (32 arrivals),
+  // kDq = 2: consumer warpgroup c's dQ block is ready (128 arrivals) / free again (1 arrival),
   // and its record {valid, first query token, q head, query count}.
   auto dq_full = [&](int c) { return bKV + 8u * (1 + 2 * S + c); };
   auto dq_empty = [&](int c) { return bKV + 8u * (3 + 2 * S + c); };
@@ -150,7 +154,7 @@ __global__ void __launch_bounds__(384, 1)
     if constexpr (kDq == 2) {
       for (int c = 0; c < 2; ++c) {
         ws::mbar_init(dq_full(c), NC / 2);
-        ws::mbar_init(dq_empty(c), 32);
+        ws::mbar_init(dq_empty(c), 1);
       }
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -216,19 +220,20 @@ __global__ void __launch_bounds__(384, 1)
       cp_wait<0>();  // no lse/delta copy outlives its thread
     } else if (kDq == 2 && warp <= 2) {
       if constexpr (kDq == 2) {
-        // ---- dQ reducers: warp 1 + c adds consumer warpgroup c's blocks into dq_accum --------
+        // ---- dQ reducers: lane 0 of warp 1 + c adds warpgroup c's blocks into dq_accum --------
+        // (one lane: the bulk copies issue one lane at a time anyway, and 24 registers suffice)
         const int c = warp - 1;
         const uint32_t src = base + Cfg::OFF_DQ + uint32_t(c) * Cfg::DQ_BYTES;
         volatile int* dm = dq_meta(c);
         const int col0 = kSplitD ? c * 64 : 0;
-        for (int it = 0;; ++it) {
+        for (int it = 0; lane == 0; ++it) {
           ws::mbar_wait(dq_full(c), uint32_t(it) & 1u);
           if (dm[0] == 0) break;
           const int qs = dm[1], hq = dm[2], nq = dm[3];
-          for (int r = lane; r < nq; r += 32) {
-            ws::bulk_reduce_add_f32(p.dq_accum + (int64_t(qs + r) * p.Hq + hq) * D + col0,
-                                    src + r * 256, 256);
-          }
+          float* dst = p.dq_accum + (int64_t(qs) * p.Hq + hq) * D + col0;
+          const int64_t row_stride = int64_t(p.Hq) * D;
+          for (int r = 0; r < nq; ++r)
+            ws::bulk_reduce_add_f32(dst + r * row_stride, src + r * 256, 256);
           ws::bulk_commit();
           ws::bulk_wait_read();
           ws::mbar_arrive(dq_empty(c));

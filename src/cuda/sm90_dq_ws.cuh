@@ -27,6 +27,8 @@ struct DqWsCfg {
   static constexpr int SMEM = OFF_BAR + 8 * (1 + 2 * STAGES) + 1024;
   static constexpr int PRODUCER_REGS = 40;
   static constexpr int CONSUMER_REGS = 232;
+  // setmaxnreg moves registers within the CTA's pool (384 x 168 at this launch bound).
+  static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "register pool of one CTA");
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
 

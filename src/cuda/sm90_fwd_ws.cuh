@@ -44,6 +44,8 @@ struct FwdWsCfg {
   // setmaxnreg: 40 + 2 x 232 = 504 registers per thread slot of the three warpgroups (<= 512).
   static constexpr int PRODUCER_REGS = 40;
   static constexpr int CONSUMER_REGS = 232;
+  // setmaxnreg moves registers within the CTA's pool (384 x 168 at this launch bound).
+  static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "register pool of one CTA");
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
 

@@ -188,6 +188,10 @@ def test_gradient_checkpointing_kwarg_and_context(seed, family, keep_attention):
         _close_grads(_grads(model), want)
         layers = model.config.num_hidden_layers
         assert count.calls == (layers if keep_attention else 2 * layers)
+        # enabling again (switching the policy) does not stack transformers' embedding hooks
+        enable_gradient_checkpointing(model, keep_attention=not keep_attention)
+        enable_gradient_checkpointing(model, keep_attention=keep_attention)
+        assert len(model.get_input_embeddings()._forward_hooks) == 1
 
         # context manager with the model: backward after the block
         model.zero_grad(set_to_none=True)

@@ -214,7 +214,8 @@ def checkpoint_kwargs(keep_attention: bool = True) -> dict[str, Any]:
             the backward's recompute of a checkpointed layer runs everything but the attention
             kernel (PyTorch's selective activation checkpointing). Costs ``T * Hq * D`` elements
             of the activation dtype plus ``Hq * T`` floats per layer; saves one attention
-            forward per layer and step.
+            forward per layer and step. (As with any selective checkpointing, the graph can
+            then be backpropagated once only.)
 
     Returns:
         ``{"use_reentrant": False}``, plus the selective-checkpoint ``context_fn`` when
@@ -233,10 +234,19 @@ def checkpoint_kwargs(keep_attention: bool = True) -> dict[str, Any]:
 def enable_gradient_checkpointing(model: torch.nn.Module, keep_attention: bool = True) -> None:
     """Turn on transformers' gradient checkpointing with :func:`checkpoint_kwargs`.
 
+    May be called again to switch ``keep_attention``. transformers raises ``ValueError`` for a
+    model that does not support gradient checkpointing.
+
     Args:
         model: a transformers model that supports gradient checkpointing.
         keep_attention: see :func:`checkpoint_kwargs` (no effect on other attention backends).
     """
+    if getattr(model, "is_gradient_checkpointing", False):
+        # transformers registers its input-embedding hook again on every enable: drop the
+        # previous one, so that switching the policy between steps does not stack hooks.
+        disable_hooks = getattr(model, "disable_input_require_grads", None)
+        if disable_hooks is not None:
+            disable_hooks()
     model.gradient_checkpointing_enable(
         gradient_checkpointing_kwargs=checkpoint_kwargs(keep_attention)
     )
