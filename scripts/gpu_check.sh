@@ -24,13 +24,16 @@ for step in "${steps[@]}"; do
     ;;
   test)
     # Each kernel path: default (warp-specialised on sm_90), the synchronous wgmma one, sm_80.
+    # A hung kernel ends the run after 300 s per test where pytest-timeout is installed.
+    tmo=()
+    python3 -c "import pytest_timeout" 2>/dev/null && tmo=(--timeout=300 --timeout-method=thread)
     for path in default DUALKV_SM90_WS=0 DUALKV_FORCE_SM80=1; do
       echo "== GPU tests ($path) =="
       log="$OUT/pytest_${path%%=*}.log"
       envs=()
       [ "$path" = default ] || envs=("$path")
       (cd /tmp && env "${envs[@]}" python3 -m pytest "$OLDPWD/tests/python" -q --maxfail=20 -k "cuda or gpu" \
-        -p no:cacheprovider >"$log" 2>&1); rc=$?
+        -p no:cacheprovider "${tmo[@]}" >"$log" 2>&1); rc=$?
       tail -1 "$log"; grep -E "^(FAILED|ERROR)" "$log" | head -20
       grep -q "kernels cannot run" "$log" && { echo "FAIL: the warp-specialised kernels fell back"; rc=1; }
       [ $rc = 0 ] || status=1
