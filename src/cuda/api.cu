@@ -97,7 +97,13 @@ void check_qkv(const void* q, const void* k, const void* v, const TokenHeadStrid
                vs.token, ", ", vs.head, ")");
 }
 
-Params make_params(const Shape& s, const ScoreParams& sc, const LayoutView& lv) {
+// The kernel parameters both passes share: layout, shape, score, q/k/v and their strides
+// (ForwardArgs and BackwardArgs name these fields alike).
+template <typename Args>
+Params make_params(const Args& a) {
+  const Shape& s = a.shape;
+  const ScoreParams& sc = a.score;
+  const LayoutView& lv = a.layout;
   Params p{};
   p.segs = lv.segments;
   p.qtiles = lv.query_tiles;
@@ -115,6 +121,10 @@ Params make_params(const Shape& s, const ScoreParams& sc, const LayoutView& lv) 
   p.cap_inv = sc.softcap > 0.f ? sc.softmax_scale / sc.softcap : 0.f;
   p.cap_log2 = sc.softcap * kLog2e;
   p.mask = sc.mask;
+  p.q = a.q, p.k = a.k, p.v = a.v;
+  p.q_tok = a.q_stride.token, p.q_head = a.q_stride.head;
+  p.k_tok = a.k_stride.token, p.k_head = a.k_stride.head;
+  p.v_tok = a.v_stride.token, p.v_head = a.v_stride.head;
   return p;
 }
 
@@ -187,11 +197,7 @@ void attention_forward(const ForwardArgs& a, cudaStream_t stream) {
   check_qkv(a.q, a.k, a.v, a.q_stride, a.k_stride, a.v_stride);
   DUALKV_CHECK(a.out && a.lse, "out and lse must be non-null device pointers");
   DUALKV_CHECK(aligned16(a.out), "out must be 16-byte aligned");
-  Params p = make_params(a.shape, a.score, a.layout);
-  p.q = a.q, p.k = a.k, p.v = a.v;
-  p.q_tok = a.q_stride.token, p.q_head = a.q_stride.head;
-  p.k_tok = a.k_stride.token, p.k_head = a.k_stride.head;
-  p.v_tok = a.v_stride.token, p.v_head = a.v_stride.head;
+  Params p = make_params(a);
   p.out = a.out;
   p.lse = a.lse;
   const bool sm90 = use_sm90();
@@ -230,11 +236,7 @@ void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t str
   DUALKV_CHECK(workspace && (reinterpret_cast<uintptr_t>(workspace) & 255u) == 0,
                "workspace must be a non-null, 256-byte aligned device pointer of "
                "backward_workspace_bytes()");
-  Params p = make_params(a.shape, a.score, a.layout);
-  p.q = a.q, p.k = a.k, p.v = a.v;
-  p.q_tok = a.q_stride.token, p.q_head = a.q_stride.head;
-  p.k_tok = a.k_stride.token, p.k_head = a.k_stride.head;
-  p.v_tok = a.v_stride.token, p.v_head = a.v_stride.head;
+  Params p = make_params(a);
   p.o = a.out;
   p.dout = a.dout;
   p.lse_in = a.lse;

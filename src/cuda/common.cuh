@@ -211,6 +211,61 @@ struct KeyBlockWalk {
   }
 };
 
+// The queries one CTA of a query-tile kernel owns: blockIdx.x = (tile * SPLIT + part) * Hq + h,
+// each 128-token tile cut into SPLIT blocks of B queries. `valid` is false for a block that lies
+// past its tile's end (only possible with SPLIT > 1); the other fields are then unset.
+template <int B>
+struct QueryTileCta {
+  static constexpr int SPLIT = kTileSize / B;
+  int h, hk, q0, nq;
+  Segment seg;
+  bool valid;
+
+  __device__ __forceinline__ explicit QueryTileCta(const Params& p) {
+    h = int(blockIdx.x % unsigned(p.Hq));
+    const int rest = int(blockIdx.x / unsigned(p.Hq));
+    const Tile tile = p.qtiles[rest / SPLIT];
+    if constexpr (SPLIT == 1) {
+      seg = p.segs[tile.segment];
+      q0 = tile.begin, nq = tile.end - tile.begin, valid = true;
+    } else {
+      q0 = tile.begin + (rest % SPLIT) * B;
+      valid = q0 < tile.end;
+      if (!valid) return;  // the caller returns too: nothing else is read
+      nq = min(B, tile.end - q0);
+      seg = p.segs[tile.segment];
+    }
+    hk = h / p.group;
+  }
+};
+
+// The keys one CTA of a key-tile (dK/dV) kernel owns: blockIdx.x = (tile * SPLIT + part) * Hkv +
+// hk, as QueryTileCta; pk_first/pk_last are the keys' logical positions.
+template <int B>
+struct KeyTileCta {
+  static constexpr int SPLIT = kTileSize / B;
+  int hk, k0, nk, ksi, pk_first, pk_last;
+  Segment kseg;
+  bool valid;
+
+  __device__ __forceinline__ explicit KeyTileCta(const Params& p) {
+    hk = int(blockIdx.x % unsigned(p.Hkv));
+    const int rest = int(blockIdx.x / unsigned(p.Hkv));
+    const Tile tile = p.ktiles[rest / SPLIT];
+    if constexpr (SPLIT == 1) {
+      k0 = tile.begin, nk = tile.end - tile.begin, valid = true;
+    } else {
+      k0 = tile.begin + (rest % SPLIT) * B;
+      valid = k0 < tile.end;
+      if (!valid) return;  // the caller returns too: nothing else is read
+      nk = min(B, tile.end - k0);
+    }
+    ksi = tile.segment;
+    kseg = p.segs[ksi];
+    pk_first = kseg.pos0 + (k0 - kseg.start), pk_last = pk_first + nk - 1;
+  }
+};
+
 // Blocks of `B` queries of segment `qs` (aligned to its start) that see some key at positions
 // [pk_first, pk_last] of the same group (the keys are in qs's prompt or in qs itself).
 template <int B>

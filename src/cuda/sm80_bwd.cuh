@@ -136,17 +136,11 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, 2) dkdv_kernel_sm80(const 
   T* dS_s = reinterpret_cast<T*>(smem + Cfg::OFF_DS);                       // [BN][PITCH]
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
-  constexpr int kSplit = kTileSize / BN;
-  const int hk = int(blockIdx.x % unsigned(p.Hkv));
-  const int rest = int(blockIdx.x / unsigned(p.Hkv));
-  const int ti = rest / kSplit, sub = rest % kSplit;
-  const Tile tile = p.ktiles[ti];
-  const int k0 = tile.begin + sub * BN;
-  if (k0 >= tile.end) return;
-  const int nk = min(BN, tile.end - k0);
-  const int ksi = tile.segment;
-  const Segment kseg = p.segs[ksi];
-  const int pk_first = kseg.pos0 + (k0 - kseg.start), pk_last = pk_first + nk - 1;
+  const KeyTileCta<BN> cta(p);
+  if (!cta.valid) return;
+  const int hk = cta.hk, k0 = cta.k0, nk = cta.nk, ksi = cta.ksi;
+  const int pk_first = cta.pk_first, pk_last = cta.pk_last;
+  const Segment& kseg = cta.kseg;
 
   load_tile<BN, D, THREADS>(sK, static_cast<const T*>(p.k) + int64_t(k0) * p.k_tok + int64_t(hk) * p.k_head,
                             p.k_tok, nk);
@@ -375,15 +369,10 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, 2) dq_kernel_sm80(const __g
   const uint32_t sK0 = sdO + BM * D * 2, sV0 = sK0 + 2 * BN * D * 2;
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
-  constexpr int kSplit = kTileSize / BM;
-  const int h = int(blockIdx.x % unsigned(p.Hq));
-  const int rest = int(blockIdx.x / unsigned(p.Hq));
-  const Tile tile = p.qtiles[rest / kSplit];
-  const int q0 = tile.begin + (rest % kSplit) * BM;
-  if (q0 >= tile.end) return;
-  const int nq = min(BM, tile.end - q0);
-  const Segment seg = p.segs[tile.segment];
-  const int hk = h / p.group;
+  const QueryTileCta<BM> cta(p);
+  if (!cta.valid) return;
+  const int h = cta.h, hk = cta.hk, q0 = cta.q0, nq = cta.nq;
+  const Segment& seg = cta.seg;
   const T* kg = static_cast<const T*>(p.k) + int64_t(hk) * p.k_head;
   const T* vg = static_cast<const T*>(p.v) + int64_t(hk) * p.v_head;
 

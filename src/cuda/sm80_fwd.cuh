@@ -32,12 +32,9 @@ __global__ void __launch_bounds__(FwdCfg<D>::THREADS, FwdCfg<D>::MIN_BLOCKS)
   const uint32_t sV0 = sK0 + 2 * BN * D * 2;
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
-  const int h = int(blockIdx.x % unsigned(p.Hq));
-  const int ti = int(blockIdx.x / unsigned(p.Hq));
-  const Tile tile = p.qtiles[ti];
-  const Segment seg = p.segs[tile.segment];
-  const int q0 = tile.begin, nq = tile.end - tile.begin;
-  const int hk = h / p.group;
+  const QueryTileCta<kTileSize> cta(p);
+  const int h = cta.h, hk = cta.hk, q0 = cta.q0, nq = cta.nq;
+  const Segment& seg = cta.seg;
   const T* qg = static_cast<const T*>(p.q) + int64_t(q0) * p.q_tok + int64_t(h) * p.q_head;
   const T* kg = static_cast<const T*>(p.k) + int64_t(hk) * p.k_head;
   const T* vg = static_cast<const T*>(p.v) + int64_t(hk) * p.v_head;

@@ -41,13 +41,10 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
   const float* del_s = lse_s + 2 * BM;
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
-  const int hk = int(blockIdx.x % unsigned(p.Hkv));
-  const int ti = int(blockIdx.x / unsigned(p.Hkv));
-  const Tile tile = p.ktiles[ti];
-  const int k0 = tile.begin, nk = tile.end - tile.begin;
-  const int ksi = tile.segment;
-  const Segment kseg = p.segs[ksi];
-  const int pk_first = kseg.pos0 + (k0 - kseg.start), pk_last = pk_first + nk - 1;
+  const KeyTileCta<kTileSize> cta(p);
+  const int hk = cta.hk, k0 = cta.k0, nk = cta.nk, ksi = cta.ksi;
+  const int pk_first = cta.pk_first, pk_last = cta.pk_last;
+  const Segment& kseg = cta.kseg;
 
   load_tile_sw128<BN, D, THREADS>(sK, static_cast<const T*>(p.k) + int64_t(k0) * p.k_tok + int64_t(hk) * p.k_head,
                                   p.k_tok, nk);
@@ -214,12 +211,9 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const __grid_constant__
   const uint32_t sK0 = sdO + Cfg::Q_BYTES, sV0 = sK0 + 2 * Cfg::KV_BYTES;
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
-  const int h = int(blockIdx.x % unsigned(p.Hq));
-  const int ti = int(blockIdx.x / unsigned(p.Hq));
-  const Tile tile = p.qtiles[ti];
-  const Segment seg = p.segs[tile.segment];
-  const int q0 = tile.begin, nq = tile.end - tile.begin;
-  const int hk = h / p.group;
+  const QueryTileCta<kTileSize> cta(p);
+  const int h = cta.h, hk = cta.hk, q0 = cta.q0, nq = cta.nq;
+  const Segment& seg = cta.seg;
   const T* kg = static_cast<const T*>(p.k) + int64_t(hk) * p.k_head;
   const T* vg = static_cast<const T*>(p.v) + int64_t(hk) * p.v_head;
 

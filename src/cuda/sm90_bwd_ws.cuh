@@ -136,13 +136,10 @@ __global__ void __launch_bounds__(384, 1)
   constexpr bool kSplitD = D == 128;
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
-  const int hk = int(blockIdx.x % unsigned(p.Hkv));
-  const int ti = int(blockIdx.x / unsigned(p.Hkv));
-  const Tile tile = p.ktiles[ti];
-  const int k0 = tile.begin, nk = tile.end - tile.begin;
-  const int ksi = tile.segment;
-  const Segment kseg = p.segs[ksi];
-  const int pk_first = kseg.pos0 + (k0 - kseg.start), pk_last = pk_first + nk - 1;
+  const KeyTileCta<kTileSize> cta(p);
+  const int hk = cta.hk, k0 = cta.k0, nk = cta.nk, ksi = cta.ksi;
+  const int pk_first = cta.pk_first, pk_last = cta.pk_last;
+  const Segment& kseg = cta.kseg;
 
   if (tid == 0) {
     ws::mbar_init(bKV, 1);

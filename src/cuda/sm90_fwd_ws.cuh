@@ -126,12 +126,9 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
   auto empty_v = [&](int s) { return bQ + 8u * (1 + 3 * S + s); };
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
-  const int h = int(blockIdx.x % unsigned(p.Hq));
-  const int ti = int(blockIdx.x / unsigned(p.Hq));
-  const Tile tile = p.qtiles[ti];
-  const Segment seg = p.segs[tile.segment];
-  const int q0 = tile.begin, nq = tile.end - tile.begin;
-  const int hk = h / p.group;
+  const QueryTileCta<kTileSize> cta(p);
+  const int h = cta.h, hk = cta.hk, q0 = cta.q0, nq = cta.nq;
+  const Segment& seg = cta.seg;
 
   const KeyBlockWalk<BN> walk(seg, q0, nq, p.mask);
   const int total = walk.total, pq_first = walk.pq_first, pq_last = walk.pq_last;
