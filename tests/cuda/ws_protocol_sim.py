@@ -41,8 +41,49 @@ class MBar:
 
 
 class Named:
+    """A named barrier (bar.sync / bar.arrive) over n parties."""
+
     def __init__(s, n):
         s.n, s.cnt, s.gen = n, 0, 0
+
+    def arrive(s):
+        s.cnt += 1
+        assert s.cnt <= s.n
+        if s.cnt == s.n:
+            s.cnt, s.gen = 0, s.gen + 1
+
+    def sync(s):  # generator: arrive, then wait for the barrier's completion
+        gen = s.gen
+        s.arrive()
+        while s.gen == gen:
+            yield
+
+
+def wait(bar, par):
+    """Generator: spins until the mbarrier phase of parity `par` has completed."""
+    while not bar.done(par):
+        yield
+
+
+def schedule(threads, inflight, land, rng, what):
+    """Runs the threads (generators) and lands the in-flight copies (land(item)) in a random
+    interleaving until all are done; a schedule that makes no progress is a deadlock."""
+    alive = list(threads)
+    steps = 0
+    while alive or inflight:
+        steps += 1
+        if steps > 100000:
+            raise RuntimeError(f"deadlock {what}")
+        if inflight and rng.random() < 0.3:
+            land(inflight.pop(rng.randrange(len(inflight))))
+            continue
+        if not alive:
+            continue
+        t = rng.choice(alive)
+        try:
+            next(t)
+        except StopIteration:
+            alive.remove(t)
 
 
 def run_fwd(total, S, pp, rng):
@@ -57,29 +98,6 @@ def run_fwd(total, S, pp, rng):
     readers_v = [set() for _ in range(S)]
     inflight = []  # (bar, stage slot, value, kind)
     bars = {1: Named(2), 2: Named(2)}  # counts in warpgroups
-
-    def wait(bar, par):
-        while not bar.done(par):
-            yield
-
-    def bsync(i):
-        b = bars[i]
-        b.cnt += 1
-        g = b.gen
-        if b.cnt == b.n:
-            b.cnt = 0
-            b.gen += 1
-            return
-        while b.gen == g:
-            yield
-
-    def barrive(i):
-        b = bars[i]
-        b.cnt += 1
-        assert b.cnt <= b.n
-        if b.cnt == b.n:
-            b.cnt = 0
-            b.gen += 1
 
     def producer():
         bQ.expect_tx(1)
@@ -99,16 +117,16 @@ def run_fwd(total, S, pp, rng):
     def consumer(cw):
         my, other = 1 + cw, 2 - cw
         if pp and cw == 1:
-            barrive(other)
+            bars[other].arrive()
         yield from wait(bQ, 0)
         if total > 0:
             yield from wait(fk[0], 0)
             assert slotk[0] == 0
             if pp:
-                yield from bsync(my)
+                yield from bars[my].sync()
             readers_k[0].add(cw)
             if pp:
-                barrive(other)
+                bars[other].arrive()
             yield
             readers_k[0].discard(cw)
             ek[0].arrive()
@@ -118,11 +136,11 @@ def run_fwd(total, S, pp, rng):
                 yield from wait(fv[pst], ((j - 1) // S) & 1)
                 assert slotk[st] == j and slotv[pst] == j - 1, (slotk, slotv, j)
                 if pp:
-                    yield from bsync(my)
+                    yield from bars[my].sync()
                 readers_k[st].add(cw)
                 readers_v[pst].add(cw)
                 if pp:
-                    barrive(other)
+                    bars[other].arrive()
                 yield
                 readers_k[st].discard(cw)
                 ek[st].arrive()
@@ -133,37 +151,24 @@ def run_fwd(total, S, pp, rng):
             yield from wait(fv[lst], ((total - 1) // S) & 1)
             assert slotv[lst] == total - 1
             if pp:
-                yield from bsync(my)
+                yield from bars[my].sync()
             readers_v[lst].add(cw)
             if pp:
-                barrive(other)
+                bars[other].arrive()
             yield
             readers_v[lst].discard(cw)
         if pp and cw == 0:
-            yield from bsync(my)
+            yield from bars[my].sync()
 
-    ths = [producer(), consumer(0), consumer(1)]
-    alive = list(ths)
-    steps = 0
-    while alive or inflight:
-        steps += 1
-        if steps > 100000:
-            raise RuntimeError("deadlock")
-        if inflight and rng.random() < 0.3:
-            bar, s, v, kind = inflight.pop(rng.randrange(len(inflight)))
-            if kind == "k":
-                slotk[s] = v
-            if kind == "v":
-                slotv[s] = v
-            bar.complete_tx(1)
-            continue
-        if not alive:
-            continue
-        t = rng.choice(alive)
-        try:
-            next(t)
-        except StopIteration:
-            alive.remove(t)
+    def land(x):
+        bar, s, v, kind = x
+        if kind == "k":
+            slotk[s] = v
+        if kind == "v":
+            slotv[s] = v
+        bar.complete_tx(1)
+
+    schedule([producer(), consumer(0), consumer(1)], inflight, land, rng, "fwd")
     for b in bars.values():
         assert b.cnt == 0, "named barrier left half-arrived"
 
@@ -175,10 +180,6 @@ def run_dq(total, S, rng):
     slot = [None] * S
     readers = [set() for _ in range(S)]
     inflight = []
-
-    def wait(bar, par):
-        while not bar.done(par):
-            yield
 
     def producer():
         bQ.expect_tx(1)
@@ -203,26 +204,13 @@ def run_dq(total, S, rng):
                 empty[(j - 1) % S].arrive()
             yield
 
-    ths = [producer(), consumer(0), consumer(1)]
-    alive = list(ths)
-    steps = 0
-    while alive or inflight:
-        steps += 1
-        if steps > 100000:
-            raise RuntimeError("deadlock dq")
-        if inflight and rng.random() < 0.3:
-            bar, s, v = inflight.pop(rng.randrange(len(inflight)))
-            if s is not None:
-                slot[s] = v
-            bar.complete_tx(1)
-            continue
-        if not alive:
-            continue
-        t = rng.choice(alive)
-        try:
-            next(t)
-        except StopIteration:
-            alive.remove(t)
+    def land(x):
+        bar, s, v = x
+        if s is not None:
+            slot[s] = v
+        bar.complete_tx(1)
+
+    schedule([producer(), consumer(0), consumer(1)], inflight, land, rng, "dq")
 
 
 def run_dkdv(nblocks, S, rng, dq_mode=0):
@@ -244,23 +232,11 @@ def run_dkdv(nblocks, S, rng, dq_mode=0):
     ds_readers = [set(), set()]
     bar1 = Named(2)
     dq_full = [MBar(1), MBar(1)]  # count 128 (a warpgroup) modelled as 1
-    dq_empty = [MBar(1), MBar(1)]  # count 32 (the reducer warp) modelled as 1
+    dq_empty = [MBar(1), MBar(1)]  # count 1 (the reducer lane)
     dq_buf = [None, None]
     dq_meta = [None, None]
     dq_reading = [False, False]
     reduced = [[], []]
-
-    def wait(bar, par):
-        while not bar.done(par):
-            yield
-
-    def bsync(b):
-        gen = b.gen
-        b.cnt += 1
-        if b.cnt == b.n:
-            b.cnt, b.gen = 0, b.gen + 1
-        while b.gen == gen:
-            yield
 
     def reducer(c):
         it = 0
@@ -314,7 +290,7 @@ def run_dkdv(nblocks, S, rng, dq_mode=0):
             if dq_mode:
                 assert not ds_readers[b], "dS buffer overwritten while read"
                 ds_slot[b][cw] = it
-                yield from bsync(bar1)
+                yield from bar1.sync()
                 assert ds_slot[b] == [it, it], (ds_slot[b], it)
                 ds_readers[b].add(cw)
                 yield  # the dQ wgmma reads both halves
@@ -333,32 +309,19 @@ def run_dkdv(nblocks, S, rng, dq_mode=0):
             dq_meta[cw] = "end"
             dq_full[cw].arrive()
 
+    def land(x):
+        if x[0] == "cp":  # a cp.async arrival
+            x[1].arrive()
+            return
+        bar, s, v = x
+        if s is not None:
+            slot[s] = v
+        bar.complete_tx(1)
+
     ths = [lane(i) for i in range(L)] + [consumer(0), consumer(1)]
     if dq_mode == 2:
         ths += [reducer(0), reducer(1)]
-    alive = list(ths)
-    steps = 0
-    while alive or inflight:
-        steps += 1
-        if steps > 100000:
-            raise RuntimeError(f"deadlock dkdv (dq_mode {dq_mode})")
-        if inflight and rng.random() < 0.3:
-            x = inflight.pop(rng.randrange(len(inflight)))
-            if x[0] == "cp":
-                x[1].arrive()
-                continue
-            bar, s, v = x
-            if s is not None:
-                slot[s] = v
-            bar.complete_tx(1)
-            continue
-        if not alive:
-            continue
-        t = rng.choice(alive)
-        try:
-            next(t)
-        except StopIteration:
-            alive.remove(t)
+    schedule(ths, inflight, land, rng, f"dkdv (dq_mode {dq_mode})")
     if dq_mode == 2:
         assert reduced == [list(range(nblocks))] * 2, reduced
     assert bar1.cnt == 0, "named barrier left half-arrived"
