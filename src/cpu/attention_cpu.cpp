@@ -193,6 +193,22 @@ std::unique_ptr<A[]> to_heads(const void* src, TokenHeadStrides st, int32_t T, i
   return y;
 }
 
+// Every block of up to kTileSize queries of every (query tile, q head), dynamically scheduled
+// over the enclosing parallel region's threads (an orphaned `omp for`, implicit barrier at the
+// end): fn(segment, first token, count, q head).
+template <class F>
+void query_blocks_omp_for(const LayoutView& lv, int Hq, F&& fn) {
+  const int64_t tasks = int64_t(lv.num_query_tiles) * Hq;
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t task = 0; task < tasks; ++task) {
+    const Tile& tile = lv.query_tiles[task / Hq];
+    const int h = int(task % Hq);
+    const Segment& seg = lv.segments[tile.segment];
+    for (int32_t t0 = tile.begin; t0 < tile.end; t0 += kTileSize)
+      fn(seg, t0, std::min(kTileSize, tile.end - t0), h);
+  }
+}
+
 // ---- forward --------------------------------------------------------------------------------
 
 template <class S, class A>
@@ -210,37 +226,29 @@ void forward_typed(const ForwardArgs& args) {
   S* out = static_cast<S*>(args.out);
   // fp64 writes lse64 (and lse too when given); the others write the fp32 lse.
   constexpr bool kFp64 = std::is_same_v<A, double>;
-  const int64_t tasks = int64_t(lv.num_query_tiles) * p.Hq;
 #pragma omp parallel
   {
     Scratch<A> sc(p.Dp);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < tasks; ++task) {
-      const Tile& tile = lv.query_tiles[task / p.Hq];
-      const int h = int(task % p.Hq);
-      const Segment& seg = lv.segments[tile.segment];
-      for (int32_t t0 = tile.begin; t0 < tile.end; t0 += kTileSize) {
-        const int n = std::min(kTileSize, tile.end - t0);
-        ks.forward(p, seg, t0, n, h, sc);
-        for (int i = 0; i < n; ++i) {
-          const int64_t t = t0 + i;
-          const A* o = sc.o.data() + int64_t(i) * p.Dp;
-          const A l = sc.l[i];
-          S* y = out + (t * p.Hq + h) * p.D;
-          A lse;
-          if (l == A(0)) {  // no visible key: impossible with window >= 1, but never garbage
-            for (int d = 0; d < p.D; ++d) y[d] = store<S>(A(0));
-            lse = -std::numeric_limits<A>::infinity();
-          } else {  // (a NaN input gives l = NaN and so NaN outputs, never a silent 0)
-            for (int d = 0; d < p.D; ++d) y[d] = store<S>(o[d] / l);
-            lse = sc.m[i] + std::log(l);
-          }
-          const int64_t row = int64_t(h) * p.T + t;
-          if constexpr (kFp64) args.lse64[row] = lse;
-          if (args.lse) args.lse[row] = float(lse);
+    query_blocks_omp_for(lv, p.Hq, [&](const Segment& seg, int32_t t0, int n, int h) {
+      ks.forward(p, seg, t0, n, h, sc);
+      for (int i = 0; i < n; ++i) {
+        const int64_t t = t0 + i;
+        const A* o = sc.o.data() + int64_t(i) * p.Dp;
+        const A l = sc.l[i];
+        S* y = out + (t * p.Hq + h) * p.D;
+        A lse;
+        if (l == A(0)) {  // no visible key: impossible with window >= 1, but never garbage
+          for (int d = 0; d < p.D; ++d) y[d] = store<S>(A(0));
+          lse = -std::numeric_limits<A>::infinity();
+        } else {  // (a NaN input gives l = NaN and so NaN outputs, never a silent 0)
+          for (int d = 0; d < p.D; ++d) y[d] = store<S>(o[d] / l);
+          lse = sc.m[i] + std::log(l);
         }
+        const int64_t row = int64_t(h) * p.T + t;
+        if constexpr (kFp64) args.lse64[row] = lse;
+        if (args.lse) args.lse[row] = float(lse);
       }
-    }
+    });
   }
 }
 
@@ -291,26 +299,18 @@ void backward_typed(const BackwardArgs& args) {
   S* dk = static_cast<S*>(args.dk);
   S* dv = static_cast<S*>(args.dv);
   const A scale = p.scale;
-  const int64_t q_tasks = int64_t(lv.num_query_tiles) * p.Hq;
   const int64_t kv_tasks = int64_t(lv.num_key_tiles) * p.Hkv;
 #pragma omp parallel
   {
     Scratch<A> sc(p.Dp);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < q_tasks; ++task) {
-      const Tile& tile = lv.query_tiles[task / p.Hq];
-      const int h = int(task % p.Hq);
-      const Segment& seg = lv.segments[tile.segment];
-      for (int32_t t0 = tile.begin; t0 < tile.end; t0 += kTileSize) {
-        const int n = std::min(kTileSize, tile.end - t0);
-        ks.dq(p, seg, t0, n, h, sc);
-        for (int i = 0; i < n; ++i) {
-          const A* g = sc.o.data() + int64_t(i) * p.Dp;
-          S* y = dq + ((t0 + i) * int64_t(p.Hq) + h) * p.D;
-          for (int d = 0; d < p.D; ++d) y[d] = store<S>(g[d] * scale);
-        }
+    query_blocks_omp_for(lv, p.Hq, [&](const Segment& seg, int32_t t0, int n, int h) {
+      ks.dq(p, seg, t0, n, h, sc);
+      for (int i = 0; i < n; ++i) {
+        const A* g = sc.o.data() + int64_t(i) * p.Dp;
+        S* y = dq + ((t0 + i) * int64_t(p.Hq) + h) * p.D;
+        for (int d = 0; d < p.D; ++d) y[d] = store<S>(g[d] * scale);
       }
-    }
+    });
     // (implicit barrier between the passes)
     std::vector<A> gk(size_t(kBlock<A>) * p.Dp), gv(size_t(kBlock<A>) * p.Dp);
 #pragma omp for schedule(dynamic, 1)
