@@ -6,7 +6,8 @@
 // sm_90a kernels (TMA, producer warps); DUALKV_SM90_WS=0 selects the synchronous wgmma ones;
 // DUALKV_FORCE_SM80=1, or any other GPU, the sm_80 (mma.sync) ones. Every output is bitwise
 // reproducible by default; DUALKV_ATOMIC_DQ=1 (ignored when deterministic) computes dq with
-// fp32 atomics inside the dK/dV kernel instead of a separate pass (not reproducible bitwise).
+// fp32 atomics inside the dK/dV kernel instead of a separate pass, =2 with bulk reductions from
+// reducer warps (sm_90a, D <= 128); neither is bitwise reproducible nor, on the H200, faster.
 #pragma once
 
 #include <cuda_runtime_api.h>

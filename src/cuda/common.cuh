@@ -30,7 +30,7 @@ struct Params {
   const float* dlse;    // backward: optional dlse
   float* delta;         // workspace [Hq, T]: rowsum(dO*O) - dlse
   float* lse2;          // workspace [Hq, T]: lse * log2(e)
-  float* dq_accum;      // workspace [T, Hq, D] fp32
+  float* dq_accum;      // workspace fp32 [Hq, D / 64, T, 64]: see dq_accum_at
   void* dq;
   void* dk;
   void* dv;
@@ -46,6 +46,14 @@ struct Params {
   float cap_log2;          // c * log2(e)
   MaskRule mask;
 };
+
+// Element (token, head, col) of the fp32 dQ accumulator of the atomic-dQ variants. Laid out
+// [Hq][D / 64][T][64] so that the 64-column slab of consecutive queries of one head is one
+// contiguous range: a block of dQ is then a single bulk reduction (sm90_bwd_ws.cuh, kDq = 2).
+template <int D>
+__device__ __forceinline__ float* dq_accum_at(const Params& p, int64_t token, int head, int col) {
+  return p.dq_accum + ((int64_t(head) * (D / 64) + col / 64) * p.T + token) * 64 + col % 64;
+}
 
 // ---- type traits ---------------------------------------------------------------------------
 template <typename T>

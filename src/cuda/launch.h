@@ -13,10 +13,11 @@ namespace dualkv::cuda::detail {
 // dq strategy: by default a separate dq pass (7 matmul units per block pair, no atomics, every
 // output bitwise reproducible); DUALKV_ATOMIC_DQ=1 (never with deterministic=true) selects the
 // fused variant (5 units + fp32 atomics into dq_accum, then a conversion) where a kernel has it:
-// the warp-specialised sm_90a dK/dV kernel (D <= 128) and the sm_80 one. Both measured slower
-// than the separate pass (H200, bf16, D=128, Hq=32, Hkv=8, N=16 P=8192 R=1024: sm_80 45.5 vs
-// 36.7 ms, sm_90a 20.8 vs 19.6 ms). DUALKV_ATOMIC_DQ=2: the sm_90a kernel hands its dQ blocks to
-// reducer warps that add them with bulk async reductions (experimental; elsewhere 2 acts as 1).
+// the warp-specialised sm_90a dK/dV kernel (D <= 128) and the sm_80 one. DUALKV_ATOMIC_DQ=2: the
+// sm_90a kernel hands its dQ blocks to reducer warps that add them with bulk async reductions
+// (elsewhere 2 acts as 1). Neither beat the separate pass (H200, bf16, D=128, Hq=32, Hkv=8,
+// N=16 P=8192 R=1024 backward: 19.6 ms separate, 21.3 ms mode 1, 19.8 ms mode 2; sm_80 47.8 vs
+// 37.0 ms): A/B switches, see src/cuda/NOTES.md.
 inline int atomic_dq_mode(bool deterministic) {
   if (deterministic) return 0;
   const char* e = std::getenv("DUALKV_ATOMIC_DQ");

@@ -40,6 +40,7 @@ __global__ void __launch_bounds__(256) bwd_pre_kernel(const __grid_constant__ Pa
       acc = fmaf(x.x, y.x, fmaf(x.y, y.y, acc));
     }
     if (zero_dq) {
+      // Zeroes the accumulator (any layout: the threads cover all T * Hq * D elements).
       float4* z = reinterpret_cast<float4*>(p.dq_accum + row * D + c);
       z[0] = make_float4(0.f, 0.f, 0.f, 0.f);
       z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -57,19 +58,31 @@ __global__ void __launch_bounds__(256) bwd_pre_kernel(const __grid_constant__ Pa
   }
 }
 
-template <typename T>
-__global__ void __launch_bounds__(256) dq_convert_kernel(const float* __restrict__ acc, T* __restrict__ dq,
-                                                         int64_t n8, float scale) {
+// dq = scale * dq_accum, from the accumulator's slab layout to dq's [T, Hq, D]; 8 elements per
+// thread.
+template <typename T, int D>
+__global__ void __launch_bounds__(256) dq_convert_kernel(const __grid_constant__ Params p) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n8) return;
-  const float4 a = reinterpret_cast<const float4*>(acc)[2 * i];
-  const float4 b = reinterpret_cast<const float4*>(acc)[2 * i + 1];
+  const int64_t row = i / (D / 8);
+  if (row >= int64_t(p.T) * p.Hq) return;
+  const int c = int(i % (D / 8)) * 8;
+  const float4* acc = reinterpret_cast<const float4*>(dq_accum_at<D>(p, row / p.Hq, int(row % p.Hq), c));
+  const float4 a = acc[0], b = acc[1];
   uint4 r;
-  r.x = pack2<T>(a.x * scale, a.y * scale);
-  r.y = pack2<T>(a.z * scale, a.w * scale);
-  r.z = pack2<T>(b.x * scale, b.y * scale);
-  r.w = pack2<T>(b.z * scale, b.w * scale);
-  reinterpret_cast<uint4*>(dq)[i] = r;
+  r.x = pack2<T>(a.x * p.scale, a.y * p.scale);
+  r.y = pack2<T>(a.z * p.scale, a.w * p.scale);
+  r.z = pack2<T>(b.x * p.scale, b.y * p.scale);
+  r.w = pack2<T>(b.z * p.scale, b.w * p.scale);
+  reinterpret_cast<uint4*>(static_cast<T*>(p.dq))[i] = r;
+}
+
+// Converts dq_accum into dq (after a kernel with fused atomic dQ).
+template <typename T, int D>
+void launch_dq_convert(const Params& p, cudaStream_t stream) {
+  const int64_t n8 = int64_t(p.T) * p.Hq * D / 8;
+  if (n8 == 0) return;
+  dq_convert_kernel<T, D><<<unsigned((n8 + 255) / 256), 256, 0, stream>>>(p);
+  check_launch("dualkv backward dq convert");
 }
 
 // ---- 2. dK, dV (and atomic dQ) over key blocks ---------------------------------------------------
@@ -316,11 +329,11 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, 2) dkdv_kernel_sm80(const 
       for (int i = 0; i < 2; ++i) {
         const int qr = qslab * 16 + g + 8 * i;
         if (qr < nq) {
-          float* dst = p.dq_accum + (int64_t(qs + qr) * p.Hq + h) * D + qbase + 2 * tq;
 #pragma unroll
           for (int nd = 0; nd < DQC / 8; ++nd) {
-            atomicAdd(dst + nd * 8, acc[nd][2 * i]);
-            atomicAdd(dst + nd * 8 + 1, acc[nd][2 * i + 1]);
+            float* dst = dq_accum_at<D>(p, qs + qr, h, qbase + nd * 8 + 2 * tq);
+            atomicAdd(dst, acc[nd][2 * i]);
+            atomicAdd(dst + 1, acc[nd][2 * i + 1]);
           }
         }
       }
@@ -536,10 +549,7 @@ void launch_backward_sm80(const Params& p, bool deterministic_requested, cudaStr
       check_launch("dualkv backward dq (sm80)");
     }
   } else {
-    const int64_t n8 = rows * D / 8;
-    dq_convert_kernel<T><<<unsigned((n8 + 255) / 256), 256, 0, stream>>>(p.dq_accum, static_cast<T*>(p.dq), n8,
-                                                                         p.scale);
-    check_launch("dualkv backward dq convert");
+    launch_dq_convert<T, D>(p, stream);
   }
 }
 

@@ -2,8 +2,8 @@
 // order; dQ over query blocks), with the matrix products on wgmma. Atomic-free and deterministic.
 //   dkdv: one CTA per (128-key tile, kv head), two warpgroups of 64 keys. Per query block:
 //         S^T = K Q^T and dP^T = V dO^T (SS), then dV += P^T dO and dK += dS^T Q with P^T and dS^T
-//         from registers (RS, dO and Q MN-major). Head dims 64 and 128 (D = 256 would need 256
-//         accumulator registers per thread: it uses the sm_80 dkdv kernel).
+//         from registers (RS, dO and Q MN-major). D = 256 splits the work differently (see
+//         Dkdv90Cfg): 64 keys per CTA, dK/dV columns split between the warpgroups.
 //   dq:   one CTA per (128-query tile, q head), two warpgroups of 64 queries, walking the key
 //         blocks like the forward: S = Q K^T, dP = dO V^T (SS), dQ += dS K (RS, K MN-major).
 #pragma once
@@ -13,25 +13,40 @@
 
 namespace dualkv::cuda::detail {
 
+// D <= 128: one CTA per 128-key tile, warpgroup w owns keys 64w.. and all D columns of dK/dV.
+// D = 256 (kSplitD; 2 x 64 x 256 accumulators would not fit in registers): one CTA per 64 keys,
+// both warpgroups own the same keys and warpgroup w the dK/dV columns 128w..128w+127. Per query
+// block warpgroup 0 computes S^T = K Q^T and P, warpgroup 1 dP^T = V dO^T, at the same time;
+// they trade P (as bf16/fp16 A fragments and as fp32 P * dsoftcap) and dS (A fragments) through
+// shared memory in register order (thread t of one warpgroup holds the same (key, query) elements
+// as thread t of the other), each hand-off a named barrier of both warpgroups.
 template <int D>
 struct Dkdv90Cfg {
-  static constexpr int BN = kTileSize;  // 128 keys: 2 warpgroups x 64
-  static constexpr int BM = 64;         // queries per iteration
+  static constexpr bool kSplitD = D > 128;
+  static constexpr int BN = kSplitD ? 64 : kTileSize;  // keys per CTA
+  static constexpr int BM = 64;                        // queries per iteration
+  static constexpr int DW = kSplitD ? D / 2 : D;       // dK/dV columns per warpgroup
   static constexpr int THREADS = 256;
   static constexpr int K_BYTES = BN * D * 2;
   static constexpr int Q_BYTES = BM * D * 2;
   static constexpr int OFF_V = K_BYTES;
   static constexpr int OFF_Q = 2 * K_BYTES;
   static constexpr int OFF_DO = OFF_Q + 2 * Q_BYTES;
-  static constexpr int OFF_L = OFF_DO + 2 * Q_BYTES;  // lse2[2][BM], delta[2][BM]
+  // kSplitD hand-off buffers, 128 threads x (P fragments 64 B, fp32 P * dsoftcap 128 B, dS 64 B).
+  static constexpr int OFF_XPA = OFF_DO + 2 * Q_BYTES;
+  static constexpr int OFF_XPD = OFF_XPA + (kSplitD ? 128 * 64 : 0);
+  static constexpr int OFF_XDA = OFF_XPD + (kSplitD ? 128 * 128 : 0);
+  static constexpr int OFF_L = OFF_XDA + (kSplitD ? 128 * 64 : 0);  // lse2[2][BM], delta[2][BM]
   static constexpr int SMEM = OFF_L + 4 * BM * 4 + 1024;
+  static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
 
 template <typename T, int D, bool kCap>
 __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant__ Params p) {
 #if DUALKV_SM90_BODY
   using Cfg = Dkdv90Cfg<D>;
-  constexpr int BM = Cfg::BM, BN = Cfg::BN, THREADS = Cfg::THREADS;
+  constexpr bool kSplitD = Cfg::kSplitD;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, DW = Cfg::DW, THREADS = Cfg::THREADS;
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
   unsigned char* gbase = smem + (base - smem_u32(smem));
@@ -41,7 +56,8 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
   const float* del_s = lse_s + 2 * BM;
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
-  const KeyTileCta<kTileSize> cta(p);
+  const KeyTileCta<BN> cta(p);
+  if (!cta.valid) return;
   const int hk = cta.hk, k0 = cta.k0, nk = cta.nk, ksi = cta.ksi;
   const int pk_first = cta.pk_first, pk_last = cta.pk_last;
   const Segment& kseg = cta.kseg;
@@ -81,8 +97,9 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
   cp_commit();
 
   const int g = lane >> 2, tq = lane & 3;
-  const int kr0 = wg * 64 + (warp & 3) * 16 + g;  // key rows kr0, kr0 + 8
-  constexpr int AR = D / 2, SR = BM / 2;
+  const int kr0 = (kSplitD ? 0 : wg * 64) + (warp & 3) * 16 + g;  // key rows kr0, kr0 + 8
+  const int col0 = kSplitD ? wg * DW : 0;                         // first dK/dV column
+  constexpr int AR = DW / 2, SR = BM / 2;
   float dk[AR], dv[AR];
 #pragma unroll
   for (int i = 0; i < AR; ++i) dk[i] = dv[i] = 0.f;
@@ -107,60 +124,154 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
     const uint32_t sQ = sQ0 + stage * Cfg::Q_BYTES, sdO = sdO0 + stage * Cfg::Q_BYTES;
     const float* lse_c = lse_s + stage * BM;
     const float* del_c = del_s + stage * BM;
-
-    float s[SR], dp[SR];
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      Wgmma<T, BM>::template ss<0>(s, desc_kmajor<BN>(sK, wg * 64, kk * 16), desc_kmajor<BM>(sQ, 0, kk * 16), kk > 0);
-    }
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      Wgmma<T, BM>::template ss<0>(dp, desc_kmajor<BN>(sV, wg * 64, kk * 16), desc_kmajor<BM>(sdO, 0, kk * 16),
-                                   kk > 0);
-    }
-    wg_commit();
-    wg_wait<0>();
-    fence_regs(s);
-    fence_regs(dp);
-
-#pragma unroll
-    for (int i = 0; i < SR; ++i) {
+    // P of element i of an m64n64 S^T fragment (before dsoftcap); *dcap = dsoftcap.
+    auto prob = [&](int i, float sv, float* dcap) {
       const int nt = i >> 2, e = i & 3;
       const int qc = nt * 8 + 2 * tq + (e & 1);
       const int kr = kr0 + (e >> 1) * 8;
-      float x, dcap = 1.f;
+      float x;
+      *dcap = 1.f;
       if constexpr (kCap) {
-        const float t = tanhf(s[i] * p.cap_inv);
+        const float t = tanhf(sv * p.cap_inv);
         x = p.cap_log2 * t;
-        dcap = 1.f - t * t;
+        *dcap = 1.f - t * t;
       } else {
-        x = s[i] * p.scale_log2;
+        x = sv * p.scale_log2;
       }
       float pr = fast_exp2(x - lse_c[qc]);
       if (msk && !(kr < nk && qc < nq && p.mask.allowed(pq_first + qc, pk_first + kr))) pr = 0.f;
-      s[i] = pr;
-      dp[i] = pr * (dp[i] - del_c[qc]) * dcap;
-    }
+      return pr;
+    };
+    auto delta_of = [&](int i) { return del_c[(i >> 2) * 8 + 2 * tq + (i & 1)]; };
     uint32_t pa[BM / 16][4], da[BM / 16][4];
+
+    if constexpr (!kSplitD) {
+      float s[SR], dp[SR];
+      wg_fence();
 #pragma unroll
-    for (int kt = 0; kt < BM / 16; ++kt) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        pa[kt][c] = pack2<T>(s[8 * kt + 2 * c], s[8 * kt + 2 * c + 1]);
-        da[kt][c] = pack2<T>(dp[8 * kt + 2 * c], dp[8 * kt + 2 * c + 1]);
+      for (int kk = 0; kk < D / 16; ++kk) {
+        Wgmma<T, BM>::template ss<0>(s, desc_kmajor<BN>(sK, wg * 64, kk * 16), desc_kmajor<BM>(sQ, 0, kk * 16),
+                                     kk > 0);
       }
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        Wgmma<T, BM>::template ss<0>(dp, desc_kmajor<BN>(sV, wg * 64, kk * 16), desc_kmajor<BM>(sdO, 0, kk * 16),
+                                     kk > 0);
+      }
+      wg_commit();
+      wg_wait<0>();
+      fence_regs(s);
+      fence_regs(dp);
+#pragma unroll
+      for (int i = 0; i < SR; ++i) {
+        float dcap;
+        const float pr = prob(i, s[i], &dcap);
+        s[i] = pr;
+        dp[i] = pr * (dp[i] - delta_of(i)) * dcap;
+      }
+#pragma unroll
+      for (int kt = 0; kt < BM / 16; ++kt) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          pa[kt][c] = pack2<T>(s[8 * kt + 2 * c], s[8 * kt + 2 * c + 1]);
+          da[kt][c] = pack2<T>(dp[8 * kt + 2 * c], dp[8 * kt + 2 * c + 1]);
+        }
+      }
+      fence_regs(pa);
+      fence_regs(da);
+      fence_regs(dv);
+      fence_regs(dk);
+      wg_fence();
+#pragma unroll
+      for (int kt = 0; kt < BM / 16; ++kt) Wgmma<T, D>::template rs<1>(dv, pa[kt], desc_mnmajor<BM>(sdO, kt * 16), 1);
+#pragma unroll
+      for (int kt = 0; kt < BM / 16; ++kt) Wgmma<T, D>::template rs<1>(dk, da[kt], desc_mnmajor<BM>(sQ, kt * 16), 1);
+      wg_commit();
+    } else {
+      const int t = tid & 127;
+      uint4* xpa = reinterpret_cast<uint4*>(gbase + Cfg::OFF_XPA);    // [BM / 16][128]
+      float4* xpd = reinterpret_cast<float4*>(gbase + Cfg::OFF_XPD);  // [SR / 4][128]
+      uint4* xda = reinterpret_cast<uint4*>(gbase + Cfg::OFF_XDA);    // [BM / 16][128]
+      // This warpgroup's half of dO and Q (column blocks of 64 of the SW128 tiles).
+      const uint32_t half = uint32_t(col0 / 64) * (BM * 128);
+      float x[SR];  // warpgroup 0: S^T, then P; warpgroup 1: dP^T
+      wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        Wgmma<T, BM>::template ss<0>(x, desc_kmajor<BN>(wg == 0 ? sK : sV, 0, kk * 16),
+                                     desc_kmajor<BM>(wg == 0 ? sQ : sdO, 0, kk * 16), kk > 0);
+      }
+      wg_commit();
+      wg_wait<0>();
+      fence_regs(x);
+      if (wg == 0) {
+#pragma unroll
+        for (int j = 0; j < SR / 4; ++j) {
+          float pd[4];
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            float dcap;
+            x[4 * j + u] = prob(4 * j + u, x[4 * j + u], &dcap);
+            pd[u] = x[4 * j + u] * dcap;
+          }
+          xpd[j * 128 + t] = make_float4(pd[0], pd[1], pd[2], pd[3]);
+        }
+#pragma unroll
+        for (int kt = 0; kt < BM / 16; ++kt) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) pa[kt][c] = pack2<T>(x[8 * kt + 2 * c], x[8 * kt + 2 * c + 1]);
+          xpa[kt * 128 + t] = make_uint4(pa[kt][0], pa[kt][1], pa[kt][2], pa[kt][3]);
+        }
+        ws::bar_sync(1, THREADS);  // P is in shared memory
+        fence_regs(pa);
+        fence_regs(dv);
+        wg_fence();
+#pragma unroll
+        for (int kt = 0; kt < BM / 16; ++kt)
+          Wgmma<T, DW>::template rs<1>(dv, pa[kt], desc_mnmajor<BM>(sdO + half, kt * 16), 1);
+        wg_commit();
+        ws::bar_sync(2, THREADS);
+#pragma unroll
+        for (int kt = 0; kt < BM / 16; ++kt) {
+          const uint4 v = xda[kt * 128 + t];
+          da[kt][0] = v.x, da[kt][1] = v.y, da[kt][2] = v.z, da[kt][3] = v.w;
+        }
+      } else {
+        ws::bar_sync(1, THREADS);
+#pragma unroll
+        for (int j = 0; j < SR / 4; ++j) {
+          const float4 pd = xpd[j * 128 + t];
+          const float pdv[4] = {pd.x, pd.y, pd.z, pd.w};
+#pragma unroll
+          for (int u = 0; u < 4; ++u) x[4 * j + u] = pdv[u] * (x[4 * j + u] - delta_of(4 * j + u));
+        }
+#pragma unroll
+        for (int kt = 0; kt < BM / 16; ++kt) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) da[kt][c] = pack2<T>(x[8 * kt + 2 * c], x[8 * kt + 2 * c + 1]);
+          xda[kt * 128 + t] = make_uint4(da[kt][0], da[kt][1], da[kt][2], da[kt][3]);
+        }
+        ws::bar_sync(2, THREADS);  // dS is in shared memory
+#pragma unroll
+        for (int kt = 0; kt < BM / 16; ++kt) {
+          const uint4 v = xpa[kt * 128 + t];
+          pa[kt][0] = v.x, pa[kt][1] = v.y, pa[kt][2] = v.z, pa[kt][3] = v.w;
+        }
+        fence_regs(pa);
+        fence_regs(dv);
+        wg_fence();
+#pragma unroll
+        for (int kt = 0; kt < BM / 16; ++kt)
+          Wgmma<T, DW>::template rs<1>(dv, pa[kt], desc_mnmajor<BM>(sdO + half, kt * 16), 1);
+      }
+      fence_regs(da);
+      fence_regs(dk);
+      wg_fence();
+#pragma unroll
+      for (int kt = 0; kt < BM / 16; ++kt)
+        Wgmma<T, DW>::template rs<1>(dk, da[kt], desc_mnmajor<BM>(sQ + half, kt * 16), 1);
+      wg_commit();
     }
-    fence_regs(pa);
-    fence_regs(da);
-    fence_regs(dv);
-    fence_regs(dk);
-    wg_fence();
-#pragma unroll
-    for (int kt = 0; kt < BM / 16; ++kt) Wgmma<T, D>::template rs<1>(dv, pa[kt], desc_mnmajor<BM>(sdO, kt * 16), 1);
-#pragma unroll
-    for (int kt = 0; kt < BM / 16; ++kt) Wgmma<T, D>::template rs<1>(dk, da[kt], desc_mnmajor<BM>(sQ, kt * 16), 1);
-    wg_commit();
     wg_wait<0>();
     fence_regs(dv);
     fence_regs(dk);
@@ -177,11 +288,11 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
   for (int r = 0; r < 2; ++r) {
     const int kr = kr0 + 8 * r;
     if (kr < nk) {
-      const int64_t off = (int64_t(k0 + kr) * p.Hkv + hk) * D + 2 * tq;
+      const int64_t off = (int64_t(k0 + kr) * p.Hkv + hk) * D + col0 + 2 * tq;
       T* dkg = static_cast<T*>(p.dk) + off;
       T* dvg = static_cast<T*>(p.dv) + off;
 #pragma unroll
-      for (int nd = 0; nd < D / 8; ++nd) {
+      for (int nd = 0; nd < DW / 8; ++nd) {
         *reinterpret_cast<uint32_t*>(dkg + nd * 8) = pack2<T>(dk[nd * 4 + 2 * r] * p.scale, dk[nd * 4 + 2 * r + 1] * p.scale);
         *reinterpret_cast<uint32_t*>(dvg + nd * 8) = pack2<T>(dv[nd * 4 + 2 * r], dv[nd * 4 + 2 * r + 1]);
       }
@@ -345,23 +456,14 @@ void launch_backward_sm90(const Params& p, cudaStream_t stream) {
     check_launch("dualkv backward preprocess");
   }
   const bool cap = p.softcap > 0.f;
-  if constexpr (D <= 128) {
+  {
     using C = Dkdv90Cfg<D>;
-    const int64_t grid = int64_t(p.nkt) * p.Hkv;
+    const int64_t grid = int64_t(p.nkt) * (kTileSize / C::BN) * p.Hkv;
     if (grid > 0) {
       auto kernel = cap ? dkdv_kernel_sm90<T, D, true> : dkdv_kernel_sm90<T, D, false>;
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
       kernel<<<unsigned(grid), C::THREADS, C::SMEM, stream>>>(p);
       check_launch("dualkv backward dk/dv (sm90a)");
-    }
-  } else {
-    using C = BwdCfg<D>;
-    const int64_t grid = int64_t(p.nkt) * (kTileSize / C::BN) * p.Hkv;
-    if (grid > 0) {
-      auto kernel = cap ? dkdv_kernel_sm80<T, D, true, false> : dkdv_kernel_sm80<T, D, false, false>;
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
-      kernel<<<unsigned(grid), C::THREADS, C::SMEM, stream>>>(p);
-      check_launch("dualkv backward dk/dv (sm80 kernel, D=256)");
     }
   }
   {

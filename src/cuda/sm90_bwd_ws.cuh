@@ -17,9 +17,10 @@
 // (double-buffered by iteration), and at D = 128 each consumer warpgroup computes 64 of the 128
 // dQ columns over all 128 keys (a named barrier joins the two dS halves); at D = 64 each computes
 // all columns over its own 64 keys. kDq = 1: the consumers add their block with atomicAdd.
-// kDq = 2 (experimental, FA3-like): they hand it to shared memory and lane 0 of producer warps
-// 1-2 (one per consumer warpgroup) adds it with bulk async reductions (cp.reduce.async.bulk, one
-// 256-byte row each), so the consumers never wait on global atomics.
+// kDq = 2 (FA3-like; as fast as the separate pass, not faster): they hand it to shared memory and lane 0 of producer warps
+// 1-2 (one per consumer warpgroup) adds it with one bulk async reduction (cp.reduce.async.bulk:
+// the block is contiguous in dq_accum's slab layout), so the consumers never wait on global
+// atomics.
 // D = 256 keeps the synchronous path (the accumulators would not fit).
 #pragma once
 
@@ -226,11 +227,8 @@ __global__ void __launch_bounds__(384, 1)
         for (int it = 0; lane == 0; ++it) {
           ws::mbar_wait(dq_full(c), uint32_t(it) & 1u);
           if (dm[0] == 0) break;
-          const int qs = dm[1], hq = dm[2], nq = dm[3];
-          float* dst = p.dq_accum + (int64_t(qs) * p.Hq + hq) * D + col0;
-          const int64_t row_stride = int64_t(p.Hq) * D;
-          for (int r = 0; r < nq; ++r)
-            ws::bulk_reduce_add_f32(dst + r * row_stride, src + r * 256, 256);
+          // The block's nq rows x 64 columns are contiguous in dq_accum's slab layout.
+          ws::bulk_reduce_add_f32(dq_accum_at<D>(p, dm[1], dm[2], col0), src, uint32_t(dm[3]) * 256);
           ws::bulk_commit();
           ws::bulk_wait_read();
           ws::mbar_arrive(dq_empty(c));
@@ -424,7 +422,7 @@ __global__ void __launch_bounds__(384, 1)
         for (int r = 0; r < 2; ++r) {
           const int qr = (warp & 3) * 16 + g + 8 * r;
           if (qr < nq) {
-            float* dst = p.dq_accum + (int64_t(qs + qr) * p.Hq + hq) * D + col0 + 2 * tq;
+            float* dst = dq_accum_at<D>(p, qs + qr, hq, col0) + 2 * tq;  // within one 64-col slab
 #pragma unroll
             for (int nd = 0; nd < 8; ++nd) {
               atomicAdd(reinterpret_cast<float2*>(dst + nd * 8),
@@ -504,10 +502,7 @@ bool launch_backward_sm90_ws(const Params& p, int dq_mode, cudaStream_t stream) 
       check_launch("dualkv backward dk/dv (sm90a, warp-specialised)");
     }
     if (atomic_dq) {
-      const int64_t n8 = rows * D / 8;
-      dq_convert_kernel<T><<<unsigned((n8 + 255) / 256), 256, 0, stream>>>(
-          p.dq_accum, static_cast<T*>(p.dq), n8, p.scale);
-      check_launch("dualkv backward dq convert");
+      launch_dq_convert<T, D>(p, stream);
       return true;
     }
     // The synchronous dQ pass only when its tensor maps cannot be encoded.
