@@ -22,15 +22,15 @@ struct Params {
   const void* k;
   const void* v;
   int64_t q_tok, q_head, k_tok, k_head, v_tok, v_head;  // element strides (D contiguous)
-  void* out;            // forward output [T, Hq, D]
-  float* lse;           // forward lse [Hq, T]
-  const void* o;        // backward: forward output
-  const void* dout;     // backward: dO
-  const float* lse_in;  // backward: lse
-  const float* dlse;    // backward: optional dlse
-  float* delta;         // workspace [Hq, T]: rowsum(dO*O) - dlse
-  float* lse2;          // workspace [Hq, T]: lse * log2(e)
-  float* dq_accum;      // workspace fp32 [Hq, D / 64, T, 64]: see dq_accum_at
+  void* out;                                            // forward output [T, Hq, D]
+  float* lse;                                           // forward lse [Hq, T]
+  const void* o;                                        // backward: forward output
+  const void* dout;                                     // backward: dO
+  const float* lse_in;                                  // backward: lse
+  const float* dlse;                                    // backward: optional dlse
+  float* delta;                                         // workspace [Hq, T]: rowsum(dO*O) - dlse
+  float* lse2;                                          // workspace [Hq, T]: lse * log2(e)
+  float* dq_accum;  // workspace fp32 [Hq, D / 64, T, 64]: see dq_accum_at
   void* dq;
   void* dk;
   void* dv;
@@ -81,17 +81,19 @@ __device__ __forceinline__ float2 unpack2<__half>(uint32_t u) {
 
 // D = A(16x16, row) * B(16x8, col) + C, fp32 accumulate.
 template <typename T>
-__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1);
 template <>
-__device__ __forceinline__ void mma<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                                   uint32_t b1) {
+__device__ __forceinline__ void mma<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4],
+                                                   uint32_t b0, uint32_t b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 template <>
-__device__ __forceinline__ void mma<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+__device__ __forceinline__ void mma<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                            uint32_t b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -137,7 +139,8 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // Swizzled [rows][D] tile of 16-bit elements: the 16-byte chunk c of row r lives at chunk
 // c ^ (r & 7), so ldmatrix's 8 row addresses hit 8 different bank groups (D >= 64).
 template <int D>
-__device__ __forceinline__ uint32_t swz(int r, int c) {  // byte offset of element (r, c), c % 8 == 0
+__device__ __forceinline__ uint32_t swz(int r,
+                                        int c) {  // byte offset of element (r, c), c % 8 == 0
   return uint32_t((r * D + ((((c >> 3) ^ (r & 7))) << 3)) * 2);
 }
 
@@ -184,8 +187,8 @@ __device__ __forceinline__ void key_regions(const Segment& seg, Region (&r)[2]) 
 // Blocks of `B` keys of region `r` (aligned to its start) seen by queries at positions
 // [pq_first, pq_last]: [*b0, *b0 + return value).
 template <int B>
-__device__ __forceinline__ int key_blocks(const Region& r, int pq_first, int pq_last, const MaskRule& m,
-                                          int* b0) {
+__device__ __forceinline__ int key_blocks(const Region& r, int pq_first, int pq_last,
+                                          const MaskRule& m, int* b0) {
   if (r.len <= 0) return 0;
   const int lo = max(r.pos0, m.lowest_key(pq_first));
   const int hi = min(r.pos0 + r.len - 1, pq_last);
@@ -199,9 +202,9 @@ __device__ __forceinline__ int key_blocks(const Region& r, int pq_first, int pq_
 template <int B>
 struct KeyBlockWalk {
   Region r0, r1;
-  int b00 = 0, b01 = 0;  // first block of each region
-  int nb0, total;        // blocks in region 0; in both
-  int pq_first, pq_last; // logical positions of the first and last query
+  int b00 = 0, b01 = 0;   // first block of each region
+  int nb0, total;         // blocks in region 0; in both
+  int pq_first, pq_last;  // logical positions of the first and last query
 
   __device__ __forceinline__ KeyBlockWalk(const Segment& seg, int q0, int nq, const MaskRule& m) {
     Region reg[2];
@@ -289,8 +292,9 @@ __device__ __forceinline__ bool query_blocks(const Segment& qs, int pk_first, in
 
 // Whether a (query block, key block) pair needs per-element masking: partial blocks, the causal
 // diagonal, or the window edge.
-__device__ __forceinline__ bool needs_mask(int nq, int BM, int nk, int BN, int pq_first, int pq_last,
-                                           int pk_first, int pk_last, const MaskRule& m) {
+__device__ __forceinline__ bool needs_mask(int nq, int BM, int nk, int BN, int pq_first,
+                                           int pq_last, int pk_first, int pk_last,
+                                           const MaskRule& m) {
   return nq < BM || nk < BN || pk_last > pq_first ||
          int64_t(pq_last) - int64_t(pk_first) >= int64_t(m.window);
 }

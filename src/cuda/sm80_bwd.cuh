@@ -22,7 +22,8 @@ namespace dualkv::cuda::detail {
 
 // ---- 1. preprocess ------------------------------------------------------------------------------
 template <typename T, int D>
-__global__ void __launch_bounds__(256) bwd_pre_kernel(const __grid_constant__ Params p, bool zero_dq) {
+__global__ void __launch_bounds__(256)
+    bwd_pre_kernel(const __grid_constant__ Params p, bool zero_dq) {
   constexpr int TPR = D / 8;  // threads per (token, head) row, 8 elements each
   const int64_t rows = int64_t(p.T) * p.Hq;
   const int64_t gt = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -66,7 +67,8 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(const __grid_constant__
   const int64_t row = i / (D / 8);
   if (row >= int64_t(p.T) * p.Hq) return;
   const int c = int(i % (D / 8)) * 8;
-  const float4* acc = reinterpret_cast<const float4*>(dq_accum_at<D>(p, row / p.Hq, int(row % p.Hq), c));
+  const float4* acc =
+      reinterpret_cast<const float4*>(dq_accum_at<D>(p, row / p.Hq, int(row % p.Hq), c));
   const float4 a = acc[0], b = acc[1];
   uint4 r;
   r.x = pack2<T>(a.x * p.scale, a.y * p.scale);
@@ -85,19 +87,21 @@ void launch_dq_convert(const Params& p, cudaStream_t stream) {
   check_launch("dualkv backward dq convert");
 }
 
-// ---- 2. dK, dV (and atomic dQ) over key blocks ---------------------------------------------------
+// ---- 2. dK, dV (and atomic dQ) over key blocks
+// ---------------------------------------------------
 template <int D>
 struct BwdCfg {
-  static constexpr int BN = D >= 256 ? 32 : 64;      // keys per CTA
-  static constexpr int BM = D >= 128 ? 32 : 64;      // queries per iteration
-  static constexpr int DSPLIT = D >= 256 ? 2 : 1;    // warps sharing a 16-key slab (split dK/dV columns)
+  static constexpr int BN = D >= 256 ? 32 : 64;  // keys per CTA
+  static constexpr int BM = D >= 128 ? 32 : 64;  // queries per iteration
+  static constexpr int DSPLIT =
+      D >= 256 ? 2 : 1;  // warps sharing a 16-key slab (split dK/dV columns)
   static constexpr int WARPS = (BN / 16) * DSPLIT;
   static constexpr int THREADS = WARPS * 32;
-  static constexpr int DC = D / DSPLIT;              // dK/dV columns per warp
+  static constexpr int DC = D / DSPLIT;  // dK/dV columns per warp
   static constexpr int DQ_SLABS = BM / 16;
   static constexpr int DQ_SPLIT = WARPS / DQ_SLABS;
-  static constexpr int DQC = D / DQ_SPLIT;           // dQ columns per warp
-  static constexpr int PITCH = BM + 8;               // dS^T row pitch (elements), conflict-free
+  static constexpr int DQC = D / DQ_SPLIT;  // dQ columns per warp
+  static constexpr int PITCH = BM + 8;      // dS^T row pitch (elements), conflict-free
   static constexpr int OFF_V = BN * D * 2;
   static constexpr int OFF_Q = 2 * BN * D * 2;
   static constexpr int OFF_DO = OFF_Q + 2 * BM * D * 2;
@@ -114,8 +118,8 @@ struct QIter {
 };
 
 template <int BM>
-__device__ __forceinline__ bool seek_query_region(const Params& p, const Segment& kseg, int ksi, int si,
-                                                  int pk_first, int pk_last, QIter& it) {
+__device__ __forceinline__ bool seek_query_region(const Params& p, const Segment& kseg, int ksi,
+                                                  int si, int pk_first, int pk_last, QIter& it) {
   for (;; ++si) {
     Segment s;
     if (si == ksi) {
@@ -138,15 +142,16 @@ __device__ __forceinline__ bool seek_query_region(const Params& p, const Segment
 }
 
 template <typename T, int D, bool kCap, bool kFuseDq>
-__global__ void __launch_bounds__(BwdCfg<D>::THREADS, 2) dkdv_kernel_sm80(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(BwdCfg<D>::THREADS, 2)
+    dkdv_kernel_sm80(const __grid_constant__ Params p) {
   using Cfg = BwdCfg<D>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, THREADS = Cfg::THREADS, DC = Cfg::DC;
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t sK = smem_u32(smem), sV = sK + Cfg::OFF_V;
   const uint32_t sQ0 = sK + Cfg::OFF_Q, sdO0 = sK + Cfg::OFF_DO, sL0 = sK + Cfg::OFF_L;
   const float* lse_s = reinterpret_cast<const float*>(smem + Cfg::OFF_L);  // [2][BM]
-  const float* del_s = lse_s + 2 * BM;                                      // [2][BM]
-  T* dS_s = reinterpret_cast<T*>(smem + Cfg::OFF_DS);                       // [BN][PITCH]
+  const float* del_s = lse_s + 2 * BM;                                     // [2][BM]
+  T* dS_s = reinterpret_cast<T*>(smem + Cfg::OFF_DS);                      // [BN][PITCH]
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const KeyTileCta<BN> cta(p);
@@ -155,18 +160,18 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, 2) dkdv_kernel_sm80(const 
   const int pk_first = cta.pk_first, pk_last = cta.pk_last;
   const Segment& kseg = cta.kseg;
 
-  load_tile<BN, D, THREADS>(sK, static_cast<const T*>(p.k) + int64_t(k0) * p.k_tok + int64_t(hk) * p.k_head,
-                            p.k_tok, nk);
-  load_tile<BN, D, THREADS>(sV, static_cast<const T*>(p.v) + int64_t(k0) * p.v_tok + int64_t(hk) * p.v_head,
-                            p.v_tok, nk);
+  load_tile<BN, D, THREADS>(
+      sK, static_cast<const T*>(p.k) + int64_t(k0) * p.k_tok + int64_t(hk) * p.k_head, p.k_tok, nk);
+  load_tile<BN, D, THREADS>(
+      sV, static_cast<const T*>(p.v) + int64_t(k0) * p.v_tok + int64_t(hk) * p.v_head, p.v_tok, nk);
 
   auto issue = [&](const QIter& it, int stage) {
     const int h = hk * p.group + it.hi;
     const int qs = it.qs.start + it.qb * BM;
     const int nq = min(BM, it.qs.len - it.qb * BM);
-    load_tile<BM, D, THREADS>(sQ0 + stage * BM * D * 2,
-                              static_cast<const T*>(p.q) + int64_t(qs) * p.q_tok + int64_t(h) * p.q_head,
-                              p.q_tok, nq);
+    load_tile<BM, D, THREADS>(
+        sQ0 + stage * BM * D * 2,
+        static_cast<const T*>(p.q) + int64_t(qs) * p.q_tok + int64_t(h) * p.q_head, p.q_tok, nq);
     load_tile<BM, D, THREADS>(sdO0 + stage * BM * D * 2,
                               static_cast<const T*>(p.dout) + (int64_t(qs) * p.Hq + h) * D,
                               int64_t(p.Hq) * D, nq);
@@ -221,8 +226,9 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, 2) dkdv_kernel_sm80(const 
     const int qs = cur.qs.start + cur.qb * BM;
     const int nq = min(BM, cur.qs.len - cur.qb * BM);
     const int pq_first = cur.qs.pos0 + cur.qb * BM;
-    const bool msk = needs_mask(nq, BM, nk, BN, pq_first, pq_first + nq - 1, pk_first, pk_last, p.mask) ||
-                     nk < BN;
+    const bool msk =
+        needs_mask(nq, BM, nk, BN, pq_first, pq_first + nq - 1, pk_first, pk_last, p.mask) ||
+        nk < BN;
     const uint32_t sQ = sQ0 + stage * BM * D * 2, sdO = sdO0 + stage * BM * D * 2;
     const float* lse_c = lse_s + stage * BM;
     const float* del_c = del_s + stage * BM;
@@ -276,10 +282,12 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, 2) dkdv_kernel_sm80(const 
     // dV += P^T dO, dK += dS^T Q (this warp's DC columns).
 #pragma unroll
     for (int kt = 0; kt < BM / 16; ++kt) {
-      const uint32_t ap[4] = {pack2<T>(s[2 * kt][0], s[2 * kt][1]), pack2<T>(s[2 * kt][2], s[2 * kt][3]),
+      const uint32_t ap[4] = {pack2<T>(s[2 * kt][0], s[2 * kt][1]),
+                              pack2<T>(s[2 * kt][2], s[2 * kt][3]),
                               pack2<T>(s[2 * kt + 1][0], s[2 * kt + 1][1]),
                               pack2<T>(s[2 * kt + 1][2], s[2 * kt + 1][3])};
-      const uint32_t ad[4] = {pack2<T>(dp[2 * kt][0], dp[2 * kt][1]), pack2<T>(dp[2 * kt][2], dp[2 * kt][3]),
+      const uint32_t ad[4] = {pack2<T>(dp[2 * kt][0], dp[2 * kt][1]),
+                              pack2<T>(dp[2 * kt][2], dp[2 * kt][3]),
                               pack2<T>(dp[2 * kt + 1][0], dp[2 * kt + 1][1]),
                               pack2<T>(dp[2 * kt + 1][2], dp[2 * kt + 1][3])};
       if constexpr (kFuseDq) {
@@ -288,7 +296,8 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, 2) dkdv_kernel_sm80(const 
           *reinterpret_cast<uint32_t*>(dS_s + kr0 * Cfg::PITCH + kt * 16 + 2 * tq) = ad[0];
           *reinterpret_cast<uint32_t*>(dS_s + (kr0 + 8) * Cfg::PITCH + kt * 16 + 2 * tq) = ad[1];
           *reinterpret_cast<uint32_t*>(dS_s + kr0 * Cfg::PITCH + kt * 16 + 8 + 2 * tq) = ad[2];
-          *reinterpret_cast<uint32_t*>(dS_s + (kr0 + 8) * Cfg::PITCH + kt * 16 + 8 + 2 * tq) = ad[3];
+          *reinterpret_cast<uint32_t*>(dS_s + (kr0 + 8) * Cfg::PITCH + kt * 16 + 8 + 2 * tq) =
+              ad[3];
         }
       }
 #pragma unroll
@@ -316,7 +325,8 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, 2) dkdv_kernel_sm80(const 
       for (int kt = 0; kt < BN / 16; ++kt) {
         uint32_t a[4];
         ldsm_x4_t(a, sdS + ((kt * 16 + (lane & 7) + ((lane >> 4) << 3)) * Cfg::PITCH + qslab * 16 +
-                            (((lane >> 3) & 1) << 3)) * 2);
+                            (((lane >> 3) & 1) << 3)) *
+                               2);
 #pragma unroll
         for (int n2 = 0; n2 < DQC / 16; ++n2) {
           uint32_t b[4];
@@ -363,7 +373,8 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, 2) dkdv_kernel_sm80(const 
   }
 }
 
-// ---- 3'. deterministic dQ over query blocks -------------------------------------------------------
+// ---- 3'. deterministic dQ over query blocks
+// -------------------------------------------------------
 template <int D>
 struct DqCfg {
   static constexpr int BM = 64;
@@ -374,7 +385,8 @@ struct DqCfg {
 };
 
 template <typename T, int D, bool kCap>
-__global__ void __launch_bounds__(DqCfg<D>::THREADS, 2) dq_kernel_sm80(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(DqCfg<D>::THREADS, 2)
+    dq_kernel_sm80(const __grid_constant__ Params p) {
   using Cfg = DqCfg<D>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, THREADS = Cfg::THREADS;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -389,8 +401,8 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, 2) dq_kernel_sm80(const __g
   const T* kg = static_cast<const T*>(p.k) + int64_t(hk) * p.k_head;
   const T* vg = static_cast<const T*>(p.v) + int64_t(hk) * p.v_head;
 
-  load_tile<BM, D, THREADS>(sQ, static_cast<const T*>(p.q) + int64_t(q0) * p.q_tok + int64_t(h) * p.q_head,
-                            p.q_tok, nq);
+  load_tile<BM, D, THREADS>(
+      sQ, static_cast<const T*>(p.q) + int64_t(q0) * p.q_tok + int64_t(h) * p.q_head, p.q_tok, nq);
   load_tile<BM, D, THREADS>(sdO, static_cast<const T*>(p.dout) + (int64_t(q0) * p.Hq + h) * D,
                             int64_t(p.Hq) * D, nq);
 
@@ -465,7 +477,8 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, 2) dq_kernel_sm80(const __g
     walk.block(j, R, kb);
     const int nk = min(BN, R.len - kb);
     const int pk_first = R.pos0 + kb;
-    const bool msk = needs_mask(nq, BM, nk, BN, pq_first, pq_last, pk_first, pk_first + BN - 1, p.mask);
+    const bool msk =
+        needs_mask(nq, BM, nk, BN, pq_first, pq_last, pk_first, pk_first + BN - 1, p.mask);
 #pragma unroll
     for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
@@ -491,7 +504,8 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, 2) dq_kernel_sm80(const __g
     // dQ += dS K.
 #pragma unroll
     for (int kt = 0; kt < BN / 16; ++kt) {
-      const uint32_t a[4] = {pack2<T>(dp[2 * kt][0], dp[2 * kt][1]), pack2<T>(dp[2 * kt][2], dp[2 * kt][3]),
+      const uint32_t a[4] = {pack2<T>(dp[2 * kt][0], dp[2 * kt][1]),
+                             pack2<T>(dp[2 * kt][2], dp[2 * kt][3]),
                              pack2<T>(dp[2 * kt + 1][0], dp[2 * kt + 1][1]),
                              pack2<T>(dp[2 * kt + 1][2], dp[2 * kt + 1][3])};
 #pragma unroll
@@ -513,7 +527,8 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, 2) dq_kernel_sm80(const __g
       T* dst = static_cast<T*>(p.dq) + (int64_t(q0 + row) * p.Hq + h) * D + 2 * tq;
 #pragma unroll
       for (int nd = 0; nd < D / 8; ++nd) {
-        *reinterpret_cast<uint32_t*>(dst + nd * 8) = pack2<T>(acc[nd][2 * i] * p.scale, acc[nd][2 * i + 1] * p.scale);
+        *reinterpret_cast<uint32_t*>(dst + nd * 8) =
+            pack2<T>(acc[nd][2 * i] * p.scale, acc[nd][2 * i + 1] * p.scale);
       }
     }
   }
@@ -533,8 +548,10 @@ void launch_backward_sm80(const Params& p, bool deterministic_requested, cudaStr
   const int64_t grid_kv = int64_t(p.nkt) * (kTileSize / BC::BN) * p.Hkv;
   if (grid_kv > 0) {
     const bool cap = p.softcap > 0.f;
-    auto kernel = deterministic ? (cap ? dkdv_kernel_sm80<T, D, true, false> : dkdv_kernel_sm80<T, D, false, false>)
-                                : (cap ? dkdv_kernel_sm80<T, D, true, true> : dkdv_kernel_sm80<T, D, false, true>);
+    auto kernel =
+        deterministic
+            ? (cap ? dkdv_kernel_sm80<T, D, true, false> : dkdv_kernel_sm80<T, D, false, false>)
+            : (cap ? dkdv_kernel_sm80<T, D, true, true> : dkdv_kernel_sm80<T, D, false, true>);
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, BC::SMEM);
     kernel<<<unsigned(grid_kv), BC::THREADS, BC::SMEM, stream>>>(p);
     check_launch("dualkv backward dk/dv (sm80)");

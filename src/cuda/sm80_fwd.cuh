@@ -1,9 +1,10 @@
 // sm_80 forward (mma.sync m16n8k16, ldmatrix, cp.async; FlashAttention-2 style). Runs on sm_80+.
 //
-// One CTA per (query tile, q head): 128 query rows; each warp owns MT 16-row m-tiles (MT = 2 for D <= 128). A response tile walks the
-// prompt's key blocks (region A) then its own response's key blocks (region B) with one online
-// softmax; a prompt tile walks its prompt causally. Only blocks on the causal diagonal, the window
-// edge or a region end are masked element-wise (with MaskRule). K/V blocks are double-buffered.
+// One CTA per (query tile, q head): 128 query rows; each warp owns MT 16-row m-tiles (MT = 2 for D
+// <= 128). A response tile walks the prompt's key blocks (region A) then its own response's key
+// blocks (region B) with one online softmax; a prompt tile walks its prompt causally. Only blocks
+// on the causal diagonal, the window edge or a region end are masked element-wise (with MaskRule).
+// K/V blocks are double-buffered.
 #pragma once
 
 #include "launch.h"
@@ -13,7 +14,8 @@ namespace dualkv::cuda::detail {
 template <int D>
 struct FwdCfg {
   static constexpr int BM = kTileSize;  // 128: one CTA per query tile
-  static constexpr int MT = D >= 256 ? 1 : 2;  // 16-row m-tiles per warp (reuse of each K/V fragment)
+  static constexpr int MT =
+      D >= 256 ? 1 : 2;  // 16-row m-tiles per warp (reuse of each K/V fragment)
   static constexpr int BN = D >= 128 ? 32 : 64;  // D = 128 with 64 spills
   static constexpr int WARPS = BM / (16 * MT);
   static constexpr int THREADS = WARPS * 32;
@@ -64,7 +66,8 @@ __global__ void __launch_bounds__(FwdCfg<D>::THREADS, FwdCfg<D>::MIN_BLOCKS)
     for (int i = 0; i < D / 8; ++i) o[m][i][0] = o[m][i][1] = o[m][i][2] = o[m][i][3] = 0.f;
   float m_run[MT][2], l_run[MT][2];
 #pragma unroll
-  for (int m = 0; m < MT; ++m) m_run[m][0] = m_run[m][1] = -INFINITY, l_run[m][0] = l_run[m][1] = 0.f;
+  for (int m = 0; m < MT; ++m)
+    m_run[m][0] = m_run[m][1] = -INFINITY, l_run[m][0] = l_run[m][1] = 0.f;
 
   const int g = lane >> 2, tq = lane & 3;
   const int wrow = warp * 16 * MT;  // m-tile m covers rows wrow + 16 m + [0, 16)
@@ -142,7 +145,8 @@ __global__ void __launch_bounds__(FwdCfg<D>::THREADS, FwdCfg<D>::MIN_BLOCKS)
       for (int i = 0; i < 2; ++i) {
         float mx = m_run[m][i];
 #pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[m][nt][2 * i], s[m][nt][2 * i + 1]));
+        for (int nt = 0; nt < BN / 8; ++nt)
+          mx = fmaxf(mx, fmaxf(s[m][nt][2 * i], s[m][nt][2 * i + 1]));
         mx = quad_max(mx);
         const float mu = mx == -INFINITY ? 0.f : mx;
         const float corr = fast_exp2(m_run[m][i] - mu);
@@ -204,7 +208,8 @@ __global__ void __launch_bounds__(FwdCfg<D>::THREADS, FwdCfg<D>::MIN_BLOCKS)
               pack2<T>(o[m][nd][2 * i] * inv, o[m][nd][2 * i + 1] * inv);
         }
         if (tq == 0) {
-          p.lse[int64_t(h) * p.T + q0 + row] = l > 0.f ? (m_run[m][i] + log2f(l)) * kLn2 : -INFINITY;
+          p.lse[int64_t(h) * p.T + q0 + row] =
+              l > 0.f ? (m_run[m][i] + log2f(l)) * kLn2 : -INFINITY;
         }
       }
     }

@@ -62,18 +62,18 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
   const int pk_first = cta.pk_first, pk_last = cta.pk_last;
   const Segment& kseg = cta.kseg;
 
-  load_tile_sw128<BN, D, THREADS>(sK, static_cast<const T*>(p.k) + int64_t(k0) * p.k_tok + int64_t(hk) * p.k_head,
-                                  p.k_tok, nk);
-  load_tile_sw128<BN, D, THREADS>(sV, static_cast<const T*>(p.v) + int64_t(k0) * p.v_tok + int64_t(hk) * p.v_head,
-                                  p.v_tok, nk);
+  load_tile_sw128<BN, D, THREADS>(
+      sK, static_cast<const T*>(p.k) + int64_t(k0) * p.k_tok + int64_t(hk) * p.k_head, p.k_tok, nk);
+  load_tile_sw128<BN, D, THREADS>(
+      sV, static_cast<const T*>(p.v) + int64_t(k0) * p.v_tok + int64_t(hk) * p.v_head, p.v_tok, nk);
 
   auto issue = [&](const QIter& it, int stage) {
     const int h = hk * p.group + it.hi;
     const int qs = it.qs.start + it.qb * BM;
     const int nq = min(BM, it.qs.len - it.qb * BM);
-    load_tile_sw128<BM, D, THREADS>(sQ0 + stage * Cfg::Q_BYTES,
-                                    static_cast<const T*>(p.q) + int64_t(qs) * p.q_tok + int64_t(h) * p.q_head,
-                                    p.q_tok, nq);
+    load_tile_sw128<BM, D, THREADS>(
+        sQ0 + stage * Cfg::Q_BYTES,
+        static_cast<const T*>(p.q) + int64_t(qs) * p.q_tok + int64_t(h) * p.q_head, p.q_tok, nq);
     load_tile_sw128<BM, D, THREADS>(sdO0 + stage * Cfg::Q_BYTES,
                                     static_cast<const T*>(p.dout) + (int64_t(qs) * p.Hq + h) * D,
                                     int64_t(p.Hq) * D, nq);
@@ -120,7 +120,8 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
 
     const int nq = min(BM, cur.qs.len - cur.qb * BM);
     const int pq_first = cur.qs.pos0 + cur.qb * BM;
-    const bool msk = needs_mask(nq, BM, nk, BN, pq_first, pq_first + nq - 1, pk_first, pk_last, p.mask);
+    const bool msk =
+        needs_mask(nq, BM, nk, BN, pq_first, pq_first + nq - 1, pk_first, pk_last, p.mask);
     const uint32_t sQ = sQ0 + stage * Cfg::Q_BYTES, sdO = sdO0 + stage * Cfg::Q_BYTES;
     const float* lse_c = lse_s + stage * BM;
     const float* del_c = del_s + stage * BM;
@@ -150,13 +151,13 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
       wg_fence();
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
-        Wgmma<T, BM>::template ss<0>(s, desc_kmajor<BN>(sK, wg * 64, kk * 16), desc_kmajor<BM>(sQ, 0, kk * 16),
-                                     kk > 0);
+        Wgmma<T, BM>::template ss<0>(s, desc_kmajor<BN>(sK, wg * 64, kk * 16),
+                                     desc_kmajor<BM>(sQ, 0, kk * 16), kk > 0);
       }
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
-        Wgmma<T, BM>::template ss<0>(dp, desc_kmajor<BN>(sV, wg * 64, kk * 16), desc_kmajor<BM>(sdO, 0, kk * 16),
-                                     kk > 0);
+        Wgmma<T, BM>::template ss<0>(dp, desc_kmajor<BN>(sV, wg * 64, kk * 16),
+                                     desc_kmajor<BM>(sdO, 0, kk * 16), kk > 0);
       }
       wg_commit();
       wg_wait<0>();
@@ -183,9 +184,11 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
       fence_regs(dk);
       wg_fence();
 #pragma unroll
-      for (int kt = 0; kt < BM / 16; ++kt) Wgmma<T, D>::template rs<1>(dv, pa[kt], desc_mnmajor<BM>(sdO, kt * 16), 1);
+      for (int kt = 0; kt < BM / 16; ++kt)
+        Wgmma<T, D>::template rs<1>(dv, pa[kt], desc_mnmajor<BM>(sdO, kt * 16), 1);
 #pragma unroll
-      for (int kt = 0; kt < BM / 16; ++kt) Wgmma<T, D>::template rs<1>(dk, da[kt], desc_mnmajor<BM>(sQ, kt * 16), 1);
+      for (int kt = 0; kt < BM / 16; ++kt)
+        Wgmma<T, D>::template rs<1>(dk, da[kt], desc_mnmajor<BM>(sQ, kt * 16), 1);
       wg_commit();
     } else {
       const int t = tid & 127;
@@ -219,7 +222,8 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
 #pragma unroll
         for (int kt = 0; kt < BM / 16; ++kt) {
 #pragma unroll
-          for (int c = 0; c < 4; ++c) pa[kt][c] = pack2<T>(x[8 * kt + 2 * c], x[8 * kt + 2 * c + 1]);
+          for (int c = 0; c < 4; ++c)
+            pa[kt][c] = pack2<T>(x[8 * kt + 2 * c], x[8 * kt + 2 * c + 1]);
           xpa[kt * 128 + t] = make_uint4(pa[kt][0], pa[kt][1], pa[kt][2], pa[kt][3]);
         }
         ws::bar_sync(1, THREADS);  // P is in shared memory
@@ -248,7 +252,8 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
 #pragma unroll
         for (int kt = 0; kt < BM / 16; ++kt) {
 #pragma unroll
-          for (int c = 0; c < 4; ++c) da[kt][c] = pack2<T>(x[8 * kt + 2 * c], x[8 * kt + 2 * c + 1]);
+          for (int c = 0; c < 4; ++c)
+            da[kt][c] = pack2<T>(x[8 * kt + 2 * c], x[8 * kt + 2 * c + 1]);
           xda[kt * 128 + t] = make_uint4(da[kt][0], da[kt][1], da[kt][2], da[kt][3]);
         }
         ws::bar_sync(2, THREADS);  // dS is in shared memory
@@ -293,8 +298,10 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
       T* dvg = static_cast<T*>(p.dv) + off;
 #pragma unroll
       for (int nd = 0; nd < DW / 8; ++nd) {
-        *reinterpret_cast<uint32_t*>(dkg + nd * 8) = pack2<T>(dk[nd * 4 + 2 * r] * p.scale, dk[nd * 4 + 2 * r + 1] * p.scale);
-        *reinterpret_cast<uint32_t*>(dvg + nd * 8) = pack2<T>(dv[nd * 4 + 2 * r], dv[nd * 4 + 2 * r + 1]);
+        *reinterpret_cast<uint32_t*>(dkg + nd * 8) =
+            pack2<T>(dk[nd * 4 + 2 * r] * p.scale, dk[nd * 4 + 2 * r + 1] * p.scale);
+        *reinterpret_cast<uint32_t*>(dvg + nd * 8) =
+            pack2<T>(dv[nd * 4 + 2 * r], dv[nd * 4 + 2 * r + 1]);
       }
     }
   }
@@ -328,8 +335,8 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const __grid_constant__
   const T* kg = static_cast<const T*>(p.k) + int64_t(hk) * p.k_head;
   const T* vg = static_cast<const T*>(p.v) + int64_t(hk) * p.v_head;
 
-  load_tile_sw128<BM, D, THREADS>(sQ, static_cast<const T*>(p.q) + int64_t(q0) * p.q_tok + int64_t(h) * p.q_head,
-                                  p.q_tok, nq);
+  load_tile_sw128<BM, D, THREADS>(
+      sQ, static_cast<const T*>(p.q) + int64_t(q0) * p.q_tok + int64_t(h) * p.q_head, p.q_tok, nq);
   load_tile_sw128<BM, D, THREADS>(sdO, static_cast<const T*>(p.dout) + (int64_t(q0) * p.Hq + h) * D,
                                   int64_t(p.Hq) * D, nq);
 
@@ -378,12 +385,13 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const __grid_constant__
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      Wgmma<T, BN>::template ss<0>(s, desc_kmajor<BM>(sQ, wg * 64, kk * 16), desc_kmajor<BN>(sK, 0, kk * 16), kk > 0);
+      Wgmma<T, BN>::template ss<0>(s, desc_kmajor<BM>(sQ, wg * 64, kk * 16),
+                                   desc_kmajor<BN>(sK, 0, kk * 16), kk > 0);
     }
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      Wgmma<T, BN>::template ss<0>(dp, desc_kmajor<BM>(sdO, wg * 64, kk * 16), desc_kmajor<BN>(sV, 0, kk * 16),
-                                   kk > 0);
+      Wgmma<T, BN>::template ss<0>(dp, desc_kmajor<BM>(sdO, wg * 64, kk * 16),
+                                   desc_kmajor<BN>(sV, 0, kk * 16), kk > 0);
     }
     wg_commit();
     wg_wait<0>();
@@ -395,7 +403,8 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const __grid_constant__
     walk.block(j, R, kb);
     const int nk = min(BN, R.len - kb);
     const int pk_first = R.pos0 + kb;
-    const bool msk = needs_mask(nq, BM, nk, BN, pq_first, pq_last, pk_first, pk_first + BN - 1, p.mask);
+    const bool msk =
+        needs_mask(nq, BM, nk, BN, pq_first, pq_last, pk_first, pk_first + BN - 1, p.mask);
 #pragma unroll
     for (int i = 0; i < SR; ++i) {
       const int nt = i >> 2, e = i & 3, r = e >> 1;
@@ -423,7 +432,8 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const __grid_constant__
     fence_regs(acc);
     wg_fence();
 #pragma unroll
-    for (int kt = 0; kt < BN / 16; ++kt) Wgmma<T, D>::template rs<1>(acc, da[kt], desc_mnmajor<BN>(sK, kt * 16), 1);
+    for (int kt = 0; kt < BN / 16; ++kt)
+      Wgmma<T, D>::template rs<1>(acc, da[kt], desc_mnmajor<BN>(sK, kt * 16), 1);
     wg_commit();
     wg_wait<0>();
     fence_regs(acc);
@@ -439,7 +449,8 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const __grid_constant__
       T* dst = static_cast<T*>(p.dq) + (int64_t(q0 + row) * p.Hq + h) * D + 2 * tq;
 #pragma unroll
       for (int nd = 0; nd < D / 8; ++nd) {
-        *reinterpret_cast<uint32_t*>(dst + nd * 8) = pack2<T>(acc[nd * 4 + 2 * r] * p.scale, acc[nd * 4 + 2 * r + 1] * p.scale);
+        *reinterpret_cast<uint32_t*>(dst + nd * 8) =
+            pack2<T>(acc[nd * 4 + 2 * r] * p.scale, acc[nd * 4 + 2 * r + 1] * p.scale);
       }
     }
   }

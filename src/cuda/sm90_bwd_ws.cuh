@@ -17,11 +17,10 @@
 // (double-buffered by iteration), and at D = 128 each consumer warpgroup computes 64 of the 128
 // dQ columns over all 128 keys (a named barrier joins the two dS halves); at D = 64 each computes
 // all columns over its own 64 keys. kDq = 1: the consumers add their block with atomicAdd.
-// kDq = 2 (FA3-like; as fast as the separate pass, not faster): they hand it to shared memory and lane 0 of producer warps
-// 1-2 (one per consumer warpgroup) adds it with one bulk async reduction (cp.reduce.async.bulk:
-// the block is contiguous in dq_accum's slab layout), so the consumers never wait on global
-// atomics.
-// D = 256 keeps the synchronous path (the accumulators would not fit).
+// kDq = 2 (FA3-like; as fast as the separate pass, not faster): they hand it to shared memory and
+// lane 0 of producer warps 1-2 (one per consumer warpgroup) adds it with one bulk async reduction
+// (cp.reduce.async.bulk: the block is contiguous in dq_accum's slab layout), so the consumers never
+// wait on global atomics. D = 256 keeps the synchronous path (the accumulators would not fit).
 #pragma once
 
 #include <utility>
@@ -228,7 +227,8 @@ __global__ void __launch_bounds__(384, 1)
           ws::mbar_wait(dq_full(c), uint32_t(it) & 1u);
           if (dm[0] == 0) break;
           // The block's nq rows x 64 columns are contiguous in dq_accum's slab layout.
-          ws::bulk_reduce_add_f32(dq_accum_at<D>(p, dm[1], dm[2], col0), src, uint32_t(dm[3]) * 256);
+          ws::bulk_reduce_add_f32(dq_accum_at<D>(p, dm[1], dm[2], col0), src,
+                                  uint32_t(dm[3]) * 256);
           ws::bulk_commit();
           ws::bulk_wait_read();
           ws::mbar_arrive(dq_empty(c));

@@ -15,8 +15,12 @@ namespace dualkv::cuda::detail {
 #endif
 
 #if DUALKV_SM90_BODY
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_fence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wg_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
 template <int N>
 __device__ __forceinline__ void wg_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
@@ -65,12 +69,14 @@ __device__ __forceinline__ void fence_proxy_async() {
 // 1024-byte aligned. This is the canonical 128B-swizzled wgmma layout, K-major when rows are the
 // M/N dimension (Q, K as B of Q K^T) and MN-major when rows are the K dimension (V in P V).
 template <int ROWS>
-__device__ __forceinline__ uint32_t sw128(int r, int c) {  // byte offset of element (r, c), c % 8 == 0
+__device__ __forceinline__ uint32_t sw128(int r,
+                                          int c) {  // byte offset of element (r, c), c % 8 == 0
   return uint32_t((c >> 6) * (ROWS * 128) + r * 128 + ((((c & 63) >> 3) ^ (r & 7)) << 4));
 }
 
 template <int ROWS, int D, int THREADS, typename T>
-__device__ __forceinline__ void load_tile_sw128(uint32_t s_base, const T* base, int64_t row_stride, int valid) {
+__device__ __forceinline__ void load_tile_sw128(uint32_t s_base, const T* base, int64_t row_stride,
+                                                int valid) {
   constexpr int kChunks = D / 8;
   constexpr int kTotal = ROWS * kChunks;
   static_assert(kTotal % THREADS == 0, "tile chunks must divide by the thread count");

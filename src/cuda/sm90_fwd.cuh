@@ -12,7 +12,7 @@ namespace dualkv::cuda::detail {
 
 template <int D>
 struct Fwd90Cfg {
-  static constexpr int BM = kTileSize;          // 128 rows: 2 warpgroups x 64
+  static constexpr int BM = kTileSize;  // 128 rows: 2 warpgroups x 64
   static constexpr int BN = D >= 256 ? 64 : 128;
   static constexpr int THREADS = 256;
   static constexpr int Q_BYTES = BM * D * 2;
@@ -28,7 +28,7 @@ __global__ void __launch_bounds__(256, 1) fwd_kernel_sm90(const __grid_constant_
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
   const uint32_t sQ = base;
-  const uint32_t sK0 = sQ + Cfg::Q_BYTES;                  // stage s: + s * KV_BYTES
+  const uint32_t sK0 = sQ + Cfg::Q_BYTES;  // stage s: + s * KV_BYTES
   const uint32_t sV0 = sK0 + 2 * Cfg::KV_BYTES;
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
@@ -81,8 +81,8 @@ __global__ void __launch_bounds__(256, 1) fwd_kernel_sm90(const __grid_constant_
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      Wgmma<T, BN>::template ss<0>(s, desc_kmajor<BM>(sQ, wg * 64, kk * 16), desc_kmajor<BN>(sK, 0, kk * 16),
-                                   kk > 0);
+      Wgmma<T, BN>::template ss<0>(s, desc_kmajor<BM>(sQ, wg * 64, kk * 16),
+                                   desc_kmajor<BN>(sK, 0, kk * 16), kk > 0);
     }
     wg_commit();
     wg_wait<0>();
@@ -93,7 +93,8 @@ __global__ void __launch_bounds__(256, 1) fwd_kernel_sm90(const __grid_constant_
     walk.block(j, R, kb);
     const int nk = min(BN, R.len - kb);
     const int pk_first = R.pos0 + kb;
-    const bool msk = needs_mask(nq, BM, nk, BN, pq_first, pq_last, pk_first, pk_first + BN - 1, p.mask);
+    const bool msk =
+        needs_mask(nq, BM, nk, BN, pq_first, pq_last, pk_first, pk_first + BN - 1, p.mask);
 #pragma unroll
     for (int i = 0; i < SR; ++i) {
       const int nt = i >> 2, e = i & 3;
@@ -114,7 +115,8 @@ __global__ void __launch_bounds__(256, 1) fwd_kernel_sm90(const __grid_constant_
     for (int r = 0; r < 2; ++r) {
       float mx = m_run[r];
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt * 4 + 2 * r], s[nt * 4 + 2 * r + 1]));
+      for (int nt = 0; nt < BN / 8; ++nt)
+        mx = fmaxf(mx, fmaxf(s[nt * 4 + 2 * r], s[nt * 4 + 2 * r + 1]));
       mx = quad_max(mx);
       const float mu = mx == -INFINITY ? 0.f : mx;
       const float corr = fast_exp2(m_run[r] - mu);
@@ -127,7 +129,8 @@ __global__ void __launch_bounds__(256, 1) fwd_kernel_sm90(const __grid_constant_
       }
 #pragma unroll
       for (int nt = 0; nt < BN / 8; ++nt) {
-        const float p0 = fast_exp2(s[nt * 4 + 2 * r] - mu), p1 = fast_exp2(s[nt * 4 + 2 * r + 1] - mu);
+        const float p0 = fast_exp2(s[nt * 4 + 2 * r] - mu),
+                    p1 = fast_exp2(s[nt * 4 + 2 * r + 1] - mu);
         s[nt * 4 + 2 * r] = p0;
         s[nt * 4 + 2 * r + 1] = p1;
         l_run[r] += p0 + p1;
@@ -147,7 +150,8 @@ __global__ void __launch_bounds__(256, 1) fwd_kernel_sm90(const __grid_constant_
     fence_regs(o);
     wg_fence();
 #pragma unroll
-    for (int kt = 0; kt < BN / 16; ++kt) Wgmma<T, D>::template rs<1>(o, pa[kt], desc_mnmajor<BN>(sV, kt * 16), 1);
+    for (int kt = 0; kt < BN / 16; ++kt)
+      Wgmma<T, D>::template rs<1>(o, pa[kt], desc_mnmajor<BN>(sV, kt * 16), 1);
     wg_commit();
     wg_wait<0>();
     fence_regs(o);
@@ -165,9 +169,11 @@ __global__ void __launch_bounds__(256, 1) fwd_kernel_sm90(const __grid_constant_
       T* og = static_cast<T*>(p.out) + (int64_t(q0 + row) * p.Hq + h) * D;
 #pragma unroll
       for (int nd = 0; nd < D / 8; ++nd) {
-        *reinterpret_cast<uint32_t*>(og + nd * 8 + 2 * tq) = pack2<T>(o[nd * 4 + 2 * r] * inv, o[nd * 4 + 2 * r + 1] * inv);
+        *reinterpret_cast<uint32_t*>(og + nd * 8 + 2 * tq) =
+            pack2<T>(o[nd * 4 + 2 * r] * inv, o[nd * 4 + 2 * r + 1] * inv);
       }
-      if (tq == 0) p.lse[int64_t(h) * p.T + q0 + row] = l > 0.f ? (m_run[r] + log2f(l)) * kLn2 : -INFINITY;
+      if (tq == 0)
+        p.lse[int64_t(h) * p.T + q0 + row] = l > 0.f ? (m_run[r] + log2f(l)) * kLn2 : -INFINITY;
     }
   }
 #endif

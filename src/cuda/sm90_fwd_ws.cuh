@@ -1,6 +1,7 @@
 // sm_90a forward, FlashAttention-3 style (the default on Hopper; DUALKV_SM90_WS=0 selects
-// sm90_fwd.cuh instead). Same schedule and semantics as sm90_fwd.cuh (one CTA per (query tile, q head),
-// region A then region B, one online softmax, masks on boundary blocks only), different machinery:
+// sm90_fwd.cuh instead). Same schedule and semantics as sm90_fwd.cuh (one CTA per (query tile, q
+// head), region A then region B, one online softmax, masks on boundary blocks only), different
+// machinery:
 //   - warpgroup 0 is the producer: one thread issues TMA copies (cp.async.bulk.tensor, 128-byte
 //     swizzle straight into the SW128 wgmma layout) of Q once and of K/V blocks through a
 //     STAGES-deep ring; full barriers complete on the copies' byte count, empty barriers on the
@@ -13,8 +14,8 @@
 //     DUALKV_SM90_PINGPONG=0, for A/B timing.
 //   - softmax in the log2 domain with the scale folded into one FFMA per element
 //     (exp2(s * scale_log2 - m * scale_log2)); softcap or a non-positive scale pre-scales instead.
-// Differences from the synchronous kernel: K/V rows past a region's end (inside T) are read from the
-// neighbouring tokens instead of zero-filled; they are masked to P = 0, so only a non-finite V
+// Differences from the synchronous kernel: K/V rows past a region's end (inside T) are read from
+// the neighbouring tokens instead of zero-filled; they are masked to P = 0, so only a non-finite V
 // value there could leak (0 * inf). Q rows past the tile's end are likewise real tokens (their
 // rows are computed and not written).
 #pragma once
