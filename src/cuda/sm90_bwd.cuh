@@ -16,10 +16,10 @@ namespace dualkv::cuda::detail {
 // D <= 128: one CTA per 128-key tile, warpgroup w owns keys 64w.. and all D columns of dK/dV.
 // D = 256 (kSplitD; 2 x 64 x 256 accumulators would not fit in registers): one CTA per 64 keys,
 // both warpgroups own the same keys and warpgroup w the dK/dV columns 128w..128w+127. Per query
-// block warpgroup 0 computes S^T = K Q^T and P, warpgroup 1 dP^T = V dO^T, at the same time;
-// they trade P (as bf16/fp16 A fragments and as fp32 P * dsoftcap) and dS (A fragments) through
-// shared memory in register order (thread t of one warpgroup holds the same (key, query) elements
-// as thread t of the other), each hand-off a named barrier of both warpgroups.
+// block warpgroup w computes S^T and dP^T, P and dS for queries 32w..32w+31 (64 x 32 x 256
+// products), writes its P^T / dS^T A fragments to shared memory and, after a named barrier of
+// both warpgroups, reads all four 16-query slices back (thread t of one warpgroup holds the same
+// (key, query) positions as thread t of the other, so a slice is one 16-byte access per thread).
 template <int D>
 struct Dkdv90Cfg {
   static constexpr bool kSplitD = D > 128;
@@ -32,10 +32,9 @@ struct Dkdv90Cfg {
   static constexpr int OFF_V = K_BYTES;
   static constexpr int OFF_Q = 2 * K_BYTES;
   static constexpr int OFF_DO = OFF_Q + 2 * Q_BYTES;
-  // kSplitD hand-off buffers, 128 threads x (P fragments 64 B, fp32 P * dsoftcap 128 B, dS 64 B).
+  // kSplitD exchange buffers, 128 threads x (P fragments 64 B, dS fragments 64 B).
   static constexpr int OFF_XPA = OFF_DO + 2 * Q_BYTES;
-  static constexpr int OFF_XPD = OFF_XPA + (kSplitD ? 128 * 64 : 0);
-  static constexpr int OFF_XDA = OFF_XPD + (kSplitD ? 128 * 128 : 0);
+  static constexpr int OFF_XDA = OFF_XPA + (kSplitD ? 128 * 64 : 0);
   static constexpr int OFF_L = OFF_XDA + (kSplitD ? 128 * 64 : 0);  // lse2[2][BM], delta[2][BM]
   static constexpr int SMEM = OFF_L + 4 * BM * 4 + 1024;
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
@@ -126,9 +125,10 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
     const float* lse_c = lse_s + stage * BM;
     const float* del_c = del_s + stage * BM;
     // P of element i of an m64n64 S^T fragment (before dsoftcap); *dcap = dsoftcap.
-    auto prob = [&](int i, float sv, float* dcap) {
+    // (q_off: the fragment's first query column, kSplitD's warpgroup 1 holds queries 32..63.)
+    auto prob = [&](int i, float sv, float* dcap, int q_off = 0) {
       const int nt = i >> 2, e = i & 3;
-      const int qc = nt * 8 + 2 * tq + (e & 1);
+      const int qc = q_off + nt * 8 + 2 * tq + (e & 1);
       const int kr = kr0 + (e >> 1) * 8;
       float x;
       *dcap = 1.f;
@@ -143,7 +143,9 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
       if (msk && !(kr < nk && qc < nq && p.mask.allowed(pq_first + qc, pk_first + kr))) pr = 0.f;
       return pr;
     };
-    auto delta_of = [&](int i) { return del_c[(i >> 2) * 8 + 2 * tq + (i & 1)]; };
+    auto delta_of = [&](int i, int q_off = 0) {
+      return del_c[q_off + (i >> 2) * 8 + 2 * tq + (i & 1)];
+    };
     uint32_t pa[BM / 16][4], da[BM / 16][4];
 
     if constexpr (!kSplitD) {
@@ -192,86 +194,68 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
       wg_commit();
     } else {
       const int t = tid & 127;
-      uint4* xpa = reinterpret_cast<uint4*>(gbase + Cfg::OFF_XPA);    // [BM / 16][128]
-      float4* xpd = reinterpret_cast<float4*>(gbase + Cfg::OFF_XPD);  // [SR / 4][128]
-      uint4* xda = reinterpret_cast<uint4*>(gbase + Cfg::OFF_XDA);    // [BM / 16][128]
+      uint4* xpa = reinterpret_cast<uint4*>(gbase + Cfg::OFF_XPA);  // [BM / 16][128]
+      uint4* xda = reinterpret_cast<uint4*>(gbase + Cfg::OFF_XDA);  // [BM / 16][128]
       // This warpgroup's half of dO and Q (column blocks of 64 of the SW128 tiles).
       const uint32_t half = uint32_t(col0 / 64) * (BM * 128);
-      float x[SR];  // warpgroup 0: S^T, then P; warpgroup 1: dP^T
+      constexpr int HQ = BM / 2, HR = HQ / 2;  // queries per warpgroup, fragment floats
+      const int q_off = wg * HQ;
+      float s[HR], dp[HR];
       wg_fence();
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
-        Wgmma<T, BM>::template ss<0>(x, desc_kmajor<BN>(wg == 0 ? sK : sV, 0, kk * 16),
-                                     desc_kmajor<BM>(wg == 0 ? sQ : sdO, 0, kk * 16), kk > 0);
+        Wgmma<T, HQ>::template ss<0>(s, desc_kmajor<BN>(sK, 0, kk * 16),
+                                     desc_kmajor<BM>(sQ, q_off, kk * 16), kk > 0);
       }
       wg_commit();
-      wg_wait<0>();
-      fence_regs(x);
-      if (wg == 0) {
 #pragma unroll
-        for (int j = 0; j < SR / 4; ++j) {
-          float pd[4];
-#pragma unroll
-          for (int u = 0; u < 4; ++u) {
-            float dcap;
-            x[4 * j + u] = prob(4 * j + u, x[4 * j + u], &dcap);
-            pd[u] = x[4 * j + u] * dcap;
-          }
-          xpd[j * 128 + t] = make_float4(pd[0], pd[1], pd[2], pd[3]);
-        }
-#pragma unroll
-        for (int kt = 0; kt < BM / 16; ++kt) {
-#pragma unroll
-          for (int c = 0; c < 4; ++c)
-            pa[kt][c] = pack2<T>(x[8 * kt + 2 * c], x[8 * kt + 2 * c + 1]);
-          xpa[kt * 128 + t] = make_uint4(pa[kt][0], pa[kt][1], pa[kt][2], pa[kt][3]);
-        }
-        ws::bar_sync(1, THREADS);  // P is in shared memory
-        fence_regs(pa);
-        fence_regs(dv);
-        wg_fence();
-#pragma unroll
-        for (int kt = 0; kt < BM / 16; ++kt)
-          Wgmma<T, DW>::template rs<1>(dv, pa[kt], desc_mnmajor<BM>(sdO + half, kt * 16), 1);
-        wg_commit();
-        ws::bar_sync(2, THREADS);
-#pragma unroll
-        for (int kt = 0; kt < BM / 16; ++kt) {
-          const uint4 v = xda[kt * 128 + t];
-          da[kt][0] = v.x, da[kt][1] = v.y, da[kt][2] = v.z, da[kt][3] = v.w;
-        }
-      } else {
-        ws::bar_sync(1, THREADS);
-#pragma unroll
-        for (int j = 0; j < SR / 4; ++j) {
-          const float4 pd = xpd[j * 128 + t];
-          const float pdv[4] = {pd.x, pd.y, pd.z, pd.w};
-#pragma unroll
-          for (int u = 0; u < 4; ++u) x[4 * j + u] = pdv[u] * (x[4 * j + u] - delta_of(4 * j + u));
-        }
-#pragma unroll
-        for (int kt = 0; kt < BM / 16; ++kt) {
-#pragma unroll
-          for (int c = 0; c < 4; ++c)
-            da[kt][c] = pack2<T>(x[8 * kt + 2 * c], x[8 * kt + 2 * c + 1]);
-          xda[kt * 128 + t] = make_uint4(da[kt][0], da[kt][1], da[kt][2], da[kt][3]);
-        }
-        ws::bar_sync(2, THREADS);  // dS is in shared memory
-#pragma unroll
-        for (int kt = 0; kt < BM / 16; ++kt) {
-          const uint4 v = xpa[kt * 128 + t];
-          pa[kt][0] = v.x, pa[kt][1] = v.y, pa[kt][2] = v.z, pa[kt][3] = v.w;
-        }
-        fence_regs(pa);
-        fence_regs(dv);
-        wg_fence();
-#pragma unroll
-        for (int kt = 0; kt < BM / 16; ++kt)
-          Wgmma<T, DW>::template rs<1>(dv, pa[kt], desc_mnmajor<BM>(sdO + half, kt * 16), 1);
+      for (int kk = 0; kk < D / 16; ++kk) {
+        Wgmma<T, HQ>::template ss<0>(dp, desc_kmajor<BN>(sV, 0, kk * 16),
+                                     desc_kmajor<BM>(sdO, q_off, kk * 16), kk > 0);
       }
+      wg_commit();
+      wg_wait<1>();  // S^T done: P (and dsoftcap, kept in s) while dP^T runs
+      fence_regs(s);
+      float dc[kCap ? HR : 1];
+#pragma unroll
+      for (int i = 0; i < HR; ++i) {
+        float dcap;
+        s[i] = prob(i, s[i], &dcap, q_off);
+        if constexpr (kCap) dc[i] = dcap;
+      }
+      wg_wait<0>();
+      fence_regs(dp);
+#pragma unroll
+      for (int i = 0; i < HR; ++i)
+        dp[i] = s[i] * (dp[i] - delta_of(i, q_off)) * (kCap ? dc[i] : 1.f);
+      // This warpgroup's 16-query slices of P^T and dS^T to shared memory, then all four back.
+#pragma unroll
+      for (int kl = 0; kl < HQ / 16; ++kl) {
+        uint32_t pw[4], dw[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          pw[c] = pack2<T>(s[8 * kl + 2 * c], s[8 * kl + 2 * c + 1]);
+          dw[c] = pack2<T>(dp[8 * kl + 2 * c], dp[8 * kl + 2 * c + 1]);
+        }
+        const int kt = wg * (HQ / 16) + kl;
+        xpa[kt * 128 + t] = make_uint4(pw[0], pw[1], pw[2], pw[3]);
+        xda[kt * 128 + t] = make_uint4(dw[0], dw[1], dw[2], dw[3]);
+      }
+      ws::bar_sync(1, THREADS);
+#pragma unroll
+      for (int kt = 0; kt < BM / 16; ++kt) {
+        const uint4 v = xpa[kt * 128 + t], w = xda[kt * 128 + t];
+        pa[kt][0] = v.x, pa[kt][1] = v.y, pa[kt][2] = v.z, pa[kt][3] = v.w;
+        da[kt][0] = w.x, da[kt][1] = w.y, da[kt][2] = w.z, da[kt][3] = w.w;
+      }
+      fence_regs(pa);
+      fence_regs(dv);
+      wg_fence();
+#pragma unroll
+      for (int kt = 0; kt < BM / 16; ++kt)
+        Wgmma<T, DW>::template rs<1>(dv, pa[kt], desc_mnmajor<BM>(sdO + half, kt * 16), 1);
       fence_regs(da);
       fence_regs(dk);
-      wg_fence();
 #pragma unroll
       for (int kt = 0; kt < BM / 16; ++kt)
         Wgmma<T, DW>::template rs<1>(dk, da[kt], desc_mnmajor<BM>(sQ + half, kt * 16), 1);
