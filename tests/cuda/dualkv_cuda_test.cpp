@@ -1,16 +1,17 @@
 // Standalone test and benchmark of the CUDA library (no torch).
 //
-//   dualkv_cuda_test [--seed S] [--quick] [--small] [--no-check] [--race N] [--bench] [--bench-reps N]
+//   dualkv_cuda_test [--seed S] [--quick] [--small] [--no-check] [--race N] [--bench] [--bench-reps
+//   N]
 //                    [--path default|sm80|sm90-sync|sm90-nopp]
 //   (--small: the quick matrix and 3 race repeats, for compute-sanitizer; --path: that kernel
 //   path only)
 //
 // Correctness: random layouts over a case matrix; every output is compared with the CPU backend
 // run in float64 on the same (rounded) inputs (the reference) and the GPU's max error must be at
-// most 2x (forward) / 3x (gradients) the max error of the CPU backend run on the same 16-bit inputs,
-// plus a tiny slack (1/16 of the dtype's epsilon times the reference's max magnitude). Outputs
-// are poisoned with NaN before every run; NaN never passes. Deterministic mode must be bitwise
-// reproducible; the race test repeats a run many times and requires bitwise-equal results.
+// most 2x (forward) / 3x (gradients) the max error of the CPU backend run on the same 16-bit
+// inputs, plus a tiny slack (1/16 of the dtype's epsilon times the reference's max magnitude).
+// Outputs are poisoned with NaN before every run; NaN never passes. Deterministic mode must be
+// bitwise reproducible; the race test repeats a run many times and requires bitwise-equal results.
 // Bench: CUDA events, warm-up, median of repeats, useful TFLOP/s (Layout::forward_flops).
 // Kernel paths, each checked and timed: the default (warp-specialised on sm_90), the sm_80 one
 // (DUALKV_FORCE_SM80=1), the synchronous wgmma one (DUALKV_SM90_WS=0) and, forward only, the
@@ -37,14 +38,14 @@
 
 using namespace dualkv;
 
-#define CK(x)                                                                                   \
-  do {                                                                                          \
-    cudaError_t e_ = (x);                                                                       \
-    if (e_ != cudaSuccess) {                                                                    \
+#define CK(x)                                                                                \
+  do {                                                                                       \
+    cudaError_t e_ = (x);                                                                    \
+    if (e_ != cudaSuccess) {                                                                 \
       std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, \
-                   __LINE__, #x);                                                               \
-      std::exit(2);                                                                             \
-    }                                                                                           \
+                   __LINE__, #x);                                                            \
+      std::exit(2);                                                                          \
+    }                                                                                        \
   } while (0)
 
 namespace {
@@ -110,11 +111,17 @@ struct Tables {
   std::vector<Tile> qt, kt;
   DevBuf dseg, dqt, dkt;
   LayoutView host_view(int T) const {
-    return {seg.data(), qt.data(), kt.data(), int32_t(seg.size()), int32_t(qt.size()), int32_t(kt.size()), T};
+    return {seg.data(),         qt.data(),          kt.data(), int32_t(seg.size()),
+            int32_t(qt.size()), int32_t(kt.size()), T};
   }
   LayoutView dev_view(int T) const {
-    return {dseg.as<Segment>(), dqt.as<Tile>(), dkt.as<Tile>(), int32_t(seg.size()), int32_t(qt.size()),
-            int32_t(kt.size()), T};
+    return {dseg.as<Segment>(),
+            dqt.as<Tile>(),
+            dkt.as<Tile>(),
+            int32_t(seg.size()),
+            int32_t(qt.size()),
+            int32_t(kt.size()),
+            T};
   }
 };
 Tables make_tables(const Layout& L) {
@@ -155,7 +162,7 @@ constexpr KernelPath kPaths[] = {{"default", nullptr},
                                  {"sm90-sync", "DUALKV_SM90_WS"},
                                  {"sm90-nopp", "DUALKV_SM90_PINGPONG"}};
 constexpr int kForwardOnlyPath = 3;  // ping-pong exists in the forward only
-std::string g_only_path;              // --path: run this one only
+std::string g_only_path;             // --path: run this one only
 
 bool path_selected(const KernelPath& k) { return g_only_path.empty() || g_only_path == k.name; }
 
@@ -173,9 +180,11 @@ bool judge(const std::string& what, const Err& gpu, const Err& cpu, double facto
   ++g_checks;
   const double bound = factor * cpu.max_err + slack;
   const bool ok = !gpu.nan && gpu.max_err <= bound;
-  const double ratio = cpu.max_err > 0 ? gpu.max_err / cpu.max_err : (gpu.max_err > 0 ? INFINITY : 0);
-  std::printf("    %-5s gpu_err %.3e cpu_err %.3e ratio %5.2f bound %.3e max|ref| %.3e %s\n", what.c_str(),
-              gpu.max_err, cpu.max_err, ratio, bound, gpu.max_ref, ok ? "ok" : "FAIL");
+  const double ratio =
+      cpu.max_err > 0 ? gpu.max_err / cpu.max_err : (gpu.max_err > 0 ? INFINITY : 0);
+  std::printf("    %-5s gpu_err %.3e cpu_err %.3e ratio %5.2f bound %.3e max|ref| %.3e %s\n",
+              what.c_str(), gpu.max_err, cpu.max_err, ratio, bound, gpu.max_ref,
+              ok ? "ok" : "FAIL");
   if (!ok) ++g_failures;
   return ok;
 }
@@ -222,7 +231,8 @@ ScoreParams score_of(const Case& c) {
   return s;
 }
 
-// ---- CPU runs -------------------------------------------------------------------------------------
+// ---- CPU runs
+// -------------------------------------------------------------------------------------
 struct CpuOut {
   std::vector<double> out, lse, dq, dk, dv;  // as doubles, contiguous
 };
@@ -260,7 +270,8 @@ CpuOut run_cpu(const Case& c, const Inputs& in, const Tables& tb, bool fp64) {
     f.lse = lse32.data();
     f.lse64 = r.lse.data();
     cpu::attention_forward(f);
-    if (nl && std::isnan(r.lse[0]) && !std::isnan(lse32[0])) r.lse.assign(lse32.begin(), lse32.end());
+    if (nl && std::isnan(r.lse[0]) && !std::isnan(lse32[0]))
+      r.lse.assign(lse32.begin(), lse32.end());
     b.q = f.q, b.k = f.k, b.v = f.v;
     b.out = r.out.data();
     b.dout = dout.data();
@@ -296,7 +307,8 @@ CpuOut run_cpu(const Case& c, const Inputs& in, const Tables& tb, bool fp64) {
   return r;
 }
 
-// ---- GPU runs -------------------------------------------------------------------------------------
+// ---- GPU runs
+// -------------------------------------------------------------------------------------
 struct GpuCase {
   const Case& c;
   const Inputs& in;
@@ -309,7 +321,8 @@ struct GpuCase {
     nq = size_t(T) * c.Hq * c.D, nk = size_t(T) * c.Hkv * c.D, nl = size_t(T) * c.Hq;
     q = upload(in.q), kv = upload(in.kv), dout = upload(in.dout);
     if (c.dlse) dlse = upload(in.dlse);
-    out = DevBuf(nq * 2), lse = DevBuf(nl * 4), dq = DevBuf(nq * 2), dk = DevBuf(nk * 2), dv = DevBuf(nk * 2);
+    out = DevBuf(nq * 2), lse = DevBuf(nl * 4), dq = DevBuf(nq * 2), dk = DevBuf(nk * 2),
+    dv = DevBuf(nk * 2);
     ws = DevBuf(cuda::backward_workspace_bytes(Shape{T, c.Hq, c.Hkv, c.D}));
   }
   ForwardArgs fargs() const {
@@ -361,8 +374,9 @@ struct GpuCase {
 };
 
 std::string describe(const Case& c, int T) {
-  std::string s = c.name + " [T=" + std::to_string(T) + " Hq=" + std::to_string(c.Hq) + " Hkv=" +
-                  std::to_string(c.Hkv) + " D=" + std::to_string(c.D) + " " + dtype_name(c.dt);
+  std::string s = c.name + " [T=" + std::to_string(T) + " Hq=" + std::to_string(c.Hq) +
+                  " Hkv=" + std::to_string(c.Hkv) + " D=" + std::to_string(c.D) + " " +
+                  dtype_name(c.dt);
   if (c.window != kNoWindow) s += " w=" + std::to_string(c.window);
   if (c.softcap > 0) s += " cap=" + std::to_string(int(c.softcap));
   if (c.dlse) s += " dlse";
@@ -390,60 +404,63 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   const CpuOut lp = run_cpu(c, in, tb, false);
   GpuCase g(c, in, tb);
   for (int path = 0; path < int(std::size(kPaths)); ++path) {
-  if (!path_selected(kPaths[path])) continue;
-  select_path(kPaths[path]);
-  std::printf("  path %s%s\n", kPaths[path].name, path == kForwardOnlyPath ? " (forward only)" : "");
-  g.forward(true);
-  const auto out = download<uint16_t>(g.out, g.nq);
-  const auto lse = download<float>(g.lse, g.nl);
-  const double eps = dtype_eps(c.dt);
-  auto err16 = [&](const std::vector<uint16_t>& v, const std::vector<double>& r) {
-    return max_error(v.size(), r, [&](size_t i) { return double(to_f(v[i], c.dt)); });
-  };
-  auto errd = [&](const std::vector<double>& v, const std::vector<double>& r) {
-    return max_error(v.size(), r, [&](size_t i) { return v[i]; });
-  };
-  {
-    const Err ge = err16(out, ref.out), ce = errd(lp.out, ref.out);
-    judge("out", ge, ce, 2.0, eps / 16 * ge.max_ref);
-    const Err gl = max_error(lse.size(), ref.lse, [&](size_t i) { return double(lse[i]); });
-    const Err cl = errd(lp.lse, ref.lse);
-    // lse is fp32 in both; the GPU's exp2 is approximate (2^-22 relative): slack 1e-5 * (1 + max|lse|).
-    judge("lse", gl, cl, 2.0, 1e-5 * (1 + gl.max_ref));
-  }
-  if (path == kForwardOnlyPath) continue;
-  std::vector<uint16_t> dq0, dk0, dv0;
-  // Modes: 0 default, 1 deterministic, 2 and 3 default with DUALKV_ATOMIC_DQ=1 and =2 (the fused
-  // atomic dq variants).
-  for (int det = 0; det < 4; ++det) {
-    if (det >= 2) setenv("DUALKV_ATOMIC_DQ", det == 2 ? "1" : "2", 1);
-    g.backward(det == 1, true);
-    if (det >= 2) unsetenv("DUALKV_ATOMIC_DQ");
-    const auto dq = download<uint16_t>(g.dq, g.nq);
-    const auto dk = download<uint16_t>(g.dk, g.nk);
-    const auto dv = download<uint16_t>(g.dv, g.nk);
-    std::printf("   backward (%s)\n", det == 1   ? "deterministic"
-                                      : det == 0 ? "default"
-                                      : det == 2 ? "DUALKV_ATOMIC_DQ=1"
-                                                 : "DUALKV_ATOMIC_DQ=2");
-    const Err a = err16(dq, ref.dq), b = err16(dk, ref.dk), d = err16(dv, ref.dv);
-    // Slack: eps/16 of the largest magnitude, and at least 1e-5 (fp32 rounding of O(1) sums: with
-    // window 1, dS = P (dO.v - dO.o) is exactly 0 in the reference; the GPU's two fp32 dot
-    // products of equal vectors in different orders leave ~1e-6).
-    judge("dq", a, errd(lp.dq, ref.dq), 3.0, std::max(1e-5, eps / 16 * a.max_ref));
-    judge("dk", b, errd(lp.dk, ref.dk), 3.0, std::max(1e-5, eps / 16 * b.max_ref));
-    judge("dv", d, errd(lp.dv, ref.dv), 3.0, std::max(1e-5, eps / 16 * d.max_ref));
-    if (det == 1) {
-      // Bitwise reproducible, and dk/dv identical to the default mode (same kernel order).
-      g.backward(true, true);
-      expect(download<uint16_t>(g.dq, g.nq) == dq, "deterministic dq differs between two runs");
-      expect(download<uint16_t>(g.dk, g.nk) == dk && download<uint16_t>(g.dv, g.nk) == dv,
-             "deterministic dk/dv differ between two runs");
-      if (!(dk == dk0 && dv == dv0)) std::printf("    note: dk/dv of the default and deterministic modes differ bitwise\n");
-    } else if (det == 0) {
-      dq0 = dq, dk0 = dk, dv0 = dv;
+    if (!path_selected(kPaths[path])) continue;
+    select_path(kPaths[path]);
+    std::printf("  path %s%s\n", kPaths[path].name,
+                path == kForwardOnlyPath ? " (forward only)" : "");
+    g.forward(true);
+    const auto out = download<uint16_t>(g.out, g.nq);
+    const auto lse = download<float>(g.lse, g.nl);
+    const double eps = dtype_eps(c.dt);
+    auto err16 = [&](const std::vector<uint16_t>& v, const std::vector<double>& r) {
+      return max_error(v.size(), r, [&](size_t i) { return double(to_f(v[i], c.dt)); });
+    };
+    auto errd = [&](const std::vector<double>& v, const std::vector<double>& r) {
+      return max_error(v.size(), r, [&](size_t i) { return v[i]; });
+    };
+    {
+      const Err ge = err16(out, ref.out), ce = errd(lp.out, ref.out);
+      judge("out", ge, ce, 2.0, eps / 16 * ge.max_ref);
+      const Err gl = max_error(lse.size(), ref.lse, [&](size_t i) { return double(lse[i]); });
+      const Err cl = errd(lp.lse, ref.lse);
+      // lse is fp32 in both; the GPU's exp2 is approximate (2^-22 relative): slack 1e-5 * (1 +
+      // max|lse|).
+      judge("lse", gl, cl, 2.0, 1e-5 * (1 + gl.max_ref));
     }
-  }
+    if (path == kForwardOnlyPath) continue;
+    std::vector<uint16_t> dq0, dk0, dv0;
+    // Modes: 0 default, 1 deterministic, 2 and 3 default with DUALKV_ATOMIC_DQ=1 and =2 (the fused
+    // atomic dq variants).
+    for (int det = 0; det < 4; ++det) {
+      if (det >= 2) setenv("DUALKV_ATOMIC_DQ", det == 2 ? "1" : "2", 1);
+      g.backward(det == 1, true);
+      if (det >= 2) unsetenv("DUALKV_ATOMIC_DQ");
+      const auto dq = download<uint16_t>(g.dq, g.nq);
+      const auto dk = download<uint16_t>(g.dk, g.nk);
+      const auto dv = download<uint16_t>(g.dv, g.nk);
+      std::printf("   backward (%s)\n", det == 1   ? "deterministic"
+                                        : det == 0 ? "default"
+                                        : det == 2 ? "DUALKV_ATOMIC_DQ=1"
+                                                   : "DUALKV_ATOMIC_DQ=2");
+      const Err a = err16(dq, ref.dq), b = err16(dk, ref.dk), d = err16(dv, ref.dv);
+      // Slack: eps/16 of the largest magnitude, and at least 1e-5 (fp32 rounding of O(1) sums: with
+      // window 1, dS = P (dO.v - dO.o) is exactly 0 in the reference; the GPU's two fp32 dot
+      // products of equal vectors in different orders leave ~1e-6).
+      judge("dq", a, errd(lp.dq, ref.dq), 3.0, std::max(1e-5, eps / 16 * a.max_ref));
+      judge("dk", b, errd(lp.dk, ref.dk), 3.0, std::max(1e-5, eps / 16 * b.max_ref));
+      judge("dv", d, errd(lp.dv, ref.dv), 3.0, std::max(1e-5, eps / 16 * d.max_ref));
+      if (det == 1) {
+        // Bitwise reproducible, and dk/dv identical to the default mode (same kernel order).
+        g.backward(true, true);
+        expect(download<uint16_t>(g.dq, g.nq) == dq, "deterministic dq differs between two runs");
+        expect(download<uint16_t>(g.dk, g.nk) == dk && download<uint16_t>(g.dv, g.nk) == dv,
+               "deterministic dk/dv differ between two runs");
+        if (!(dk == dk0 && dv == dv0))
+          std::printf("    note: dk/dv of the default and deterministic modes differ bitwise\n");
+      } else if (det == 0) {
+        dq0 = dq, dk0 = dk, dv0 = dv;
+      }
+    }
   }
   select_path(kPaths[0]);
 }
@@ -581,7 +598,8 @@ std::vector<Case> case_matrix(std::mt19937_64& rng, bool quick) {
   return cs;
 }
 
-// ---- bench ----------------------------------------------------------------------------------------
+// ---- bench
+// ----------------------------------------------------------------------------------------
 struct BenchShape {
   int N, P, R, Hq, Hkv, D;
   const char* ref;  // DESIGN.md figures
@@ -613,8 +631,9 @@ void bench(int reps) {
     const int T = L.total_tokens();
     const Tables tb = make_tables(L);
     const size_t nq = size_t(T) * s.Hq * s.D, nk = size_t(T) * s.Hkv * s.D;
-    DevBuf q(nq * 2), k(nk * 2), v(nk * 2), dout(nq * 2), out(nq * 2), lse(size_t(T) * s.Hq * 4), dq(nq * 2),
-        dk(nk * 2), dv(nk * 2), ws(cuda::backward_workspace_bytes({T, s.Hq, s.Hkv, s.D}));
+    DevBuf q(nq * 2), k(nk * 2), v(nk * 2), dout(nq * 2), out(nq * 2), lse(size_t(T) * s.Hq * 4),
+        dq(nq * 2), dk(nk * 2), dv(nk * 2),
+        ws(cuda::backward_workspace_bytes({T, s.Hq, s.Hkv, s.D}));
     {
       // Random bf16 normals (a 16M-element block, repeated).
       std::mt19937_64 rng(123);
@@ -627,7 +646,8 @@ void bench(int reps) {
         const size_t shift = (++which * 333331) % kShift;
         for (size_t off = 0; off < b->bytes; off += kBlk * 2) {
           const size_t n = std::min(kBlk * 2, b->bytes - off);
-          CK(cudaMemcpy(static_cast<char*>(b->p) + off, blk.data() + shift, n, cudaMemcpyHostToDevice));
+          CK(cudaMemcpy(static_cast<char*>(b->p) + off, blk.data() + shift, n,
+                        cudaMemcpyHostToDevice));
         }
       }
     }
@@ -642,7 +662,8 @@ void bench(int reps) {
     f.out = out.p, f.lse = lse.as<float>();
     BackwardArgs b;
     b.dtype = f.dtype, b.shape = f.shape, b.score = f.score, b.layout = f.layout;
-    b.q = f.q, b.k = f.k, b.v = f.v, b.q_stride = f.q_stride, b.k_stride = f.k_stride, b.v_stride = f.v_stride;
+    b.q = f.q, b.k = f.k, b.v = f.v, b.q_stride = f.q_stride, b.k_stride = f.k_stride,
+    b.v_stride = f.v_stride;
     b.out = out.p, b.dout = dout.p, b.lse = lse.as<float>(), b.dq = dq.p, b.dk = dk.p, b.dv = dv.p;
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
@@ -664,43 +685,46 @@ void bench(int reps) {
     };
     // Every kernel path; the fused atomic-dq variant exists in the default and sm80 kernels.
     for (const KernelPath& kp : kPaths) {
-    if (!path_selected(kp)) continue;
-    select_path(kp);
-    const bool atomic_row = std::strcmp(kp.name, "sm80") == 0 || std::strcmp(kp.name, "default") == 0;
-    Row r;
-    char name[128];
-    std::snprintf(name, sizeof name, "%s N=%d P=%d R=%d Hq=%d Hkv=%d D=%d", kp.name, s.N, s.P, s.R, s.Hq, s.Hkv,
-                  s.D);
-    r.name = name;
-    r.fwd = time([&] { cuda::attention_forward(f, nullptr); });
-    b.deterministic = false;
-    r.bwd = time([&] { cuda::attention_backward(b, ws.p, nullptr); });
-    r.bwd_atomic = r.bwd_atomic2 = NAN;
-    if (atomic_row) {
-      setenv("DUALKV_ATOMIC_DQ", "1", 1);
-      r.bwd_atomic = time([&] { cuda::attention_backward(b, ws.p, nullptr); });
-      setenv("DUALKV_ATOMIC_DQ", "2", 1);
-      r.bwd_atomic2 = time([&] { cuda::attention_backward(b, ws.p, nullptr); });
-      unsetenv("DUALKV_ATOMIC_DQ");
-    }
-    r.ff = L.forward_flops(s.D, s.Hq);
-    r.bf = L.backward_flops(s.D, s.Hq);
-    r.ref = s.ref;
-    rows.push_back(r);
-    std::printf("bench %s: fwd %.2f ms, bwd %.2f ms, bwd(atomic dq 1/2) %.2f / %.2f ms\n", name, r.fwd, r.bwd,
-                r.bwd_atomic, r.bwd_atomic2);
-    std::fflush(stdout);
+      if (!path_selected(kp)) continue;
+      select_path(kp);
+      const bool atomic_row =
+          std::strcmp(kp.name, "sm80") == 0 || std::strcmp(kp.name, "default") == 0;
+      Row r;
+      char name[128];
+      std::snprintf(name, sizeof name, "%s N=%d P=%d R=%d Hq=%d Hkv=%d D=%d", kp.name, s.N, s.P,
+                    s.R, s.Hq, s.Hkv, s.D);
+      r.name = name;
+      r.fwd = time([&] { cuda::attention_forward(f, nullptr); });
+      b.deterministic = false;
+      r.bwd = time([&] { cuda::attention_backward(b, ws.p, nullptr); });
+      r.bwd_atomic = r.bwd_atomic2 = NAN;
+      if (atomic_row) {
+        setenv("DUALKV_ATOMIC_DQ", "1", 1);
+        r.bwd_atomic = time([&] { cuda::attention_backward(b, ws.p, nullptr); });
+        setenv("DUALKV_ATOMIC_DQ", "2", 1);
+        r.bwd_atomic2 = time([&] { cuda::attention_backward(b, ws.p, nullptr); });
+        unsetenv("DUALKV_ATOMIC_DQ");
+      }
+      r.ff = L.forward_flops(s.D, s.Hq);
+      r.bf = L.backward_flops(s.D, s.Hq);
+      r.ref = s.ref;
+      rows.push_back(r);
+      std::printf("bench %s: fwd %.2f ms, bwd %.2f ms, bwd(atomic dq 1/2) %.2f / %.2f ms\n", name,
+                  r.fwd, r.bwd, r.bwd_atomic, r.bwd_atomic2);
+      std::fflush(stdout);
     }
     select_path(kPaths[0]);
     CK(cudaEventDestroy(e0));
     CK(cudaEventDestroy(e1));
   }
-  std::printf("\n| layout | fwd ms (TF/s) | bwd ms (TF/s) | fwd+bwd ms (TF/s) | bwd ms, DUALKV_ATOMIC_DQ=1 / 2 | DESIGN.md fwd+bwd reference |\n");
+  std::printf(
+      "\n| layout | fwd ms (TF/s) | bwd ms (TF/s) | fwd+bwd ms (TF/s) | bwd ms, DUALKV_ATOMIC_DQ=1 "
+      "/ 2 | DESIGN.md fwd+bwd reference |\n");
   std::printf("|---|---|---|---|---|---|\n");
   for (const Row& r : rows) {
-    std::printf("| %s | %.2f (%.0f) | %.2f (%.0f) | %.2f (%.0f) | %.2f / %.2f | %s |\n", r.name.c_str(), r.fwd,
-                r.ff / r.fwd / 1e9, r.bwd, r.bf / r.bwd / 1e9, r.fwd + r.bwd, (r.ff + r.bf) / (r.fwd + r.bwd) / 1e9,
-                r.bwd_atomic, r.bwd_atomic2, r.ref);
+    std::printf("| %s | %.2f (%.0f) | %.2f (%.0f) | %.2f (%.0f) | %.2f / %.2f | %s |\n",
+                r.name.c_str(), r.fwd, r.ff / r.fwd / 1e9, r.bwd, r.bf / r.bwd / 1e9, r.fwd + r.bwd,
+                (r.ff + r.bf) / (r.fwd + r.bwd) / 1e9, r.bwd_atomic, r.bwd_atomic2, r.ref);
   }
 }
 
@@ -712,23 +736,35 @@ int main(int argc, char** argv) {
   int race = 100, bench_reps = 10;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--seed" && i + 1 < argc) seed = std::strtoull(argv[++i], nullptr, 10);
-    else if (a == "--quick") quick = true;
-    else if (a == "--small") quick = true, race = 3;  // for compute-sanitizer
-    else if (a == "--no-check") check = false;
-    else if (a == "--race" && i + 1 < argc) race = std::atoi(argv[++i]);
-    else if (a == "--bench") do_bench = true;
-    else if (a == "--bench-reps" && i + 1 < argc) bench_reps = std::atoi(argv[++i]);
-    else if (a == "--path" && i + 1 < argc) g_only_path = argv[++i];
+    if (a == "--seed" && i + 1 < argc)
+      seed = std::strtoull(argv[++i], nullptr, 10);
+    else if (a == "--quick")
+      quick = true;
+    else if (a == "--small")
+      quick = true, race = 3;  // for compute-sanitizer
+    else if (a == "--no-check")
+      check = false;
+    else if (a == "--race" && i + 1 < argc)
+      race = std::atoi(argv[++i]);
+    else if (a == "--bench")
+      do_bench = true;
+    else if (a == "--bench-reps" && i + 1 < argc)
+      bench_reps = std::atoi(argv[++i]);
+    else if (a == "--path" && i + 1 < argc)
+      g_only_path = argv[++i];
     else {
-      std::fprintf(stderr, "usage: %s [--seed S] [--quick] [--small] [--no-check] [--race N] [--bench] [--bench-reps N] [--path NAME]\n",
+      std::fprintf(stderr,
+                   "usage: %s [--seed S] [--quick] [--small] [--no-check] [--race N] [--bench] "
+                   "[--bench-reps N] [--path NAME]\n",
                    argv[0]);
       return 2;
     }
   }
   if (!g_only_path.empty() &&
-      std::none_of(std::begin(kPaths), std::end(kPaths), [](const KernelPath& k) { return g_only_path == k.name; })) {
-    std::fprintf(stderr, "unknown --path %s (default, sm80, sm90-sync, sm90-nopp)\n", g_only_path.c_str());
+      std::none_of(std::begin(kPaths), std::end(kPaths),
+                   [](const KernelPath& k) { return g_only_path == k.name; })) {
+    std::fprintf(stderr, "unknown --path %s (default, sm80, sm90-sync, sm90-nopp)\n",
+                 g_only_path.c_str());
     return 2;
   }
   cudaDeviceProp prop;
@@ -756,6 +792,10 @@ int main(int argc, char** argv) {
     }
     if (race > 0) race_test(race, rng);
     std::printf("\ncorrectness: %d checks, %d failures\n", g_checks, g_failures);
+    // The inputs are fresh every run: a failure is reproduced with the same seed and switches.
+    if (g_failures > 0)
+      std::printf("reproduce with: --seed %llu (and the same switches)\n",
+                  (unsigned long long)seed);
   }
   if (do_bench) bench(bench_reps);
   return g_failures == 0 ? 0 : 1;
