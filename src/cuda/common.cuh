@@ -52,6 +52,7 @@ struct Params {
 // contiguous range: a block of dQ is then a single bulk reduction (sm90_bwd_ws.cuh, kDq = 2).
 template <int D>
 __device__ __forceinline__ float* dq_accum_at(const Params& p, int64_t token, int head, int col) {
+  static_assert(D % 64 == 0, "the slabs are 64 columns wide");
   return p.dq_accum + ((int64_t(head) * (D / 64) + col / 64) * p.T + token) * 64 + col % 64;
 }
 

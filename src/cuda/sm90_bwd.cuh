@@ -38,6 +38,7 @@ struct Dkdv90Cfg {
   static constexpr int OFF_L = OFF_XDA + (kSplitD ? 128 * 64 : 0);  // lse2[2][BM], delta[2][BM]
   static constexpr int SMEM = OFF_L + 4 * BM * 4 + 1024;
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
+  static_assert(DW % 64 == 0, "a warpgroup's dK/dV columns are whole SW128 column blocks");
 };
 
 template <typename T, int D, bool kCap>
