@@ -303,11 +303,20 @@ __global__ void __launch_bounds__(384, 1)
           }
         fence_proxy_async();
       };
+      // kFusedDq: the previous block's dK (still running at the top of this one) has read its
+      // stage once this block's first wait has returned.
+      auto release_prev = [&]() {
+        if constexpr (kFusedDq) {
+          fence_regs(dk);
+          if (it > 0) ws::mbar_arrive(empty((it + S - 1) % S));
+        }
+      };
       if constexpr (kCap) {
         // dS needs tanh'(S): wait for both products, then one pass (as the synchronous kernel).
         wg_wait<0>();
         fence_regs(sc);
         fence_regs(dp);
+        release_prev();
         // Packed as computed, so each pair of S/dP registers dies at once (no spills).
 #pragma unroll
         for (int kt = 0; kt < BM / 16; ++kt)
@@ -333,13 +342,16 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
         for (int kt = 0; kt < BM / 16; ++kt)
           Wgmma<T, D>::template rs<1>(dv, pa[kt], desc_mnmajor<BM>(sdO, kt * 16), 1);
+        if constexpr (!kFusedDq) {
 #pragma unroll
-        for (int kt = 0; kt < BM / 16; ++kt)
-          Wgmma<T, D>::template rs<1>(dk, da[kt], desc_mnmajor<BM>(sQ, kt * 16), 1);
+          for (int kt = 0; kt < BM / 16; ++kt)
+            Wgmma<T, D>::template rs<1>(dk, da[kt], desc_mnmajor<BM>(sQ, kt * 16), 1);
+        }
         wg_commit();
       } else {
         wg_wait<1>();  // S^T done, dP^T in flight
         fence_regs(sc);
+        release_prev();
 #pragma unroll
         for (int i = 0; i < SR; ++i) sc[i] = prob(i, sc[i] * p.scale_log2);
 #pragma unroll
@@ -363,14 +375,17 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
           for (int c = 0; c < 4; ++c)
             da[kt][c] = pack2<T>(dp[8 * kt + 2 * c], dp[8 * kt + 2 * c + 1]);
-        if constexpr (kFusedDq) stash_ds();
-        fence_regs(da);
-        fence_regs(dk);
-        wg_fence();
+        if constexpr (kFusedDq) {
+          stash_ds();  // dK reads dS^T from shared memory, after dQ (below)
+        } else {
+          fence_regs(da);
+          fence_regs(dk);
+          wg_fence();
 #pragma unroll
-        for (int kt = 0; kt < BM / 16; ++kt)
-          Wgmma<T, D>::template rs<1>(dk, da[kt], desc_mnmajor<BM>(sQ, kt * 16), 1);
-        wg_commit();
+          for (int kt = 0; kt < BM / 16; ++kt)
+            Wgmma<T, D>::template rs<1>(dk, da[kt], desc_mnmajor<BM>(sQ, kt * 16), 1);
+          wg_commit();
+        }
       }
       float dqa[32];  // kFusedDq: this warpgroup's m64n64 block of dQ
       if constexpr (kFusedDq) {
@@ -382,6 +397,7 @@ __global__ void __launch_bounds__(384, 1)
         }
         const uint32_t a_tile = sDS + (kSplitD ? 0u : uint32_t(cw * 64 * 128));
         const uint32_t b_tile = sK + (kSplitD ? uint32_t(cw * BN * 128) : uint32_t(cw * 64 * 128));
+        fence_regs(dk);
         wg_fence();
 #pragma unroll
         for (int kt = 0; kt < DQ_KEYS / 16; ++kt) {
@@ -389,13 +405,27 @@ __global__ void __launch_bounds__(384, 1)
                                           desc_mnmajor<BN>(b_tile, kt * 16), kt > 0);
         }
         wg_commit();
+        // dK += dS^T Q with dS^T (this warpgroup's key rows) from shared memory, committed last:
+        // it runs on while dQ is handed over and is waited for by the next block's first wait,
+        // which then releases this block's stage (sQ).
+#pragma unroll
+        for (int kt = 0; kt < BM / 16; ++kt) {
+          Wgmma<T, D>::template ss<1>(dk, desc_kmajor<BN>(sDS, cw * 64, kt * 16),
+                                      desc_mnmajor<BM>(sQ, kt * 16), 1);
+        }
+        wg_commit();
+        wg_wait<1>();  // dV and dQ done
+        fence_regs(dv);
+        fence_regs(pa);
+        fence_regs(da);
+      } else {
+        wg_wait<0>();
+        fence_regs(dv);
+        fence_regs(dk);
+        fence_regs(pa);
+        fence_regs(da);
+        ws::mbar_arrive(empty(s));
       }
-      wg_wait<0>();
-      fence_regs(dv);
-      fence_regs(dk);
-      fence_regs(pa);
-      fence_regs(da);
-      ws::mbar_arrive(empty(s));
       if constexpr (kDq == 2) {
         // Hand the block to this warpgroup's reducer warp once it has read the previous one.
         fence_regs(dqa);
@@ -431,6 +461,11 @@ __global__ void __launch_bounds__(384, 1)
           }
         }
       }
+    }
+    if constexpr (kFusedDq) {
+      wg_wait<0>();  // the last block's dK
+      fence_regs(dk);
+      if (it > 0) ws::mbar_arrive(empty((it + S - 1) % S));
     }
     if constexpr (kDq == 2) {
       // Tells this warpgroup's reducer that the walk has ended.

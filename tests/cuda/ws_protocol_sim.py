@@ -217,7 +217,9 @@ def run_dkdv(nblocks, S, rng, dq_mode=0):
     # full count: 1 (expect_tx lane) + 32 (cp.async lanes), modelled as 1 + L lanes.
     # dq_mode (the kernel's kDq) 1, 2: each consumer writes its dS^T half into buffer it & 1,
     # named barrier 1 (both warpgroups), both read both halves (the dQ product) until their
-    # wgmma wait. 2: then the consumer hands its dQ block to its reducer warp (dq_full[c],
+    # wgmma wait; the dK product reads its own half and the stage until the next block's first
+    # wait, which then releases the stage (after the loop: a final wait and release).
+    # 2: then the consumer hands its dQ block to its reducer warp (dq_full[c],
     # dq_empty[c], a record with an end marker); the reducer's bulk reads end at its
     # wait_group.read.
     L = 3
@@ -230,6 +232,7 @@ def run_dkdv(nblocks, S, rng, dq_mode=0):
     inflight = []
     ds_slot = [[None, None], [None, None]]  # [buffer][half]
     ds_readers = [set(), set()]
+    dk_readers = [set(), set()]  # [buffer]: warpgroups whose dK still reads their half
     bar1 = Named(2)
     dq_full = [MBar(1), MBar(1)]  # count 128 (a warpgroup) modelled as 1
     dq_empty = [MBar(1), MBar(1)]  # count 1 (the reducer lane)
@@ -278,6 +281,14 @@ def run_dkdv(nblocks, S, rng, dq_mode=0):
     def consumer(cw):
         yield from wait(bKV, 0)
         it = 0
+        pending = None  # dq_mode: (stage, dS buffer) the previous block's dK still reads
+
+        def release():
+            ps, pb = pending
+            readers[ps].discard(cw)
+            dk_readers[pb].discard(cw)
+            empty[ps].arrive()
+
         while True:
             s = it % S
             yield from wait(full[s], (it // S) & 1)
@@ -285,18 +296,25 @@ def run_dkdv(nblocks, S, rng, dq_mode=0):
                 break
             assert meta[s] == it and slot[s] == it, (meta[s], slot[s], it)
             readers[s].add(cw)
-            yield
+            yield  # S, dP issued; the first wait retires the previous block's dK
+            if pending:
+                release()
+                pending = None
             b = it & 1
             if dq_mode:
                 assert not ds_readers[b], "dS buffer overwritten while read"
+                assert cw not in dk_readers[b], "own dS half overwritten while dK reads it"
                 ds_slot[b][cw] = it
                 yield from bar1.sync()
                 assert ds_slot[b] == [it, it], (ds_slot[b], it)
                 ds_readers[b].add(cw)
+                dk_readers[b].add(cw)
                 yield  # the dQ wgmma reads both halves
                 ds_readers[b].discard(cw)
-            readers[s].discard(cw)
-            empty[s].arrive()
+                pending = (s, b)
+            else:
+                readers[s].discard(cw)
+                empty[s].arrive()
             if dq_mode == 2:
                 yield from wait(dq_empty[cw], (it & 1) ^ 1)
                 assert not dq_reading[cw], "dQ buffer overwritten while reduced"
@@ -304,6 +322,8 @@ def run_dkdv(nblocks, S, rng, dq_mode=0):
                 dq_meta[cw] = it
                 dq_full[cw].arrive()
             it += 1
+        if pending:
+            release()
         if dq_mode == 2:
             yield from wait(dq_empty[cw], (it & 1) ^ 1)
             dq_meta[cw] = "end"
