@@ -335,7 +335,7 @@ __global__ void __launch_bounds__(384, 1)
           }
         if constexpr (kFusedDq) stash_ds();
         fence_regs(pa);
-        fence_regs(da);
+        if constexpr (!kFusedDq) fence_regs(da);  // fused: dK reads dS^T from shared memory
         fence_regs(dv);
         fence_regs(dk);
         wg_fence();
@@ -417,7 +417,6 @@ __global__ void __launch_bounds__(384, 1)
         wg_wait<1>();  // dV and dQ done
         fence_regs(dv);
         fence_regs(pa);
-        fence_regs(da);
       } else {
         wg_wait<0>();
         fence_regs(dv);
