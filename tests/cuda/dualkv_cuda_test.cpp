@@ -1,10 +1,10 @@
 // Standalone test and benchmark of the CUDA library (no torch).
 //
-//   dualkv_cuda_test [--seed S] [--quick] [--small] [--no-check] [--race N] [--bench] [--bench-reps
-//   N]
-//                    [--path default|sm80|sm90-sync|sm90-nopp]
+//   dualkv_cuda_test [--seed S] [--quick] [--small] [--no-check] [--race N] [--random N]
+//                    [--bench] [--bench-reps N] [--path default|sm80|sm90-sync|sm90-nopp]
 //   (--small: the quick matrix and 3 race repeats, for compute-sanitizer; --path: that kernel
-//   path only)
+//   path only; --random N: instead of the matrix, N rounds of its random-layout cases; a failed
+//   check prints where its largest error is, and the seed that reproduces the run)
 //
 // Correctness: random layouts over a case matrix; every output is compared with the CPU backend
 // run in float64 on the same (rounded) inputs (the reference) and the GPU's max error must be at
@@ -138,14 +138,17 @@ Tables make_tables(const Layout& L) {
 struct Err {
   double max_err = 0, max_ref = 0;
   bool nan = false;
+  size_t at = 0;  // index of the largest error (the first non-finite value if any)
 };
 template <class Get>
 Err max_error(size_t n, const std::vector<double>& ref, Get get) {
   Err e;
   for (size_t i = 0; i < n; ++i) {
     const double x = get(i);
-    if (!std::isfinite(x)) e.nan = true;
-    e.max_err = std::max(e.max_err, std::abs(x - ref[i]));
+    if (!std::isfinite(x) && !e.nan) e.nan = true, e.at = i;
+    const double d = std::abs(x - ref[i]);
+    if (!e.nan && d > e.max_err) e.at = i;
+    e.max_err = std::max(e.max_err, d);
     e.max_ref = std::max(e.max_ref, std::abs(ref[i]));
   }
   if (e.nan) e.max_err = INFINITY;
@@ -390,6 +393,28 @@ std::string describe(const Case& c, int T) {
   return s + "]";
 }
 
+// After a failed check of a [T, heads, D] tensor: where its largest error is (token, its
+// segment, head, column) and the three values there, to tell a layout edge from rounding.
+void explain(const Case& c, const Tables& tb, int heads, const Err& e,
+             const std::vector<uint16_t>& gpu, const std::vector<double>& ref,
+             const std::vector<double>& cpu) {
+  const size_t i = e.at;
+  const int64_t tok = int64_t(i / (size_t(heads) * c.D));
+  const int head = int(i / c.D % heads), col = int(i % c.D);
+  std::string seg = "?";
+  for (size_t si = 0; si < tb.seg.size(); ++si) {
+    const Segment& sg = tb.seg[si];
+    if (tok >= sg.start && tok < sg.start + sg.len) {
+      seg = "group " + std::to_string(sg.group) +
+            (sg.is_response() ? " response " + std::to_string(sg.response_index) : " prompt") +
+            " position " + std::to_string(sg.pos0 + (tok - sg.start)) + " of " +
+            std::to_string(sg.pos0 + sg.len);
+    }
+  }
+  std::printf("      worst at token %lld (%s), head %d, col %d: gpu %.6g ref %.6g cpu %.6g\n",
+              (long long)tok, seg.c_str(), head, col, double(to_f(gpu[i], c.dt)), ref[i], cpu[i]);
+}
+
 void run_case(const Case& c, std::mt19937_64& rng) {
   const Layout L(c.P, c.R);
   const int T = L.total_tokens();
@@ -420,7 +445,8 @@ void run_case(const Case& c, std::mt19937_64& rng) {
     };
     {
       const Err ge = err16(out, ref.out), ce = errd(lp.out, ref.out);
-      judge("out", ge, ce, 2.0, eps / 16 * ge.max_ref);
+      if (!judge("out", ge, ce, 2.0, eps / 16 * ge.max_ref))
+        explain(c, tb, c.Hq, ge, out, ref.out, lp.out);
       const Err gl = max_error(lse.size(), ref.lse, [&](size_t i) { return double(lse[i]); });
       const Err cl = errd(lp.lse, ref.lse);
       // lse is fp32 in both; the GPU's exp2 is approximate (2^-22 relative): slack 1e-5 * (1 +
@@ -446,9 +472,12 @@ void run_case(const Case& c, std::mt19937_64& rng) {
       // Slack: eps/16 of the largest magnitude, and at least 1e-5 (fp32 rounding of O(1) sums: with
       // window 1, dS = P (dO.v - dO.o) is exactly 0 in the reference; the GPU's two fp32 dot
       // products of equal vectors in different orders leave ~1e-6).
-      judge("dq", a, errd(lp.dq, ref.dq), 3.0, std::max(1e-5, eps / 16 * a.max_ref));
-      judge("dk", b, errd(lp.dk, ref.dk), 3.0, std::max(1e-5, eps / 16 * b.max_ref));
-      judge("dv", d, errd(lp.dv, ref.dv), 3.0, std::max(1e-5, eps / 16 * d.max_ref));
+      if (!judge("dq", a, errd(lp.dq, ref.dq), 3.0, std::max(1e-5, eps / 16 * a.max_ref)))
+        explain(c, tb, c.Hq, a, dq, ref.dq, lp.dq);
+      if (!judge("dk", b, errd(lp.dk, ref.dk), 3.0, std::max(1e-5, eps / 16 * b.max_ref)))
+        explain(c, tb, c.Hkv, b, dk, ref.dk, lp.dk);
+      if (!judge("dv", d, errd(lp.dv, ref.dv), 3.0, std::max(1e-5, eps / 16 * d.max_ref)))
+        explain(c, tb, c.Hkv, d, dv, ref.dv, lp.dv);
       if (det == 1) {
         // Bitwise reproducible, and dk/dv identical to the default mode (same kernel order).
         g.backward(true, true);
@@ -510,9 +539,9 @@ void race_test(int reps, std::mt19937_64& rng) {
   std::printf("    %s\n", bad == 0 ? "ok: bitwise equal" : "FAIL");
 }
 
-std::vector<Case> case_matrix(std::mt19937_64& rng, bool quick) {
-  std::vector<Case> cs;
-  auto add = [&](Case c) { cs.push_back(c); };
+// Random layouts (1-3 groups, P and R drawn with 0 and 1 likely) at the GQA ratios 1:1, 4:1, 8:1
+// and MQA, over the head dims and dtypes, window and softcap on some: fresh every call.
+std::vector<Case> random_cases(std::mt19937_64& rng) {
   const int dims[3] = {64, 128, 256};
   const DType dts[2] = {DType::kBFloat16, DType::kFloat16};
   std::uniform_int_distribution<int> len(2, 300), nresp(0, 4);
@@ -530,6 +559,27 @@ std::vector<Case> case_matrix(std::mt19937_64& rng, bool quick) {
       c.R.push_back(r);
     }
   };
+  std::vector<Case> cs;
+  const int gqa[4][2] = {{4, 4}, {8, 2}, {8, 1}, {16, 1}};
+  for (int i = 0; i < 4; ++i) {
+    Case c;
+    c.name = "gqa-random";
+    c.Hq = gqa[i][0], c.Hkv = gqa[i][1];
+    c.D = dims[i % 3];
+    c.dt = dts[i % 2];
+    rand_layout(c, 1 + int(rng() % 3));
+    if (i == 2) c.window = 1 + int(rng() % 200);
+    if (i == 3) c.softcap = 30.f, c.dlse = true;
+    cs.push_back(c);
+  }
+  return cs;
+}
+
+std::vector<Case> case_matrix(std::mt19937_64& rng, bool quick) {
+  std::vector<Case> cs;
+  auto add = [&](Case c) { cs.push_back(c); };
+  const int dims[3] = {64, 128, 256};
+  const DType dts[2] = {DType::kBFloat16, DType::kFloat16};
   // Fixed shapes: single groups, edge lengths, GQA ratios, per head dim and dtype.
   for (int D : dims) {
     for (DType dt : dts) {
@@ -557,19 +607,7 @@ std::vector<Case> case_matrix(std::mt19937_64& rng, bool quick) {
     }
   }
   if (!quick) {
-    // GQA ratios 1:1, 4:1, 8:1, MQA and random layouts.
-    const int gqa[4][2] = {{4, 4}, {8, 2}, {8, 1}, {16, 1}};
-    for (int i = 0; i < 4; ++i) {
-      Case c;
-      c.name = "gqa-random";
-      c.Hq = gqa[i][0], c.Hkv = gqa[i][1];
-      c.D = dims[i % 3];
-      c.dt = dts[i % 2];
-      rand_layout(c, 1 + int(rng() % 3));
-      if (i == 2) c.window = 1 + int(rng() % 200);
-      if (i == 3) c.softcap = 30.f, c.dlse = true;
-      add(c);
-    }
+    for (Case& c : random_cases(rng)) add(c);
     for (int D : dims) {
       Case c;
       c.name = "window=1";
@@ -733,7 +771,7 @@ void bench(int reps) {
 int main(int argc, char** argv) {
   uint64_t seed = uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
   bool quick = false, check = true, do_bench = false;
-  int race = 100, bench_reps = 10;
+  int race = 100, bench_reps = 10, random_rounds = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--seed" && i + 1 < argc)
@@ -752,10 +790,12 @@ int main(int argc, char** argv) {
       bench_reps = std::atoi(argv[++i]);
     else if (a == "--path" && i + 1 < argc)
       g_only_path = argv[++i];
+    else if (a == "--random" && i + 1 < argc)
+      random_rounds = std::atoi(argv[++i]);
     else {
       std::fprintf(stderr,
                    "usage: %s [--seed S] [--quick] [--small] [--no-check] [--race N] [--bench] "
-                   "[--bench-reps N] [--path NAME]\n",
+                   "[--bench-reps N] [--path NAME] [--random N]\n",
                    argv[0]);
       return 2;
     }
@@ -786,8 +826,14 @@ int main(int argc, char** argv) {
       }
       expect(threw && !cuda::supports(DType::kBFloat16, 512), "head_dim 512 must be rejected");
     }
-    for (const Case& c : case_matrix(rng, quick)) {
+    // --random N: only N rounds of the random layouts (a cheap hunt for layout edge cases).
+    const auto cases = random_rounds > 0 ? std::vector<Case>{} : case_matrix(rng, quick);
+    for (const Case& c : cases) {
       run_case(c, rng);
+      std::fflush(stdout);
+    }
+    for (int r = 0; r < random_rounds; ++r) {
+      for (const Case& c : random_cases(rng)) run_case(c, rng);
       std::fflush(stdout);
     }
     if (race > 0) race_test(race, rng);
