@@ -154,11 +154,22 @@ def _group_codes(group_ids: Any, num_rows: int) -> torch.Tensor:
     return torch.tensor(codes, dtype=torch.int64)
 
 
+def _prompt_groups(input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+    """Group codes (first-seen order) of rows whose real prompt tokens are identical."""
+    num_rows, pw = input_ids.shape[0], prompt_mask.shape[1]
+    if pw == 0 or num_rows == 0:
+        return torch.zeros(num_rows, dtype=torch.int64)
+    # Prompts are right-aligned, so equal prompts are equal rows once padding is blanked out.
+    key = torch.where(prompt_mask.to(input_ids.device), input_ids[:, :pw].to(torch.int64), -1)
+    _, inverse = torch.unique(key, dim=0, return_inverse=True)
+    return _group_codes(inverse, num_rows)
+
+
 def pack_rows(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     prompt_width: int,
-    group_ids: Any,
+    group_ids: Any = None,
     position_ids: torch.Tensor | None = None,
 ) -> PackedBatch:
     """Pack trainer rows (veRL layout) into the shared-prompt layout.
@@ -173,6 +184,8 @@ def pack_rows(
         group_ids: ``[B]`` id of each row's prompt group (an int tensor, or a sequence/array of
             hashables such as veRL's ``uid`` strings). Rows of a group must have identical prompts
             token for token; rows of a group need not be adjacent; singleton groups are fine.
+            ``None``: rows whose real prompt tokens are identical form a group (for micro-batches
+            that have lost their group ids; the result is the same function either way).
         position_ids: optional ``[B, L]`` positions of the rows; when given, the packed positions
             are taken from them, else they are the logical positions of the layout.
 
@@ -225,7 +238,10 @@ def pack_rows(
         )
 
     # --- groups ----------------------------------------------------------------------------------
-    row_group = _group_codes(group_ids, num_rows)
+    if group_ids is None:
+        row_group = _prompt_groups(input_ids, pmask)
+    else:
+        row_group = _group_codes(group_ids, num_rows)
     num_groups = int(row_group.max()) + 1 if num_rows else 0
     ref_row = torch.full((num_groups,), num_rows, dtype=torch.int64)
     ref_row.scatter_reduce_(0, row_group, torch.arange(num_rows), reduce="amin")
@@ -241,7 +257,10 @@ def pack_rows(
     if bool(bad.any()):
         b = int(bad.nonzero()[0])
         g = int(row_group[b])
-        gid = group_ids[b] if not isinstance(group_ids, torch.Tensor) else int(group_ids[b])
+        if group_ids is None:
+            gid: Any = g
+        else:
+            gid = group_ids[b] if not isinstance(group_ids, torch.Tensor) else int(group_ids[b])
         raise ValueError(
             f"rows of group {gid!r} have different prompts: row {b} (prompt length {int(plen[b])}) "
             f"differs from row {int(ref_row[g])} (prompt length {int(plen[ref_row[g]])}); rows "
@@ -378,8 +397,9 @@ def pack(
 ) -> PackedBatch:
     """Pack a batch into the shared-prompt layout, from trainer rows or from token lists.
 
-    Either trainer rows: ``pack(input_ids, attention_mask, prompt_width, group_ids,
-    position_ids=None)`` (see :func:`pack_rows`), or token lists:
+    Either trainer rows: ``pack(input_ids, attention_mask, prompt_width, group_ids=None,
+    position_ids=None)`` (see :func:`pack_rows`; without group ids, rows with identical prompts
+    are grouped), or token lists:
     ``pack(prompts=[[...], ...], responses=[[[...], ...], ...], device=None)`` (see
     :func:`pack_lists`).
 
@@ -395,9 +415,9 @@ def pack(
         if prompts is None or responses is None:
             raise ValueError("token-list packing needs both prompts= and responses=")
         return pack_lists(prompts, responses, device=device)
-    if input_ids is None or attention_mask is None or prompt_width is None or group_ids is None:
+    if input_ids is None or attention_mask is None or prompt_width is None:
         raise ValueError(
-            "row packing needs input_ids, attention_mask, prompt_width and group_ids "
+            "row packing needs input_ids, attention_mask and prompt_width "
             "(or pass prompts= and responses=)"
         )
     if device is not None and torch.device(device) != input_ids.device:

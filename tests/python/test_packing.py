@@ -163,3 +163,27 @@ def test_pack_pad_ids_never_read(seed):
     assert torch.equal(pk1.input_ids, pk2.input_ids)
     assert torch.equal(pk1.response_ids, pk2.response_ids)
     assert isinstance(pk1.layout, dualkv.Layout)
+
+
+def test_pack_without_group_ids_groups_identical_prompts(seed):
+    rng = random.Random(seed)
+    prompts, responses = random_groups(rng, groups=4, p_range=(1, 9), r_range=(0, 7))
+    prompts = [[g + 1, *p] for g, p in enumerate(prompts)]  # distinct first tokens
+    prompts[3] = list(prompts[1])  # two groups with the same prompt: one group without ids
+    prompts[2] = [*prompts[0], 5]  # an extension of another prompt is a different prompt
+    ids, mask, pw, gid = shuffled_rows(rng, prompts, responses)
+    by_content = pack(ids, mask, pw)  # group_ids=None
+    # the same packing as explicit ids that merge the two equal prompts
+    merged = ["uid-1" if g == "uid-3" else g for g in gid]
+    explicit = pack(ids, mask, pw, merged)
+    for name in ("input_ids", "position_ids", "response_index", "token_sources", "token_labels"):
+        assert torch.equal(getattr(by_content, name), getattr(explicit, name)), name
+    assert by_content.layout.prefix_lens == explicit.layout.prefix_lens
+    assert by_content.group_rows == explicit.group_rows
+    assert len(by_content.group_rows) == 3
+    _check_maps(by_content, ids, mask, pw)
+    # pad ids never decide a group; an empty prompt (prompt_width 0) is one group
+    noisy = torch.where(mask.bool(), ids, torch.randint(0, VOCAB, ids.shape))
+    assert pack(noisy, mask, pw).group_rows == by_content.group_rows
+    resp_only = pack(ids[:, pw:], mask[:, pw:], 0)
+    assert resp_only.layout.prefix_lens == (0,) and resp_only.num_rows == ids.shape[0]
