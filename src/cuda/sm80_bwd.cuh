@@ -87,8 +87,7 @@ void launch_dq_convert(const Params& p, cudaStream_t stream) {
   check_launch("dualkv backward dq convert");
 }
 
-// ---- 2. dK, dV (and atomic dQ) over key blocks
-// ---------------------------------------------------
+// ---- 2. dK, dV (and atomic dQ) over key blocks --------------------------------------------------
 template <int D>
 struct BwdCfg {
   static constexpr int BN = D >= 256 ? 32 : 64;  // keys per CTA
@@ -373,8 +372,7 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, 2)
   }
 }
 
-// ---- 3'. deterministic dQ over query blocks
-// -------------------------------------------------------
+// ---- 3'. deterministic dQ over query blocks -----------------------------------------------------
 template <int D>
 struct DqCfg {
   static constexpr int BM = 64;

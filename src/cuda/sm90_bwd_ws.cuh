@@ -251,6 +251,14 @@ __global__ void __launch_bounds__(384, 1)
 
     ws::mbar_wait(bKV, 0);
     int it = 0;  // after the loop: the number of query blocks seen
+    // kFusedDq: the previous block's dK (still running at the top of this one) has read its stage
+    // once this block's first wait has returned (after the loop: once the final wait has).
+    auto release_prev = [&]() {
+      if constexpr (kFusedDq) {
+        fence_regs(dk);
+        if (it > 0) ws::mbar_arrive(empty((it + S - 1) % S));
+      }
+    };
     for (;; ++it) {
       const int s = it % S;
       ws::mbar_wait(full(s), uint32_t(it / S) & 1u);
@@ -302,14 +310,6 @@ __global__ void __launch_bounds__(384, 1)
             ws::st_shared_u32(sDS + sw128<BN>(kr, qc & ~7) + (qc & 7) * 2, da[kt][c]);
           }
         fence_proxy_async();
-      };
-      // kFusedDq: the previous block's dK (still running at the top of this one) has read its
-      // stage once this block's first wait has returned.
-      auto release_prev = [&]() {
-        if constexpr (kFusedDq) {
-          fence_regs(dk);
-          if (it > 0) ws::mbar_arrive(empty((it + S - 1) % S));
-        }
       };
       if constexpr (kCap) {
         // dS needs tanh'(S): wait for both products, then one pass (as the synchronous kernel).
@@ -463,8 +463,7 @@ __global__ void __launch_bounds__(384, 1)
     }
     if constexpr (kFusedDq) {
       wg_wait<0>();  // the last block's dK
-      fence_regs(dk);
-      if (it > 0) ws::mbar_arrive(empty((it + S - 1) % S));
+      release_prev();
     }
     if constexpr (kDq == 2) {
       // Tells this warpgroup's reducer that the walk has ended.
