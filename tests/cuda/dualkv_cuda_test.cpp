@@ -240,8 +240,7 @@ ScoreParams score_of(const Case& c) {
   return s;
 }
 
-// ---- CPU runs
-// -------------------------------------------------------------------------------------
+// ---- CPU runs -----------------------------------------------------------------------------------
 struct CpuOut {
   std::vector<double> out, lse, dq, dk, dv;  // as doubles, contiguous
 };
@@ -316,8 +315,7 @@ CpuOut run_cpu(const Case& c, const Inputs& in, const Tables& tb, bool fp64) {
   return r;
 }
 
-// ---- GPU runs
-// -------------------------------------------------------------------------------------
+// ---- GPU runs -----------------------------------------------------------------------------------
 struct GpuCase {
   const Case& c;
   const Inputs& in;
@@ -642,8 +640,7 @@ std::vector<Case> case_matrix(std::mt19937_64& rng, bool quick) {
   return cs;
 }
 
-// ---- bench
-// ----------------------------------------------------------------------------------------
+// ---- bench --------------------------------------------------------------------------------------
 struct BenchShape {
   int N, P, R, Hq, Hkv, D;
   const char* ref;  // DESIGN.md figures
