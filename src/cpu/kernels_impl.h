@@ -130,6 +130,20 @@ inline void row_keys(const Problem<A>& p, int32_t pq, int32_t kb, int bk, int& a
   b = int(std::min<int64_t>(int64_t(pq) + 1, int64_t(kb) + bk) - kb);
 }
 
+// out[i * kBlock + j] = x_i . y_j for each of the n query rows i (logical positions pq0 + i, rows
+// of x Dp apart) and the keys j of the block at [kb, kb + bk) that row sees (row_keys); yt is the
+// block transposed ([Dp][kBlock]). Other entries are left as they are.
+template <class A>
+inline void block_products(const Problem<A>& p, int32_t pq0, int n, int32_t kb, int bk, const A* x,
+                           const A* yt, A* out) {
+  constexpr int B = kBlock<A>;
+  for (int i = 0; i < n; ++i) {
+    int a, b;
+    row_keys(p, pq0 + i, kb, bk, a, b);
+    if (a < b) gemv<A, false>(out + i * B, x + int64_t(i) * p.Dp, yt, p.Dp, B, B);
+  }
+}
+
 // Calls fn(kb, bk, row0) for each block of up to kBlock keys that query rows at logical positions
 // [pq0, pq0 + n) of `seg` see: the prompt region, then the own response; kb is the block's first
 // logical position, bk its length, row0 its first packed token.
@@ -170,11 +184,7 @@ void forward_rows(const Problem<A>& p, const Segment& seg, int32_t t0, int n, in
   for_each_key_block(p, seg, pq0, n, [&](int32_t kb, int bk, int64_t row0) {
     const A* vblk = p.v + kv_head + row0 * Dp;
     transpose_block(p.k + kv_head + row0 * Dp, bk, Dp, sc.kt.data());
-    for (int i = 0; i < n; ++i) {
-      int a, b;
-      row_keys(p, pq0 + i, kb, bk, a, b);
-      if (a < b) gemv<A, false>(s + i * B, q + int64_t(i) * Dp, sc.kt.data(), Dp, B, B);
-    }
+    block_products(p, pq0, n, kb, bk, q, sc.kt.data(), s);
     for (int i = 0; i < n; ++i) {
       int a, b;
       row_keys(p, pq0 + i, kb, bk, a, b);
@@ -219,16 +229,8 @@ void dq_rows(const Problem<A>& p, const Segment& seg, int32_t t0, int n, int h, 
     const A* kblk = p.k + kv_head + row0 * Dp;
     transpose_block(kblk, bk, Dp, sc.kt.data());
     transpose_block(p.v + kv_head + row0 * Dp, bk, Dp, sc.vt.data());
-    for (int i = 0; i < n; ++i) {
-      int a, b;
-      row_keys(p, pq0 + i, kb, bk, a, b);
-      if (a < b) gemv<A, false>(s + i * B, q + int64_t(i) * Dp, sc.kt.data(), Dp, B, B);
-    }
-    for (int i = 0; i < n; ++i) {
-      int a, b;
-      row_keys(p, pq0 + i, kb, bk, a, b);
-      if (a < b) gemv<A, false>(dp + i * B, dout + int64_t(i) * Dp, sc.vt.data(), Dp, B, B);
-    }
+    block_products(p, pq0, n, kb, bk, q, sc.kt.data(), s);
+    block_products(p, pq0, n, kb, bk, dout, sc.vt.data(), dp);
     for (int i = 0; i < n; ++i) {
       int a, b;
       row_keys(p, pq0 + i, kb, bk, a, b);
@@ -275,16 +277,8 @@ void dkdv_block(const Problem<A>& p, int32_t seg_index, int32_t k0, int nk, int 
         const A* dout = p.dout + row_base * Dp;
         std::fill_n(pt, B * kQBlock, A(0));
         std::fill_n(dst, B * kQBlock, A(0));
-        for (int i = 0; i < nq; ++i) {
-          int a, b;
-          row_keys(p, int32_t(qb + i), kp0, nk, a, b);
-          if (a < b) gemv<A, false>(s + i * B, q + int64_t(i) * Dp, sc.kt.data(), Dp, B, B);
-        }
-        for (int i = 0; i < nq; ++i) {
-          int a, b;
-          row_keys(p, int32_t(qb + i), kp0, nk, a, b);
-          if (a < b) gemv<A, false>(dp + i * B, dout + int64_t(i) * Dp, sc.vt.data(), Dp, B, B);
-        }
+        block_products(p, int32_t(qb), nq, kp0, nk, q, sc.kt.data(), s);
+        block_products(p, int32_t(qb), nq, kp0, nk, dout, sc.vt.data(), dp);
         for (int i = 0; i < nq; ++i) {
           int a, b;
           row_keys(p, int32_t(qb + i), kp0, nk, a, b);
