@@ -140,6 +140,24 @@ __device__ __forceinline__ bool seek_query_region(const Params& p, const Segment
   }
 }
 
+// The fixed walk of a key tile's dK/dV CTA over query blocks of BM: for each q head of the GQA
+// group, the blocks of the keys' own segment, then (prompt keys) of each later segment of the
+// group that sees them. query_walk_begin starts it, query_walk_next steps it; false: past the end.
+template <int BM>
+__device__ __forceinline__ bool query_walk_begin(const Params& p, const Segment& kseg, int ksi,
+                                                 int pk_first, int pk_last, QIter& it) {
+  it.hi = 0;
+  return seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pk_last, it);
+}
+template <int BM>
+__device__ __forceinline__ bool query_walk_next(const Params& p, const Segment& kseg, int ksi,
+                                                int pk_first, int pk_last, QIter& it) {
+  if (++it.qb < it.qb_end) return true;
+  if (seek_query_region<BM>(p, kseg, ksi, it.si + 1, pk_first, pk_last, it)) return true;
+  if (++it.hi < p.group) return seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pk_last, it);
+  return false;
+}
+
 template <typename T, int D, bool kCap, bool kFuseDq>
 __global__ void __launch_bounds__(BwdCfg<D>::THREADS, 2)
     dkdv_kernel_sm80(const __grid_constant__ Params p) {
@@ -180,16 +198,12 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, 2)
       cp_async4(sL0 + ((tid < BM ? 0 : 2 * BM) + stage * BM + r) * 4, src, r < nq);
     }
   };
-  auto advance = [&](QIter& it) -> bool {
-    if (++it.qb < it.qb_end) return true;
-    if (seek_query_region<BM>(p, kseg, ksi, it.si + 1, pk_first, pk_last, it)) return true;
-    if (++it.hi < p.group) return seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pk_last, it);
-    return false;
+  auto advance = [&](QIter& it) {
+    return query_walk_next<BM>(p, kseg, ksi, pk_first, pk_last, it);
   };
 
   QIter cur;
-  cur.hi = 0;
-  bool valid = seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pk_last, cur);
+  bool valid = query_walk_begin<BM>(p, kseg, ksi, pk_first, pk_last, cur);
   if (valid) issue(cur, 0);
   cp_commit();
 

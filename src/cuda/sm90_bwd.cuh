@@ -83,16 +83,12 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
       cp_async4(sL0 + ((tid < BM ? 0 : 2 * BM) + stage * BM + r) * 4, src, r < nq);
     }
   };
-  auto advance = [&](QIter& it) -> bool {
-    if (++it.qb < it.qb_end) return true;
-    if (seek_query_region<BM>(p, kseg, ksi, it.si + 1, pk_first, pk_last, it)) return true;
-    if (++it.hi < p.group) return seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pk_last, it);
-    return false;
+  auto advance = [&](QIter& it) {
+    return query_walk_next<BM>(p, kseg, ksi, pk_first, pk_last, it);
   };
 
   QIter cur;
-  cur.hi = 0;
-  bool valid = seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pk_last, cur);
+  bool valid = query_walk_begin<BM>(p, kseg, ksi, pk_first, pk_last, cur);
   if (valid) issue(cur, 0);
   cp_commit();
 

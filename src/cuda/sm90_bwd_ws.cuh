@@ -2,7 +2,7 @@
 // sm90_bwd.cuh): the shared preprocess, a dK/dV kernel in the style of sm90_fwd_ws.cuh, and the
 // dQ pass of sm90_dq_ws.cuh. Same
 // schedule and order as dkdv_kernel_sm90 (one CTA per (128-key tile, kv head), query blocks of 64
-// in the fixed walk of seek_query_region), so still atomic-free and deterministic.
+// in the fixed walk of query_walk_begin/next), so still atomic-free and deterministic.
 //   - producer warp 0: TMA of K and V once, then per query block of the walk: Q and dO tiles by
 //     TMA, lse2/delta rows by cp.async (completing on the same full barrier with
 //     cp.async.mbarrier.arrive.noinc), and a small record (query count, first position, or "end")
@@ -174,8 +174,7 @@ __global__ void __launch_bounds__(384, 1)
         }
       }
       QIter cur;
-      cur.hi = 0;
-      bool valid = seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pk_last, cur);
+      bool valid = query_walk_begin<BM>(p, kseg, ksi, pk_first, pk_last, cur);
       for (int it = 0;; ++it) {
         const int s = it % S;
         ws::mbar_wait(empty(s), (uint32_t(it / S) & 1u) ^ 1u);
@@ -209,6 +208,8 @@ __global__ void __launch_bounds__(384, 1)
           cp_async4(sL0 + (s * 2 * BM + i) * 4, src, r < nq);
         }
         ws::cp_async_mbar_arrive(full(s));
+        // query_walk_next, spelled out: as a call it changes this producer's machine code, which
+        // has not been run on a GPU that way yet.
         if (++cur.qb < cur.qb_end) continue;
         valid = seek_query_region<BM>(p, kseg, ksi, cur.si + 1, pk_first, pk_last, cur);
         if (!valid && ++cur.hi < p.group)
