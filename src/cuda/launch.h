@@ -26,6 +26,13 @@ inline int atomic_dq_mode(bool deterministic) {
 }
 inline bool use_atomic_dq(bool deterministic) { return atomic_dq_mode(deterministic) != 0; }
 
+// Ping-pong of the two consumer warpgroups in the warp-specialised sm_90a forward and dQ kernels
+// (they take turns issuing their GEMMs); DUALKV_SM90_PINGPONG=0 turns it off, for A/B timing.
+inline bool use_pingpong() {
+  const char* e = std::getenv("DUALKV_SM90_PINGPONG");
+  return !(e && e[0] == '0');
+}
+
 // Throws std::runtime_error naming `what` when the last launch failed.
 void check_launch(const char* what);
 

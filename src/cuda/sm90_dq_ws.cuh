@@ -2,9 +2,10 @@
 // schedule as dq_kernel_sm90 (one CTA per (128-query tile, q head),
 // the forward's key-block walk), with the forward's warp specialisation: a producer thread issues
 // TMA for Q and dO once and K/V blocks through a STAGES-deep ring; two consumer warpgroups of 64
-// query rows. Per block j: S_j = Q K_j^T and dP_j = dO V_j^T as two wgmma groups, issued right
-// behind the still-running dQ += dS_{j-1} K_{j-1}; P_j is computed while dP_j runs; dQ's wait
-// moves to the next block, so the tensor cores see dQ_{j-1}, S_j, dP_j back to back.
+// query rows. Per block j, one issue turn: dQ += dS_{j-1} K_{j-1}, S_j = Q K_j^T and
+// dP_j = dO V_j^T as three wgmma groups back to back; P_j is computed while dP_j runs, then dS_j.
+// Ping-pong (named barriers 1, 2, as in the forward): the two consumer warpgroups take turns
+// issuing, so one's exp2/dS work overlaps the other's GEMMs (DUALKV_SM90_PINGPONG=0: off).
 #pragma once
 
 #include "sm90_fwd_ws.cuh"
@@ -35,6 +36,7 @@ struct DqWsCfg {
 struct DqWsArgs {
   CUtensorMap tq, tdo, tk, tv;
   Params p;
+  int pingpong;
 };
 
 template <typename T, int D, bool kCap>
@@ -116,24 +118,37 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
     float sc[SR], dp[SR];
     uint32_t da[BN / 16][4];
 
-    ws::mbar_wait(bQ, 0);
-    for (int j = 0; j < total; ++j) {
-      const int st = j % S;
-      ws::mbar_wait(full(st), uint32_t(j / S) & 1u);
-      const uint32_t sK = sK0 + st * Cfg::KV_BYTES, sV = sV0 + st * Cfg::KV_BYTES;
-      wg_fence();
+    const bool pp = a.pingpong != 0;
+    const int my_bar = 1 + cw, other_bar = 2 - cw;
+    // dQ += dS_j K_j (dS_j in da, K_j in stage st); the first product overwrites acc: a zero fill
+    // before the loop would be a non-wgmma definition of an accumulator in flight across the back
+    // edge (ptxas then serialises every wgmma).
+    auto issue_dq = [&](int j, int st) {
+      const uint32_t sK = sK0 + st * Cfg::KV_BYTES;
+#pragma unroll
+      for (int kt = 0; kt < BN / 16; ++kt)
+        Wgmma<T, D>::template rs<1>(acc, da[kt], desc_mnmajor<BN>(sK, kt * 16), j > 0 || kt > 0);
+      wg_commit();
+    };
+
+    // S_j = Q K_j^T and dP_j = dO V_j^T (K_j, V_j in stage st), two groups.
+    auto issue_sdp = [&](int st) {
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         Wgmma<T, BN>::template ss<0>(sc, desc_kmajor<BM>(sQ, cw * 64, kk * 16),
-                                     desc_kmajor<BN>(sK, 0, kk * 16), kk > 0);
+                                     desc_kmajor<BN>(sK0 + st * Cfg::KV_BYTES, 0, kk * 16), kk > 0);
       }
       wg_commit();
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         Wgmma<T, BN>::template ss<0>(dp, desc_kmajor<BM>(sdO, cw * 64, kk * 16),
-                                     desc_kmajor<BN>(sV, 0, kk * 16), kk > 0);
+                                     desc_kmajor<BN>(sV0 + st * Cfg::KV_BYTES, 0, kk * 16), kk > 0);
       }
       wg_commit();
+    };
+    // After block j's turn: wait for dQ_{j-1} and S_j (then stage j-1 is free), P_j while dP_j
+    // runs, then dS_j into da.
+    auto process = [&](int j) {
       // Pending: dQ_{j-1}, S_j, dP_j. Waiting down to one leaves only dP_j running.
       wg_wait<1>();
       fence_regs(sc);
@@ -191,19 +206,45 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
         }
       }
       fence_regs(da);
+    };
+
+    // Consumer 1 lets consumer 0 issue first; every turn ends by handing over to the other.
+    // Turns: (S_0, dP_0), (dQ_0, S_1, dP_1), ..., (dQ_{total-1}). The first turn is peeled so
+    // that no wgmma sits behind a branch (ptxas would serialise them all, C7520).
+    if (pp && cw == 1) ws::bar_arrive(other_bar, NC);
+    ws::mbar_wait(bQ, 0);
+    if (total > 0) {
+      ws::mbar_wait(full(0), 0);
+      if (pp) ws::bar_sync(my_bar, NC);
+      wg_fence();
+      issue_sdp(0);
+      if (pp) ws::bar_arrive(other_bar, NC);
+      process(0);
+      for (int j = 1; j < total; ++j) {
+        const int st = j % S;
+        ws::mbar_wait(full(st), uint32_t(j / S) & 1u);
+        if (pp) ws::bar_sync(my_bar, NC);
+        fence_regs(da);
+        fence_regs(acc);
+        wg_fence();
+        issue_dq(j - 1, (j - 1) % S);
+        issue_sdp(st);
+        if (pp) ws::bar_arrive(other_bar, NC);
+        process(j);
+      }
+      // The last block's dQ product: one more turn.
+      if (pp) ws::bar_sync(my_bar, NC);
+      fence_regs(da);
       fence_regs(acc);
       wg_fence();
-#pragma unroll
-      for (int kt = 0; kt < BN / 16; ++kt) {
-        // The first product overwrites acc: a zero fill before the loop would be a non-wgmma
-        // definition of an accumulator in flight across the back edge (ptxas then serialises).
-        Wgmma<T, D>::template rs<1>(acc, da[kt], desc_mnmajor<BN>(sK, kt * 16), j > 0 || kt > 0);
-      }
-      wg_commit();
+      issue_dq(total - 1, (total - 1) % S);
+      if (pp) ws::bar_arrive(other_bar, NC);
+      wg_wait<0>();
+      fence_regs(acc);
+      fence_regs(da);
     }
-    wg_wait<0>();
-    fence_regs(acc);
-    fence_regs(da);
+    // Consumer 0 takes consumer 1's last hand-over, so no barrier is left half-arrived.
+    if (pp && cw == 0) ws::bar_sync(my_bar, NC);
 
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -236,6 +277,7 @@ bool launch_dq_sm90_ws(const Params& p, cudaStream_t stream) {
     return false;
   }
   a.p = p;
+  a.pingpong = use_pingpong();
   auto kernel = p.softcap > 0.f ? dq_ws_kernel_sm90<T, D, true> : dq_ws_kernel_sm90<T, D, false>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
   kernel<<<unsigned(grid), C::THREADS, C::SMEM, stream>>>(a);

@@ -373,8 +373,7 @@ bool launch_forward_sm90_ws(const Params& p, cudaStream_t stream) {
     return false;
   }
   a.p = p;
-  const char* e = std::getenv("DUALKV_SM90_PINGPONG");
-  a.pingpong = !(e && e[0] == '0');
+  a.pingpong = use_pingpong();
   a.prescale = !(p.scale_log2 > 0.f);
   auto kernel = p.softcap > 0.f ? fwd_ws_kernel_sm90<T, D, true> : fwd_ws_kernel_sm90<T, D, false>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM);

@@ -18,8 +18,8 @@
 // bitwise reproducible; the race test repeats a run many times and requires bitwise-equal results.
 // Bench: CUDA events, warm-up, median of repeats, useful TFLOP/s (Layout::forward_flops).
 // Kernel paths, each checked and timed: the default (warp-specialised on sm_90), the sm_80 one
-// (DUALKV_FORCE_SM80=1), the synchronous wgmma one (DUALKV_SM90_WS=0) and, forward only, the
-// warp-specialised forward with ping-pong off (DUALKV_SM90_PINGPONG=0).
+// (DUALKV_FORCE_SM80=1), the synchronous wgmma one (DUALKV_SM90_WS=0) and the warp-specialised
+// one with ping-pong off (DUALKV_SM90_PINGPONG=0: forward and dQ kernels).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -168,8 +168,7 @@ constexpr KernelPath kPaths[] = {{"default", nullptr},
                                  {"sm80", "DUALKV_FORCE_SM80"},
                                  {"sm90-sync", "DUALKV_SM90_WS"},
                                  {"sm90-nopp", "DUALKV_SM90_PINGPONG"}};
-constexpr int kForwardOnlyPath = 3;  // ping-pong exists in the forward only
-std::string g_only_path;             // --path: run this one only
+std::string g_only_path;  // --path: run this one only
 
 bool path_selected(const KernelPath& k) { return g_only_path.empty() || g_only_path == k.name; }
 
@@ -549,8 +548,7 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   for (int path = 0; path < int(std::size(kPaths)); ++path) {
     if (!path_selected(kPaths[path])) continue;
     select_path(kPaths[path]);
-    std::printf("  path %s%s\n", kPaths[path].name,
-                path == kForwardOnlyPath ? " (forward only)" : "");
+    std::printf("  path %s\n", kPaths[path].name);
     g.forward(true);
     const auto out = download<uint16_t>(g.out, g.nq);
     const auto lse = download<float>(g.lse, g.nl);
@@ -570,7 +568,6 @@ void run_case(const Case& c, std::mt19937_64& rng) {
       // lse is fp32; the GPU's exp2 is approximate (2^-22 relative): slack 1e-5 * (1 + max|lse|).
       judge("lse", gl, cl, 2.0, 1e-5 * (1 + gl.max_ref));
     }
-    if (path == kForwardOnlyPath) continue;
     std::vector<uint16_t> dq0, dk0, dv0;
     // Modes: 0 default, 1 deterministic, 2 and 3 default with DUALKV_ATOMIC_DQ=1 and =2 (the
     // fused atomic dq variants).
@@ -630,7 +627,7 @@ void race_test(int reps, std::mt19937_64& rng) {
   std::vector<float> lse0;
   int bad = 0;
   // Each full (forward + backward) kernel path, default and deterministic mode.
-  for (int mode = 0; mode < 2 * kForwardOnlyPath; ++mode) {
+  for (int mode = 0; mode < 2 * int(std::size(kPaths)); ++mode) {
     const int det = mode & 1;
     if (!path_selected(kPaths[mode / 2])) continue;
     select_path(kPaths[mode / 2]);
