@@ -16,8 +16,9 @@ namespace dualkv::cuda::detail {
 // the warp-specialised sm_90a dK/dV kernel (D <= 128) and the sm_80 one. DUALKV_ATOMIC_DQ=2: the
 // sm_90a kernel hands its dQ blocks to reducer warps that add them with bulk async reductions
 // (elsewhere 2 acts as 1). Neither beat the separate pass (H200, bf16, D=128, Hq=32, Hkv=8,
-// N=16 P=8192 R=1024 backward: 19.6 ms separate, 21.3 ms mode 1, 19.8 ms mode 2; sm_80 47.8 vs
-// 37.0 ms): A/B switches, see src/cuda/NOTES.md.
+// N=16 P=8192 R=1024 backward: 19.3 ms separate, 19.5 ms mode 1, 19.2 ms mode 2, and the
+// separate pass has since gained ping-pong: 18.3 ms; sm_80 47.8 vs 37.0 ms): A/B switches, see
+// src/cuda/NOTES.md.
 inline int atomic_dq_mode(bool deterministic) {
   if (deterministic) return 0;
   const char* e = std::getenv("DUALKV_ATOMIC_DQ");

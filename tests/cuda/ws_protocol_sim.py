@@ -1,10 +1,10 @@
 """Randomised model of the barrier protocols of the warp-specialised sm_90a kernels.
 
 src/cuda/sm90_fwd_ws.cuh, sm90_dq_ws.cuh and sm90_bwd_ws.cuh (dK/dV) hand K/V (or Q/dO) blocks
-from a producer to two consumer warpgroups through mbarrier rings; the forward also alternates the
-consumers' GEMM issue with two named barriers. This model replays each kernel's sequence of
-waits and arrivals (mbarrier phases and parities, copies landing asynchronously, cp.async
-arrivals, named-barrier counts) under random interleavings and checks: no deadlock, every
+from a producer to two consumer warpgroups through mbarrier rings; the forward and the dQ kernel
+also alternate the consumers' GEMM issue with two named barriers. This model replays each kernel's
+sequence of waits and arrivals (mbarrier phases and parities, copies landing asynchronously,
+cp.async arrivals, named-barrier counts) under random interleavings and checks: no deadlock, every
 consumer read sees the block it expects, no stage is overwritten while a consumer reads it, no
 named barrier is left half-arrived. It does not run the kernels; keep it in step with them.
 
@@ -173,13 +173,14 @@ def run_fwd(total, S, pp, rng):
         assert b.cnt == 0, "named barrier left half-arrived"
 
 
-def run_dq(total, S, rng):
+def run_dq(total, S, pp, rng):
     bQ = MBar(1)
     full = [MBar(1) for _ in range(S)]
     empty = [MBar(2) for _ in range(S)]
     slot = [None] * S
     readers = [set() for _ in range(S)]
     inflight = []
+    bars = {1: Named(2), 2: Named(2)}  # counts in warpgroups
 
     def producer():
         bQ.expect_tx(1)
@@ -192,17 +193,32 @@ def run_dq(total, S, rng):
             inflight.append((full[s], s, j))
 
     def consumer(cw):
+        # Turns: (S_0, dP_0), (dQ_0, S_1, dP_1), ..., (dQ_{total-1}); stage j is read by S_j,
+        # dP_j and dQ_j, and released after the wait that retires dQ_j (in block j + 1).
+        my, other = 1 + cw, 2 - cw
+        if pp and cw == 1:
+            bars[other].arrive()
         yield from wait(bQ, 0)
-        for j in range(total):
-            st = j % S
-            yield from wait(full[st], (j // S) & 1)
-            assert slot[st] == j
-            readers[st].add(cw)  # S, dP, and later dQ_j read the stage
-            yield
+        for j in range(total + (total > 0)):
+            if j < total:
+                st = j % S
+                yield from wait(full[st], (j // S) & 1)
+                assert slot[st] == j
+            if pp:
+                yield from bars[my].sync()
             if j > 0:
+                assert cw in readers[(j - 1) % S], "dQ reads a released stage"
+            if j < total:
+                readers[st].add(cw)
+            if pp:
+                bars[other].arrive()
+            yield
+            if 0 < j < total:
                 readers[(j - 1) % S].discard(cw)
                 empty[(j - 1) % S].arrive()
             yield
+        if pp and cw == 0:
+            yield from bars[my].sync()
 
     def land(x):
         bar, s, v = x
@@ -211,6 +227,8 @@ def run_dq(total, S, rng):
         bar.complete_tx(1)
 
     schedule([producer(), consumer(0), consumer(1)], inflight, land, rng, "dq")
+    for b in bars.values():
+        assert b.cnt == 0, "named barrier left half-arrived"
 
 
 def run_dkdv(nblocks, S, rng, dq_mode=0):
@@ -353,7 +371,7 @@ for _trial in range(3000):
     S = rng.choice([2, 3])
     total = rng.randrange(0, 9)
     run_fwd(total, S, rng.random() < 0.7, rng)
-    run_dq(total, S, rng)
+    run_dq(total, S, rng.random() < 0.7, rng)
     for dq_mode in (0, 1, 2):
         run_dkdv(total, S, rng, dq_mode)
     n += 1
