@@ -78,6 +78,15 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(const __grid_constant__
   reinterpret_cast<uint4*>(static_cast<T*>(p.dq))[i] = r;
 }
 
+// The preprocess every backward path starts with (bwd_pre_kernel; zeroes dq_accum when `atomic`).
+template <typename T, int D>
+void launch_bwd_pre(const Params& p, bool atomic, cudaStream_t stream) {
+  const int64_t threads = int64_t(p.T) * p.Hq * (D / 8);
+  if (threads == 0) return;
+  bwd_pre_kernel<T, D><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(p, atomic);
+  check_launch("dualkv backward preprocess");
+}
+
 // Converts dq_accum into dq (after a kernel with fused atomic dQ).
 template <typename T, int D>
 void launch_dq_convert(const Params& p, cudaStream_t stream) {
@@ -549,13 +558,8 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, 2)
 template <typename T, int D>
 void launch_backward_sm80(const Params& p, bool deterministic_requested, cudaStream_t stream) {
   const bool deterministic = !use_atomic_dq(deterministic_requested);
-  const int64_t rows = int64_t(p.T) * p.Hq;
-  if (rows == 0) return;
-  {
-    const int64_t threads = rows * (D / 8);
-    bwd_pre_kernel<T, D><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(p, !deterministic);
-    check_launch("dualkv backward preprocess");
-  }
+  if (int64_t(p.T) * p.Hq == 0) return;
+  launch_bwd_pre<T, D>(p, !deterministic, stream);
   using BC = BwdCfg<D>;
   const int64_t grid_kv = int64_t(p.nkt) * (kTileSize / BC::BN) * p.Hkv;
   if (grid_kv > 0) {

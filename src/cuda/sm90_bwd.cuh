@@ -438,36 +438,36 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const __grid_constant__
 #endif
 }
 
+// The synchronous dK/dV kernel (also the D = 256 part of the default backward).
+template <typename T, int D>
+void launch_dkdv_sm90(const Params& p, cudaStream_t stream) {
+  using C = Dkdv90Cfg<D>;
+  const int64_t grid = int64_t(p.nkt) * (kTileSize / C::BN) * p.Hkv;
+  if (grid == 0) return;
+  auto kernel = p.softcap > 0.f ? dkdv_kernel_sm90<T, D, true> : dkdv_kernel_sm90<T, D, false>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
+  kernel<<<unsigned(grid), C::THREADS, C::SMEM, stream>>>(p);
+  check_launch("dualkv backward dk/dv (sm90a)");
+}
+
+// The synchronous dQ pass.
+template <typename T, int D>
+void launch_dq_sm90(const Params& p, cudaStream_t stream) {
+  using C = Dq90Cfg<D>;
+  const int64_t grid = int64_t(p.nqt) * p.Hq;
+  if (grid == 0) return;
+  auto kernel = p.softcap > 0.f ? dq_kernel_sm90<T, D, true> : dq_kernel_sm90<T, D, false>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
+  kernel<<<unsigned(grid), C::THREADS, C::SMEM, stream>>>(p);
+  check_launch("dualkv backward dq (sm90a)");
+}
+
 template <typename T, int D>
 void launch_backward_sm90(const Params& p, cudaStream_t stream) {
-  const int64_t rows = int64_t(p.T) * p.Hq;
-  if (rows == 0) return;
-  {
-    const int64_t threads = rows * (D / 8);
-    bwd_pre_kernel<T, D><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(p, false);
-    check_launch("dualkv backward preprocess");
-  }
-  const bool cap = p.softcap > 0.f;
-  {
-    using C = Dkdv90Cfg<D>;
-    const int64_t grid = int64_t(p.nkt) * (kTileSize / C::BN) * p.Hkv;
-    if (grid > 0) {
-      auto kernel = cap ? dkdv_kernel_sm90<T, D, true> : dkdv_kernel_sm90<T, D, false>;
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
-      kernel<<<unsigned(grid), C::THREADS, C::SMEM, stream>>>(p);
-      check_launch("dualkv backward dk/dv (sm90a)");
-    }
-  }
-  {
-    using C = Dq90Cfg<D>;
-    const int64_t grid = int64_t(p.nqt) * p.Hq;
-    if (grid > 0) {
-      auto kernel = cap ? dq_kernel_sm90<T, D, true> : dq_kernel_sm90<T, D, false>;
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
-      kernel<<<unsigned(grid), C::THREADS, C::SMEM, stream>>>(p);
-      check_launch("dualkv backward dq (sm90a)");
-    }
-  }
+  if (int64_t(p.T) * p.Hq == 0) return;
+  launch_bwd_pre<T, D>(p, false, stream);
+  launch_dkdv_sm90<T, D>(p, stream);
+  launch_dq_sm90<T, D>(p, stream);
 }
 
 }  // namespace dualkv::cuda::detail
