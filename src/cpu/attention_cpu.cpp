@@ -193,6 +193,23 @@ std::unique_ptr<A[]> to_heads(const void* src, TokenHeadStrides st, int32_t T, i
   return y;
 }
 
+// q, k, v of a forward or backward call widened with to_heads (owned here); the problem points
+// at them.
+template <class A>
+struct WidenedQkv {
+  std::unique_ptr<A[]> q, k, v;
+};
+template <class S, class A, class Args>
+WidenedQkv<A> widen_qkv(const Args& args, Problem<A>& p) {
+  WidenedQkv<A> w{to_heads<S, A>(args.q, args.q_stride, p.T, p.Hq, p.D, p.Dp),
+                  to_heads<S, A>(args.k, args.k_stride, p.T, p.Hkv, p.D, p.Dp),
+                  to_heads<S, A>(args.v, args.v_stride, p.T, p.Hkv, p.D, p.Dp)};
+  p.q = w.q.get();
+  p.k = w.k.get();
+  p.v = w.v.get();
+  return w;
+}
+
 // Every block of up to kTileSize queries of every (query tile, q head), dynamically scheduled
 // over the enclosing parallel region's threads (an orphaned `omp for`, implicit barrier at the
 // end): fn(segment, first token, count, q head).
@@ -216,12 +233,7 @@ void forward_typed(const ForwardArgs& args) {
   const Shape& sh = args.shape;
   const LayoutView& lv = args.layout;
   Problem<A> p = make_problem<A>(sh, args.score, lv);
-  const auto q = to_heads<S, A>(args.q, args.q_stride, p.T, p.Hq, p.D, p.Dp);
-  const auto k = to_heads<S, A>(args.k, args.k_stride, p.T, p.Hkv, p.D, p.Dp);
-  const auto v = to_heads<S, A>(args.v, args.v_stride, p.T, p.Hkv, p.D, p.Dp);
-  p.q = q.get();
-  p.k = k.get();
-  p.v = v.get();
+  const WidenedQkv<A> qkv = widen_qkv<S, A>(args, p);
   const Kernels<A> ks = select_kernels<A>();
   S* out = static_cast<S*>(args.out);
   // fp64 writes lse64 (and lse too when given); the others write the fp32 lse.
@@ -259,9 +271,7 @@ void backward_typed(const BackwardArgs& args) {
   const Shape& sh = args.shape;
   const LayoutView& lv = args.layout;
   Problem<A> p = make_problem<A>(sh, args.score, lv);
-  const auto q = to_heads<S, A>(args.q, args.q_stride, p.T, p.Hq, p.D, p.Dp);
-  const auto k = to_heads<S, A>(args.k, args.k_stride, p.T, p.Hkv, p.D, p.Dp);
-  const auto v = to_heads<S, A>(args.v, args.v_stride, p.T, p.Hkv, p.D, p.Dp);
+  const WidenedQkv<A> qkv = widen_qkv<S, A>(args, p);
   const TokenHeadStrides contiguous{int64_t(p.Hq) * p.D, p.D};
   const auto dout = to_heads<S, A>(args.dout, contiguous, p.T, p.Hq, p.D, p.Dp);
   const int64_t rows = int64_t(p.Hq) * p.T;
@@ -290,9 +300,6 @@ void backward_typed(const BackwardArgs& args) {
       lse[size_t(row)] = lse_in(row);
     }
   }
-  p.q = q.get();
-  p.k = k.get();
-  p.v = v.get();
   p.dout = dout.get();
   p.delta = delta.get();
   p.lse = lse.get();
