@@ -28,9 +28,9 @@ inline uint64_t test_seed() {
   std::random_device rd;
   return (uint64_t(rd()) << 32) ^ rd();
 }
-#define DUALKV_SEEDED_RNG(rng)                                                            \
-  const uint64_t rng##_seed = ::dualkv::test::test_seed();                                \
-  SCOPED_TRACE(::testing::Message() << "seed " << rng##_seed                              \
+#define DUALKV_SEEDED_RNG(rng)                                                                  \
+  const uint64_t rng##_seed = ::dualkv::test::test_seed();                                      \
+  SCOPED_TRACE(::testing::Message() << "seed " << rng##_seed                                    \
                                     << " (replay with DUALKV_TEST_SEED=" << rng##_seed << ")"); \
   std::mt19937_64 rng(rng##_seed)
 
@@ -92,7 +92,7 @@ struct LayoutTables {
         query_tiles(layout.query_tiles()),
         key_tiles(layout.key_tiles()) {}
   LayoutView view() const {
-    return {segments.data(),       query_tiles.data(),          key_tiles.data(),
+    return {segments.data(),          query_tiles.data(),          key_tiles.data(),
             int32_t(segments.size()), int32_t(query_tiles.size()), int32_t(key_tiles.size()),
             layout.total_tokens()};
   }
