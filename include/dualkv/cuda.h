@@ -14,6 +14,7 @@
 
 #include <cstddef>
 
+#include "dualkv/logits.h"
 #include "dualkv/params.h"
 
 namespace dualkv::cuda {
@@ -30,5 +31,11 @@ size_t backward_workspace_bytes(const Shape& shape);
 // Backward: dq, dk, dv. `workspace` holds backward_workspace_bytes(args.shape) bytes, 256-byte
 // aligned; its contents on entry do not matter.
 void attention_backward(const BackwardArgs& args, void* workspace, cudaStream_t stream);
+
+// Log-prob statistics of a chunk of logit rows and their gradient, in place
+// (include/dualkv/logits.h); all pointers on the device. A label outside the vocabulary gives a
+// NaN log-prob (no host synchronisation to check it).
+void logit_stats(const LogitStatsArgs& args, cudaStream_t stream);
+void logit_grad(const LogitGradArgs& args, cudaStream_t stream);
 
 }  // namespace dualkv::cuda

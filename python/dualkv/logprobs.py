@@ -5,7 +5,9 @@ final hidden states of the packed stream and the LM head, and returns them in th
 ``[B, R_max]`` layout (zeros on padding). The hidden state at a prompt's last position predicts
 the first token of each of its N responses, so that row of the LM head is scored against N
 labels. The vocabulary projection is chunked over tokens and recomputed in the backward pass: no
-float32 ``[tokens x vocab]`` tensor exists for all tokens at once.
+``[tokens x vocab]`` tensor exists for all tokens at once, and no float32 one at all: fused C++ /
+CUDA kernels (``dualkv::logit_stats``, ``dualkv::logit_grad_``) read each chunk's logits in their
+own dtype and write the gradient in place.
 
 :func:`logprobs_from_logits` is the plain (unchunked) computation a trainer does on the rows'
 logits; it is the reference the packed path is checked against.
@@ -17,35 +19,40 @@ from typing import Any
 
 import torch
 
+from ._ops import ops
 from .packing import PackedBatch
 
 __all__ = ["logprobs_from_logits", "response_logprobs"]
 
-# Default chunk: about 2**27 float32 logits (512 MiB) per chunk of tokens.
-_CHUNK_ELEMENTS = 1 << 27
+# Default chunk: about 512 MiB of logits (in the hidden states' dtype) per chunk of tokens. The
+# chunk's logits are the only [tokens x vocab] tensor: the statistics are computed from them in
+# one pass and the backward overwrites them with their gradient.
+_CHUNK_BYTES = 1 << 29
 
 
-def _logits(
-    h: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    softcap: float,
-    temperature: float,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """float32 (float64) logits of a chunk after softcap and temperature, and the capped ones."""
-    z = torch.nn.functional.linear(h, weight, bias)
-    z = z.to(torch.promote_types(z.dtype, torch.float32))
-    capped = None
-    if softcap > 0:
-        z = torch.tanh(z / softcap) * softcap
-        capped = z
-    if temperature != 1.0:
-        z = z / temperature
-    return z, capped
+def _matmul_into(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in ``acc``'s (float32/float64) precision, added to ``acc`` when given.
+
+    On CUDA with 16-bit inputs one GEMM writes the float32 result (accumulating into ``acc``
+    with beta = 1) instead of rounding the product to 16 bits first.
+    """
+    wide = acc.dtype if acc is not None else torch.promote_types(a.dtype, torch.float32)
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        if acc is None:
+            return torch.mm(a, b, out_dtype=wide)
+        return torch.addmm(acc, a, b, out_dtype=wide, out=acc)
+    prod = (a @ b).to(wide)
+    return prod if acc is None else acc.add_(prod)
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
-    """Chunked log-prob/entropy of labels under softmax(linear(hidden[sources]) / temperature)."""
+    """Chunked log-prob/entropy of labels under softmax(f(linear(hidden[sources]))).
+
+    f applies the logit softcap and the temperature (include/dualkv/logits.h). Per chunk, the
+    logits come from one GEMM in the hidden states' dtype; ``dualkv::logit_stats`` reads them
+    once, and in the backward ``dualkv::logit_grad_`` turns the recomputed logits into their
+    gradient in place.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -68,13 +75,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
         ent = torch.empty(m if want_entropy else 0, dtype=acc, device=dev)
         for s in range(0, m, chunk):
             e = min(s + chunk, m)
-            z, _ = _logits(hidden.index_select(0, sources[s:e]), weight, bias, softcap, temperature)
-            lz = torch.logsumexp(z, dim=-1)
-            lse[s:e] = lz
-            logp[s:e] = z.gather(1, labels[s:e, None]).squeeze(1) - lz
+            z = torch.nn.functional.linear(hidden.index_select(0, sources[s:e]), weight, bias)
+            lp, lz, en = ops.logit_stats(z, labels[s:e], temperature, softcap, want_entropy)
+            logp[s:e], lse[s:e] = lp, lz
             if want_entropy:
-                p = torch.exp(z - lz[:, None])
-                ent[s:e] = lz - (p * z).sum(-1)
+                ent[s:e] = en
         ctx.save_for_backward(hidden, weight, bias, sources, labels, lse, ent)
         ctx.cfg = (temperature, softcap, chunk, want_entropy, bias is not None)
         if not want_entropy:
@@ -92,14 +97,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
         if g_logp is None:
             g_logp = torch.zeros_like(lse)
         use_ent = want_entropy and g_ent is not None
-        grad_h = (
-            torch.zeros(hidden.shape, dtype=lse.dtype, device=hidden.device) if need_h else None
-        )
-        grad_w = (
-            torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_w else None
-        )
+        acc = lse.dtype
+        grad_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         grad_b = (
-            torch.zeros(weight.shape[0], dtype=lse.dtype, device=weight.device)
+            torch.zeros(weight.shape[0], dtype=acc, device=weight.device)
             if need_b and has_bias
             else None
         )
@@ -107,26 +109,18 @@ class _ChunkedLogprobs(torch.autograd.Function):
             e = min(s + chunk, m)
             src = sources[s:e]
             h = hidden.index_select(0, src)
-            z, capped = _logits(h, weight, bias, softcap, temperature)
-            lz = lse[s:e, None]
-            p = torch.exp(z - lz)
-            # d logp / dz = onehot(label) - p ; d entropy / dz = -p (z - E_p[z]), E_p[z] = lse - H
-            gz = p * (-g_logp[s:e, None])
-            if use_ent:
-                ez = lz - ent[s:e, None]
-                gz -= g_ent[s:e, None] * p * (z - ez)
-            gz.scatter_add_(1, labels[s:e, None], g_logp[s:e, None])
-            if temperature != 1.0:
-                gz /= temperature
-            if capped is not None:
-                gz *= 1.0 - (capped / softcap) ** 2
-            gzc = gz.to(weight.dtype)
+            gz = torch.nn.functional.linear(h, weight, bias)
+            ops.logit_grad_(
+                gz, labels[s:e], lse[s:e], g_logp[s:e],
+                g_ent[s:e] if use_ent else None, ent[s:e] if use_ent else None,
+                temperature, softcap,
+            )  # fmt: skip
             if grad_h is not None:
-                grad_h.index_add_(0, src, (gzc @ weight).to(lse.dtype))
+                grad_h.index_add_(0, src, _matmul_into(None, gz, weight))
             if grad_w is not None:
-                grad_w += (gzc.t() @ h).to(lse.dtype)
+                _matmul_into(grad_w, gz.t(), h)
             if grad_b is not None:
-                grad_b += gz.sum(0)
+                grad_b += gz.sum(0, dtype=acc)
         return (
             grad_h.to(hidden.dtype) if grad_h is not None else None,
             grad_w.to(weight.dtype) if grad_w is not None else None,
@@ -158,7 +152,7 @@ def response_logprobs(
         logit_softcap: final logit soft-capping ``c * tanh(logits / c)`` before the temperature
             (Gemma's ``final_logit_softcapping``); None or 0 for none.
         chunk_size: tokens per chunk of the vocabulary projection; default keeps one chunk's
-            float32 logits near 512 MiB.
+            logits (in the hidden states' dtype) near 512 MiB.
 
     Returns:
         ``logprobs`` ``[B, R_max]`` float32 (float64 for float64 inputs; zeros on padding), or
@@ -185,7 +179,8 @@ def response_logprobs(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     vocab = lm_head_weight.shape[0]
-    chunk = int(chunk_size) if chunk_size is not None else max(16, _CHUNK_ELEMENTS // max(vocab, 1))
+    per_token = max(vocab, 1) * hidden_states.element_size()
+    chunk = int(chunk_size) if chunk_size is not None else max(16, _CHUNK_BYTES // per_token)
     if chunk < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     weight = lm_head_weight

@@ -343,20 +343,6 @@ void backward_typed(const BackwardArgs& args) {
   }
 }
 
-template <template <class, class> class Fn, class Args>
-void dispatch(const Args& args) {
-  switch (args.dtype) {
-    case DType::kFloat16:
-      return Fn<Half, float>::run(args);
-    case DType::kBFloat16:
-      return Fn<BFloat16, float>::run(args);
-    case DType::kFloat32:
-      return Fn<float, float>::run(args);
-    case DType::kFloat64:
-      return Fn<double, double>::run(args);
-  }
-}
-
 template <class S, class A>
 struct Forward {
   static void run(const ForwardArgs& a) { forward_typed<S, A>(a); }

@@ -1,10 +1,13 @@
 // Bit-exact conversions between float and the 16-bit storage types (IEEE binary16 and bfloat16).
 // Loads are exact; stores round to nearest, ties to even, like a hardware cast. NaN stays NaN.
+// Also the dtype dispatch of the CPU backend's entry points.
 #pragma once
 
 #include <bit>
 #include <cstdint>
 #include <type_traits>
+
+#include "dualkv/params.h"
 
 namespace dualkv::cpu {
 
@@ -76,6 +79,22 @@ inline S store(A x) {
     return BFloat16{float_to_bf16_bits(float(x))};
   } else {
     return S(x);
+  }
+}
+
+// Runs Fn<S, A>::run(args) for args.dtype: S the storage type, A the accumulation type (fp32,
+// fp64 for fp64 inputs).
+template <template <class, class> class Fn, class Args>
+void dispatch(const Args& args) {
+  switch (args.dtype) {
+    case DType::kFloat16:
+      return Fn<Half, float>::run(args);
+    case DType::kBFloat16:
+      return Fn<BFloat16, float>::run(args);
+    case DType::kFloat32:
+      return Fn<float, float>::run(args);
+    case DType::kFloat64:
+      return Fn<double, double>::run(args);
   }
 }
 

@@ -17,7 +17,7 @@ void check_table(const at::Tensor& t, const char* name, int64_t fields, const at
 }
 }  // namespace
 
-DType to_dtype(at::ScalarType t) {
+DType to_dtype(at::ScalarType t, const char* name) {
   switch (t) {
     case at::kHalf:
       return DType::kFloat16;
@@ -28,7 +28,7 @@ DType to_dtype(at::ScalarType t) {
     case at::kDouble:
       return DType::kFloat64;
     default:
-      TORCH_CHECK_TYPE(false, "q has dtype ", t,
+      TORCH_CHECK_TYPE(false, name, " has dtype ", t,
                        "; supported: bfloat16, float16 (CPU and CUDA), float32, float64 (CPU)");
   }
 }

@@ -28,7 +28,7 @@ struct ScoreOptions {
 Shape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                 const LayoutTensors& layout);
 ScoreParams check_score(const ScoreOptions& opts);
-DType to_dtype(at::ScalarType t);
+DType to_dtype(at::ScalarType t, const char* name = "q");
 // lse is float32, except float64 for float64 inputs.
 at::ScalarType lse_dtype(at::ScalarType input);
 

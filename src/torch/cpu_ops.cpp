@@ -1,4 +1,4 @@
-// CPU implementations of dualkv::fwd / dualkv::bwd: the C++ reference backend.
+// CPU implementations of the dualkv:: ops: the C++ reference backend.
 #include "dualkv/cpu.h"
 #include "ops.h"
 #include "run.h"
@@ -24,10 +24,26 @@ BwdResult bwd_cpu(DUALKV_BWD_PARAMS) {
   });
 }
 
+LogitStatsResult logit_stats_cpu(DUALKV_LOGIT_STATS_PARAMS) {
+  return translate_errors([&] {
+    return run_logit_stats(logits, labels, temperature, softcap, entropy,
+                           [](const LogitStatsArgs& a) { cpu::logit_stats(a); });
+  });
+}
+
+void logit_grad_cpu(DUALKV_LOGIT_GRAD_PARAMS) {
+  translate_errors([&] {
+    run_logit_grad(logits, labels, lse, g_logp, g_entropy, entropy, temperature, softcap,
+                   [](const LogitGradArgs& a) { cpu::logit_grad(a); });
+  });
+}
+
 }  // namespace
 }  // namespace dualkv::torch_ops
 
 TORCH_LIBRARY_IMPL(dualkv, CPU, m) {
   m.impl("fwd", &dualkv::torch_ops::fwd_cpu);
   m.impl("bwd", &dualkv::torch_ops::bwd_cpu);
+  m.impl("logit_stats", &dualkv::torch_ops::logit_stats_cpu);
+  m.impl("logit_grad_", &dualkv::torch_ops::logit_grad_cpu);
 }

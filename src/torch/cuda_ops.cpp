@@ -1,5 +1,5 @@
-// CUDA implementations of dualkv::fwd / dualkv::bwd: dispatch into the CUDA library on the
-// current stream; the backward workspace comes from torch's caching allocator.
+// CUDA implementations of the dualkv:: ops: dispatch into the CUDA library on the current
+// stream; the backward workspace comes from torch's caching allocator.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -46,10 +46,30 @@ BwdResult bwd_cuda(DUALKV_BWD_PARAMS) {
   });
 }
 
+LogitStatsResult logit_stats_cuda(DUALKV_LOGIT_STATS_PARAMS) {
+  const c10::cuda::CUDAGuard guard(logits.device());
+  return translate_errors([&] {
+    return run_logit_stats(
+        logits, labels, temperature, softcap, entropy,
+        [](const LogitStatsArgs& a) { cuda::logit_stats(a, at::cuda::getCurrentCUDAStream()); });
+  });
+}
+
+void logit_grad_cuda(DUALKV_LOGIT_GRAD_PARAMS) {
+  const c10::cuda::CUDAGuard guard(logits.device());
+  translate_errors([&] {
+    run_logit_grad(
+        logits, labels, lse, g_logp, g_entropy, entropy, temperature, softcap,
+        [](const LogitGradArgs& a) { cuda::logit_grad(a, at::cuda::getCurrentCUDAStream()); });
+  });
+}
+
 }  // namespace
 }  // namespace dualkv::torch_ops
 
 TORCH_LIBRARY_IMPL(dualkv, CUDA, m) {
   m.impl("fwd", &dualkv::torch_ops::fwd_cuda);
   m.impl("bwd", &dualkv::torch_ops::bwd_cuda);
+  m.impl("logit_stats", &dualkv::torch_ops::logit_stats_cuda);
+  m.impl("logit_grad_", &dualkv::torch_ops::logit_grad_cuda);
 }

@@ -1,5 +1,6 @@
-// Registration of the dualkv:: torch ops: schemas, the layout helpers, the Meta (fake)
-// implementations used by torch.compile, and the CUDA placeholder when no CUDA library is built.
+// Registration of the dualkv:: torch ops (attention, log-prob statistics): schemas, the layout
+// helpers, the Meta (fake) implementations used by torch.compile, and the CUDA placeholder when
+// no CUDA library is built.
 #include "ops.h"
 
 #include <ATen/ATen.h>
@@ -68,6 +69,19 @@ BwdResult bwd_meta(DUALKV_BWD_PARAMS) {
           at::empty_like(v, at::MemoryFormat::Contiguous)};
 }
 
+LogitStatsResult logit_stats_meta(DUALKV_LOGIT_STATS_PARAMS) {
+  (void)labels, (void)temperature, (void)softcap;
+  TORCH_CHECK_VALUE(logits.dim() == 2, "logits must be [rows, vocab], got ", logits.sizes());
+  const auto opts = logits.options().dtype(lse_dtype(logits.scalar_type()));
+  const int64_t rows = logits.size(0);
+  return {at::empty({rows}, opts), at::empty({rows}, opts), at::empty({entropy ? rows : 0}, opts)};
+}
+
+void logit_grad_meta(DUALKV_LOGIT_GRAD_PARAMS) {
+  (void)logits, (void)labels, (void)lse, (void)g_logp, (void)g_entropy, (void)entropy;
+  (void)temperature, (void)softcap;
+}
+
 #ifndef DUALKV_WITH_CUDA
 [[noreturn]] void no_cuda() {
   TORCH_CHECK(false,
@@ -77,6 +91,8 @@ BwdResult bwd_meta(DUALKV_BWD_PARAMS) {
 }
 FwdResult fwd_no_cuda(DUALKV_FWD_PARAMS) { no_cuda(); }
 BwdResult bwd_no_cuda(DUALKV_BWD_PARAMS) { no_cuda(); }
+LogitStatsResult logit_stats_no_cuda(DUALKV_LOGIT_STATS_PARAMS) { no_cuda(); }
+void logit_grad_no_cuda(DUALKV_LOGIT_GRAD_PARAMS) { no_cuda(); }
 #endif
 
 }  // namespace
@@ -101,16 +117,26 @@ TORCH_LIBRARY(dualkv, m) {
       "Tensor segments, Tensor query_tiles, Tensor key_tiles, int total_tokens, "
       "float softmax_scale, int? window, float softcap, bool deterministic) -> "
       "(Tensor dq, Tensor dk, Tensor dv)");
+  m.def(
+      "logit_stats(Tensor logits, Tensor labels, float temperature, float softcap, "
+      "bool entropy) -> (Tensor logp, Tensor lse, Tensor entropy)");
+  m.def(
+      "logit_grad_(Tensor(a!) logits, Tensor labels, Tensor lse, Tensor g_logp, "
+      "Tensor? g_entropy, Tensor? entropy, float temperature, float softcap) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(dualkv, Meta, m) {
   m.impl("fwd", &dualkv::torch_ops::fwd_meta);
   m.impl("bwd", &dualkv::torch_ops::bwd_meta);
+  m.impl("logit_stats", &dualkv::torch_ops::logit_stats_meta);
+  m.impl("logit_grad_", &dualkv::torch_ops::logit_grad_meta);
 }
 
 #ifndef DUALKV_WITH_CUDA
 TORCH_LIBRARY_IMPL(dualkv, CUDA, m) {
   m.impl("fwd", &dualkv::torch_ops::fwd_no_cuda);
   m.impl("bwd", &dualkv::torch_ops::bwd_no_cuda);
+  m.impl("logit_stats", &dualkv::torch_ops::logit_stats_no_cuda);
+  m.impl("logit_grad_", &dualkv::torch_ops::logit_grad_no_cuda);
 }
 #endif

@@ -12,6 +12,7 @@ namespace dualkv::torch_ops {
 
 using FwdResult = std::tuple<at::Tensor, at::Tensor>;
 using BwdResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+using LogitStatsResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
 // Argument lists exactly as in the schemas registered in ops.cpp.
 #define DUALKV_FWD_PARAMS                                                                    \
@@ -24,6 +25,13 @@ using BwdResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
       const at::Tensor &segments, const at::Tensor &query_tiles, const at::Tensor &key_tiles,    \
       int64_t total_tokens, double softmax_scale, std::optional<int64_t> window, double softcap, \
       bool deterministic
+#define DUALKV_LOGIT_STATS_PARAMS                                                         \
+  const at::Tensor &logits, const at::Tensor &labels, double temperature, double softcap, \
+      bool entropy
+#define DUALKV_LOGIT_GRAD_PARAMS                                             \
+  const at::Tensor &logits, const at::Tensor &labels, const at::Tensor &lse, \
+      const at::Tensor &g_logp, const std::optional<at::Tensor>&g_entropy,   \
+      const std::optional<at::Tensor>&entropy, double temperature, double softcap
 
 // Core errors (dualkv::Error) surface in Python as ValueError.
 template <typename F>

@@ -6,6 +6,7 @@
 #include <tuple>
 
 #include "checks.h"
+#include "dualkv/logits.h"
 
 namespace dualkv::torch_ops {
 
@@ -18,5 +19,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
     const LayoutTensors& layout, const ScoreOptions& opts, bool deterministic,
     const std::function<void(const BackwardArgs&)>& launch);
+
+// (logp, lse, entropy) of each row of logits (entropy is [0] unless asked for).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> run_logit_stats(
+    const at::Tensor& logits, const at::Tensor& labels, double temperature, double softcap,
+    bool entropy, const std::function<void(const LogitStatsArgs&)>& launch);
+
+// Overwrites logits with the gradient of the rows' log-probs (and entropies).
+void run_logit_grad(const at::Tensor& logits, const at::Tensor& labels, const at::Tensor& lse,
+                    const at::Tensor& g_logp, const std::optional<at::Tensor>& g_entropy,
+                    const std::optional<at::Tensor>& entropy, double temperature, double softcap,
+                    const std::function<void(const LogitGradArgs&)>& launch);
 
 }  // namespace dualkv::torch_ops
