@@ -223,56 +223,60 @@ struct KeyBlockWalk {
   }
 };
 
-// The queries one CTA of a query-tile kernel owns: blockIdx.x = (tile * SPLIT + part) * Hq + h,
-// each 128-token tile cut into SPLIT blocks of B queries. `valid` is false for a block that lies
-// past its tile's end (only possible with SPLIT > 1); the other fields are then unset.
+// The rows one CTA of a tile kernel owns: blockIdx.x = (tile * SPLIT + part) * heads + head,
+// each 128-token tile cut into SPLIT parts of B rows. `valid` is false for a part that lies past
+// its tile's end (only possible with SPLIT > 1); begin/count are then unset.
+template <int B>
+struct TilePart {
+  static constexpr int SPLIT = kTileSize / B;
+  int head, begin, count, segment;
+  bool valid;
+
+  __device__ __forceinline__ TilePart(const Tile* tiles, int heads) {
+    head = int(blockIdx.x % unsigned(heads));
+    const int rest = int(blockIdx.x / unsigned(heads));
+    const Tile tile = tiles[rest / SPLIT];
+    segment = tile.segment;
+    if constexpr (SPLIT == 1) {
+      begin = tile.begin, count = tile.end - tile.begin, valid = true;
+    } else {
+      begin = tile.begin + (rest % SPLIT) * B;
+      valid = begin < tile.end;
+      if (valid) count = min(B, tile.end - begin);
+    }
+  }
+};
+
+// The queries one CTA of a query-tile kernel owns (q head h, its kv head hk); when `valid` is
+// false the caller returns: nothing else is read.
 template <int B>
 struct QueryTileCta {
-  static constexpr int SPLIT = kTileSize / B;
   int h, hk, q0, nq;
   Segment seg;
   bool valid;
 
   __device__ __forceinline__ explicit QueryTileCta(const Params& p) {
-    h = int(blockIdx.x % unsigned(p.Hq));
-    const int rest = int(blockIdx.x / unsigned(p.Hq));
-    const Tile tile = p.qtiles[rest / SPLIT];
-    if constexpr (SPLIT == 1) {
-      seg = p.segs[tile.segment];
-      q0 = tile.begin, nq = tile.end - tile.begin, valid = true;
-    } else {
-      q0 = tile.begin + (rest % SPLIT) * B;
-      valid = q0 < tile.end;
-      if (!valid) return;  // the caller returns too: nothing else is read
-      nq = min(B, tile.end - q0);
-      seg = p.segs[tile.segment];
-    }
+    const TilePart<B> part(p.qtiles, p.Hq);
+    h = part.head, q0 = part.begin, nq = part.count, valid = part.valid;
+    if (!valid) return;
+    seg = p.segs[part.segment];
     hk = h / p.group;
   }
 };
 
-// The keys one CTA of a key-tile (dK/dV) kernel owns: blockIdx.x = (tile * SPLIT + part) * Hkv +
-// hk, as QueryTileCta; pk_first/pk_last are the keys' logical positions.
+// The keys one CTA of a key-tile (dK/dV) kernel owns (kv head hk); pk_first/pk_last are the
+// keys' logical positions.
 template <int B>
 struct KeyTileCta {
-  static constexpr int SPLIT = kTileSize / B;
   int hk, k0, nk, ksi, pk_first, pk_last;
   Segment kseg;
   bool valid;
 
   __device__ __forceinline__ explicit KeyTileCta(const Params& p) {
-    hk = int(blockIdx.x % unsigned(p.Hkv));
-    const int rest = int(blockIdx.x / unsigned(p.Hkv));
-    const Tile tile = p.ktiles[rest / SPLIT];
-    if constexpr (SPLIT == 1) {
-      k0 = tile.begin, nk = tile.end - tile.begin, valid = true;
-    } else {
-      k0 = tile.begin + (rest % SPLIT) * B;
-      valid = k0 < tile.end;
-      if (!valid) return;  // the caller returns too: nothing else is read
-      nk = min(B, tile.end - k0);
-    }
-    ksi = tile.segment;
+    const TilePart<B> part(p.ktiles, p.Hkv);
+    hk = part.head, k0 = part.begin, nk = part.count, valid = part.valid;
+    if (!valid) return;
+    ksi = part.segment;
     kseg = p.segs[ksi];
     pk_first = kseg.pos0 + (k0 - kseg.start), pk_last = pk_first + nk - 1;
   }
