@@ -31,13 +31,19 @@ _CHUNK_BYTES = 1 << 29
 
 
 def _matmul_into(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` in ``acc``'s (float32/float64) precision, added to ``acc`` when given.
+    """``acc += a @ b`` (or ``a @ b``) in ``acc``'s float32/float64 precision; returns ``acc``.
 
-    On CUDA with 16-bit inputs one GEMM writes the float32 result (accumulating into ``acc``
-    with beta = 1) instead of rounding the product to 16 bits first.
+    On CUDA with 16-bit inputs, eagerly, one GEMM writes the float32 result into ``acc`` (beta =
+    1) instead of rounding the product to 16 bits first. Under torch.compile the product is
+    rounded to 16 bits, then added: torch 2.11's fake-tensor rule for ``addmm(out_dtype=...)``
+    fails to trace.
     """
     wide = acc.dtype if acc is not None else torch.promote_types(a.dtype, torch.float32)
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+    if (
+        a.is_cuda
+        and a.dtype in (torch.bfloat16, torch.float16)
+        and not torch.compiler.is_compiling()
+    ):
         if acc is None:
             return torch.mm(a, b, out_dtype=wide)
         return torch.addmm(acc, a, b, out_dtype=wide, out=acc)

@@ -59,5 +59,8 @@ def test_compile_response_logprobs_fullgraph(device: str, backend: str, seed: in
     loss_e = step(h, w)
     grads_e = torch.autograd.grad(loss_e, (h, w))
     torch.testing.assert_close(loss_c, loss_e)
+    # On CUDA the compiled backward adds the chunks' head-gradient products after rounding them
+    # to bf16 (eagerly one GEMM accumulates them in fp32): bf16-level differences.
+    tol = {} if device == "cpu" else {"rtol": 2e-2, "atol": 2e-3}
     for a, b in zip(grads_c, grads_e):
-        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(a, b, **tol)
