@@ -123,24 +123,12 @@ bool rows_vectorisable(const Args& a) {
          (a.row_stride * int64_t(sizeof(T))) % 16 == 0;
 }
 
-template <class T>
-void launch_stats(const LogitStatsArgs& a, cudaStream_t stream) {
-  if (rows_vectorisable<T>(a)) {
-    logit_stats_kernel<T, true><<<unsigned(a.rows), kThreads, 0, stream>>>(a);
-  } else {
-    logit_stats_kernel<T, false><<<unsigned(a.rows), kThreads, 0, stream>>>(a);
-  }
-  check_launch("dualkv::cuda::logit_stats");
-}
-
-template <class T>
-void launch_grad(const LogitGradArgs& a, cudaStream_t stream) {
-  if (rows_vectorisable<T>(a)) {
-    logit_grad_kernel<T, true><<<unsigned(a.rows), kThreads, 0, stream>>>(a);
-  } else {
-    logit_grad_kernel<T, false><<<unsigned(a.rows), kThreads, 0, stream>>>(a);
-  }
-  check_launch("dualkv::cuda::logit_grad");
+// One block per row; the 16-byte variant of the kernel where the rows allow it.
+template <class T, class Args>
+void launch_rows(const Args& a, void (*vec)(Args), void (*scalar)(Args), cudaStream_t stream,
+                 const char* what) {
+  (rows_vectorisable<T>(a) ? vec : scalar)<<<unsigned(a.rows), kThreads, 0, stream>>>(a);
+  check_launch(what);
 }
 
 template <template <class> class Launch, class Args>
@@ -159,11 +147,17 @@ void dispatch_storage(const Args& a, cudaStream_t stream) {
 
 template <class T>
 struct Stats {
-  static void run(const LogitStatsArgs& a, cudaStream_t s) { launch_stats<T>(a, s); }
+  static void run(const LogitStatsArgs& a, cudaStream_t s) {
+    launch_rows<T>(a, logit_stats_kernel<T, true>, logit_stats_kernel<T, false>, s,
+                   "dualkv::cuda::logit_stats");
+  }
 };
 template <class T>
 struct Grad {
-  static void run(const LogitGradArgs& a, cudaStream_t s) { launch_grad<T>(a, s); }
+  static void run(const LogitGradArgs& a, cudaStream_t s) {
+    launch_rows<T>(a, logit_grad_kernel<T, true>, logit_grad_kernel<T, false>, s,
+                   "dualkv::cuda::logit_grad");
+  }
 };
 
 void check_rows(int64_t rows, const char* fn) {

@@ -34,6 +34,17 @@ at::Tensor row_vector(const at::Tensor& t, const at::Tensor& logits, const char*
   return t.to(lse_dtype(logits.scalar_type())).contiguous();
 }
 
+// The fields LogitStatsArgs and LogitGradArgs share: the rows, their labels and the logit map.
+template <typename Args>
+void fill_rows(Args& a, const at::Tensor& logits, const Rows& r, const at::Tensor& labels,
+               double temperature, double softcap) {
+  a.dtype = to_dtype(logits.scalar_type(), "logits");
+  a.rows = r.rows, a.vocab = r.vocab, a.row_stride = r.row_stride;
+  a.logits = logits.data_ptr();
+  a.labels = labels.data_ptr<int64_t>();
+  a.temperature = temperature, a.softcap = softcap;
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> run_logit_stats(
@@ -47,11 +58,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_logit_stats(
   at::Tensor logp = at::empty({r.rows}, opts), lse = at::empty({r.rows}, opts);
   at::Tensor ent = at::empty({entropy ? r.rows : 0}, opts);
   LogitStatsArgs a;
-  a.dtype = to_dtype(logits.scalar_type(), "logits");
-  a.rows = r.rows, a.vocab = r.vocab, a.row_stride = r.row_stride;
-  a.logits = logits.data_ptr();
-  a.labels = labels.data_ptr<int64_t>();
-  a.temperature = temperature, a.softcap = softcap;
+  fill_rows(a, logits, r, labels, temperature, softcap);
   a.logp = logp.data_ptr(), a.lse = lse.data_ptr();
   a.entropy = entropy ? ent.data_ptr() : nullptr;
   launch(a);
@@ -77,11 +84,7 @@ void run_logit_grad(const at::Tensor& logits, const at::Tensor& labels_in, const
     ent = row_vector(*entropy_in, logits, "entropy");
   }
   LogitGradArgs a;
-  a.dtype = to_dtype(logits.scalar_type(), "logits");
-  a.rows = r.rows, a.vocab = r.vocab, a.row_stride = r.row_stride;
-  a.logits = logits.data_ptr();
-  a.labels = labels.data_ptr<int64_t>();
-  a.temperature = temperature, a.softcap = softcap;
+  fill_rows(a, logits, r, labels, temperature, softcap);
   a.lse = lse.data_ptr(), a.g_logp = g_logp.data_ptr();
   a.g_entropy = g_ent.defined() ? g_ent.data_ptr() : nullptr;
   a.entropy = ent.defined() ? ent.data_ptr() : nullptr;
