@@ -6,7 +6,9 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <ostream>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "dualkv/cpu.h"
@@ -81,6 +83,9 @@ struct Case {
   double temperature, softcap;
   bool entropy;
 };
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << "temperature " << c.temperature << ", softcap " << c.softcap << ", entropy " << c.entropy;
+}
 
 class LogitsCpu : public ::testing::TestWithParam<Case> {};
 
@@ -148,7 +153,13 @@ TEST_P(LogitsCpu, Fp64StatsExactAndGradientMatchesFiniteDifferences) {
 
 INSTANTIATE_TEST_SUITE_P(Maps, LogitsCpu,
                          ::testing::Values(Case{1.0, 0.0, false}, Case{0.6, 0.0, true},
-                                           Case{1.4, 3.0, true}));
+                                           Case{1.4, 3.0, true}),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           const Case& c = info.param;
+                           return std::string(c.softcap > 0 ? "softcap" : "plain") +
+                                  (c.temperature != 1.0 ? "_temperature" : "") +
+                                  (c.entropy ? "_entropy" : "");
+                         });
 
 TEST(Logits, CpuArgumentChecks) {
   std::vector<float> z(6, 0.f), out(2);
