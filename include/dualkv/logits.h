@@ -18,7 +18,7 @@
 #include <limits>
 
 #include "dualkv/error.h"
-#include "dualkv/mask.h"  // DUALKV_HD
+#include "dualkv/hd.h"
 #include "dualkv/params.h"
 
 namespace dualkv {

@@ -13,11 +13,7 @@
 #include <cstdint>
 #include <limits>
 
-#if defined(__CUDACC__)
-#define DUALKV_HD __host__ __device__ __forceinline__
-#else
-#define DUALKV_HD inline
-#endif
+#include "dualkv/hd.h"
 
 namespace dualkv {
 
