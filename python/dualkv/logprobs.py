@@ -30,23 +30,35 @@ __all__ = ["logprobs_from_logits", "response_logprobs"]
 _CHUNK_BYTES = 1 << 29
 
 
+_wide_gemm_ok: bool | None = None  # whether torch's mm/addmm take out_dtype (torch >= 2.8)
+
+
 def _matmul_into(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``acc += a @ b`` (or ``a @ b``) in ``acc``'s float32/float64 precision; returns ``acc``.
 
     On CUDA with 16-bit inputs, eagerly, one GEMM writes the float32 result into ``acc`` (beta =
-    1) instead of rounding the product to 16 bits first. Under torch.compile the product is
-    rounded to 16 bits, then added: torch 2.11's fake-tensor rule for ``addmm(out_dtype=...)``
-    fails to trace.
+    1) instead of rounding the product to 16 bits first. Otherwise the product is rounded to its
+    dtype, then added: under torch.compile (torch 2.11's fake-tensor rule for
+    ``addmm(out_dtype=...)`` fails to trace) and on torch < 2.8 (no ``out_dtype``).
     """
+    global _wide_gemm_ok
     wide = acc.dtype if acc is not None else torch.promote_types(a.dtype, torch.float32)
     if (
-        a.is_cuda
+        _wide_gemm_ok is not False
+        and a.is_cuda
         and a.dtype in (torch.bfloat16, torch.float16)
         and not torch.compiler.is_compiling()
     ):
-        if acc is None:
-            return torch.mm(a, b, out_dtype=wide)
-        return torch.addmm(acc, a, b, out_dtype=wide, out=acc)
+        try:
+            if acc is None:
+                out = torch.mm(a, b, out_dtype=wide)
+            else:
+                out = torch.addmm(acc, a, b, out_dtype=wide, out=acc)
+        except TypeError:  # torch without out_dtype: fall back below from now on
+            _wide_gemm_ok = False
+        else:
+            _wide_gemm_ok = True
+            return out
     prod = (a @ b).to(wide)
     return prod if acc is None else acc.add_(prod)
 
