@@ -37,6 +37,16 @@ inline bool use_pingpong() {
 // Throws std::runtime_error naming `what` when the last launch failed.
 void check_launch(const char* what);
 
+// kernel<<<grid, threads, smem, stream>>>(arg) with the kernel's dynamic shared-memory limit
+// raised to `smem` first, then check_launch(what). The caller skips an empty grid.
+template <typename Arg>
+void launch_kernel(void (*kernel)(Arg), int64_t grid, int threads, int smem, cudaStream_t stream,
+                   const Arg& arg, const char* what) {
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  kernel<<<unsigned(grid), threads, smem, stream>>>(arg);
+  check_launch(what);
+}
+
 template <typename T, int D>
 void launch_forward_sm80(const Params& p, cudaStream_t stream);
 

@@ -568,18 +568,15 @@ void launch_backward_sm80(const Params& p, bool deterministic_requested, cudaStr
         deterministic
             ? (cap ? dkdv_kernel_sm80<T, D, true, false> : dkdv_kernel_sm80<T, D, false, false>)
             : (cap ? dkdv_kernel_sm80<T, D, true, true> : dkdv_kernel_sm80<T, D, false, true>);
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, BC::SMEM);
-    kernel<<<unsigned(grid_kv), BC::THREADS, BC::SMEM, stream>>>(p);
-    check_launch("dualkv backward dk/dv (sm80)");
+    launch_kernel(kernel, grid_kv, BC::THREADS, BC::SMEM, stream, p,
+                  "dualkv backward dk/dv (sm80)");
   }
   if (deterministic) {
     using QC = DqCfg<D>;
     const int64_t grid_q = int64_t(p.nqt) * (kTileSize / QC::BM) * p.Hq;
     if (grid_q > 0) {
       auto kernel = p.softcap > 0.f ? dq_kernel_sm80<T, D, true> : dq_kernel_sm80<T, D, false>;
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, QC::SMEM);
-      kernel<<<unsigned(grid_q), QC::THREADS, QC::SMEM, stream>>>(p);
-      check_launch("dualkv backward dq (sm80)");
+      launch_kernel(kernel, grid_q, QC::THREADS, QC::SMEM, stream, p, "dualkv backward dq (sm80)");
     }
   } else {
     launch_dq_convert<T, D>(p, stream);

@@ -222,9 +222,7 @@ void launch_forward_sm80(const Params& p, cudaStream_t stream) {
   const int64_t grid = int64_t(p.nqt) * p.Hq;
   if (grid == 0) return;
   auto kernel = p.softcap > 0.f ? fwd_kernel_sm80<T, D, true> : fwd_kernel_sm80<T, D, false>;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM);
-  kernel<<<unsigned(grid), Cfg::THREADS, Cfg::SMEM, stream>>>(p);
-  check_launch("dualkv forward (sm80)");
+  launch_kernel(kernel, grid, Cfg::THREADS, Cfg::SMEM, stream, p, "dualkv forward (sm80)");
 }
 
 }  // namespace dualkv::cuda::detail

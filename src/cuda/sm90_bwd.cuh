@@ -445,9 +445,7 @@ void launch_dkdv_sm90(const Params& p, cudaStream_t stream) {
   const int64_t grid = int64_t(p.nkt) * (kTileSize / C::BN) * p.Hkv;
   if (grid == 0) return;
   auto kernel = p.softcap > 0.f ? dkdv_kernel_sm90<T, D, true> : dkdv_kernel_sm90<T, D, false>;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
-  kernel<<<unsigned(grid), C::THREADS, C::SMEM, stream>>>(p);
-  check_launch("dualkv backward dk/dv (sm90a)");
+  launch_kernel(kernel, grid, C::THREADS, C::SMEM, stream, p, "dualkv backward dk/dv (sm90a)");
 }
 
 // The synchronous dQ pass.
@@ -457,9 +455,7 @@ void launch_dq_sm90(const Params& p, cudaStream_t stream) {
   const int64_t grid = int64_t(p.nqt) * p.Hq;
   if (grid == 0) return;
   auto kernel = p.softcap > 0.f ? dq_kernel_sm90<T, D, true> : dq_kernel_sm90<T, D, false>;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
-  kernel<<<unsigned(grid), C::THREADS, C::SMEM, stream>>>(p);
-  check_launch("dualkv backward dq (sm90a)");
+  launch_kernel(kernel, grid, C::THREADS, C::SMEM, stream, p, "dualkv backward dq (sm90a)");
 }
 
 template <typename T, int D>

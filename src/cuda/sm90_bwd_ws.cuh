@@ -527,9 +527,8 @@ bool launch_backward_sm90_ws(const Params& p, int dq_mode, cudaStream_t stream) 
       const auto [kernel, smem] = dq_mode == 2   ? pick(std::integral_constant<int, 2>{})
                                   : dq_mode == 1 ? pick(std::integral_constant<int, 1>{})
                                                  : pick(std::integral_constant<int, 0>{});
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      kernel<<<unsigned(grid), C::THREADS, smem, stream>>>(a);
-      check_launch("dualkv backward dk/dv (sm90a, warp-specialised)");
+      launch_kernel(kernel, grid, C::THREADS, smem, stream, a,
+                    "dualkv backward dk/dv (sm90a, warp-specialised)");
     }
     if (atomic_dq) {
       launch_dq_convert<T, D>(p, stream);

@@ -279,9 +279,8 @@ bool launch_dq_sm90_ws(const Params& p, cudaStream_t stream) {
   a.p = p;
   a.pingpong = use_pingpong();
   auto kernel = p.softcap > 0.f ? dq_ws_kernel_sm90<T, D, true> : dq_ws_kernel_sm90<T, D, false>;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::SMEM);
-  kernel<<<unsigned(grid), C::THREADS, C::SMEM, stream>>>(a);
-  check_launch("dualkv backward dq (sm90a, warp-specialised)");
+  launch_kernel(kernel, grid, C::THREADS, C::SMEM, stream, a,
+                "dualkv backward dq (sm90a, warp-specialised)");
   return true;
 }
 

@@ -185,9 +185,7 @@ void launch_forward_sm90(const Params& p, cudaStream_t stream) {
   const int64_t grid = int64_t(p.nqt) * p.Hq;
   if (grid == 0) return;
   auto kernel = p.softcap > 0.f ? fwd_kernel_sm90<T, D, true> : fwd_kernel_sm90<T, D, false>;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM);
-  kernel<<<unsigned(grid), Cfg::THREADS, Cfg::SMEM, stream>>>(p);
-  check_launch("dualkv forward (sm90a)");
+  launch_kernel(kernel, grid, Cfg::THREADS, Cfg::SMEM, stream, p, "dualkv forward (sm90a)");
 }
 
 }  // namespace dualkv::cuda::detail

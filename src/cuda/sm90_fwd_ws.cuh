@@ -376,9 +376,8 @@ bool launch_forward_sm90_ws(const Params& p, cudaStream_t stream) {
   a.pingpong = use_pingpong();
   a.prescale = !(p.scale_log2 > 0.f);
   auto kernel = p.softcap > 0.f ? fwd_ws_kernel_sm90<T, D, true> : fwd_ws_kernel_sm90<T, D, false>;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM);
-  kernel<<<unsigned(grid), Cfg::THREADS, Cfg::SMEM, stream>>>(a);
-  check_launch("dualkv forward (sm90a, warp-specialised)");
+  launch_kernel(kernel, grid, Cfg::THREADS, Cfg::SMEM, stream, a,
+                "dualkv forward (sm90a, warp-specialised)");
   return true;
 }
 
