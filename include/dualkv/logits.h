@@ -138,27 +138,27 @@ DUALKV_HD A logit_grad(const LogitMap<A>& f, A z, bool is_label, A lse, A g_logp
   return g * slope;
 }
 
-inline void check_common(DType dtype, int64_t rows, int64_t vocab, int64_t row_stride,
-                         double temperature, double softcap, const char* fn) {
-  DUALKV_CHECK(rows >= 0 && vocab >= 1, fn, ": need rows >= 0 and vocab >= 1, got ", rows, ", ",
-               vocab);
-  DUALKV_CHECK(row_stride >= vocab, fn, ": row_stride (", row_stride, ") must be >= vocab (", vocab,
-               ")");
-  DUALKV_CHECK(temperature > 0 && std::isfinite(temperature), fn,
-               ": temperature must be finite and > 0, got ", temperature);
-  DUALKV_CHECK(softcap >= 0 && std::isfinite(softcap), fn,
-               ": softcap must be finite and >= 0, got ", softcap);
-  (void)dtype;
+// The checks both argument structs share (rows, vocab, row_stride, temperature, softcap).
+template <class Args>
+void check_rows(const Args& a, const char* fn) {
+  DUALKV_CHECK(a.rows >= 0 && a.vocab >= 1, fn, ": need rows >= 0 and vocab >= 1, got ", a.rows,
+               ", ", a.vocab);
+  DUALKV_CHECK(a.row_stride >= a.vocab, fn, ": row_stride (", a.row_stride, ") must be >= vocab (",
+               a.vocab, ")");
+  DUALKV_CHECK(a.temperature > 0 && std::isfinite(a.temperature), fn,
+               ": temperature must be finite and > 0, got ", a.temperature);
+  DUALKV_CHECK(a.softcap >= 0 && std::isfinite(a.softcap), fn,
+               ": softcap must be finite and >= 0, got ", a.softcap);
 }
 
 inline void check(const LogitStatsArgs& a, const char* fn) {
-  check_common(a.dtype, a.rows, a.vocab, a.row_stride, a.temperature, a.softcap, fn);
+  check_rows(a, fn);
   DUALKV_CHECK(a.rows == 0 || (a.logits && a.labels && a.logp && a.lse), fn,
                ": logits, labels, logp and lse must not be null");
 }
 
 inline void check(const LogitGradArgs& a, const char* fn) {
-  check_common(a.dtype, a.rows, a.vocab, a.row_stride, a.temperature, a.softcap, fn);
+  check_rows(a, fn);
   DUALKV_CHECK(a.rows == 0 || (a.logits && a.labels && a.lse && a.g_logp), fn,
                ": logits, labels, lse and g_logp must not be null");
   DUALKV_CHECK(!a.g_entropy || a.entropy, fn, ": g_entropy needs the forward's entropy");

@@ -5,12 +5,8 @@
 namespace dualkv::torch_ops {
 namespace {
 
-struct Rows {
-  int64_t rows, vocab, row_stride;
-};
-
-// logits [rows, vocab] with a unit column stride; labels become int64 [rows].
-Rows check_logits(const at::Tensor& logits, const at::Tensor& labels) {
+// logits [rows, vocab] of a floating dtype; labels [rows] of integer token ids, same device.
+void check_logits(const at::Tensor& logits, const at::Tensor& labels) {
   TORCH_CHECK_VALUE(logits.dim() == 2, "logits must be [rows, vocab], got ", logits.sizes());
   TORCH_CHECK_VALUE(logits.size(1) >= 1, "logits need a vocabulary of at least 1, got ",
                     logits.sizes());
@@ -21,8 +17,6 @@ Rows check_logits(const at::Tensor& logits, const at::Tensor& labels) {
                    "labels must be integer token ids, got ", labels.scalar_type());
   TORCH_CHECK_VALUE(labels.device() == logits.device(), "labels must be on the logits' device ",
                     logits.device(), ", got ", labels.device());
-  const int64_t stride = logits.size(0) <= 1 ? logits.size(1) : logits.stride(0);
-  return {logits.size(0), logits.size(1), stride};
 }
 
 // A per-row vector of the accumulation type: [rows], contiguous, on the logits' device.
@@ -34,12 +28,14 @@ at::Tensor row_vector(const at::Tensor& t, const at::Tensor& logits, const char*
   return t.to(lse_dtype(logits.scalar_type())).contiguous();
 }
 
-// The fields LogitStatsArgs and LogitGradArgs share: the rows, their labels and the logit map.
+// The fields LogitStatsArgs and LogitGradArgs share: the rows (logits with a unit column
+// stride), their int64 labels and the logit map.
 template <typename Args>
-void fill_rows(Args& a, const at::Tensor& logits, const Rows& r, const at::Tensor& labels,
-               double temperature, double softcap) {
+void fill_rows(Args& a, const at::Tensor& logits, const at::Tensor& labels, double temperature,
+               double softcap) {
   a.dtype = to_dtype(logits.scalar_type(), "logits");
-  a.rows = r.rows, a.vocab = r.vocab, a.row_stride = r.row_stride;
+  a.rows = logits.size(0), a.vocab = logits.size(1);
+  a.row_stride = a.rows <= 1 ? a.vocab : logits.stride(0);
   a.logits = logits.data_ptr();
   a.labels = labels.data_ptr<int64_t>();
   a.temperature = temperature, a.softcap = softcap;
@@ -52,13 +48,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_logit_stats(
     bool entropy, const std::function<void(const LogitStatsArgs&)>& launch) {
   check_logits(logits_in, labels_in);
   const at::Tensor logits = logits_in.stride(1) == 1 ? logits_in : logits_in.contiguous();
-  const Rows r = check_logits(logits, labels_in);
   const at::Tensor labels = labels_in.to(at::kLong).contiguous();
+  const int64_t rows = logits.size(0);
   const auto opts = logits.options().dtype(lse_dtype(logits.scalar_type()));
-  at::Tensor logp = at::empty({r.rows}, opts), lse = at::empty({r.rows}, opts);
-  at::Tensor ent = at::empty({entropy ? r.rows : 0}, opts);
+  at::Tensor logp = at::empty({rows}, opts), lse = at::empty({rows}, opts);
+  at::Tensor ent = at::empty({entropy ? rows : 0}, opts);
   LogitStatsArgs a;
-  fill_rows(a, logits, r, labels, temperature, softcap);
+  fill_rows(a, logits, labels, temperature, softcap);
   a.logp = logp.data_ptr(), a.lse = lse.data_ptr();
   a.entropy = entropy ? ent.data_ptr() : nullptr;
   launch(a);
@@ -69,7 +65,7 @@ void run_logit_grad(const at::Tensor& logits, const at::Tensor& labels_in, const
                     const at::Tensor& g_logp_in, const std::optional<at::Tensor>& g_entropy_in,
                     const std::optional<at::Tensor>& entropy_in, double temperature, double softcap,
                     const std::function<void(const LogitGradArgs&)>& launch) {
-  const Rows r = check_logits(logits, labels_in);
+  check_logits(logits, labels_in);
   TORCH_CHECK_VALUE(logits.stride(1) == 1,
                     "logit_grad_ writes the gradient into logits in place: they need a unit "
                     "column stride, got strides ",
@@ -84,7 +80,7 @@ void run_logit_grad(const at::Tensor& logits, const at::Tensor& labels_in, const
     ent = row_vector(*entropy_in, logits, "entropy");
   }
   LogitGradArgs a;
-  fill_rows(a, logits, r, labels, temperature, softcap);
+  fill_rows(a, logits, labels, temperature, softcap);
   a.lse = lse.data_ptr(), a.g_logp = g_logp.data_ptr();
   a.g_entropy = g_ent.defined() ? g_ent.data_ptr() : nullptr;
   a.entropy = ent.defined() ? ent.data_ptr() : nullptr;
