@@ -12,6 +12,10 @@ after a P-token prompt), gradient checkpointing on:
                  checkpointing keeps the attention outputs (no attention forward in the recompute);
 * dualkv-recompute  as dualkv, but the checkpoint recompute runs the attention forward again.
 
+With ``--compile`` every decoder layer is compiled with ``torch.compile`` (regional compilation,
+as trainers do) in every path, so the model's own elementwise code (RMSNorm, RoPE, SwiGLU,
+residuals) is fused the same way around each attention.
+
 Per path: median step time (pack + forward + log-probs + loss + backward), peak memory, and MFU
 on the *useful* FLOPs of the packed layout (dense layers and LM head on the packed tokens, DualKV
 attention FLOPs, x3 / x3.5 for forward+backward, recomputation not counted) over the GPU's dense
@@ -19,6 +23,7 @@ bf16 peak (--peak-tflops, 989 for H100/H200 SXM).
 
     python bench/model_step.py                                   # the issue's full table
     python bench/model_step.py --presets 1.7b --shapes 16,8192,1024 --paths flex,dualkv
+    python bench/model_step.py --presets 1.7b --shapes 16,8192,1024 --paths flex,dualkv --compile
     python bench/model_step.py --preset-tiny-cpu                 # a smoke run on CPU
     python bench/model_step.py ... --out bench/RESULTS.md        # append the table
 
@@ -101,6 +106,18 @@ def useful_flops(model: torch.nn.Module, layout: dualkv.Layout, resp_tokens: int
     attn = layout.flops(cfg.head_dim, cfg.num_attention_heads)
     attn_flops = 3.5 * attn * cfg.num_hidden_layers
     return dense_flops + head_flops + attn_flops
+
+
+def compile_layers(model: torch.nn.Module) -> None:
+    """``torch.compile`` each decoder layer in place (one graph per layer, reused by all layers)."""
+    import torch._dynamo
+
+    # One compiled graph per (path, shape): allow more than dynamo's default of 8.
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, name, max(64, getattr(cfg, name)))
+    for layer in model.model.layers:
+        layer.compile()
 
 
 def step(model, path: str, ids, mask, gid, adv, p: int, old: torch.Tensor) -> torch.Tensor:
@@ -199,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-grad-ckpt", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     ap.add_argument("--layers", type=int, help="override the layer count (quick runs)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
     ap.add_argument("--device", default="cuda")
@@ -225,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides = {"num_hidden_layers": args.layers} if args.layers else None
         model = build_model(preset, device, dtype, overrides=overrides)
         model.train()
+        if args.compile:
+            compile_layers(model)
         for shape in args.shapes:
             n, p, r = (int(x) for x in shape.split(","))
             ids, mask, gid, adv = make_rows(
@@ -261,8 +281,9 @@ def main(argv: list[str] | None = None) -> int:
                     cells = [f"{t:.3f} s", peak, f"{100 * mfu:.1f}%", speed]
                 else:
                     cells = [res["error"], "-", "-", "-"]
+                label = res["path"] + (" (compiled)" if args.compile else "")
                 line = (f"| Qwen3-{preset} | {n}, {p}, {r} | {layout.token_reduction:.2f} | "
-                        f"{res['path']} | " + " | ".join(cells) + " |")  # fmt: skip
+                        f"{label} | " + " | ".join(cells) + " |")  # fmt: skip
                 print(line, flush=True)
                 rows.append({"line": line, **res})
             del ids, mask, gid, adv
@@ -275,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
             f.write(f"\n## Model step (GRPO/DAPO policy update), {gpu}, "
                     f"{datetime.date.today().isoformat()}\n\n")  # fmt: skip
             f.write(f"Command: `{cmd}`; torch {torch.__version__}; bf16 weights and grads; "
-                    f"gradient checkpointing {'off' if args.no_grad_ckpt else 'on'}; MFU on the "
+                    f"gradient checkpointing {'off' if args.no_grad_ckpt else 'on'}; "
+                    f"decoder layers {'compiled' if args.compile else 'eager'}; MFU on the "
                     "useful FLOPs of the packed layout over "
                     f"{args.peak_tflops:.0f} TFLOP/s.\n\n")  # fmt: skip
             f.write(header + "\n" + "\n".join(x["line"] for x in rows) + "\n")

@@ -223,6 +223,72 @@ def test_gradient_checkpointing_kwarg_and_context(seed, family, keep_attention):
         (disable or model.gradient_checkpointing_disable)()
 
 
+@pytest.mark.parametrize("keep_attention", [True, False])
+@pytest.mark.parametrize(
+    "device,backend",
+    [("cpu", "aot_eager"), pytest.param("cuda", "inductor", marks=pytest.mark.gpu)],
+)
+def test_compiled_layers_with_checkpointing(seed, keep_attention, device, backend):
+    """Regional compilation (each decoder layer through torch.compile, as trainers do) under
+    gradient checkpointing: the eager step's gradients (fp32: to rounding; bf16: error vs an
+    fp64 reference within 3x the eager step's), and the kept attention outputs still spare the
+    recompute its attention forward."""
+    import torch._dynamo
+
+    torch._dynamo.reset()  # each test builds new modules and configs: start from a clean cache
+    cuda = device == "cuda"  # bf16 and a head dim the CUDA kernels are built for
+    dtype, hd = (torch.bfloat16, 64) if cuda else (torch.float32, 16)
+    ids, mask, pw, pk, adv, noise = _batch(seed, groups=2)
+
+    def step(model):
+        dev = next(model.parameters()).device
+        pkd, advd, old = pk.to(dev), adv.to(dev), (noise * pk.response_mask).to(dev)
+        model.zero_grad(set_to_none=True)
+        lp = dkt.packed_response_logprobs(model, pkd)
+        dapo_loss(lp, old, advd, pkd.response_mask)[0].backward()
+        return {n: g.cpu() for n, g in _grads(model).items()}
+
+    def fresh(dtype):
+        model = tiny_model("qwen3", dtype, seed=seed % 1000, head_dim=hd)
+        model.set_attn_implementation("dualkv")
+        return model.train()
+
+    model = fresh(dtype).to(device)
+    want = step(model)
+    enable_gradient_checkpointing(model, keep_attention=keep_attention)
+    try:
+        for layer in model.model.layers:
+            layer.compile(backend=backend)
+        step(model)  # compiles
+        # (a TorchDispatchMode like _CountAttention would send dynamo back to eager: count the
+        # attention forwards that allocate their outputs, i.e. run rather than come from a cache)
+        with torch.profiler.profile() as prof:
+            got = step(model)
+        runs = sum(
+            e.name == "dualkv::fwd" and any(c.name == "aten::empty" for c in e.cpu_children)
+            for e in prof.events()
+        )
+        graphs = sum(e.name == "CompiledFunction" for e in prof.events())
+        layers = model.config.num_hidden_layers
+        assert graphs >= 2 * layers  # forward and recompute of every layer ran compiled
+        assert runs == (layers if keep_attention else 2 * layers)
+    finally:
+        model.gradient_checkpointing_disable()
+        torch._dynamo.reset()
+    if not cuda:
+        _close_grads(got, want)
+        return
+    # bf16: inductor fuses and rounds the elementwise code its own way
+    ref = step(fresh(torch.float64))
+
+    def rel(a, b):
+        return ((a.double() - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+    for name, g in ref.items():
+        e_eager, e_compiled = rel(want[name], g), rel(got[name], g)
+        assert e_compiled <= 3 * e_eager + 1e-3, (name, e_compiled, e_eager)
+
+
 def test_registration_and_errors(seed):
     from transformers import AttentionInterface, AutoModelForCausalLM
 
