@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Runs every test on a fresh machine: installs what is missing, builds the C++ core and its ctest
-# suite, compiles a representative subset of the CUDA kernels when nvcc is present (no GPU
-# needed), installs the package and runs pytest (GPU tests are skipped, with a reason, without
-# a GPU). Usage: bash scripts/test.sh [extra pytest args]
+# Runs every test on a fresh machine: installs what is missing, checks style and types
+# (scripts/lint.sh), builds the C++ core and its ctest suite, compiles a representative subset
+# of the CUDA kernels when nvcc is present (no GPU needed), installs the package and runs pytest
+# (GPU tests are skipped, with a reason, without a GPU).
+# Usage: bash scripts/test.sh [extra pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
+bash scripts/lint.sh
 
 echo "== C++ core: build and ctest =="
 cmake -S . -B build/cpp -G Ninja -DDUALKV_BUILD_TORCH=OFF -DDUALKV_BUILD_TESTS=ON -DDUALKV_CUDA=OFF

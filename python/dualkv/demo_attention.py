@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def dualkv_step() -> torch.Tensor:
         out = dualkv.attention(q, k, v, layout, window=args.window)
+        assert isinstance(out, torch.Tensor)  # no lse asked for
         torch.autograd.grad(out, (q, k, v), dout)
         return out
 
@@ -89,9 +90,9 @@ def main(argv: list[str] | None = None) -> None:
         f"token reduction rho = {layout.token_reduction:.2f}"
     )
     out = dualkv.attention(q, k, v, layout, window=args.window)
-    exact, _ = unshared_attention(
-        *(t.detach().double().cpu() for t in (q, k, v)), prefix, resp, scale, args.window
-    )
+    assert isinstance(out, torch.Tensor)  # no lse asked for
+    q64, k64, v64 = (t.detach().double().cpu() for t in (q, k, v))
+    exact, _ = unshared_attention(q64, k64, v64, prefix, resp, scale, args.window)
     plain, _ = unshared_attention(
         q.detach(), k.detach(), v.detach(), prefix, resp, scale, args.window
     )

@@ -28,13 +28,16 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .logprobs import logprobs_from_logits, response_logprobs
+from .logprobs import logprobs_from_logits
 from .losses import dapo_loss, group_advantages, grpo_loss
 from .packing import PackedBatch, pack_rows, rows_from_lists
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = [
     "PRESETS",
@@ -76,7 +79,7 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     overrides: dict[str, Any] | None = None,
-) -> torch.nn.Module:
+) -> PreTrainedModel:
     """A randomly initialised Qwen3 causal LM of a :data:`PRESETS` shape, built on ``device``.
 
     ``overrides`` replace config fields (e.g. ``num_hidden_layers``). Registers the ``"dualkv"``
@@ -179,7 +182,7 @@ class _SavedBytes:
     """Bytes of the tensors autograd saves for backward while a block runs (parameters excluded,
     storages counted once): the activation memory of a step, measurable on CPU too."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: PreTrainedModel) -> None:
         self.total = 0
         self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self._seen: set[int] = set()
@@ -207,10 +210,13 @@ def _sync(device: torch.device) -> None:
 
 
 def _loss_fn(name: str) -> Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-    return {"dapo": dapo_loss, "grpo": grpo_loss}[name]
+    losses: dict[str, Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]] = {
+        "dapo": dapo_loss, "grpo": grpo_loss
+    }  # fmt: skip
+    return losses[name]
 
 
-def _standard_logprobs(model: torch.nn.Module, batch: Batch, temperature: float) -> torch.Tensor:
+def _standard_logprobs(model: PreTrainedModel, batch: Batch, temperature: float) -> torch.Tensor:
     """What a trainer does without DualKV: rows through the model, full logits, log-softmax."""
     rw = batch.input_ids.shape[1] - batch.prompt_width
     mask = batch.attention_mask
@@ -219,24 +225,23 @@ def _standard_logprobs(model: torch.nn.Module, batch: Batch, temperature: float)
                 use_cache=False, logits_to_keep=rw + 1)  # fmt: skip
     logits = out.logits[:, -(rw + 1) : -1]
     labels = batch.input_ids[:, batch.prompt_width :]
-    return logprobs_from_logits(logits, labels, batch.response_mask, temperature)
+    lp = logprobs_from_logits(logits, labels, batch.response_mask, temperature)
+    assert isinstance(lp, torch.Tensor)  # no entropy asked for
+    return lp
 
 
 def _packed_logprobs(
-    model: torch.nn.Module, batch: Batch, temperature: float, chunk_size: int | None
+    model: PreTrainedModel, batch: Batch, temperature: float, chunk_size: int | None
 ) -> torch.Tensor:
-    from .integrations.transformers import packed_hidden_states
+    from .integrations.transformers import packed_response_logprobs
 
-    hidden = packed_hidden_states(model, batch.packed)
-    head = model.get_output_embeddings()
-    softcap = getattr(model.config, "final_logit_softcapping", None)
-    return response_logprobs(hidden, head.weight, batch.packed, temperature=temperature,
-                             lm_head_bias=getattr(head, "bias", None), logit_softcap=softcap,
-                             chunk_size=chunk_size)  # fmt: skip
+    lp = packed_response_logprobs(model, batch.packed, temperature, chunk_size=chunk_size)
+    assert isinstance(lp, torch.Tensor)  # no entropy asked for
+    return lp
 
 
 def _run_path(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     batch: Batch,
     old: torch.Tensor,
     packed: bool,
@@ -299,7 +304,7 @@ def _compare(std: PathResult, pk: PathResult, mask: torch.Tensor, out: StepResul
         out.max_grad_rel_diff = worst
 
 
-def _checkpointing(model: torch.nn.Module, args: argparse.Namespace, keep_attention: bool) -> None:
+def _checkpointing(model: PreTrainedModel, args: argparse.Namespace, keep_attention: bool) -> None:
     """With --grad-ckpt: (re)enable checkpointing; the packed path keeps DualKV's attention
     outputs, the standard path gets plain checkpointing (the selective-checkpoint policy would
     only add its per-op dispatch overhead there)."""
@@ -309,7 +314,7 @@ def _checkpointing(model: torch.nn.Module, args: argparse.Namespace, keep_attent
         enable_gradient_checkpointing(model, keep_attention=keep_attention)
 
 
-def run_step(model: torch.nn.Module, batch: Batch, args: argparse.Namespace) -> StepResult:
+def run_step(model: PreTrainedModel, batch: Batch, args: argparse.Namespace) -> StepResult:
     """Both paths on one batch (the standard path first), then an SGD step on the packed grads."""
     with torch.no_grad():  # the rollout policy's log-probs: current ones, slightly perturbed
         model.set_attn_implementation("dualkv")

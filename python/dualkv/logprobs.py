@@ -114,7 +114,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
         m = sources.numel()
         if g_logp is None:
             g_logp = torch.zeros_like(lse)
-        use_ent = want_entropy and g_ent is not None
+        if not want_entropy:  # the entropy output was marked non-differentiable
+            g_ent = None
         acc = lse.dtype
         grad_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
@@ -130,7 +131,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
             gz = torch.nn.functional.linear(h, weight, bias)
             ops.logit_grad_(
                 gz, labels[s:e], lse[s:e], g_logp[s:e],
-                g_ent[s:e] if use_ent else None, ent[s:e] if use_ent else None,
+                g_ent[s:e] if g_ent is not None else None,
+                ent[s:e] if g_ent is not None else None,
                 temperature, softcap,
             )  # fmt: skip
             if grad_h is not None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +41,9 @@ from ..attention import attention
 from ..layout import Layout
 from ..logprobs import logprobs_from_logits, response_logprobs
 from ..packing import PackedBatch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -72,7 +75,7 @@ def current_layout() -> Layout | None:
 
 @contextlib.contextmanager
 def use_layout(
-    layout: Layout, model: torch.nn.Module | None = None, deterministic: bool = False
+    layout: Layout, model: PreTrainedModel | None = None, deterministic: bool = False
 ) -> Iterator[Layout]:
     """Make ``layout`` the layout of ``"dualkv"`` attention inside the ``with`` block.
 
@@ -177,6 +180,7 @@ def dualkv_attention_forward(
         softcap=float(softcap) if softcap else 0.0,
         deterministic=deterministic,
     )  # fmt: skip
+    assert isinstance(out, torch.Tensor)  # no lse asked for
     return out.unsqueeze(0), None
 
 
@@ -231,7 +235,7 @@ def checkpoint_kwargs(keep_attention: bool = True) -> dict[str, Any]:
     return kwargs
 
 
-def enable_gradient_checkpointing(model: torch.nn.Module, keep_attention: bool = True) -> None:
+def enable_gradient_checkpointing(model: PreTrainedModel, keep_attention: bool = True) -> None:
     """Turn on transformers' gradient checkpointing with :func:`checkpoint_kwargs`.
 
     May be called again to switch ``keep_attention``. transformers raises ``ValueError`` for a
@@ -252,7 +256,7 @@ def enable_gradient_checkpointing(model: torch.nn.Module, keep_attention: bool =
     )
 
 
-def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+def _decoder(model: PreTrainedModel) -> torch.nn.Module:
     """The decoder stack of a causal LM (what returns the final hidden states)."""
     get = getattr(model, "get_decoder", None)
     decoder = get() if callable(get) else None
@@ -260,17 +264,18 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module:
         decoder = getattr(model, "model", None)
     if not isinstance(decoder, torch.nn.Module):
         decoder = getattr(model, "base_model", model)
+    assert isinstance(decoder, torch.nn.Module)
     return decoder
 
 
-def _text_config(model: torch.nn.Module) -> Any:
+def _text_config(model: PreTrainedModel) -> Any:
     config = model.config
     get_text = getattr(config, "get_text_config", None)
     return get_text() if callable(get_text) else config
 
 
 def packed_hidden_states(
-    model: torch.nn.Module, packed: PackedBatch, **kwargs: Any
+    model: PreTrainedModel, packed: PackedBatch, **kwargs: Any
 ) -> torch.Tensor:
     """Final hidden states ``[1, T, H]`` of a causal LM's decoder on a packed batch.
 
@@ -287,7 +292,7 @@ def packed_hidden_states(
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
-def _lm_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, float | None]:
+def _lm_head(model: PreTrainedModel) -> tuple[torch.Tensor, torch.Tensor | None, float | None]:
     head = model.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings (LM head)")
@@ -296,7 +301,7 @@ def _lm_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None,
 
 
 def packed_response_logprobs(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     packed: PackedBatch,
     temperature: float = 1.0,
     return_entropy: bool = False,
@@ -318,7 +323,7 @@ def packed_response_logprobs(
 
 
 def rows_response_logprobs(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     prompt_width: int,
