@@ -145,11 +145,12 @@ __device__ __forceinline__ uint32_t swz(int r,
   return uint32_t((r * D + ((((c >> 3) ^ (r & 7))) << 3)) * 2);
 }
 
-// Loads rows [0, valid) of a [ROWS][D] tile from gmem (row r at base + r * row_stride elements),
-// zero-filling the rest. All THREADS threads take part.
-template <int ROWS, int D, int THREADS, typename T>
-__device__ __forceinline__ void load_tile(uint32_t s_base, const T* base, int64_t row_stride,
-                                          int valid) {
+// Loads rows [0, valid) of a [ROWS][D] tile from gmem (row r at base + r * row_stride elements)
+// to shared memory with cp.async, zero-filling the rest; offset(r, c) is the byte offset of
+// element (r, c) in the tile's swizzle. All THREADS threads take part.
+template <int ROWS, int D, int THREADS, typename T, typename Offset>
+__device__ __forceinline__ void load_tile_swizzled(uint32_t s_base, const T* base,
+                                                   int64_t row_stride, int valid, Offset offset) {
   constexpr int kChunks = D / 8;
   constexpr int kTotal = ROWS * kChunks;
   static_assert(kTotal % THREADS == 0, "tile chunks must divide by the thread count");
@@ -159,8 +160,16 @@ __device__ __forceinline__ void load_tile(uint32_t s_base, const T* base, int64_
     const int r = idx / kChunks, c = (idx % kChunks) * 8;
     const bool ok = r < valid;
     const T* src = base + (ok ? int64_t(r) * row_stride + c : 0);
-    cp_async16(s_base + swz<D>(r, c), src, ok);
+    cp_async16(s_base + offset(r, c), src, ok);
   }
+}
+
+// load_tile_swizzled in the swz<D> layout of the ldmatrix (sm_80) kernels.
+template <int ROWS, int D, int THREADS, typename T>
+__device__ __forceinline__ void load_tile(uint32_t s_base, const T* base, int64_t row_stride,
+                                          int valid) {
+  load_tile_swizzled<ROWS, D, THREADS>(s_base, base, row_stride, valid,
+                                       [](int r, int c) { return swz<D>(r, c); });
 }
 
 __device__ __forceinline__ float quad_max(float x) {

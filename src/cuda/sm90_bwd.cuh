@@ -148,16 +148,8 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
     if constexpr (!kSplitD) {
       float s[SR], dp[SR];
       wg_fence();
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        Wgmma<T, BM>::template ss<0>(s, desc_kmajor<BN>(sK, wg * 64, kk * 16),
-                                     desc_kmajor<BM>(sQ, 0, kk * 16), kk > 0);
-      }
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        Wgmma<T, BM>::template ss<0>(dp, desc_kmajor<BN>(sV, wg * 64, kk * 16),
-                                     desc_kmajor<BM>(sdO, 0, kk * 16), kk > 0);
-      }
+      wgmma_rows<T, BM, D, BN, BM>(s, sK, wg * 64, sQ, 0);
+      wgmma_rows<T, BM, D, BN, BM>(dp, sV, wg * 64, sdO, 0);
       wg_commit();
       wg_wait<0>();
       fence_regs(s);
@@ -199,17 +191,9 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
       const int q_off = wg * HQ;
       float s[HR], dp[HR];
       wg_fence();
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        Wgmma<T, HQ>::template ss<0>(s, desc_kmajor<BN>(sK, 0, kk * 16),
-                                     desc_kmajor<BM>(sQ, q_off, kk * 16), kk > 0);
-      }
+      wgmma_rows<T, HQ, D, BN, BM>(s, sK, 0, sQ, q_off);
       wg_commit();
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        Wgmma<T, HQ>::template ss<0>(dp, desc_kmajor<BN>(sV, 0, kk * 16),
-                                     desc_kmajor<BM>(sdO, q_off, kk * 16), kk > 0);
-      }
+      wgmma_rows<T, HQ, D, BN, BM>(dp, sV, 0, sdO, q_off);
       wg_commit();
       wg_wait<1>();  // S^T done: P (and dsoftcap, kept in s) while dP^T runs
       fence_regs(s);
@@ -364,16 +348,8 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const __grid_constant__
 
     float s[SR], dp[SR];
     wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      Wgmma<T, BN>::template ss<0>(s, desc_kmajor<BM>(sQ, wg * 64, kk * 16),
-                                   desc_kmajor<BN>(sK, 0, kk * 16), kk > 0);
-    }
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      Wgmma<T, BN>::template ss<0>(dp, desc_kmajor<BM>(sdO, wg * 64, kk * 16),
-                                   desc_kmajor<BN>(sV, 0, kk * 16), kk > 0);
-    }
+    wgmma_rows<T, BN, D, BM, BN>(s, sQ, wg * 64, sK, 0);
+    wgmma_rows<T, BN, D, BM, BN>(dp, sdO, wg * 64, sV, 0);
     wg_commit();
     wg_wait<0>();
     fence_regs(s);

@@ -274,17 +274,9 @@ __global__ void __launch_bounds__(384, 1)
 
       float sc[SR], dp[SR];
       wg_fence();
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        Wgmma<T, BM>::template ss<0>(sc, desc_kmajor<BN>(sK, cw * 64, kk * 16),
-                                     desc_kmajor<BM>(sQ, 0, kk * 16), kk > 0);
-      }
+      wgmma_rows<T, BM, D, BN, BM>(sc, sK, cw * 64, sQ, 0);
       wg_commit();
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        Wgmma<T, BM>::template ss<0>(dp, desc_kmajor<BN>(sV, cw * 64, kk * 16),
-                                     desc_kmajor<BM>(sdO, 0, kk * 16), kk > 0);
-      }
+      wgmma_rows<T, BM, D, BN, BM>(dp, sV, cw * 64, sdO, 0);
       wg_commit();
 
       uint32_t pa[BM / 16][4], da[BM / 16][4];

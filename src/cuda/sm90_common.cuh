@@ -74,20 +74,12 @@ __device__ __forceinline__ uint32_t sw128(int r,
   return uint32_t((c >> 6) * (ROWS * 128) + r * 128 + ((((c & 63) >> 3) ^ (r & 7)) << 4));
 }
 
+// load_tile_swizzled in the SW128 layout of the wgmma kernels.
 template <int ROWS, int D, int THREADS, typename T>
 __device__ __forceinline__ void load_tile_sw128(uint32_t s_base, const T* base, int64_t row_stride,
                                                 int valid) {
-  constexpr int kChunks = D / 8;
-  constexpr int kTotal = ROWS * kChunks;
-  static_assert(kTotal % THREADS == 0, "tile chunks must divide by the thread count");
-#pragma unroll
-  for (int i = 0; i < kTotal / THREADS; ++i) {
-    const int idx = i * THREADS + int(threadIdx.x);
-    const int r = idx / kChunks, c = (idx % kChunks) * 8;
-    const bool ok = r < valid;
-    const T* src = base + (ok ? int64_t(r) * row_stride + c : 0);
-    cp_async16(s_base + sw128<ROWS>(r, c), src, ok);
-  }
+  load_tile_swizzled<ROWS, D, THREADS>(s_base, base, row_stride, valid,
+                                       [](int r, int c) { return sw128<ROWS>(r, c); });
 }
 
 // Shared-memory matrix descriptor, 128-byte swizzle. lbo/sbo in bytes.
@@ -110,6 +102,19 @@ __device__ __forceinline__ uint64_t desc_kmajor(uint32_t tile, int r0, int k0) {
 template <int ROWS>
 __device__ __forceinline__ uint64_t desc_mnmajor(uint32_t tile, int k0) {
   return make_desc(tile + k0 * 128, ROWS * 128, 1024);
+}
+
+// acc = A[a_row0, a_row0 + 64) . B[b_row0, b_row0 + N)^T over all D columns: the D / 16 wgmmas
+// of one product of two K-major SW128 tiles (A of A_ROWS rows, B of B_ROWS rows), issued but not
+// committed (the caller fences, commits and waits).
+template <typename T, int N, int D, int A_ROWS, int B_ROWS, int NACC>
+__device__ __forceinline__ void wgmma_rows(float (&acc)[NACC], uint32_t sA, int a_row0, uint32_t sB,
+                                           int b_row0) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    Wgmma<T, N>::template ss<0>(acc, desc_kmajor<A_ROWS>(sA, a_row0, kk * 16),
+                                desc_kmajor<B_ROWS>(sB, b_row0, kk * 16), kk > 0);
+  }
 }
 
 }  // namespace dualkv::cuda::detail

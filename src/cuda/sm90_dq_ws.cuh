@@ -133,17 +133,9 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
 
     // S_j = Q K_j^T and dP_j = dO V_j^T (K_j, V_j in stage st), two groups.
     auto issue_sdp = [&](int st) {
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        Wgmma<T, BN>::template ss<0>(sc, desc_kmajor<BM>(sQ, cw * 64, kk * 16),
-                                     desc_kmajor<BN>(sK0 + st * Cfg::KV_BYTES, 0, kk * 16), kk > 0);
-      }
+      wgmma_rows<T, BN, D, BM, BN>(sc, sQ, cw * 64, sK0 + st * Cfg::KV_BYTES, 0);
       wg_commit();
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        Wgmma<T, BN>::template ss<0>(dp, desc_kmajor<BM>(sdO, cw * 64, kk * 16),
-                                     desc_kmajor<BN>(sV0 + st * Cfg::KV_BYTES, 0, kk * 16), kk > 0);
-      }
+      wgmma_rows<T, BN, D, BM, BN>(dp, sdO, cw * 64, sV0 + st * Cfg::KV_BYTES, 0);
       wg_commit();
     };
     // After block j's turn: wait for dQ_{j-1} and S_j (then stage j-1 is free), P_j while dP_j

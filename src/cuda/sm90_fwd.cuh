@@ -79,11 +79,7 @@ __global__ void __launch_bounds__(256, 1) fwd_kernel_sm90(const __grid_constant_
 
     float s[SR];
     wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      Wgmma<T, BN>::template ss<0>(s, desc_kmajor<BM>(sQ, wg * 64, kk * 16),
-                                   desc_kmajor<BN>(sK, 0, kk * 16), kk > 0);
-    }
+    wgmma_rows<T, BN, D, BM, BN>(s, sQ, wg * 64, sK, 0);
     wg_commit();
     wg_wait<0>();
     fence_regs(s);

@@ -254,11 +254,7 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
     };
     auto issue_s = [&](int st) {
       const uint32_t sK = sK0 + st * Cfg::KV_BYTES;
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        Wgmma<T, BN>::template ss<0>(s, desc_kmajor<BM>(sQ, cw * 64, kk * 16),
-                                     desc_kmajor<BN>(sK, 0, kk * 16), kk > 0);
-      }
+      wgmma_rows<T, BN, D, BM, BN>(s, sQ, cw * 64, sK, 0);
       wg_commit();
     };
     auto issue_pv = [&](int st) {
