@@ -8,7 +8,7 @@ namespace dualkv::torch_ops {
 namespace {
 void check_table(const at::Tensor& t, const char* name, int64_t fields, const at::Tensor& q) {
   TORCH_CHECK_VALUE(
-      t.scalar_type() == at::kInt && t.dim() == 2 && t.size(1) == fields && t.is_contiguous(),
+      t.scalar_type() == at::kInt && t.dim() == 2 && t.sym_size(1) == fields && t.is_contiguous(),
       "layout table '", name, "' must be a contiguous int32 [n, ", fields,
       "] tensor; build it with dualkv.Layout");
   TORCH_CHECK_VALUE(t.device() == q.device(), "the layout is on ", t.device(), " but q is on ",
@@ -37,23 +37,25 @@ at::ScalarType lse_dtype(at::ScalarType input) {
   return input == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-Shape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                const LayoutTensors& layout) {
-  TORCH_CHECK_VALUE(q.dim() == 3, "q must have shape [T, Hq, D], got ", q.sizes());
-  TORCH_CHECK_VALUE(k.dim() == 3, "k must have shape [T, Hkv, D], got ", k.sizes());
-  TORCH_CHECK_VALUE(v.dim() == 3, "v must have shape [T, Hkv, D], got ", v.sizes());
-  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "k and v must have the same shape, got k ", k.sizes(),
-                    " and v ", v.sizes());
-  TORCH_CHECK_VALUE(q.size(0) == layout.total_tokens, "q has ", q.size(0),
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+               const LayoutTensors& layout) {
+  TORCH_CHECK_VALUE(q.dim() == 3, "q must have shape [T, Hq, D], got ", q.sym_sizes());
+  TORCH_CHECK_VALUE(k.dim() == 3, "k must have shape [T, Hkv, D], got ", k.sym_sizes());
+  TORCH_CHECK_VALUE(v.dim() == 3, "v must have shape [T, Hkv, D], got ", v.sym_sizes());
+  TORCH_CHECK_VALUE(k.sym_sizes().equals(v.sym_sizes()), "k and v must have the same shape, got k ",
+                    k.sym_sizes(), " and v ", v.sym_sizes());
+  const c10::SymInt &tokens = q.sym_size(0), &hq = q.sym_size(1), &d = q.sym_size(2);
+  const c10::SymInt& hkv = k.sym_size(1);
+  TORCH_CHECK_VALUE(tokens == layout.total_tokens, "q has ", tokens,
                     " tokens but the layout has total_tokens=", layout.total_tokens);
-  TORCH_CHECK_VALUE(k.size(0) == q.size(0), "k has ", k.size(0), " tokens but q has ", q.size(0));
-  TORCH_CHECK_VALUE(q.size(2) == k.size(2), "q has head dim ", q.size(2), " but k and v have ",
-                    k.size(2), "; the head dim must be the same for q, k and v");
-  TORCH_CHECK_VALUE(q.size(2) > 0, "head dim must be positive, got ", q.size(2));
-  TORCH_CHECK_VALUE(k.size(1) > 0 && q.size(1) > 0,
-                    "q and k need at least one head, got Hq=", q.size(1), ", Hkv=", k.size(1));
-  TORCH_CHECK_VALUE(q.size(1) % k.size(1) == 0, "Hq=", q.size(1),
-                    " (q heads) must be a multiple of Hkv=", k.size(1), " (k/v heads)");
+  TORCH_CHECK_VALUE(k.sym_size(0) == tokens, "k has ", k.sym_size(0), " tokens but q has ", tokens);
+  TORCH_CHECK_VALUE(d == k.sym_size(2), "q has head dim ", d, " but k and v have ", k.sym_size(2),
+                    "; the head dim must be the same for q, k and v");
+  TORCH_CHECK_VALUE(d > 0, "head dim must be positive, got ", d);
+  TORCH_CHECK_VALUE(hkv > 0 && hq > 0, "q and k need at least one head, got Hq=", hq,
+                    ", Hkv=", hkv);
+  TORCH_CHECK_VALUE(hq % hkv == 0, "Hq=", hq, " (q heads) must be a multiple of Hkv=", hkv,
+                    " (k/v heads)");
   TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
                    "q, k and v must have the same dtype, got ", q.scalar_type(), ", ",
                    k.scalar_type(), ", ", v.scalar_type());
@@ -64,6 +66,9 @@ Shape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   check_table(layout.segments, "segments", kSegmentFields, q);
   check_table(layout.query_tiles, "query_tiles", kTileFields, q);
   check_table(layout.key_tiles, "key_tiles", kTileFields, q);
+}
+
+Shape shape_of(const at::Tensor& q, const at::Tensor& k) {
   return Shape{int32_t(q.size(0)), int32_t(q.size(1)), int32_t(k.size(1)), int32_t(q.size(2))};
 }
 
@@ -103,7 +108,7 @@ LayoutView view_of(const LayoutTensors& layout) {
   view.num_segments = int32_t(layout.segments.size(0));
   view.num_query_tiles = int32_t(layout.query_tiles.size(0));
   view.num_key_tiles = int32_t(layout.key_tiles.size(0));
-  view.total_tokens = int32_t(layout.total_tokens);
+  view.total_tokens = int32_t(layout.total_tokens.expect_int());
   return view;
 }
 

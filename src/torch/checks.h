@@ -11,10 +11,11 @@
 
 namespace dualkv::torch_ops {
 
-// The layout tables as the ops receive them (int32 tensors on the same device as q).
+// The layout tables as the ops receive them (int32 tensors on the same device as q). total_tokens
+// is symbolic under torch.compile, so that one compiled graph serves every layout.
 struct LayoutTensors {
   at::Tensor segments, query_tiles, key_tiles;
-  int64_t total_tokens;
+  c10::SymInt total_tokens;
 };
 
 struct ScoreOptions {
@@ -23,10 +24,13 @@ struct ScoreOptions {
   double softcap;
 };
 
-// Validates q, k, v and the layout against each other and returns the shape. Errors name the
-// argument and what was expected.
-Shape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                const LayoutTensors& layout);
+// Validates q, k, v and the layout against each other. Errors name the argument and what was
+// expected. Symbolic-safe (the Meta implementations run it under torch.compile): it compares
+// sizes with each other, never specialises them to a value.
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+               const LayoutTensors& layout);
+// The problem shape of checked (real) q and k.
+Shape shape_of(const at::Tensor& q, const at::Tensor& k);
 ScoreParams check_score(const ScoreOptions& opts);
 DType to_dtype(at::ScalarType t, const char* name = "q");
 // lse is float32, except float64 for float64 inputs.

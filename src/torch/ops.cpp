@@ -54,11 +54,14 @@ int64_t layout_pairs(at::IntArrayRef prefix_lens, at::IntArrayRef response_count
   return layout.allowed_pairs(score.mask);
 }
 
+// The Meta implementations are what torch.compile traces with: output shapes from q's symbolic
+// sizes, so one compiled graph serves every layout (no size of a layout table is read).
 FwdResult fwd_meta(DUALKV_FWD_PARAMS) {
   check_score({softmax_scale, window, softcap});
-  const Shape s = check_qkv(q, k, v, {segments, query_tiles, key_tiles, total_tokens});
-  return {at::empty({s.tokens, s.num_q_heads, s.head_dim}, q.options()),
-          at::empty({s.num_q_heads, s.tokens}, q.options().dtype(lse_dtype(q.scalar_type())))};
+  check_qkv(q, k, v, {segments, query_tiles, key_tiles, total_tokens});
+  const c10::SymInt &tokens = q.sym_size(0), &heads = q.sym_size(1);
+  return {at::empty_symint({tokens, heads, q.sym_size(2)}, q.options()),
+          at::empty_symint({heads, tokens}, q.options().dtype(lse_dtype(q.scalar_type())))};
 }
 
 BwdResult bwd_meta(DUALKV_BWD_PARAMS) {
@@ -71,10 +74,11 @@ BwdResult bwd_meta(DUALKV_BWD_PARAMS) {
 
 LogitStatsResult logit_stats_meta(DUALKV_LOGIT_STATS_PARAMS) {
   (void)labels, (void)temperature, (void)softcap;
-  TORCH_CHECK_VALUE(logits.dim() == 2, "logits must be [rows, vocab], got ", logits.sizes());
+  TORCH_CHECK_VALUE(logits.dim() == 2, "logits must be [rows, vocab], got ", logits.sym_sizes());
   const auto opts = logits.options().dtype(lse_dtype(logits.scalar_type()));
-  const int64_t rows = logits.size(0);
-  return {at::empty({rows}, opts), at::empty({rows}, opts), at::empty({entropy ? rows : 0}, opts)};
+  const c10::SymInt rows = logits.sym_size(0);
+  return {at::empty_symint({rows}, opts), at::empty_symint({rows}, opts),
+          at::empty_symint({entropy ? rows : c10::SymInt(0)}, opts)};
 }
 
 void logit_grad_meta(DUALKV_LOGIT_GRAD_PARAMS) {
@@ -110,11 +114,11 @@ TORCH_LIBRARY(dualkv, m) {
       &layout_pairs);
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, Tensor segments, Tensor query_tiles, "
-      "Tensor key_tiles, int total_tokens, float softmax_scale, int? window, float softcap, "
+      "Tensor key_tiles, SymInt total_tokens, float softmax_scale, int? window, float softcap, "
       "bool deterministic) -> (Tensor out, Tensor lse)");
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, "
-      "Tensor segments, Tensor query_tiles, Tensor key_tiles, int total_tokens, "
+      "Tensor segments, Tensor query_tiles, Tensor key_tiles, SymInt total_tokens, "
       "float softmax_scale, int? window, float softcap, bool deterministic) -> "
       "(Tensor dq, Tensor dk, Tensor dv)");
   m.def(

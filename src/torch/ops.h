@@ -17,14 +17,14 @@ using LogitStatsResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 // Argument lists exactly as in the schemas registered in ops.cpp.
 #define DUALKV_FWD_PARAMS                                                                    \
   const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &segments, \
-      const at::Tensor &query_tiles, const at::Tensor &key_tiles, int64_t total_tokens,      \
+      const at::Tensor &query_tiles, const at::Tensor &key_tiles, c10::SymInt total_tokens,  \
       double softmax_scale, std::optional<int64_t> window, double softcap, bool deterministic
-#define DUALKV_BWD_PARAMS                                                                        \
-  const at::Tensor &dout, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,         \
-      const at::Tensor &out, const at::Tensor &lse, const std::optional<at::Tensor>&dlse,        \
-      const at::Tensor &segments, const at::Tensor &query_tiles, const at::Tensor &key_tiles,    \
-      int64_t total_tokens, double softmax_scale, std::optional<int64_t> window, double softcap, \
-      bool deterministic
+#define DUALKV_BWD_PARAMS                                                                     \
+  const at::Tensor &dout, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,      \
+      const at::Tensor &out, const at::Tensor &lse, const std::optional<at::Tensor>&dlse,     \
+      const at::Tensor &segments, const at::Tensor &query_tiles, const at::Tensor &key_tiles, \
+      c10::SymInt total_tokens, double softmax_scale, std::optional<int64_t> window,          \
+      double softcap, bool deterministic
 #define DUALKV_LOGIT_STATS_PARAMS                                                         \
   const at::Tensor &logits, const at::Tensor &labels, double temperature, double softcap, \
       bool entropy

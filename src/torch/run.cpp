@@ -20,7 +20,8 @@ std::tuple<at::Tensor, at::Tensor> run_forward(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const LayoutTensors& layout, const ScoreOptions& opts,
     const std::function<void(const ForwardArgs&)>& launch) {
-  const Shape shape = check_qkv(q_in, k_in, v_in, layout);
+  check_qkv(q_in, k_in, v_in, layout);
+  const Shape shape = shape_of(q_in, k_in);
   const ScoreParams score = check_score(opts);
   const at::Tensor q = with_unit_inner_stride(q_in), k = with_unit_inner_stride(k_in),
                    v = with_unit_inner_stride(v_in);
@@ -45,7 +46,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(
     const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in,
     const std::optional<at::Tensor>& dlse_in, const LayoutTensors& layout, const ScoreOptions& opts,
     bool deterministic, const std::function<void(const BackwardArgs&)>& launch) {
-  const Shape shape = check_qkv(q_in, k_in, v_in, layout);
+  check_qkv(q_in, k_in, v_in, layout);
+  const Shape shape = shape_of(q_in, k_in);
   const ScoreParams score = check_score(opts);
   TORCH_CHECK_VALUE(dout_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes(),
                     "dout and out must have q's shape ", q_in.sizes(), ", got ", dout_in.sizes(),

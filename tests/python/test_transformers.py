@@ -236,6 +236,7 @@ def test_compiled_layers_with_checkpointing(seed, keep_attention, device, backen
     import torch._dynamo
 
     torch._dynamo.reset()  # each test builds new modules and configs: start from a clean cache
+    torch._dynamo.utils.counters.clear()
     cuda = device == "cuda"  # bf16 and a head dim the CUDA kernels are built for
     dtype, hd = (torch.bfloat16, 64) if cuda else (torch.float32, 16)
     ids, mask, pw, pk, adv, noise = _batch(seed, groups=2)
@@ -272,6 +273,13 @@ def test_compiled_layers_with_checkpointing(seed, keep_attention, device, backen
         layers = model.config.num_hidden_layers
         assert graphs >= 2 * layers  # forward and recompute of every layer ran compiled
         assert runs == (layers if keep_attention else 2 * layers)
+        # every batch has its own layout: one dynamic graph serves them (no recompile per batch)
+        from torch._dynamo.utils import counters
+
+        for i in range(1, 4):
+            other = _batch(seed + i, groups=2)[3].to(device)
+            dkt.packed_response_logprobs(model, other).sum().backward()
+        assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
     finally:
         model.gradient_checkpointing_disable()
         torch._dynamo.reset()
