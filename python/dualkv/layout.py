@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +23,20 @@ def _int_list(value: Any, name: str) -> list[int]:
             raise TypeError(f"{name}[{i}] must be an int, got {type(x).__name__} ({x!r})")
         out.append(int(x))
     return out
+
+
+def mark_per_batch(t: torch.Tensor, *dims: int) -> torch.Tensor:
+    """Tells torch.compile that sizes ``dims`` of ``t`` change from batch to batch, so the first
+    compilation is already dynamic in them (instead of a static graph, then a recompilation).
+
+    A hint only (sizes 0 and 1 may still be specialised), and only once torch.compile is in use
+    (dynamo imported): eager code pays nothing.
+    """
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        for d in dims:
+            dynamo.maybe_mark_dynamic(t, d)
+    return t
 
 
 class Layout:
@@ -65,9 +80,8 @@ class Layout:
         self._host_tables = tables
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         self.segments, self.query_tiles, self.key_tiles, self.position_ids = (
-            t.to(self._device) for t in tables
+            mark_per_batch(t.to(self._device), 0) for t in tables
         )
-        self._total_tokens = int(tables[3].numel())
 
     # --- structure --------------------------------------------------------------------------
     @property
@@ -97,8 +111,12 @@ class Layout:
 
     @property
     def total_tokens(self) -> int:
-        """Packed tokens T = sum over groups of P + sum(R)."""
-        return self._total_tokens
+        """Packed tokens T = sum over groups of P + sum(R).
+
+        (A size of the layout's ``position_ids``: symbolic under torch.compile, so that a compiled
+        graph is not specialised to one layout's T.)
+        """
+        return self.position_ids.shape[0]
 
     @property
     def unshared_tokens(self) -> int:
@@ -108,7 +126,8 @@ class Layout:
     @property
     def token_reduction(self) -> float:
         """rho = unshared tokens / packed tokens (1.0 for an empty layout)."""
-        return self.unshared_tokens / self._total_tokens if self._total_tokens else 1.0
+        t = self.total_tokens
+        return self.unshared_tokens / t if t else 1.0
 
     def allowed_pairs(self, window: int | None = None) -> int:
         """Number of (query, key) pairs the mask allows (with an optional sliding window)."""
@@ -129,7 +148,7 @@ class Layout:
         new.__dict__.update(self.__dict__)
         new._device = torch.device(device)
         new.segments, new.query_tiles, new.key_tiles, new.position_ids = (
-            t.to(new._device) for t in self._host_tables
+            mark_per_batch(t.to(new._device), 0) for t in self._host_tables
         )
         return new
 

@@ -36,19 +36,14 @@ _wide_gemm_ok: bool | None = None  # whether torch's mm/addmm take out_dtype (to
 def _matmul_into(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``acc += a @ b`` (or ``a @ b``) in ``acc``'s float32/float64 precision; returns ``acc``.
 
-    On CUDA with 16-bit inputs, eagerly, one GEMM writes the float32 result into ``acc`` (beta =
-    1) instead of rounding the product to 16 bits first. Otherwise the product is rounded to its
-    dtype, then added: under torch.compile (torch 2.11's fake-tensor rule for
-    ``addmm(out_dtype=...)`` fails to trace) and on torch < 2.8 (no ``out_dtype``).
+    On CUDA with 16-bit inputs one GEMM writes the float32 result into ``acc`` (beta = 1)
+    instead of rounding the product to 16 bits first; on torch < 2.8 (no ``out_dtype``) the
+    product is rounded to its dtype, then added. (Called only from the chunked log-prob ops'
+    bodies, which run eagerly also under torch.compile.)
     """
     global _wide_gemm_ok
     wide = acc.dtype if acc is not None else torch.promote_types(a.dtype, torch.float32)
-    if (
-        _wide_gemm_ok is not False
-        and a.is_cuda
-        and a.dtype in (torch.bfloat16, torch.float16)
-        and not torch.compiler.is_compiling()
-    ):
+    if _wide_gemm_ok is not False and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
         try:
             if acc is None:
                 out = torch.mm(a, b, out_dtype=wide)
@@ -63,90 +58,145 @@ def _matmul_into(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> 
     return prod if acc is None else acc.add_(prod)
 
 
-class _ChunkedLogprobs(torch.autograd.Function):
-    """Chunked log-prob/entropy of labels under softmax(f(linear(hidden[sources]))).
+# The chunked computation is a pair of custom ops (their Python bodies run eagerly, also under
+# torch.compile): a compiled graph sees one opaque op per call with symbolic output sizes, so the
+# per-chunk loop neither unrolls into the graph nor specialises it to one batch's token count.
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+@torch.library.custom_op("dualkv::chunked_logprobs", mutates_args=())
+def _chunked_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    sources: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    softcap: float,
+    chunk: int,
+    entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logp, lse, entropy) of labels under softmax(f(linear(hidden[sources]))), chunk by chunk.
 
     f applies the logit softcap and the temperature (include/dualkv/logits.h). Per chunk, the
-    logits come from one GEMM in the hidden states' dtype; ``dualkv::logit_stats`` reads them
-    once, and in the backward ``dualkv::logit_grad_`` turns the recomputed logits into their
-    gradient in place.
+    logits come from one GEMM in the hidden states' dtype and ``dualkv::logit_stats`` reads them
+    once. ``entropy`` is empty unless asked for.
     """
+    m = sources.numel()
+    acc = _acc_dtype(hidden.dtype)
+    logp = hidden.new_empty(m, dtype=acc)
+    lse = hidden.new_empty(m, dtype=acc)
+    ent = hidden.new_empty(m if entropy else 0, dtype=acc)
+    for s in range(0, m, chunk):
+        e = min(s + chunk, m)
+        z = torch.nn.functional.linear(hidden.index_select(0, sources[s:e]), weight, bias)
+        lp, lz, en = ops.logit_stats(z, labels[s:e], temperature, softcap, entropy)
+        logp[s:e], lse[s:e] = lp, lz
+        if entropy:
+            ent[s:e] = en
+    return logp, lse, ent
 
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        sources: torch.Tensor,
-        labels: torch.Tensor,
-        temperature: float,
-        softcap: float,
-        chunk: int,
-        want_entropy: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        m = sources.numel()
-        dev = hidden.device
-        acc = torch.promote_types(hidden.dtype, torch.float32)
-        logp = torch.empty(m, dtype=acc, device=dev)
-        lse = torch.empty(m, dtype=acc, device=dev)
-        ent = torch.empty(m if want_entropy else 0, dtype=acc, device=dev)
-        for s in range(0, m, chunk):
-            e = min(s + chunk, m)
-            z = torch.nn.functional.linear(hidden.index_select(0, sources[s:e]), weight, bias)
-            lp, lz, en = ops.logit_stats(z, labels[s:e], temperature, softcap, want_entropy)
-            logp[s:e], lse[s:e] = lp, lz
-            if want_entropy:
-                ent[s:e] = en
-        ctx.save_for_backward(hidden, weight, bias, sources, labels, lse, ent)
-        ctx.cfg = (temperature, softcap, chunk, want_entropy, bias is not None)
-        if not want_entropy:
-            ctx.mark_non_differentiable(ent)
-        return logp, ent
 
-    @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: Any, g_logp: torch.Tensor | None, g_ent: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, ...]:
-        hidden, weight, bias, sources, labels, lse, ent = ctx.saved_tensors
-        temperature, softcap, chunk, want_entropy, has_bias = ctx.cfg
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        m = sources.numel()
-        if g_logp is None:
-            g_logp = torch.zeros_like(lse)
-        if not want_entropy:  # the entropy output was marked non-differentiable
-            g_ent = None
-        acc = lse.dtype
-        grad_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        grad_b = (
-            torch.zeros(weight.shape[0], dtype=acc, device=weight.device)
-            if need_b and has_bias
-            else None
-        )
-        for s in range(0, m, chunk):
-            e = min(s + chunk, m)
-            src = sources[s:e]
-            h = hidden.index_select(0, src)
-            gz = torch.nn.functional.linear(h, weight, bias)
-            ops.logit_grad_(
-                gz, labels[s:e], lse[s:e], g_logp[s:e],
-                g_ent[s:e] if g_ent is not None else None,
-                ent[s:e] if g_ent is not None else None,
-                temperature, softcap,
-            )  # fmt: skip
-            if grad_h is not None:
-                grad_h.index_add_(0, src, _matmul_into(None, gz, weight))
-            if grad_w is not None:
-                _matmul_into(grad_w, gz.t(), h)
-            if grad_b is not None:
-                grad_b += gz.sum(0, dtype=acc)
-        return (
-            grad_h.to(hidden.dtype) if grad_h is not None else None,
-            grad_w.to(weight.dtype) if grad_w is not None else None,
-            grad_b.to(bias.dtype) if grad_b is not None else None,
-            None, None, None, None, None, None,
+@_chunked_logprobs.register_fake
+def _(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sources: torch.Tensor,
+    labels: torch.Tensor, temperature: float, softcap: float, chunk: int, entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    m, acc = sources.shape[0], _acc_dtype(hidden.dtype)
+    return (hidden.new_empty(m, dtype=acc), hidden.new_empty(m, dtype=acc),
+            hidden.new_empty(m if entropy else 0, dtype=acc))  # fmt: skip
+
+
+@torch.library.custom_op("dualkv::chunked_logprobs_backward", mutates_args=())
+def _chunked_logprobs_backward(
+    g_logp: torch.Tensor,
+    g_ent: torch.Tensor | None,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    sources: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    ent: torch.Tensor,
+    temperature: float,
+    softcap: float,
+    chunk: int,
+    needs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of hidden, weight, bias (each empty where ``needs`` says it is not wanted).
+
+    Recomputes each chunk's logits; ``dualkv::logit_grad_`` turns them into their gradient in
+    place, which two GEMMs then project back to hidden and weight (accumulated in float32).
+    """
+    need_h, need_w, need_b = needs
+    m = sources.numel()
+    acc = lse.dtype
+    grad_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
+    grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+    grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
+    for s in range(0, m, chunk):
+        e = min(s + chunk, m)
+        src = sources[s:e]
+        h = hidden.index_select(0, src)
+        gz = torch.nn.functional.linear(h, weight, bias)
+        ops.logit_grad_(
+            gz, labels[s:e], lse[s:e], g_logp[s:e],
+            g_ent[s:e] if g_ent is not None else None,
+            ent[s:e] if g_ent is not None else None,
+            temperature, softcap,
         )  # fmt: skip
+        if grad_h is not None:
+            grad_h.index_add_(0, src, _matmul_into(None, gz, weight))
+        if grad_w is not None:
+            _matmul_into(grad_w, gz.t(), h)
+        if grad_b is not None:
+            grad_b += gz.sum(0, dtype=acc)
+    return (  # (distinct empty tensors where not wanted: a custom op's outputs may not alias)
+        grad_h.to(hidden.dtype) if grad_h is not None else hidden.new_empty(0),
+        grad_w.to(weight.dtype) if grad_w is not None else hidden.new_empty(0),
+        grad_b.to(weight.dtype) if grad_b is not None else hidden.new_empty(0),
+    )
+
+
+@_chunked_logprobs_backward.register_fake
+def _(
+    g_logp: torch.Tensor, g_ent: torch.Tensor | None, hidden: torch.Tensor, weight: torch.Tensor,
+    bias: torch.Tensor | None, sources: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
+    ent: torch.Tensor, temperature: float, softcap: float, chunk: int, needs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    return (
+        torch.empty_like(hidden) if needs[0] else hidden.new_empty(0),
+        torch.empty_like(weight) if needs[1] else hidden.new_empty(0),
+        weight.new_empty(weight.shape[0]) if needs[2] else hidden.new_empty(0),
+    )
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    hidden, weight, bias, sources, labels, temperature, softcap, chunk, entropy = inputs
+    _logp, lse, ent = output
+    ctx.save_for_backward(hidden, weight, bias, sources, labels, lse, ent)
+    ctx.cfg = (temperature, softcap, chunk, entropy)
+
+
+def _backward(
+    ctx: Any, g_logp: torch.Tensor | None, _g_lse: torch.Tensor | None, g_ent: torch.Tensor | None
+) -> tuple[torch.Tensor | None, ...]:
+    hidden, weight, bias, sources, labels, lse, ent = ctx.saved_tensors
+    temperature, softcap, chunk, entropy = ctx.cfg
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    needs = [bool(need_h), bool(need_w), bool(need_b and bias is not None)]
+    if g_logp is None:
+        g_logp = torch.zeros_like(lse)
+    gh, gw, gb = _chunked_logprobs_backward(
+        g_logp, g_ent if entropy else None, hidden, weight, bias, sources, labels, lse, ent,
+        temperature, softcap, chunk, needs,
+    )  # fmt: skip
+    grads = [g if need else None for g, need in zip((gh, gw, gb), needs, strict=True)]
+    return (*grads, None, None, None, None, None, None)
+
+
+_chunked_logprobs.register_autograd(_backward, setup_context=_setup_context)
 
 
 def response_logprobs(
@@ -207,18 +257,11 @@ def response_logprobs(
     if weight.dtype != hidden_states.dtype:
         weight = weight.to(hidden_states.dtype)
     bias = lm_head_bias.to(hidden_states.dtype) if lm_head_bias is not None else None
-    logp, ent = _ChunkedLogprobs.apply(
-        hidden_states,
-        weight,
-        bias,
-        packed.token_sources,
-        packed.token_labels,
-        float(temperature),
-        float(logit_softcap or 0.0),
-        chunk,
-        bool(return_entropy),
-    )
-    shape = (packed.num_rows, packed.max_response_len)
+    logp, _lse, ent = _chunked_logprobs(
+        hidden_states, weight, bias, packed.token_sources, packed.token_labels,
+        float(temperature), float(logit_softcap or 0.0), chunk, bool(return_entropy),
+    )  # fmt: skip
+    shape = packed.response_mask.shape  # [B, R_max] (symbolic under torch.compile)
     flat = packed.token_rows
     out = logp.new_zeros(shape[0] * shape[1]).index_copy(0, flat, logp).view(shape)
     if not return_entropy:

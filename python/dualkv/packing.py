@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .layout import Layout
+from .layout import Layout, mark_per_batch
 
 __all__ = ["PackedBatch", "pack", "pack_lists", "pack_rows", "rows_from_lists"]
 
@@ -64,6 +64,15 @@ class PackedBatch:
     group_rows: tuple[tuple[int, ...], ...]
     num_rows: int
     max_response_len: int
+
+    def __post_init__(self) -> None:
+        # Every size here changes from batch to batch (see dualkv.layout.mark_per_batch).
+        for t in (self.input_ids, self.position_ids):
+            mark_per_batch(t, 1)
+        for t in (self.response_index, self.response_mask, self.response_ids):
+            mark_per_batch(t, 0, 1)
+        for t in (self.row_group, self.token_rows, self.token_sources, self.token_labels):
+            mark_per_batch(t, 0)
 
     @property
     def total_tokens(self) -> int:

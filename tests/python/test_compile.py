@@ -79,6 +79,47 @@ def test_compile_one_graph_for_all_layouts(device: str, seed: int) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_compile_response_logprobs_one_graph_for_all_batches(device: str, seed: int) -> None:
+    """A compiled log-prob function (as trainers compile theirs) sees one opaque chunked op with
+    symbolic sizes: batches with other token and row counts reuse the graph, and the values are
+    the eager ones."""
+    import random
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    rng = random.Random(seed)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    w = torch.randn(40, 16, device=device, dtype=dtype, requires_grad=True)
+
+    def step(h, w, pk):  # noqa: ANN001, ANN202
+        lp, en = dualkv.response_logprobs(h, w, pk, return_entropy=True, chunk_size=5)
+        return (lp * 2).sum() + en.sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for _ in range(6):
+        groups = rng.randint(2, 3)
+        prompts = [[rng.randrange(40) for _ in range(rng.randint(2, 9))] for _ in range(groups)]
+        responses = [
+            [
+                [rng.randrange(40) for _ in range(rng.randint(1, 8))]
+                for _ in range(rng.randint(2, 4))
+            ]
+            for _ in range(groups)
+        ]
+        pk = dualkv.pack(prompts=prompts, responses=responses, device=device)
+        h = torch.randn(pk.total_tokens, 16, device=device, dtype=dtype, requires_grad=True)
+        got = torch.autograd.grad(compiled(h, w, pk), (h, w))
+        want = torch.autograd.grad(step(h, w, pk), (h, w))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compile_response_logprobs_fullgraph(device: str, backend: str, seed: int) -> None:
     """The chunked log-probs (dualkv::logit_stats, the in-place dualkv::logit_grad_) trace too."""
