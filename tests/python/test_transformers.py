@@ -297,6 +297,29 @@ def test_compiled_layers_with_checkpointing(seed, keep_attention, device, backen
         assert e_compiled <= 3 * e_eager + 1e-3, (name, e_compiled, e_eager)
 
 
+def test_compiled_decoder_one_graph_for_all_batches(seed):
+    """The whole decoder through torch.compile: no graph break, and one graph for batches of
+    other layouts (pack marks their sizes dynamic), with the eager values."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_model("qwen3", torch.float32, seed=seed % 1000)
+    model.set_attn_implementation("dualkv")
+    decoder = torch.compile(model.model, backend="aot_eager")
+    try:
+        for i in range(4):
+            pk = _batch(seed + i, groups=2)[3]
+            got = decoder(**pk.model_inputs()).last_hidden_state
+            want = dkt.packed_hidden_states(model, pk)
+            torch.testing.assert_close(got, want)
+        assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+        assert not counters["graph_break"], dict(counters["graph_break"])
+    finally:
+        torch._dynamo.reset()
+
+
 def test_registration_and_errors(seed):
     from transformers import AttentionInterface, AutoModelForCausalLM
 
