@@ -32,16 +32,23 @@ from dualkv.logprobs import logprobs_from_logits
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=24576, help="packed stream length T")
-    ap.add_argument("--responses", type=int, default=16384, help="scored (response) tokens")
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--tokens", type=int, help="packed stream length T (default 24576)")
+    ap.add_argument("--responses", type=int, help="scored (response) tokens (default 16384)")
+    ap.add_argument("--hidden", type=int, help="default 2048")
+    ap.add_argument("--vocab", type=int, help="default 151936")
     ap.add_argument("--chunks", default="", help="extra chunk sizes, comma-separated")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke run")
+    ap.add_argument("--device", default="cuda",
+                    help="cuda; cpu only for a smoke run (then a small default shape)")  # fmt: skip
     args = ap.parse_args()
     dev = torch.device(args.device)
+    # The Qwen3-1.7B head on the GPU; a small shape for the CPU smoke run (the full one would
+    # need tens of GiB of fp32 logits there).
     cuda = dev.type == "cuda"
+    for name, gpu, cpu in (("tokens", 24576, 256), ("responses", 16384, 128),
+                           ("hidden", 2048, 64), ("vocab", 151936, 1000)):  # fmt: skip
+        if getattr(args, name) is None:
+            setattr(args, name, gpu if cuda else cpu)
     if cuda and not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU: bench/logprobs.py times the GPU (--device cpu: smoke run)")
     m, t = args.responses, args.tokens
