@@ -147,8 +147,7 @@ def step(model, path: str, ids, mask, gid, adv, p: int, old: torch.Tensor) -> to
             h = hidden[0].index_select(0, packed.token_sources)
             logits = torch.nn.functional.linear(h, head)
             flat = logprobs_from_logits(logits, packed.token_labels)
-            lp = flat.new_zeros(resp_mask.numel()).index_copy(0, packed.token_rows, flat)
-            lp = lp.view(resp_mask.shape)
+            lp = packed.scatter_tokens(flat)
             del h, logits
         else:
             lp = response_logprobs(hidden, head, packed)

@@ -30,6 +30,11 @@ __all__ = ["logprobs_from_logits", "response_logprobs"]
 _CHUNK_BYTES = 1 << 29
 
 
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation dtype of 16/32-bit inputs (float32; float64 stays float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 _wide_gemm_ok: bool | None = None  # whether torch's mm/addmm take out_dtype (torch >= 2.8)
 
 
@@ -42,7 +47,7 @@ def _matmul_into(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> 
     bodies, which run eagerly also under torch.compile.)
     """
     global _wide_gemm_ok
-    wide = acc.dtype if acc is not None else torch.promote_types(a.dtype, torch.float32)
+    wide = acc.dtype if acc is not None else _acc_dtype(a.dtype)
     if _wide_gemm_ok is not False and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
         try:
             if acc is None:
@@ -61,8 +66,13 @@ def _matmul_into(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> 
 # The chunked computation is a pair of custom ops (their Python bodies run eagerly, also under
 # torch.compile): a compiled graph sees one opaque op per call with symbolic output sizes, so the
 # per-chunk loop neither unrolls into the graph nor specialises it to one batch's token count.
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
+def _stats_like(
+    hidden: torch.Tensor, m: Any, entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uninitialised (logp, lse, entropy) outputs for m scored tokens (entropy empty if unasked)."""
+    acc = _acc_dtype(hidden.dtype)
+    return (hidden.new_empty(m, dtype=acc), hidden.new_empty(m, dtype=acc),
+            hidden.new_empty(m if entropy else 0, dtype=acc))  # fmt: skip
 
 
 @torch.library.custom_op("dualkv::chunked_logprobs", mutates_args=())
@@ -84,10 +94,7 @@ def _chunked_logprobs(
     once. ``entropy`` is empty unless asked for.
     """
     m = sources.numel()
-    acc = _acc_dtype(hidden.dtype)
-    logp = hidden.new_empty(m, dtype=acc)
-    lse = hidden.new_empty(m, dtype=acc)
-    ent = hidden.new_empty(m if entropy else 0, dtype=acc)
+    logp, lse, ent = _stats_like(hidden, m, entropy)
     for s in range(0, m, chunk):
         e = min(s + chunk, m)
         z = torch.nn.functional.linear(hidden.index_select(0, sources[s:e]), weight, bias)
@@ -103,9 +110,7 @@ def _(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sources: torch.Tensor,
     labels: torch.Tensor, temperature: float, softcap: float, chunk: int, entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    m, acc = sources.shape[0], _acc_dtype(hidden.dtype)
-    return (hidden.new_empty(m, dtype=acc), hidden.new_empty(m, dtype=acc),
-            hidden.new_empty(m if entropy else 0, dtype=acc))  # fmt: skip
+    return _stats_like(hidden, sources.shape[0], entropy)
 
 
 @torch.library.custom_op("dualkv::chunked_logprobs_backward", mutates_args=())
@@ -261,13 +266,8 @@ def response_logprobs(
         hidden_states, weight, bias, packed.token_sources, packed.token_labels,
         float(temperature), float(logit_softcap or 0.0), chunk, bool(return_entropy),
     )  # fmt: skip
-    shape = packed.response_mask.shape  # [B, R_max] (symbolic under torch.compile)
-    flat = packed.token_rows
-    out = logp.new_zeros(shape[0] * shape[1]).index_copy(0, flat, logp).view(shape)
-    if not return_entropy:
-        return out
-    ent_rows = ent.new_zeros(shape[0] * shape[1]).index_copy(0, flat, ent).view(shape)
-    return out, ent_rows
+    out = packed.scatter_tokens(logp)
+    return (out, packed.scatter_tokens(ent)) if return_entropy else out
 
 
 def logprobs_from_logits(
@@ -289,7 +289,7 @@ def logprobs_from_logits(
     Returns:
         float32 (float64 for float64 logits) ``logprobs`` (and ``entropy``) of the labels' shape.
     """
-    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    z = logits.to(_acc_dtype(logits.dtype))
     if temperature != 1.0:
         z = z / temperature
     logp_all = torch.log_softmax(z, dim=-1)

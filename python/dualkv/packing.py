@@ -120,6 +120,15 @@ class PackedBatch:
         mask = self.response_mask.view(self.num_rows, self.max_response_len, *([1] * (x.dim() - 1)))
         return out * mask.to(out.dtype) if out.is_floating_point() else out * mask
 
+    def scatter_tokens(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-scored-token values ``[M]`` (in ``token_rows`` order) to rows ``[B, R_max]``.
+
+        Zeros where no token is scored (padding). Differentiable (an index copy).
+        """
+        shape = self.response_mask.shape  # [B, R_max] (symbolic under torch.compile)
+        flat = values.new_zeros(shape[0] * shape[1]).index_copy(0, self.token_rows, values)
+        return flat.view(shape)
+
     def to(self, device: torch.device | str) -> PackedBatch:
         """The same batch with every tensor (and the layout) on ``device``."""
         device = torch.device(device)
