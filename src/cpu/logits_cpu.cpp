@@ -70,22 +70,19 @@ struct Grad {
   static void run(const LogitGradArgs& a) { grad_typed<S, A>(a); }
 };
 
+// Both entry points: the argument checks, then the typed implementation Op.
+template <template <class, class> class Op, class Args>
+void run_rows(const Args& args, const char* fn) {
+  logits::check(args, fn);
+  if (args.rows == 0) return;
+  check_labels(args.labels, args.rows, args.vocab, fn);
+  dispatch<Op>(args);
+}
+
 }  // namespace
 
-void logit_stats(const LogitStatsArgs& args) {
-  constexpr const char* fn = "dualkv::cpu::logit_stats";
-  logits::check(args, fn);
-  if (args.rows == 0) return;
-  check_labels(args.labels, args.rows, args.vocab, fn);
-  dispatch<Stats>(args);
-}
+void logit_stats(const LogitStatsArgs& args) { run_rows<Stats>(args, "dualkv::cpu::logit_stats"); }
 
-void logit_grad(const LogitGradArgs& args) {
-  constexpr const char* fn = "dualkv::cpu::logit_grad";
-  logits::check(args, fn);
-  if (args.rows == 0) return;
-  check_labels(args.labels, args.rows, args.vocab, fn);
-  dispatch<Grad>(args);
-}
+void logit_grad(const LogitGradArgs& args) { run_rows<Grad>(args, "dualkv::cpu::logit_grad"); }
 
 }  // namespace dualkv::cpu

@@ -160,28 +160,26 @@ struct Grad {
   }
 };
 
-void check_rows(int64_t rows, const char* fn) {
-  DUALKV_CHECK(rows <= std::numeric_limits<int32_t>::max(), fn, ": at most 2^31 - 1 rows, got ",
-               rows);
+// Both entry points: the argument checks (one block per row: at most 2^31 - 1 rows), then the
+// launch of Launch's kernels for the storage dtype.
+template <template <class> class Launch, class Args>
+void run_rows(const Args& args, const char* fn, cudaStream_t stream) {
+  logits::check(args, fn);
+  DUALKV_CHECK(args.rows <= std::numeric_limits<int32_t>::max(), fn,
+               ": at most 2^31 - 1 rows, got ", args.rows);
+  if (args.rows == 0) return;
+  dispatch_storage<Launch>(args, stream);
 }
 
 }  // namespace
 }  // namespace detail
 
 void logit_stats(const LogitStatsArgs& args, cudaStream_t stream) {
-  constexpr const char* fn = "dualkv::cuda::logit_stats";
-  logits::check(args, fn);
-  detail::check_rows(args.rows, fn);
-  if (args.rows == 0) return;
-  detail::dispatch_storage<detail::Stats>(args, stream);
+  detail::run_rows<detail::Stats>(args, "dualkv::cuda::logit_stats", stream);
 }
 
 void logit_grad(const LogitGradArgs& args, cudaStream_t stream) {
-  constexpr const char* fn = "dualkv::cuda::logit_grad";
-  logits::check(args, fn);
-  detail::check_rows(args.rows, fn);
-  if (args.rows == 0) return;
-  detail::dispatch_storage<detail::Grad>(args, stream);
+  detail::run_rows<detail::Grad>(args, "dualkv::cuda::logit_grad", stream);
 }
 
 }  // namespace dualkv::cuda
