@@ -13,6 +13,7 @@ and reports the median time (CUDA events) and useful TFLOP/s on the packed layou
 
     python bench/attention.py                 # all reference shapes, all methods
     python bench/attention.py --shapes 0 --methods dualkv,flex --out bench/out
+    python bench/attention.py --shape 16,8192,1024,16,8,128   # a shape of your own (Qwen3-1.7B)
 """
 
 from __future__ import annotations
@@ -223,6 +224,13 @@ def make_runner(method: str, c: Case) -> Runner:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--shapes", default=",".join(str(i) for i in range(len(SHAPES))))
+    ap.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        metavar="N,P,R,Hq,Hkv,D",
+        help="a shape of your own (repeatable); replaces --shapes",
+    )
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=10)
@@ -230,8 +238,11 @@ def main() -> None:
     args = ap.parse_args()
     methods = args.methods.split(",")
     rows = []
-    for si in (int(s) for s in args.shapes.split(",")):
-        n, p, r, hq, hkv, d = SHAPES[si]
+    shapes = [tuple(int(x) for x in sh.split(",")) for sh in args.shape]
+    if any(len(sh) != 6 for sh in shapes):
+        ap.error("--shape takes six integers N,P,R,Hq,Hkv,D")
+    shapes = shapes or [SHAPES[int(s)] for s in args.shapes.split(",")]
+    for n, p, r, hq, hkv, d in shapes:
         c = Case(n, p, r, hq, hkv, d)
         shape = f"N={n} P={p} R={r} Hq={hq} Hkv={hkv} D={d}"
         reference = None  # DualKV's output when it runs first: every method must agree with it
