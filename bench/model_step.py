@@ -156,8 +156,14 @@ def step(model, path: str, ids, mask, gid, adv, p: int, old: torch.Tensor) -> to
     return loss.detach()
 
 
-def profile_step(model, path, ids, mask, gid, adv, p, old, top: int) -> None:
-    """One more step under torch.profiler: the GPU time per kernel, largest first."""
+def checkpointing_for(model, path: str) -> None:
+    """Gradient checkpointing as each path runs it: DualKV keeps its attention outputs (the
+    selective policy would only add its per-op dispatch cost to the other paths)."""
+    enable_gradient_checkpointing(model, keep_attention=path == "dualkv")
+
+
+def profiled_step(model, path, ids, mask, gid, adv, p, old):  # noqa: ANN201
+    """One step of ``path`` under torch.profiler (CPU and CUDA); returns the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     model.zero_grad(set_to_none=True)
@@ -165,6 +171,12 @@ def profile_step(model, path, ids, mask, gid, adv, p, old, top: int) -> None:
         step(model, path, ids, mask, gid, adv, p, old)
         torch.cuda.synchronize()
     model.zero_grad(set_to_none=True)
+    return prof
+
+
+def profile_step(model, path, ids, mask, gid, adv, p, old, top: int) -> None:
+    """One more step under torch.profiler: the GPU time per kernel, largest first."""
+    prof = profiled_step(model, path, ids, mask, gid, adv, p, old)
     print(f"-- profile: {path} --")
     table = prof.key_averages().table(
         sort_by="self_device_time_total", row_limit=top, max_name_column_width=70
@@ -254,16 +266,15 @@ def main(argv: list[str] | None = None) -> int:
             old = torch.zeros(n, r, device=device)  # on-policy-ish: ratio = exp(logp)
             results = []
             for path in paths:
-                if not args.no_grad_ckpt:  # selective policy for DualKV only (dispatch cost)
-                    enable_gradient_checkpointing(model, keep_attention=path == "dualkv")
+                if not args.no_grad_ckpt:
+                    checkpointing_for(model, path)
                 results.append(bench_path(model, path, ids, mask, gid, adv, p, old,
                                           args.warmup, args.repeats, device))  # fmt: skip
             if args.profile and device.type == "cuda":
                 for res in results:
                     if "time" in res:
                         if not args.no_grad_ckpt:
-                            keep = res["path"] == "dualkv"
-                            enable_gradient_checkpointing(model, keep_attention=keep)
+                            checkpointing_for(model, res["path"])
                         try:
                             profile_step(model, res["path"], ids, mask, gid, adv, p, old,
                                          args.profile)  # fmt: skip

@@ -20,7 +20,6 @@ import time
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -83,16 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     ids, mask, gid, adv = ms.make_rows(n, p, r, model.config.vocab_size, dev, seed=n + p + r)
     old = torch.zeros(n, r, device=dev)
     for path in args.paths:
-        ms.enable_gradient_checkpointing(model, keep_attention=path == "dualkv")
+        ms.checkpointing_for(model, path)
         for _ in range(args.warmup):
             model.zero_grad(set_to_none=True)
             ms.step(model, path, ids, mask, gid, adv, p, old)
         torch.cuda.synchronize()
-        model.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            ms.step(model, path, ids, mask, gid, adv, p, old)
-            torch.cuda.synchronize()
+        prof = ms.profiled_step(model, path, ids, mask, gid, adv, p, old)
         wall = time.perf_counter() - t0
         label = f"Qwen3-{args.preset}, {args.shape}, {'eager' if args.eager else 'compiled'}"
         report(path, label, wall, trace_events(prof), args.top)
