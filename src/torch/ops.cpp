@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include "dualkv/layout.h"
+#include "run.h"
 
 namespace dualkv::torch_ops {
 namespace {
@@ -75,10 +76,7 @@ BwdResult bwd_meta(DUALKV_BWD_PARAMS) {
 LogitStatsResult logit_stats_meta(DUALKV_LOGIT_STATS_PARAMS) {
   (void)labels, (void)temperature, (void)softcap;
   TORCH_CHECK_VALUE(logits.dim() == 2, "logits must be [rows, vocab], got ", logits.sym_sizes());
-  const auto opts = logits.options().dtype(lse_dtype(logits.scalar_type()));
-  const c10::SymInt rows = logits.sym_size(0);
-  return {at::empty_symint({rows}, opts), at::empty_symint({rows}, opts),
-          at::empty_symint({entropy ? rows : c10::SymInt(0)}, opts)};
+  return logit_stats_outputs(logits, entropy);
 }
 
 void logit_grad_meta(DUALKV_LOGIT_GRAD_PARAMS) {

@@ -20,6 +20,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(
     const LayoutTensors& layout, const ScoreOptions& opts, bool deterministic,
     const std::function<void(const BackwardArgs&)>& launch);
 
+// Uninitialised (logp, lse, entropy) for the rows of logits, in the accumulation dtype (entropy
+// is [0] unless asked for); symbolic sizes for the Meta implementation, concrete otherwise.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> logit_stats_outputs(const at::Tensor& logits,
+                                                                   bool entropy);
+
 // (logp, lse, entropy) of each row of logits (entropy is [0] unless asked for).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> run_logit_stats(
     const at::Tensor& logits, const at::Tensor& labels, double temperature, double softcap,

@@ -43,16 +43,21 @@ void fill_rows(Args& a, const at::Tensor& logits, const at::Tensor& labels, doub
 
 }  // namespace
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> logit_stats_outputs(const at::Tensor& logits,
+                                                                   bool entropy) {
+  const auto opts = logits.options().dtype(lse_dtype(logits.scalar_type()));
+  const c10::SymInt rows = logits.sym_size(0);
+  return {at::empty_symint({rows}, opts), at::empty_symint({rows}, opts),
+          at::empty_symint({entropy ? rows : c10::SymInt(0)}, opts)};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> run_logit_stats(
     const at::Tensor& logits_in, const at::Tensor& labels_in, double temperature, double softcap,
     bool entropy, const std::function<void(const LogitStatsArgs&)>& launch) {
   check_logits(logits_in, labels_in);
   const at::Tensor logits = logits_in.stride(1) == 1 ? logits_in : logits_in.contiguous();
   const at::Tensor labels = labels_in.to(at::kLong).contiguous();
-  const int64_t rows = logits.size(0);
-  const auto opts = logits.options().dtype(lse_dtype(logits.scalar_type()));
-  at::Tensor logp = at::empty({rows}, opts), lse = at::empty({rows}, opts);
-  at::Tensor ent = at::empty({entropy ? rows : 0}, opts);
+  auto [logp, lse, ent] = logit_stats_outputs(logits, entropy);
   LogitStatsArgs a;
   fill_rows(a, logits, labels, temperature, softcap);
   a.logp = logp.data_ptr(), a.lse = lse.data_ptr();
