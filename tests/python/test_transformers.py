@@ -8,6 +8,7 @@ bfloat16 (error vs a float64 reference at most a small multiple of the plain bf1
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -128,12 +129,30 @@ def test_packed_step_bf16_tolerance(seed, family, device):
 
     # gradients: relative L2 error per parameter (with bf16 everywhere in the model, the max
     # element error of either path is a noisy extreme; the L2 error is what accumulates)
-    def rel(a, b):
-        return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
-
     for name, gref in g_ref.items():
-        e_r, e_p = rel(g_r[name], gref), rel(g_p[name], gref)
+        e_r, e_p = _rel_l2(g_r[name], gref), _rel_l2(g_p[name], gref)
         assert e_p <= 3 * e_r + 1e-3, (name, e_p, e_r)
+
+
+def _rel_l2(a, b):
+    """Relative L2 error of a against the reference b, in float64."""
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
+
+@contextlib.contextmanager
+def _compiled_layers(model, backend, keep_attention=True):
+    """Gradient checkpointing on and every decoder layer through torch.compile (regional
+    compilation, as trainers do) inside the block; both undone, dynamo's caches cleared, after."""
+    import torch._dynamo
+
+    enable_gradient_checkpointing(model, keep_attention=keep_attention)
+    try:
+        for layer in model.model.layers:
+            layer.compile(backend=backend)
+        yield model
+    finally:
+        model.gradient_checkpointing_disable()
+        torch._dynamo.reset()
 
 
 def _grads(model):
@@ -260,10 +279,7 @@ def test_compiled_layers_with_checkpointing(seed, keep_attention, device, backen
 
     model = fresh(dtype).to(device)
     want = step(model)
-    enable_gradient_checkpointing(model, keep_attention=keep_attention)
-    try:
-        for layer in model.model.layers:
-            layer.compile(backend=backend)
+    with _compiled_layers(model, backend, keep_attention):
         step(model)  # compiles
         # (a TorchDispatchMode like _CountAttention would send dynamo back to eager: count the
         # attention forwards that allocate their outputs, i.e. run rather than come from a cache)
@@ -284,33 +300,18 @@ def test_compiled_layers_with_checkpointing(seed, keep_attention, device, backen
             other = _batch(seed + i, groups=2)[3].to(device)
             dkt.packed_response_logprobs(model, other).sum().backward()
         assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
-    finally:
-        model.gradient_checkpointing_disable()
-        torch._dynamo.reset()
     if not cuda:
         _close_grads(got, want)
         return
     # bf16: inductor fuses and rounds the model's elementwise code its own way, which alone takes
     # the gradients' error to 2-3x the eager step's (the unshared rows with SDPA too, measured on
     # an H200), so the plain reference is the rows step compiled the same way.
-    torch._dynamo.reset()
-    rows = fresh(dtype).to(device)
-    enable_gradient_checkpointing(rows)
-    try:
-        for layer in rows.model.layers:
-            layer.compile(backend=backend)
+    with _compiled_layers(fresh(dtype).to(device), backend) as rows:
         want_rows = step(rows, packed=False)
-    finally:
-        rows.gradient_checkpointing_disable()
-        torch._dynamo.reset()
     ref = step(fresh(torch.float64))
-
-    def rel(a, b):
-        return ((a.double() - b).norm() / b.norm().clamp(min=1e-30)).item()
-
     for name, g in ref.items():
-        e_plain = max(rel(want[name], g), rel(want_rows[name], g))
-        e_compiled = rel(got[name], g)
+        e_plain = max(_rel_l2(want[name], g), _rel_l2(want_rows[name], g))
+        e_compiled = _rel_l2(got[name], g)
         assert e_compiled <= 3 * e_plain + 1e-3, (name, e_compiled, e_plain)
 
 
