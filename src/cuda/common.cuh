@@ -207,6 +207,25 @@ __device__ __forceinline__ int key_blocks(const Region& r, int pq_first, int pq_
   return (hi - r.pos0) / B + 1 - *b0;
 }
 
+// Whether a (query block, key block) pair needs per-element masking: partial blocks, the causal
+// diagonal, or the window edge.
+__device__ __forceinline__ bool needs_mask(int nq, int BM, int nk, int BN, int pq_first,
+                                           int pq_last, int pk_first, int pk_last,
+                                           const MaskRule& m) {
+  return nq < BM || nk < BN || pk_last > pq_first ||
+         int64_t(pq_last) - int64_t(pk_first) >= int64_t(m.window);
+}
+
+// One block of at most `B` keys of a walk: keys [off, off + B) of region R, cut at its end.
+template <int B>
+struct KeyBlock {
+  Region R;
+  int off;
+  __device__ __forceinline__ int64_t row() const { return int64_t(R.start) + off; }  // first key
+  __device__ __forceinline__ int pos() const { return R.pos0 + off; }  // its logical position
+  __device__ __forceinline__ int count() const { return min(B, R.len - off); }
+};
+
 // The key blocks of `B` keys that queries [q0, q0 + nq) of segment `seg` walk, in order: the
 // prompt region's blocks, then the own response's. One online softmax runs over all of them.
 template <int B>
@@ -224,11 +243,16 @@ struct KeyBlockWalk {
     nb0 = key_blocks<B>(r0, pq_first, pq_last, m, &b00);
     total = nb0 + key_blocks<B>(r1, pq_first, pq_last, m, &b01);
   }
-  // Key block j: its region and its first key relative to the region.
-  __device__ __forceinline__ void block(int j, Region& R, int& kb) const {
+  // Key block j of the walk.
+  __device__ __forceinline__ KeyBlock<B> at(int j) const {
     const bool first = j < nb0;
-    R = first ? r0 : r1;
-    kb = (first ? b00 + j : b01 + j - nb0) * B;
+    return {first ? r0 : r1, (first ? b00 + j : b01 + j - nb0) * B};
+  }
+  // Whether key block `kb` needs per-element masking against the walk's queries (`nq` rows of a
+  // `BM`-row tile).
+  __device__ __forceinline__ bool masked(const KeyBlock<B>& kb, int nq, int BM,
+                                         const MaskRule& m) const {
+    return needs_mask(nq, BM, kb.count(), B, pq_first, pq_last, kb.pos(), kb.pos() + B - 1, m);
   }
 };
 
@@ -302,15 +326,6 @@ __device__ __forceinline__ bool query_blocks(const Segment& qs, int pk_first, in
   *b0 = (lo - qs.pos0) / B;
   *b1 = (hi - qs.pos0) / B + 1;
   return true;
-}
-
-// Whether a (query block, key block) pair needs per-element masking: partial blocks, the causal
-// diagonal, or the window edge.
-__device__ __forceinline__ bool needs_mask(int nq, int BM, int nk, int BN, int pq_first,
-                                           int pq_last, int pk_first, int pk_last,
-                                           const MaskRule& m) {
-  return nq < BM || nk < BN || pk_last > pq_first ||
-         int64_t(pq_last) - int64_t(pk_first) >= int64_t(m.window);
 }
 
 }  // namespace dualkv::cuda::detail

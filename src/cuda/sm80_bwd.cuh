@@ -430,11 +430,9 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, 2)
   const KeyBlockWalk<BN> walk(seg, q0, nq, p.mask);
   const int total = walk.total, pq_first = walk.pq_first, pq_last = walk.pq_last;
   auto load_kv = [&](int j, int stage) {
-    Region R;
-    int kb;
-    walk.block(j, R, kb);
-    const int nk = min(BN, R.len - kb);
-    const int64_t ks = int64_t(R.start) + kb;
+    const auto kb = walk.at(j);
+    const int nk = kb.count();
+    const int64_t ks = kb.row();
     load_tile<BN, D, THREADS>(sK0 + stage * BN * D * 2, kg + ks * p.k_tok, p.k_tok, nk);
     load_tile<BN, D, THREADS>(sV0 + stage * BN * D * 2, vg + ks * p.v_tok, p.v_tok, nk);
   };
@@ -493,13 +491,8 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, 2)
       }
     }
 
-    Region R;
-    int kb;
-    walk.block(j, R, kb);
-    const int nk = min(BN, R.len - kb);
-    const int pk_first = R.pos0 + kb;
-    const bool msk =
-        needs_mask(nq, BM, nk, BN, pq_first, pq_last, pk_first, pk_first + BN - 1, p.mask);
+    const auto kb = walk.at(j);
+    const bool msk = walk.masked(kb, nq, BM, p.mask);
 #pragma unroll
     for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
@@ -515,8 +508,8 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, 2)
         }
         float pr = fast_exp2(x - lse2[i]);
         if (msk) {
-          const int kr = kb + nt * 8 + 2 * tq + (e & 1);
-          if (!(kr < R.len && p.mask.allowed(pq_first + row0 + 8 * i, R.pos0 + kr))) pr = 0.f;
+          const int kr = kb.off + nt * 8 + 2 * tq + (e & 1);
+          if (!(kr < kb.R.len && p.mask.allowed(pq_first + row0 + 8 * i, kb.R.pos0 + kr))) pr = 0.f;
         }
         dp[nt][e] = pr * (dp[nt][e] - del[i]) * dcap;
       }

@@ -308,11 +308,9 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const __grid_constant__
   const KeyBlockWalk<BN> walk(seg, q0, nq, p.mask);
   const int total = walk.total, pq_first = walk.pq_first, pq_last = walk.pq_last;
   auto load_kv = [&](int j, int stage) {
-    Region R;
-    int kb;
-    walk.block(j, R, kb);
-    const int nk = min(BN, R.len - kb);
-    const int64_t ks = int64_t(R.start) + kb;
+    const auto kb = walk.at(j);
+    const int nk = kb.count();
+    const int64_t ks = kb.row();
     load_tile_sw128<BN, D, THREADS>(sK0 + stage * Cfg::KV_BYTES, kg + ks * p.k_tok, p.k_tok, nk);
     load_tile_sw128<BN, D, THREADS>(sV0 + stage * Cfg::KV_BYTES, vg + ks * p.v_tok, p.v_tok, nk);
   };
@@ -355,13 +353,8 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const __grid_constant__
     fence_regs(s);
     fence_regs(dp);
 
-    Region R;
-    int kb;
-    walk.block(j, R, kb);
-    const int nk = min(BN, R.len - kb);
-    const int pk_first = R.pos0 + kb;
-    const bool msk =
-        needs_mask(nq, BM, nk, BN, pq_first, pq_last, pk_first, pk_first + BN - 1, p.mask);
+    const auto kb = walk.at(j);
+    const bool msk = walk.masked(kb, nq, BM, p.mask);
 #pragma unroll
     for (int i = 0; i < SR; ++i) {
       const int nt = i >> 2, e = i & 3, r = e >> 1;
@@ -375,8 +368,8 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const __grid_constant__
       }
       float pr = fast_exp2(x - lse2[r]);
       if (msk) {
-        const int kr = kb + nt * 8 + 2 * tq + (e & 1);
-        if (!(kr < R.len && p.mask.allowed(pq_first + row0 + 8 * r, R.pos0 + kr))) pr = 0.f;
+        const int kr = kb.off + nt * 8 + 2 * tq + (e & 1);
+        if (!(kr < kb.R.len && p.mask.allowed(pq_first + row0 + 8 * r, kb.R.pos0 + kr))) pr = 0.f;
       }
       dp[i] = pr * (dp[i] - del[r]) * dcap;
     }

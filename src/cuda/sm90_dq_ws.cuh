@@ -87,10 +87,7 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
       }
       for (int j = 0; j < total; ++j) {
         const int s = j % S;
-        Region R;
-        int kb;
-        walk.block(j, R, kb);
-        const int row = R.start + kb;
+        const int row = int(walk.at(j).row());
         ws::mbar_wait(empty(s), (uint32_t(j / S) & 1u) ^ 1u);
         ws::mbar_expect_tx(full(s), 2 * Cfg::KV_BYTES);
 #pragma unroll
@@ -147,13 +144,8 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
       fence_regs(da);  // dQ_{j-1} read them: keep them untouched until here
       if (j > 0) ws::mbar_arrive(empty((j - 1) % S));  // dQ_{j-1} has read K_{j-1}
 
-      Region R;
-      int kb;
-      walk.block(j, R, kb);
-      const int nk = min(BN, R.len - kb);
-      const int pk_first = R.pos0 + kb;
-      const bool msk =
-          needs_mask(nq, BM, nk, BN, pq_first, pq_last, pk_first, pk_first + BN - 1, p.mask);
+      const auto kb = walk.at(j);
+      const bool msk = walk.masked(kb, nq, BM, p.mask);
       float dcap[kCap ? SR : 1];
 #pragma unroll
       for (int i = 0; i < SR; ++i) {
@@ -168,8 +160,8 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
         }
         float pr = fast_exp2(x - lse2[r]);
         if (msk) {
-          const int kr = kb + nt * 8 + 2 * tq + (e & 1);
-          if (!(kr < R.len && p.mask.allowed(pq_first + row0 + 8 * r, R.pos0 + kr))) pr = 0.f;
+          const int kr = kb.off + nt * 8 + 2 * tq + (e & 1);
+          if (!(kr < kb.R.len && p.mask.allowed(pq_first + row0 + 8 * r, kb.R.pos0 + kr))) pr = 0.f;
         }
         sc[i] = pr;
       }

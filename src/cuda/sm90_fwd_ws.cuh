@@ -156,10 +156,7 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
       for (int j = 0; j < total; ++j) {
         const int s = j % S;
         const uint32_t ph = uint32_t(j / S) & 1u;
-        Region R;
-        int kb;
-        walk.block(j, R, kb);
-        const int row = R.start + kb;
+        const int row = int(walk.at(j).row());
         ws::mbar_wait(empty_k(s), ph ^ 1u);
         ws::mbar_expect_tx(full_k(s), Cfg::KV_BYTES);
 #pragma unroll
@@ -197,13 +194,8 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
     // Scores of block j (in s) -> unnormalised probabilities (in place); updates the running max
     // and sum; corr = factor by which O must be rescaled.
     auto softmax = [&](int j, float (&corr)[2]) {
-      Region R;
-      int kb;
-      walk.block(j, R, kb);
-      const int nk = min(BN, R.len - kb);
-      const int pk_first = R.pos0 + kb;
-      const bool msk =
-          needs_mask(nq, BM, nk, BN, pq_first, pq_last, pk_first, pk_first + BN - 1, p.mask);
+      const auto kb = walk.at(j);
+      const bool msk = walk.masked(kb, nq, BM, p.mask);
       if constexpr (kCap) {
 #pragma unroll
         for (int i = 0; i < SR; ++i) s[i] = p.cap_log2 * tanhf(s[i] * p.cap_inv);
@@ -218,8 +210,8 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
         for (int i = 0; i < SR; ++i) {
           const int nt = i >> 2, e = i & 3;
           const int pq = pq_first + row0 + (e >> 1) * 8;
-          const int kr = kb + nt * 8 + 2 * tq + (e & 1);
-          if (!(kr < R.len && p.mask.allowed(pq, R.pos0 + kr))) s[i] = -INFINITY;
+          const int kr = kb.off + nt * 8 + 2 * tq + (e & 1);
+          if (!(kr < kb.R.len && p.mask.allowed(pq, kb.R.pos0 + kr))) s[i] = -INFINITY;
         }
       }
 #pragma unroll
