@@ -131,6 +131,19 @@ __device__ __forceinline__ void cp_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
+// One step of a two-stage cp.async pipeline: with a next block, issue its copies into the other
+// stage (`issue_next()`) and wait for the current block's only; without one, wait for all.
+template <class IssueNext>
+__device__ __forceinline__ void cp_pipeline_step(bool has_next, IssueNext&& issue_next) {
+  if (has_next) {
+    issue_next();
+    cp_commit();
+    cp_wait<1>();
+  } else {
+    cp_wait<0>();
+  }
+}
+
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));

@@ -123,6 +123,10 @@ struct BwdCfg {
 struct QIter {
   int hi, si, qb, qb_end;
   Segment qs;
+  // The current block of BM queries: its first query's packed row and logical position, its size.
+  __device__ __forceinline__ int row(int BM) const { return qs.start + qb * BM; }
+  __device__ __forceinline__ int pos(int BM) const { return qs.pos0 + qb * BM; }
+  __device__ __forceinline__ int count(int BM) const { return min(BM, qs.len - qb * BM); }
 };
 
 template <int BM>
@@ -193,8 +197,8 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, 2)
 
   auto issue = [&](const QIter& it, int stage) {
     const int h = hk * p.group + it.hi;
-    const int qs = it.qs.start + it.qb * BM;
-    const int nq = min(BM, it.qs.len - it.qb * BM);
+    const int qs = it.row(BM);
+    const int nq = it.count(BM);
     load_tile<BM, D, THREADS>(
         sQ0 + stage * BM * D * 2,
         static_cast<const T*>(p.q) + int64_t(qs) * p.q_tok + int64_t(h) * p.q_head, p.q_tok, nq);
@@ -235,6 +239,7 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, 2)
   while (valid) {
     QIter nxt = cur;
     const bool has_next = advance(nxt);
+    // cp_pipeline_step spelled out: through the helper nvcc schedules this loop differently
     if (has_next) {
       issue(nxt, stage ^ 1);
       cp_commit();
@@ -245,9 +250,9 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, 2)
     __syncthreads();
 
     const int h = hk * p.group + cur.hi;
-    const int qs = cur.qs.start + cur.qb * BM;
-    const int nq = min(BM, cur.qs.len - cur.qb * BM);
-    const int pq_first = cur.qs.pos0 + cur.qb * BM;
+    const int qs = cur.row(BM);
+    const int nq = cur.count(BM);
+    const int pq_first = cur.pos(BM);
     const bool msk =
         needs_mask(nq, BM, nk, BN, pq_first, pq_first + nq - 1, pk_first, pk_last, p.mask) ||
         nk < BN;
@@ -458,13 +463,7 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, 2)
 
   for (int j = 0; j < total; ++j) {
     const int st = j & 1;
-    if (j + 1 < total) {
-      load_kv(j + 1, st ^ 1);
-      cp_commit();
-      cp_wait<1>();
-    } else {
-      cp_wait<0>();
-    }
+    cp_pipeline_step(j + 1 < total, [&] { load_kv(j + 1, st ^ 1); });
     __syncthreads();
     const uint32_t sK = sK0 + st * BN * D * 2, sV = sV0 + st * BN * D * 2;
 

@@ -75,13 +75,7 @@ __global__ void __launch_bounds__(FwdCfg<D>::THREADS, FwdCfg<D>::MIN_BLOCKS)
 
   for (int j = 0; j < total; ++j) {
     const int st = j & 1;
-    if (j + 1 < total) {
-      load_kv(j + 1, st ^ 1);
-      cp_commit();
-      cp_wait<1>();
-    } else {
-      cp_wait<0>();
-    }
+    cp_pipeline_step(j + 1 < total, [&] { load_kv(j + 1, st ^ 1); });
     __syncthreads();
     const uint32_t sK = sK0 + st * BN * D * 2, sV = sV0 + st * BN * D * 2;
 

@@ -69,8 +69,8 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
 
   auto issue = [&](const QIter& it, int stage) {
     const int h = hk * p.group + it.hi;
-    const int qs = it.qs.start + it.qb * BM;
-    const int nq = min(BM, it.qs.len - it.qb * BM);
+    const int qs = it.row(BM);
+    const int nq = it.count(BM);
     load_tile_sw128<BM, D, THREADS>(
         sQ0 + stage * Cfg::Q_BYTES,
         static_cast<const T*>(p.q) + int64_t(qs) * p.q_tok + int64_t(h) * p.q_head, p.q_tok, nq);
@@ -104,6 +104,7 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
   while (valid) {
     QIter nxt = cur;
     const bool has_next = advance(nxt);
+    // cp_pipeline_step spelled out: through the helper nvcc schedules this loop differently
     if (has_next) {
       issue(nxt, stage ^ 1);
       cp_commit();
@@ -114,8 +115,8 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
     fence_proxy_async();
     __syncthreads();
 
-    const int nq = min(BM, cur.qs.len - cur.qb * BM);
-    const int pq_first = cur.qs.pos0 + cur.qb * BM;
+    const int nq = cur.count(BM);
+    const int pq_first = cur.pos(BM);
     const bool msk =
         needs_mask(nq, BM, nk, BN, pq_first, pq_first + nq - 1, pk_first, pk_last, p.mask);
     const uint32_t sQ = sQ0 + stage * Cfg::Q_BYTES, sdO = sdO0 + stage * Cfg::Q_BYTES;
@@ -333,13 +334,7 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const __grid_constant__
 
   for (int j = 0; j < total; ++j) {
     const int st = j & 1;
-    if (j + 1 < total) {
-      load_kv(j + 1, st ^ 1);
-      cp_commit();
-      cp_wait<1>();
-    } else {
-      cp_wait<0>();
-    }
+    cp_pipeline_step(j + 1 < total, [&] { load_kv(j + 1, st ^ 1); });
     fence_proxy_async();
     __syncthreads();
     const uint32_t sK = sK0 + st * Cfg::KV_BYTES, sV = sV0 + st * Cfg::KV_BYTES;

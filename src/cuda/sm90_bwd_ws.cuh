@@ -187,12 +187,12 @@ __global__ void __launch_bounds__(384, 1)
           break;
         }
         const int h = hk * p.group + cur.hi;
-        const int qs = cur.qs.start + cur.qb * BM;
-        const int nq = min(BM, cur.qs.len - cur.qb * BM);
+        const int qs = cur.row(BM);
+        const int nq = cur.count(BM);
         if (lane == 0) {
           meta(s)[0] = 1 + cur.hi;  // which q head of the GQA group
           meta(s)[1] = nq;
-          meta(s)[2] = cur.qs.pos0 + cur.qb * BM;
+          meta(s)[2] = cur.pos(BM);
           meta(s)[3] = qs;
           ws::mbar_expect_tx(full(s), 2 * Cfg::Q_BYTES);
 #pragma unroll

@@ -64,13 +64,7 @@ __global__ void __launch_bounds__(256, 1) fwd_kernel_sm90(const __grid_constant_
 
   for (int j = 0; j < total; ++j) {
     const int st = j & 1;
-    if (j + 1 < total) {
-      load_kv(j + 1, st ^ 1);
-      cp_commit();
-      cp_wait<1>();
-    } else {
-      cp_wait<0>();
-    }
+    cp_pipeline_step(j + 1 < total, [&] { load_kv(j + 1, st ^ 1); });
     fence_proxy_async();
     __syncthreads();
     const uint32_t sK = sK0 + st * Cfg::KV_BYTES, sV = sV0 + st * Cfg::KV_BYTES;
