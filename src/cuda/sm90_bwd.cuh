@@ -255,22 +255,7 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
   }
   cp_wait<0>();
 
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int kr = kr0 + 8 * r;
-    if (kr < nk) {
-      const int64_t off = (int64_t(k0 + kr) * p.Hkv + hk) * D + col0 + 2 * tq;
-      T* dkg = static_cast<T*>(p.dk) + off;
-      T* dvg = static_cast<T*>(p.dv) + off;
-#pragma unroll
-      for (int nd = 0; nd < DW / 8; ++nd) {
-        *reinterpret_cast<uint32_t*>(dkg + nd * 8) =
-            pack2<T>(dk[nd * 4 + 2 * r] * p.scale, dk[nd * 4 + 2 * r + 1] * p.scale);
-        *reinterpret_cast<uint32_t*>(dvg + nd * 8) =
-            pack2<T>(dv[nd * 4 + 2 * r], dv[nd * 4 + 2 * r + 1]);
-      }
-    }
-  }
+  store_dkdv_rows<T, D, DW>(p, dk, dv, k0, nk, hk, kr0, col0, tq);
 #endif
 }
 

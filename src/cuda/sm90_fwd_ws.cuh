@@ -326,24 +326,7 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
     // Consumer 0 takes consumer 1's last hand-over, so no barrier is left half-arrived.
     if (pp && cw == 0) ws::bar_sync(my_bar, NC);
 
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float l = quad_sum(l_run[r]);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      const int row = row0 + 8 * r;
-      if (row < nq) {
-        T* og = static_cast<T*>(p.out) + (int64_t(q0 + row) * p.Hq + h) * D;
-#pragma unroll
-        for (int nd = 0; nd < D / 8; ++nd) {
-          *reinterpret_cast<uint32_t*>(og + nd * 8 + 2 * tq) =
-              pack2<T>(o[nd * 4 + 2 * r] * inv, o[nd * 4 + 2 * r + 1] * inv);
-        }
-        if (tq == 0) {
-          p.lse[int64_t(h) * p.T + q0 + row] =
-              l > 0.f ? (m_run[r] * sl + log2f(l)) * kLn2 : -INFINITY;
-        }
-      }
-    }
+    store_out_rows<T, D>(p, o, m_run, l_run, sl, q0, nq, h, row0, tq);
   }
 #endif
 }
