@@ -269,6 +269,18 @@ struct KeyBlockWalk {
   }
 };
 
+// The backward's statistics of a thread's query rows row0 and row0 + 8 (queries q0 + row of nq,
+// q head h): lse in log2 units (+inf past nq, so that P = 0 there) and delta = rowsum(dO * O).
+__device__ __forceinline__ void load_row_stats(const Params& p, int h, int q0, int nq, int row0,
+                                               float (&lse2)[2], float (&del)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + 8 * r;
+    lse2[r] = row < nq ? p.lse2[int64_t(h) * p.T + q0 + row] : INFINITY;
+    del[r] = row < nq ? p.delta[int64_t(h) * p.T + q0 + row] : 0.f;
+  }
+}
+
 // The rows one CTA of a tile kernel owns: blockIdx.x = (tile * SPLIT + part) * heads + head,
 // each 128-token tile cut into SPLIT parts of B rows. `valid` is false for a part that lies past
 // its tile's end (only possible with SPLIT > 1); begin/count are then unset.

@@ -447,12 +447,7 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, 2)
   const int g = lane >> 2, tq = lane & 3;
   const int row0 = warp * 16 + g;
   float lse2[2], del[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int r = row0 + 8 * i;
-    lse2[i] = r < nq ? p.lse2[int64_t(h) * p.T + q0 + r] : INFINITY;
-    del[i] = r < nq ? p.delta[int64_t(h) * p.T + q0 + r] : 0.f;
-  }
+  load_row_stats(p, h, q0, nq, row0, lse2, del);
   const int a_row = warp * 16 + (lane & 15), a_col = (lane >> 4) * 8;
   const int b_row = (lane & 7) + ((lane >> 4) << 3), b_col = ((lane >> 3) & 1) * 8;
   const int t_row = (lane & 7) + (((lane >> 3) & 1) << 3), t_col = (lane >> 4) * 8;

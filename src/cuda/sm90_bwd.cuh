@@ -306,12 +306,7 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const __grid_constant__
   const int g = lane >> 2, tq = lane & 3;
   const int row0 = wg * 64 + (warp & 3) * 16 + g;
   float lse2[2], del[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = row0 + 8 * r;
-    lse2[r] = row < nq ? p.lse2[int64_t(h) * p.T + q0 + row] : INFINITY;
-    del[r] = row < nq ? p.delta[int64_t(h) * p.T + q0 + row] : 0.f;
-  }
+  load_row_stats(p, h, q0, nq, row0, lse2, del);
   constexpr int AR = D / 2, SR = BN / 2;
   float acc[AR];
 #pragma unroll
