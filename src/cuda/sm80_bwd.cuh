@@ -433,7 +433,7 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, 2)
                             int64_t(p.Hq) * D, nq);
 
   const KeyBlockWalk<BN> walk(seg, q0, nq, p.mask);
-  const int total = walk.total, pq_first = walk.pq_first, pq_last = walk.pq_last;
+  const int total = walk.total, pq_first = walk.pq_first;
   auto load_kv = [&](int j, int stage) {
     const auto kb = walk.at(j);
     const int nk = kb.count();

@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
   const Segment& seg = cta.seg;
 
   const KeyBlockWalk<BN> walk(seg, q0, nq, p.mask);
-  const int total = walk.total, pq_first = walk.pq_first, pq_last = walk.pq_last;
+  const int total = walk.total, pq_first = walk.pq_first;
 
   if (tid == 0) {
     ws::mbar_init(bQ, 1);

@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(256, 1) fwd_kernel_sm90(const __grid_constant_
   load_tile_sw128<BM, D, THREADS>(sQ, qg, p.q_tok, nq);
 
   const KeyBlockWalk<BN> walk(seg, q0, nq, p.mask);
-  const int total = walk.total, pq_first = walk.pq_first, pq_last = walk.pq_last;
+  const int total = walk.total, pq_first = walk.pq_first;
   auto load_kv = [&](int j, int stage) {
     const auto kb = walk.at(j);
     const int nk = kb.count();
