@@ -353,9 +353,15 @@ def test_registration_and_errors(seed):
     ids, mask, pw, pk, adv, noise = _batch(seed, groups=2)
     lp = dkt.packed_response_logprobs(model, pk)
     assert lp.shape == (ids.shape[0], ids.shape[1] - pw)
-    # a 2-D all-ones attention mask is fine (the mask interface builds nothing)
+    # a 2-D all-ones attention mask is fine (the mask interface builds nothing); one with a
+    # zero is refused (a packed stream has no padding to mask)
     out = model(**pk.model_inputs(), attention_mask=torch.ones_like(pk.input_ids))
     assert out.logits.shape == (1, pk.total_tokens, VOCAB)
+    assert torch.equal(out.logits, model(**pk.model_inputs()).logits)
+    zero = torch.ones_like(pk.input_ids)
+    zero[0, -1] = 0
+    with pytest.raises(ValueError, match="attention_mask with zeros"):
+        model(**pk.model_inputs(), attention_mask=zero)
     with pytest.raises(RuntimeError, match="dualkv.Layout"):
         model(input_ids=pk.input_ids, position_ids=pk.position_ids)
     with pytest.raises(ValueError, match="one packed stream"):

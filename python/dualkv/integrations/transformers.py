@@ -32,10 +32,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+try:
+    import transformers  # noqa: F401
+except ImportError as e:  # the integration is an extra
+    raise ImportError(
+        "dualkv.integrations.transformers needs Hugging Face transformers: pip install "
+        "'dualkv[transformers]' (or pip install transformers)"
+    ) from e
 
 from ..attention import attention
 from ..layout import Layout
@@ -47,6 +56,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "check_positions",
     "checkpoint_kwargs",
     "current_layout",
     "dualkv_attention_forward",
@@ -168,6 +178,7 @@ def dualkv_attention_forward(
         )
     if dropout:
         raise ValueError(f"dualkv attention does not support attention dropout (got {dropout})")
+    check_positions(kwargs.get("position_ids"), layout)
     if not getattr(module, "is_causal", True):
         raise ValueError("dualkv attention is causal; this module is not (bidirectional attention)")
     q = query[0].transpose(0, 1)
@@ -184,9 +195,93 @@ def dualkv_attention_forward(
     return out.unsqueeze(0), None
 
 
-def dualkv_mask(*args: Any, **kwargs: Any) -> None:
-    """Mask function of ``"dualkv"`` (transformers' mask interface): no mask, the layout is it."""
+def check_positions(position_ids: torch.Tensor | None, layout: Layout) -> None:
+    """Refuse position ids that are not the layout's logical positions.
+
+    A packed stream needs RoPE on the logical positions (prompt ``0..P-1``, each response
+    ``P..P+R-1``); a model called without ``position_ids`` numbers the packed tokens ``0..T-1``
+    instead, which would silently shift every response. Positions that differ from the layout's
+    by a constant per group (rows' own positions taken over by :func:`dualkv.pack`) are accepted.
+
+    Free for the layout's own tensor (``packed.position_ids``); other tensors are compared once
+    (one host synchronisation) and remembered. Not checked while torch.compile traces.
+    """
+    if position_ids is None or torch.compiler.is_compiling():
+        return
+    pos = position_ids.reshape(-1)
+    own = layout.position_ids
+    if pos.numel() != own.numel():
+        raise ValueError(
+            f"position_ids has {pos.numel()} positions but the layout has {own.numel()} tokens; "
+            "pass position_ids=packed.position_ids"
+        )
+    if pos.data_ptr() == own.data_ptr() and pos.stride(0) == own.stride(0):
+        return
+    checked = getattr(layout, "_checked_positions", None)
+    if checked is not None and checked() is position_ids:
+        return
+    delta = pos.to(own.device, torch.int64) - own
+    starts, counts = layout.group_starts()
+    if delta.numel() and not torch.equal(delta, delta[starts].repeat_interleave(counts)):
+        raise ValueError(
+            "position_ids are not the layout's logical positions (prompt 0..P-1, each response "
+            "P..P+R-1): the model was probably called without position_ids, so RoPE numbered the "
+            "packed tokens 0..T-1. Pass position_ids=packed.position_ids (model(**packed."
+            "model_inputs()) does)"
+        )
+    layout._checked_positions = weakref.ref(position_ids)
+
+
+def dualkv_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> None:
+    """Mask function of ``"dualkv"`` (transformers' mask interface): no mask, the layout is it.
+
+    A padding mask with zeros cannot be honoured on a packed stream (there is no padding in
+    it), so it is refused rather than ignored; an all-ones mask is accepted (checked with one
+    host synchronisation; under torch.compile only ``None`` is accepted).
+    """
+    if attention_mask is None:
+        return None
+    if torch.compiler.is_compiling():
+        raise ValueError(
+            'attn_implementation="dualkv" takes its mask from the layout: call the model with '
+            "attention_mask=None on a packed batch"
+        )
+    if not bool(attention_mask.all()):
+        raise ValueError(
+            'attn_implementation="dualkv" got an attention_mask with zeros (padding): a packed '
+            "batch has no padding, its mask is the layout. Pack the rows with "
+            "dualkv.pack(input_ids, attention_mask, prompt_width) and call the model with "
+            "attention_mask=None"
+        )
     return None
+
+
+_GUARDED: dict[tuple[str, Any], Any] = {}
+
+
+def _refuse_layout(name: str, function: Any) -> Any:
+    """``function`` (another attention implementation), raising if a dualkv layout reaches it."""
+    key = (name, function)
+    if key not in _GUARDED:
+        _GUARDED[key] = _guard(name, function)
+    return _GUARDED[key]
+
+
+def _guard(name: str, function: Any) -> Any:
+
+    @functools.wraps(function)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get(LAYOUT_KWARG) is not None:
+            raise ValueError(
+                f"a dualkv layout (dualkv_layout=...) reached attn_implementation={name!r}, which "
+                "would ignore it and run plain causal attention over the packed stream. Load the "
+                'model with attn_implementation="dualkv" or call model.set_attn_implementation('
+                '"dualkv") (a config object shared between models switches all of them)'
+            )
+        return function(*args, **kwargs)
+
+    guarded._dualkv_guard = True  # type: ignore[attr-defined]
+    return guarded
 
 
 def register() -> None:
@@ -194,6 +289,21 @@ def register() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, dualkv_attention_forward)
+    # Every other implementation (sdpa, flash, flex, a model's own eager function) ignores
+    # unknown keywords: a packed batch reaching one would run plain causal attention over the
+    # packed stream. The functions the interface hands out raise instead.
+    get_interface = getattr(AttentionInterface, "get_interface", None)
+    if get_interface is not None and not getattr(get_interface, "_dualkv_guard", False):
+
+        @functools.wraps(get_interface)
+        def guarded_get_interface(self: Any, attn_implementation: str, default: Any) -> Any:
+            function = get_interface(self, attn_implementation, default)
+            if attn_implementation == ATTN_IMPLEMENTATION:
+                return function
+            return _refuse_layout(str(attn_implementation), function)
+
+        guarded_get_interface._dualkv_guard = True  # type: ignore[attr-defined]
+        AttentionInterface.get_interface = guarded_get_interface  # type: ignore[method-assign]
     try:
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError:  # transformers without the mask interface builds no mask for it anyway
