@@ -41,6 +41,7 @@ from ..attention import attention
 from ..layout import Layout
 from ..logprobs import logprobs_from_logits, response_logprobs
 from ..packing import PackedBatch
+from ..parallel import ShardedLayout, ulysses_attention
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -65,28 +66,31 @@ DETERMINISTIC_KWARG = "dualkv_deterministic"
 
 # Process-wide (not thread-local: the autograd engine may replay a checkpointed layer on its
 # device thread) stack of (layout, deterministic) set by use_layout().
-_LAYOUT_STACK: list[tuple[Layout, bool]] = []
+_LAYOUT_STACK: list[tuple[Layout | ShardedLayout, bool]] = []
 
 
-def current_layout() -> Layout | None:
+def current_layout() -> Layout | ShardedLayout | None:
     """The innermost layout set by :func:`use_layout`, or None."""
     return _LAYOUT_STACK[-1][0] if _LAYOUT_STACK else None
 
 
 @contextlib.contextmanager
 def use_layout(
-    layout: Layout, model: PreTrainedModel | None = None, deterministic: bool = False
-) -> Iterator[Layout]:
+    layout: Layout | ShardedLayout,
+    model: PreTrainedModel | None = None,
+    deterministic: bool = False,
+) -> Iterator[Layout | ShardedLayout]:
     """Make ``layout`` the layout of ``"dualkv"`` attention inside the ``with`` block.
 
     Args:
-        layout: the packed batch's :class:`dualkv.Layout`.
+        layout: the packed batch's :class:`dualkv.Layout` (or, sequence-parallel, this rank's
+            :class:`dualkv.parallel.ShardedLayout`).
         model: optional model; when given, a forward pre-hook adds ``dualkv_layout=layout`` to
             its decoder's forward keywords, so gradient-checkpointed layers replay with it even
             when the backward runs after the block.
         deterministic: bitwise-reproducible attention gradients.
     """
-    if not isinstance(layout, Layout):
+    if not isinstance(layout, (Layout, ShardedLayout)):
         raise TypeError(f"layout must be a dualkv.Layout, got {type(layout).__name__}")
     handle = None
     if model is not None:
@@ -134,8 +138,9 @@ def dualkv_attention_forward(
         scaling: softmax scale (default ``1/sqrt(D)``).
         sliding_window: the layer's window in logical positions (``pos(q) - pos(k) < w``).
         softcap: attention logit soft-capping (Gemma 2 style), None for none.
-        kwargs: ``dualkv_layout`` (else :func:`current_layout`), ``dualkv_deterministic``;
-            others are ignored.
+        kwargs: ``dualkv_layout`` (else :func:`current_layout`): a :class:`dualkv.Layout`, or
+            this rank's :class:`dualkv.parallel.ShardedLayout` (sequence parallel: ``query`` is
+            then the rank's shard); ``dualkv_deterministic``; others are ignored.
 
     Returns:
         ``(out [1, T, Hq, D], None)``.
@@ -173,7 +178,9 @@ def dualkv_attention_forward(
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    out = attention(
+    # sequence parallel (dualkv.parallel): this rank's token shard, Ulysses all-to-all attention
+    attend = ulysses_attention if isinstance(layout, ShardedLayout) else attention
+    out = attend(
         q, k, v, layout,
         softmax_scale=scaling,
         window=int(sliding_window) if sliding_window else None,
