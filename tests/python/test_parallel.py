@@ -162,8 +162,12 @@ def _attention_cases_run(group: Any, world: int, seed: int) -> None:
         assert torch.equal(parallel.ulysses_attention(ql, kl, vl, sl, **opts), out_l)
 
         # the gather helper (differentiable) rebuilds the global tensor
-        full = sl.gather(out_l.detach())
+        x = out_l.detach().requires_grad_()
+        full = sl.gather(x, grad_scale=3.0)
         assert full.shape == out.shape and torch.equal(full, out.detach())
+        (full * d_out).sum().backward()  # the same downstream on every rank
+        assert torch.equal(x.grad[:real], 3.0 * d_out[s0 : s0 + real])
+        assert (x.grad[real:] == 0).all()
 
     # head splits that cannot work name the case
     sl = parallel.ShardedLayout(dualkv.Layout([4], [[3]]), group)

@@ -91,7 +91,10 @@ def use_layout(
         deterministic: bitwise-reproducible attention gradients.
     """
     if not isinstance(layout, (Layout, ShardedLayout)):
-        raise TypeError(f"layout must be a dualkv.Layout, got {type(layout).__name__}")
+        raise TypeError(
+            "layout must be a dualkv.Layout (or a dualkv.parallel.ShardedLayout), got "
+            f"{type(layout).__name__}"
+        )
     handle = None
     if model is not None:
 
