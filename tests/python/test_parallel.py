@@ -190,22 +190,26 @@ TEMPERATURE = 0.9
 
 
 def _model_batch(seed: int, world: int):
-    from hf_helpers import VOCAB, random_groups, shuffled_rows
+    from hf_helpers import VOCAB, random_groups
 
     rng = random.Random(seed)
     prompts, responses = random_groups(rng, groups=3, p_range=(2, 12), n_range=(1, 4),
                                        r_range=(1, 9))  # fmt: skip
-    # a shard boundary right after the first prompt: its last position (rank 0) predicts every
-    # first response token (rank 1)
-    t = sum(len(p) + sum(map(len, rs)) for p, rs in zip(prompts, responses))
-    shard = -(-t // world)
-    prompts[0] = [rng.randrange(VOCAB) for _ in range(shard)]
+    # the first group's prompt fills rank 0 exactly: its last position (rank 0) predicts the first
+    # token of each of its 3 responses (rank 1); the other boundaries fall where they may
     responses[0] = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 5))] for _ in range(3)]
-    ids, mask, pw, gid = shuffled_rows(rng, prompts, responses)
-    packed = dualkv.pack(ids, mask, pw, gid)
+    rest = sum(map(len, responses[0])) + sum(
+        len(p) + sum(map(len, rs)) for p, rs in zip(prompts[1:], responses[1:])
+    )
+    shard = -(-rest // (world - 1))  # then ceil((shard + rest) / world) == shard
+    prompts[0] = [rng.randrange(VOCAB) for _ in range(shard)]
+    packed = dualkv.pack(prompts=prompts, responses=responses)  # groups in this order
+    assert -(-packed.total_tokens // world) == shard == packed.layout.prefix_lens[0]
+    rows = packed.num_rows
     g = torch.Generator().manual_seed(seed)
-    adv = dualkv.group_advantages(torch.rand(ids.shape[0], generator=g), gid).double()
-    old = torch.randn(ids.shape[0], ids.shape[1] - pw, generator=g).double() * 0.3
+    gid = torch.tensor([i for i, rs in enumerate(responses) for _ in rs])
+    adv = dualkv.group_advantages(torch.rand(rows, generator=g), gid).double()
+    old = torch.randn(rows, packed.max_response_len, generator=g).double() * 0.3
     return packed, adv, old * packed.response_mask
 
 
