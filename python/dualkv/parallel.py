@@ -52,7 +52,8 @@ Cost per decoder layer and rank (T packed tokens, element size b bytes, ``Hkv' =
   layer's recompute repeats the forward all-to-alls of q, k, v (and out).
 
 Padding adds at most ``sp - 1`` tokens. With a group of size 1 every collective is skipped and the
-path reduces to the single-GPU one.
+path reduces to the single-GPU one. ``torch.compile`` (dynamo) traces :func:`ulysses_attention`
+without graph breaks (checked with the eager and aot_eager backends on gloo).
 """
 
 from __future__ import annotations

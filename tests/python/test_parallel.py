@@ -189,7 +189,10 @@ def test_attention_equals_single_process(seed):
 TEMPERATURE = 0.9
 
 
-def _model_batch(seed: int, world: int):
+def _model_batch(seed: int, world: int, model):
+    """A packed batch, advantages and old log-probs (the model's own, plus noise: the policy
+    ratio stays near 1, so the clipped surrogate has gradients)."""
+    from dualkv.integrations import transformers as dkt
     from hf_helpers import VOCAB, random_groups
 
     rng = random.Random(seed)
@@ -209,7 +212,9 @@ def _model_batch(seed: int, world: int):
     g = torch.Generator().manual_seed(seed)
     gid = torch.tensor([i for i, rs in enumerate(responses) for _ in rs])
     adv = dualkv.group_advantages(torch.rand(rows, generator=g), gid).double()
-    old = torch.randn(rows, packed.max_response_len, generator=g).double() * 0.3
+    noise = torch.randn(rows, packed.max_response_len, generator=g).double() * 0.3
+    with torch.no_grad():
+        old = dkt.packed_response_logprobs(model, packed, temperature=TEMPERATURE) + noise
     return packed, adv, old * packed.response_mask
 
 
@@ -238,6 +243,49 @@ def _model_worker(rank: int, world: int, seed: int) -> None:
     assert world == 4
     _model_run(_pairs(), 2, seed + 1 + rank // 2, checkpointing=False)
     _model_run(None, 4, seed, checkpointing=True)
+    _fsdp_run(seed)
+
+
+def _fsdp_run(seed: int) -> None:
+    """dp=2 x sp=2 with FSDP2 (fully_shard of the decoder layers over all 4 ranks, which averages
+    the gradients over the 4): with grad_scale=sp the gradients are the mean over the two data-
+    parallel batches of the single-process gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dualkv.integrations import transformers as dkt
+    from hf_helpers import tiny_model
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+    sp_group, dp_rank = mesh.get_group("sp"), mesh.get_local_rank("dp")
+    ref = tiny_model("qwen3", torch.float64, seed=seed % 1000)
+    ref.set_attn_implementation("dualkv")
+    batches = [_model_batch(seed + 10 + i, 2, ref) for i in range(2)]
+    want: dict[str, torch.Tensor] = {}
+    for packed, adv, old in batches:
+        ref.zero_grad(set_to_none=True)
+        lp = dkt.packed_response_logprobs(ref, packed, temperature=TEMPERATURE)
+        dualkv.dapo_loss(lp, old, adv, packed.response_mask)[0].backward()
+        for n, p in ref.named_parameters():
+            want[n] = want.get(n, 0) + p.grad / 2
+
+    model = tiny_model("qwen3", torch.float64, seed=seed % 1000)
+    model.set_attn_implementation("dualkv")
+    flat = init_device_mesh("cpu", (4,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=flat)
+    packed, adv, old = batches[dp_rank]
+    lp = parallel.sequence_parallel_logprobs(model, packed, sp_group, TEMPERATURE, grad_scale=2.0)
+    dualkv.dapo_loss(lp, old, adv, packed.response_mask)[0].backward()
+    for n, p in model.named_parameters():
+        if "layers" in n:  # FSDP's reduce-scatter averaged these over the 4 ranks
+            g = p.grad.full_tensor()
+        else:  # embeddings (tied LM head) and the final norm, outside FSDP: the same average
+            g = p.grad.clone()
+            dist.all_reduce(g)
+            g /= 4
+        err = (g - want[n]).abs().max().item()
+        assert err <= 1e-10 * want[n].abs().max().item() + 1e-15, ("fsdp", n, err)
 
 
 def _model_run(group: Any, world: int, seed: int, checkpointing: bool) -> None:
@@ -249,7 +297,7 @@ def _model_run(group: Any, world: int, seed: int, checkpointing: bool) -> None:
     if checkpointing:
         model.train()
         dkt.enable_gradient_checkpointing(model, keep_attention=True)
-    packed, adv, old = _model_batch(seed, world)
+    packed, adv, old = _model_batch(seed, world, model)
     assert packed.token_reduction > 1.0
 
     lp_r, ent_r, loss_r, g_r = _model_step(model, packed, adv, old, sharded=False)
@@ -280,7 +328,8 @@ def _model_run(group: Any, world: int, seed: int, checkpointing: bool) -> None:
 
 
 def test_qwen3_step_equals_single_process(seed):
-    """2 ranks (two groups side by side) and 4 ranks with gradient checkpointing."""
+    """2 ranks (two groups side by side), 4 ranks with gradient checkpointing, and 2 x 2 data x
+    sequence parallel under FSDP2."""
     pytest.importorskip("transformers")
     _spawn(_model_worker, 4, seed)
 
