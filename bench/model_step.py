@@ -141,6 +141,7 @@ def step(model, path: str, ids, mask, gid, adv, p: int, old: torch.Tensor) -> to
         resp_mask = packed.response_mask
         head = model.get_output_embeddings().weight
         if path == "dualkv-sp":
+            model.set_attn_implementation("dualkv")
             lp = parallel.sequence_parallel_logprobs(model, packed)
             loss, _ = dapo_loss(lp, old, adv, resp_mask)
             loss.backward()
@@ -180,7 +181,7 @@ def init_group_of_one(device: torch.device) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 

@@ -128,7 +128,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         scatter_dim, gather_dim = ctx.dims
-        return _all_to_all(grad.contiguous(), gather_dim, scatter_dim, ctx.group), None, None, None
+        return _all_to_all(grad, gather_dim, scatter_dim, ctx.group), None, None, None
 
 
 def all_to_all(
