@@ -11,6 +11,10 @@ after a P-token prompt), gradient checkpointing on:
 * dualkv         the packed stream with attn_implementation="dualkv" and chunked log-probs;
                  checkpointing keeps the attention outputs (no attention forward in the recompute);
 * dualkv-recompute  as dualkv, but the checkpoint recompute runs the attention forward again.
+* dualkv-sp      as dualkv, through the sequence-parallel code path (dualkv.parallel: sharded
+                 batch, Ulysses attention, sharded log-probs, gradient all-reduce) over a process
+                 group of size 1 that this script initialises (nccl on CUDA, gloo on CPU): what
+                 the SP path costs when it does not split anything.
 
 With ``--compile`` every decoder layer is compiled with ``torch.compile`` (regional compilation,
 as trainers do) in every path, so the model's own elementwise code (RMSNorm, RoPE, SwiGLU,
@@ -24,6 +28,7 @@ bf16 peak (--peak-tflops, 989 for H100/H200 SXM).
     python bench/model_step.py                                   # the issue's full table
     python bench/model_step.py --presets 1.7b --shapes 16,8192,1024 --paths flex,dualkv
     python bench/model_step.py --presets 1.7b --shapes 16,8192,1024 --paths flex,dualkv --compile
+    python bench/model_step.py --presets 1.7b --shapes 16,8192,1024 --paths dualkv,dualkv-sp
     python bench/model_step.py --preset-tiny-cpu                 # a smoke run on CPU
     python bench/model_step.py ... --out bench/RESULTS.md        # append the table
 
@@ -44,13 +49,14 @@ from typing import Any
 import torch
 
 import dualkv
+from dualkv import parallel
 from dualkv.grpo_demo import build_model
 from dualkv.integrations.transformers import enable_gradient_checkpointing, packed_hidden_states
 from dualkv.logprobs import logprobs_from_logits, response_logprobs
 from dualkv.losses import dapo_loss, group_advantages
 from dualkv.packing import pack_rows
 
-ALL_PATHS = ("standard", "flex", "flex-chunked", "dualkv", "dualkv-recompute")
+ALL_PATHS = ("standard", "flex", "flex-chunked", "dualkv", "dualkv-recompute", "dualkv-sp")
 DEFAULT_SHAPES = ("16,8192,1024", "32,4096,2048", "8,16384,2048")
 
 
@@ -134,6 +140,13 @@ def step(model, path: str, ids, mask, gid, adv, p: int, old: torch.Tensor) -> to
         packed = pack_rows(ids, mask, p, gid)
         resp_mask = packed.response_mask
         head = model.get_output_embeddings().weight
+        if path == "dualkv-sp":
+            model.set_attn_implementation("dualkv")
+            lp = parallel.sequence_parallel_logprobs(model, packed)
+            loss, _ = dapo_loss(lp, old, adv, resp_mask)
+            loss.backward()
+            parallel.all_reduce_gradients(model.parameters())
+            return loss.detach()
         if path.startswith("dualkv"):
             model.set_attn_implementation("dualkv")
             hidden = packed_hidden_states(model, packed)
@@ -156,10 +169,27 @@ def step(model, path: str, ids, mask, gid, adv, p: int, old: torch.Tensor) -> to
     return loss.detach()
 
 
+def init_group_of_one(device: torch.device) -> None:
+    """The default process group with this process alone (for the dualkv-sp path)."""
+    import socket
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
 def checkpointing_for(model, path: str) -> None:
     """Gradient checkpointing as each path runs it: DualKV keeps its attention outputs (the
     selective policy would only add its per-op dispatch cost to the other paths)."""
-    enable_gradient_checkpointing(model, keep_attention=path == "dualkv")
+    enable_gradient_checkpointing(model, keep_attention=path in ("dualkv", "dualkv-sp"))
 
 
 def profiled_step(model, path, ids, mask, gid, adv, p, old):  # noqa: ANN201
@@ -246,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         if x not in ALL_PATHS:
             ap.error(f"unknown path {x!r}; choose from {ALL_PATHS}")
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    if "dualkv-sp" in paths:
+        init_group_of_one(device)
     rows: list[dict[str, Any]] = []
     header = ("| model | N, P, R | rho | path | step time | peak memory | MFU | vs standard |\n"
               "|---|---|---|---|---|---|---|---|")  # fmt: skip

@@ -64,9 +64,9 @@ class Layout:
     or totals beyond the int32 range.
     """
 
-    # Caches: the token range of each group (group_starts) and the last position-id tensor that
+    # Caches: group_first_tokens, and the last position-id tensor that
     # dualkv.integrations.transformers.check_positions accepted for this layout.
-    _group_starts: tuple[torch.Tensor, torch.Tensor] | None = None
+    _group_first: torch.Tensor | None = None
     _checked_positions: Any = None
 
     def __init__(
@@ -144,23 +144,19 @@ class Layout:
         t = self.total_tokens
         return self.unshared_tokens / t if t else 1.0
 
-    def group_starts(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(starts, counts)``: each non-empty group's first packed token and its token count
-        (int64, on the layout's device; built on first use)."""
-        cached = self._group_starts
-        if cached is None or cached[0].device != self._device:
-            starts, counts, t = [], [], 0
+    def group_first_tokens(self) -> torch.Tensor:
+        """``[T]`` bool on the layout's device: True on each group's first packed token (built on
+        first use)."""
+        cached = self._group_first
+        if cached is None or cached.device != self._device:
+            first = torch.zeros(self.total_tokens, dtype=torch.bool)
+            t = 0
             for p, r in zip(self._prefix_lens, self._response_lens):
-                n = p + sum(r)
-                if n:
-                    starts.append(t)
-                    counts.append(n)
-                t += n
-            cached = (
-                torch.tensor(starts, dtype=torch.int64, device=self._device),
-                torch.tensor(counts, dtype=torch.int64, device=self._device),
-            )
-            self._group_starts = cached
+                if p + sum(r):
+                    first[t] = True
+                t += p + sum(r)
+            cached = first.to(self._device)
+            self._group_first = cached
         return cached
 
     def allowed_pairs(self, window: int | None = None) -> int:

@@ -276,8 +276,8 @@ def test_missing_position_ids_raise(seed) -> None:
     copy = model.model(input_ids=pk.input_ids, position_ids=pk.position_ids.clone(),
                        dualkv_layout=pk.layout).last_hidden_state  # fmt: skip
     assert torch.equal(ref, copy)
-    starts, counts = pk.layout.group_starts()
-    shift = torch.tensor([3, 0, 11]).repeat_interleave(counts)
+    counts = [p + sum(r) for p, r in zip(pk.layout.prefix_lens, pk.layout.response_lens)]
+    shift = torch.tensor([3, 0, 11]).repeat_interleave(torch.tensor(counts))
     shifted = model.model(input_ids=pk.input_ids, position_ids=pk.position_ids + shift,
                           dualkv_layout=pk.layout).last_hidden_state  # fmt: skip
     torch.testing.assert_close(shifted, ref, rtol=1e-4, atol=1e-4)

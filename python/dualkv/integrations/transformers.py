@@ -50,6 +50,7 @@ from ..attention import attention
 from ..layout import Layout
 from ..logprobs import logprobs_from_logits, response_logprobs
 from ..packing import PackedBatch
+from ..parallel import ShardedLayout, ulysses_attention
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -75,29 +76,35 @@ DETERMINISTIC_KWARG = "dualkv_deterministic"
 
 # Process-wide (not thread-local: the autograd engine may replay a checkpointed layer on its
 # device thread) stack of (layout, deterministic) set by use_layout().
-_LAYOUT_STACK: list[tuple[Layout, bool]] = []
+_LAYOUT_STACK: list[tuple[Layout | ShardedLayout, bool]] = []
 
 
-def current_layout() -> Layout | None:
+def current_layout() -> Layout | ShardedLayout | None:
     """The innermost layout set by :func:`use_layout`, or None."""
     return _LAYOUT_STACK[-1][0] if _LAYOUT_STACK else None
 
 
 @contextlib.contextmanager
 def use_layout(
-    layout: Layout, model: PreTrainedModel | None = None, deterministic: bool = False
-) -> Iterator[Layout]:
+    layout: Layout | ShardedLayout,
+    model: PreTrainedModel | None = None,
+    deterministic: bool = False,
+) -> Iterator[Layout | ShardedLayout]:
     """Make ``layout`` the layout of ``"dualkv"`` attention inside the ``with`` block.
 
     Args:
-        layout: the packed batch's :class:`dualkv.Layout`.
+        layout: the packed batch's :class:`dualkv.Layout` (or, sequence-parallel, this rank's
+            :class:`dualkv.parallel.ShardedLayout`).
         model: optional model; when given, a forward pre-hook adds ``dualkv_layout=layout`` to
             its decoder's forward keywords, so gradient-checkpointed layers replay with it even
             when the backward runs after the block.
         deterministic: bitwise-reproducible attention gradients.
     """
-    if not isinstance(layout, Layout):
-        raise TypeError(f"layout must be a dualkv.Layout, got {type(layout).__name__}")
+    if not isinstance(layout, (Layout, ShardedLayout)):
+        raise TypeError(
+            "layout must be a dualkv.Layout (or a dualkv.parallel.ShardedLayout), got "
+            f"{type(layout).__name__}"
+        )
     handle = None
     if model is not None:
 
@@ -144,8 +151,9 @@ def dualkv_attention_forward(
         scaling: softmax scale (default ``1/sqrt(D)``).
         sliding_window: the layer's window in logical positions (``pos(q) - pos(k) < w``).
         softcap: attention logit soft-capping (Gemma 2 style), None for none.
-        kwargs: ``dualkv_layout`` (else :func:`current_layout`), ``dualkv_deterministic``;
-            others are ignored.
+        kwargs: ``dualkv_layout`` (else :func:`current_layout`): a :class:`dualkv.Layout`, or
+            this rank's :class:`dualkv.parallel.ShardedLayout` (sequence parallel: ``query`` is
+            then the rank's shard); ``dualkv_deterministic``; others are ignored.
 
     Returns:
         ``(out [1, T, Hq, D], None)``.
@@ -184,7 +192,9 @@ def dualkv_attention_forward(
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    out = attention(
+    # sequence parallel (dualkv.parallel): this rank's token shard, Ulysses all-to-all attention
+    attend = ulysses_attention if isinstance(layout, ShardedLayout) else attention
+    out = attend(
         q, k, v, layout,
         softmax_scale=scaling,
         window=int(sliding_window) if sliding_window else None,
@@ -195,34 +205,41 @@ def dualkv_attention_forward(
     return out.unsqueeze(0), None
 
 
-def check_positions(position_ids: torch.Tensor | None, layout: Layout) -> None:
+def check_positions(position_ids: torch.Tensor | None, layout: Layout | ShardedLayout) -> None:
     """Refuse position ids that are not the layout's logical positions.
 
     A packed stream needs RoPE on the logical positions (prompt ``0..P-1``, each response
     ``P..P+R-1``); a model called without ``position_ids`` numbers the packed tokens ``0..T-1``
     instead, which would silently shift every response. Positions that differ from the layout's
-    by a constant per group (rows' own positions taken over by :func:`dualkv.pack`) are accepted.
+    by a constant per group (rows' own positions taken over by :func:`dualkv.pack`) are accepted
+    (RoPE is relative). On a :class:`dualkv.parallel.ShardedLayout` the rank's slice is checked.
 
     Free for the layout's own tensor (``packed.position_ids``); other tensors are compared once
     (one host synchronisation) and remembered. Not checked while torch.compile traces.
     """
     if position_ids is None or torch.compiler.is_compiling():
         return
+    base = layout.layout if isinstance(layout, ShardedLayout) else layout
+    own, first = base.position_ids, base.group_first_tokens()
     pos = position_ids.reshape(-1)
-    own = layout.position_ids
+    if not isinstance(layout, ShardedLayout) and (
+        pos.data_ptr() == own.data_ptr() and pos.numel() == own.numel() and pos.stride(0) == 1
+    ):
+        return
+    checked = layout._checked_positions
+    if checked is not None and checked() is position_ids:
+        return
+    if isinstance(layout, ShardedLayout):
+        own = layout.shard(own)
+        first = layout.shard(first.to(torch.int8), pad_value=1).bool()
     if pos.numel() != own.numel():
         raise ValueError(
             f"position_ids has {pos.numel()} positions but the layout has {own.numel()} tokens; "
             "pass position_ids=packed.position_ids"
         )
-    if pos.data_ptr() == own.data_ptr() and pos.stride(0) == own.stride(0):
-        return
-    checked = getattr(layout, "_checked_positions", None)
-    if checked is not None and checked() is position_ids:
-        return
     delta = pos.to(own.device, torch.int64) - own
-    starts, counts = layout.group_starts()
-    if delta.numel() and not torch.equal(delta, delta[starts].repeat_interleave(counts)):
+    same = (delta[1:] == delta[:-1]) | first[1:]
+    if not bool(same.all()):
         raise ValueError(
             "position_ids are not the layout's logical positions (prompt 0..P-1, each response "
             "P..P+R-1): the model was probably called without position_ids, so RoPE numbered the "
