@@ -41,6 +41,10 @@ bool head_dim_built(int d) {
     case 256:
       return true;
 #endif
+#if DUALKV_HAS_HD512
+    case 512:
+      return true;
+#endif
     default:
       return false;
   }
@@ -54,10 +58,9 @@ bool aligned16(const T* p) {
 void check_common(DType dtype, const Shape& s, const ScoreParams& sc, const LayoutView& lv) {
   DUALKV_CHECK(dtype == DType::kBFloat16 || dtype == DType::kFloat16,
                "dtype: the CUDA kernels take float16 or bfloat16, got ", dtype_name(dtype));
-  DUALKV_CHECK(
-      supports(dtype, s.head_dim), "head_dim ", s.head_dim,
-      " is not supported by the CUDA kernels of this build (built: 64/128/256 as configured "
-      "by DUALKV_CUDA_HEAD_DIMS)");
+  DUALKV_CHECK(supports(dtype, s.head_dim), "head_dim ", s.head_dim,
+               " is not supported by the CUDA kernels of this build (built: 64/128/256/512 as "
+               "configured by DUALKV_CUDA_HEAD_DIMS)");
   DUALKV_CHECK(s.tokens >= 0, "shape.tokens must be >= 0, got ", s.tokens);
   DUALKV_CHECK(s.num_q_heads > 0 && s.num_kv_heads > 0,
                "num_q_heads and num_kv_heads must be > 0, got ", s.num_q_heads, " and ",
@@ -170,6 +173,11 @@ void dispatch(DType dtype, int d, F&& f) {
         f(T{}, std::integral_constant<int, 256>{});
         return;
 #endif
+#if DUALKV_HAS_HD512
+      case 512:
+        f(T{}, std::integral_constant<int, 512>{});
+        return;
+#endif
       default:
         throw Error(
             ::dualkv::detail::concat("head_dim ", d, " is not supported by the CUDA kernels"));
@@ -208,7 +216,8 @@ void attention_forward(const ForwardArgs& a, cudaStream_t stream) {
     // Warp-specialised FA3-style kernels first (false: a TMA map could not be encoded).
     if (sm90 && sm90_ws_enabled() && launch_forward_sm90_ws<T, D>(p, stream)) return;
     // Synchronous wgmma forward; at D = 64 the sm_80 one measured faster (2.02 vs 2.28 ms, H200).
-    if constexpr (D != 64) {
+    // D = 512 has no synchronous wgmma kernel: DUALKV_SM90_WS=0 runs the sm_80 one.
+    if constexpr (D != 64 && D <= 256) {
       if (sm90) return launch_forward_sm90<T, D>(p, stream);
     }
 #endif
@@ -256,9 +265,13 @@ void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t str
     using T = decltype(t);
     constexpr int D = decltype(d)::value;
 #if DUALKV_HAS_SM90A
-    if (sm90 && sm90_ws_enabled() && launch_backward_sm90_ws<T, D>(p, dq_mode, stream)) return;
-    if (sm90 && !atomic_dq) return launch_backward_sm90<T, D>(p, stream);
+    if constexpr (D <= 256) {
+      if (sm90 && sm90_ws_enabled() && launch_backward_sm90_ws<T, D>(p, dq_mode, stream)) return;
+      if (sm90 && !atomic_dq) return launch_backward_sm90<T, D>(p, stream);
+    }
 #endif
+    // D = 512 on every GPU (no wgmma backward for it yet), or a GPU other than sm_90.
+    (void)sm90, (void)atomic_dq;
     launch_backward_sm80<T, D>(p, a.deterministic, stream);
   });
 }

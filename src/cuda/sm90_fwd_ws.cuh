@@ -18,6 +18,13 @@
 // the neighbouring tokens instead of zero-filled; they are masked to P = 0, so only a non-finite V
 // value there could leak (0 * inf). Q rows past the tile's end are likewise real tokens (their
 // rows are computed and not written).
+// D = 512 (KSPLIT = 2): a 64 x 512 fp32 O does not fit one warpgroup's registers. A CTA owns 64
+// query rows (half a tile); both consumer warpgroups work on them: warpgroup c owns O's columns
+// [256c, 256c + 256) and computes the partial S_c = Q[:, cols] K[:, cols]^T over the same columns
+// of the reduction dim. The two partials go through shared memory (double-buffered by block
+// parity, one named barrier per block) and each warpgroup adds them in the same order, so both
+// hold bitwise the same S and run the same online softmax; then O_c += P V[:, cols]. No ping-pong
+// (the warpgroups meet every block); the O rescale is skipped in a warp whose rows kept their max.
 #pragma once
 
 #include <cuda.h>
@@ -30,8 +37,11 @@ namespace dualkv::cuda::detail {
 
 template <int D>
 struct FwdWsCfg {
-  static constexpr int BM = kTileSize;  // 2 consumer warpgroups x 64 rows
-  static constexpr int BN = D >= 256 ? 64 : 128;
+  // Consumer warpgroups sharing one 64-row slab (splitting O's columns and S's reduction dim).
+  static constexpr int KSPLIT = D >= 512 ? 2 : 1;
+  static constexpr int DC = D / KSPLIT;          // columns per consumer warpgroup
+  static constexpr int BM = kTileSize / KSPLIT;  // 2 consumer warpgroups x 64 rows / KSPLIT
+  static constexpr int BN = D >= 512 ? 32 : D >= 256 ? 64 : 128;
   static constexpr int STAGES = 2;
   static constexpr int THREADS = 384;  // warpgroup 0 produces, 1 and 2 consume
   static constexpr int CONSUMERS = 256;
@@ -39,8 +49,11 @@ struct FwdWsCfg {
   static constexpr int KV_BYTES = BN * D * 2;
   static constexpr int OFF_K = Q_BYTES;
   static constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
+  // KSPLIT > 1: the partial-S exchange, [2 block parities][KSPLIT][BN / 8][128 threads] float4.
+  static constexpr int OFF_X = OFF_V + STAGES * KV_BYTES;
+  static constexpr int X_BYTES = KSPLIT > 1 ? 2 * KSPLIT * 64 * BN * 4 : 0;
   // mbarriers: q, full_k[S], full_v[S], empty_k[S], empty_v[S]
-  static constexpr int OFF_BAR = OFF_V + STAGES * KV_BYTES;
+  static constexpr int OFF_BAR = OFF_X + X_BYTES;
   static constexpr int SMEM = OFF_BAR + 8 * (1 + 4 * STAGES) + 1024;  // + alignment slack
   // setmaxnreg: 40 + 2 x 232 = 504 registers per thread slot of the three warpgroups (<= 512).
   static constexpr int PRODUCER_REGS = 40;
@@ -121,7 +134,8 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
   auto empty_v = [&](int s) { return bQ + 8u * (1 + 3 * S + s); };
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
-  const QueryTileCta<kTileSize> cta(p);
+  const QueryTileCta<BM> cta(p);
+  if (!cta.valid) return;  // (KSPLIT > 1) a half tile past its tile's end: the whole CTA
   const int h = cta.h, hk = cta.hk, q0 = cta.q0, nq = cta.nq;
   const Segment& seg = cta.seg;
 
@@ -176,14 +190,18 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
   } else {
     // ---- consumer warpgroups -----------------------------------------------------------------
     ws::reg_alloc<Cfg::CONSUMER_REGS>();
-    const int cw = (warp >> 2) - 1;  // 0 or 1: query rows [64 cw, 64 cw + 64)
+    constexpr int KSPLIT = Cfg::KSPLIT, DC = Cfg::DC;
+    // KSPLIT = 1: warpgroup cw (0 or 1) owns query rows [64 cw, 64 cw + 64) and all D columns;
+    // KSPLIT = 2: both own rows [0, 64), cw the columns [DC cw, DC cw + DC).
+    const int cw = (warp >> 2) - 1;
+    const int wrow = KSPLIT > 1 ? 0 : cw * 64, col0 = KSPLIT > 1 ? cw * DC : 0;
     const int g = lane >> 2, tq = lane & 3;
-    const int row0 = cw * 64 + (warp & 3) * 16 + g;  // rows row0, row0 + 8
-    const bool pp = a.pingpong != 0;
+    const int row0 = wrow + (warp & 3) * 16 + g;  // rows row0, row0 + 8
+    const bool pp = KSPLIT == 1 && a.pingpong != 0;
     const int my_bar = 1 + cw, other_bar = 2 - cw;
     const float sl = (kCap || a.prescale) ? 1.f : p.scale_log2;  // log2-domain factor of the scores
 
-    constexpr int OR = D / 2, SR = BN / 2;  // accumulator floats per thread
+    constexpr int OR = DC / 2, SR = BN / 2;  // accumulator floats per thread
     float o[OR];
 #pragma unroll
     for (int i = 0; i < OR; ++i) o[i] = 0.f;
@@ -191,6 +209,26 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
     float s[SR];
     uint32_t pa[BN / 16][4];
 
+    // KSPLIT > 1: s += the other warpgroup's partial S of block j (through shared memory).
+    auto exchange = [&](int j) {
+      if constexpr (KSPLIT > 1) {
+        static_assert(KSPLIT == 2 && SR % 4 == 0, "two warpgroups exchange float4s");
+        float4* xb = reinterpret_cast<float4*>(smem + (base + Cfg::OFF_X - smem_u32(smem)));
+        const int wt = tid & 127, par = j & 1;
+        float4* mine = xb + (par * 2 + cw) * (SR / 4) * 128 + wt;
+        const float4* other = xb + (par * 2 + (1 - cw)) * (SR / 4) * 128 + wt;
+#pragma unroll
+        for (int i = 0; i < SR / 4; ++i)
+          mine[i * 128] = make_float4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]);
+        ws::bar_sync(3, NC);
+#pragma unroll
+        for (int i = 0; i < SR / 4; ++i) {
+          const float4 x = other[i * 128];
+          // Both warpgroups add the same two numbers (commutative): bitwise the same S.
+          s[4 * i] += x.x, s[4 * i + 1] += x.y, s[4 * i + 2] += x.z, s[4 * i + 3] += x.w;
+        }
+      }
+    };
     // Scores of block j (in s) -> unnormalised probabilities (in place); updates the running max
     // and sum; corr = factor by which O must be rescaled.
     auto softmax = [&](int j, float (&corr)[2]) {
@@ -224,6 +262,9 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
         const float mu =
             (mx == -INFINITY ? 0.f : mx) * sl;         // scaled max; 0 while the row saw nothing
         corr[r] = fast_exp2(fmaf(m_run[r], sl, -mu));  // m_run = -inf -> 0
+        if constexpr (KSPLIT > 1) {
+          if (mx == m_run[r]) corr[r] = 1.f;  // exactly: the rescale may then be skipped
+        }
         m_run[r] = mx;
         float sum = 0.f;
 #pragma unroll
@@ -246,14 +287,15 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
     };
     auto issue_s = [&](int st) {
       const uint32_t sK = sK0 + st * Cfg::KV_BYTES;
-      wgmma_rows<T, BN, D, BM, BN>(s, sQ, cw * 64, sK, 0);
+      wgmma_rows_cols<T, BN, DC, BM, BN>(s, sQ, wrow, sK, 0, col0);
       wg_commit();
     };
     auto issue_pv = [&](int st) {
-      const uint32_t sV = sV0 + st * Cfg::KV_BYTES;
+      // V's columns [col0, col0 + DC): SW128 column blocks of BN rows x 64 columns.
+      const uint32_t sV = sV0 + st * Cfg::KV_BYTES + (col0 / 64) * (BN * 128);
 #pragma unroll
       for (int kt = 0; kt < BN / 16; ++kt)
-        Wgmma<T, D>::template rs<1>(o, pa[kt], desc_mnmajor<BN>(sV, kt * 16), 1);
+        Wgmma<T, DC>::template rs<1>(o, pa[kt], desc_mnmajor<BN>(sV, kt * 16), 1);
       wg_commit();
     };
 
@@ -271,6 +313,7 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
       wg_wait<0>();
       fence_regs(s);
       ws::mbar_arrive(empty_k(0));
+      exchange(0);
       float corr[2];
       softmax(0, corr);
       pack_p();
@@ -289,6 +332,7 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
         wg_wait<1>();  // S_j done; P V still in flight
         fence_regs(s);
         ws::mbar_arrive(empty_k(st));
+        exchange(j);
         softmax(j, corr);
         // Keep the exp2s before the wait: ptxas hoists the wait over straight-line code, which
         // would stall on P V before the softmax instead of overlapping it. A branch on the row
@@ -299,12 +343,16 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
         fence_regs(o);
         fence_regs(pa);
         ws::mbar_arrive(empty_v(pst));
+        bool rescale = true;
+        if constexpr (KSPLIT > 1) rescale = __any_sync(~0u, corr[0] != 1.f || corr[1] != 1.f);
+        if (rescale) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
+          for (int r = 0; r < 2; ++r) {
 #pragma unroll
-          for (int nd = 0; nd < D / 8; ++nd) {
-            o[nd * 4 + 2 * r] *= corr[r];
-            o[nd * 4 + 2 * r + 1] *= corr[r];
+            for (int nd = 0; nd < DC / 8; ++nd) {
+              o[nd * 4 + 2 * r] *= corr[r];
+              o[nd * 4 + 2 * r + 1] *= corr[r];
+            }
           }
         }
         pack_p();
@@ -326,7 +374,8 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
     // Consumer 0 takes consumer 1's last hand-over, so no barrier is left half-arrived.
     if (pp && cw == 0) ws::bar_sync(my_bar, NC);
 
-    store_out_rows<T, D>(p, o, m_run, l_run, sl, q0, nq, h, row0, tq);
+    store_out_rows<T, D, DC>(p, o, m_run, l_run, sl, q0, nq, h, row0, tq, col0,
+                             KSPLIT == 1 || cw == 0);
   }
 #endif
 }
@@ -334,7 +383,7 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
 template <typename T, int D>
 bool launch_forward_sm90_ws(const Params& p, cudaStream_t stream) {
   using Cfg = FwdWsCfg<D>;
-  const int64_t grid = int64_t(p.nqt) * p.Hq;
+  const int64_t grid = int64_t(p.nqt) * (kTileSize / Cfg::BM) * p.Hq;
   if (grid == 0) return true;
   FwdWsArgs a{};
   if (!encode_tmap_thd(&a.tq, p.q, p.T, p.Hq, D, p.q_tok, p.q_head, Cfg::BM) ||
