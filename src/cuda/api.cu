@@ -153,6 +153,25 @@ bool use_sm90() {
 
 constexpr size_t align256(size_t n) { return (n + 255) & ~size_t(255); }
 
+// The D = 512 kernels ask for up to 227 KB of shared memory per block (Hopper-class GPUs): on a
+// GPU that offers less (A100: 163 KB, Ada/consumer parts: 99 KB) they cannot launch, so say so.
+void check_smem_for(int head_dim) {
+  if (head_dim != 512) return;
+  int dev = 0, optin = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
+    cudaGetLastError();
+    return;  // the launch reports the error
+  }
+  DUALKV_CHECK(optin >= kSmemHeadDim512,
+               "head_dim 512 on this GPU is not supported yet: its "
+               "kernels need ",
+               kSmemHeadDim512 / 1024,
+               " KB of shared memory per block, the GPU "
+               "offers ",
+               optin / 1024, " KB (Hopper-class GPUs run it)");
+}
+
 template <typename F>
 void dispatch(DType dtype, int d, F&& f) {
   auto by_dim = [&](auto tag) {
@@ -205,6 +224,7 @@ void attention_forward(const ForwardArgs& a, cudaStream_t stream) {
   check_qkv(a.q, a.k, a.v, a.q_stride, a.k_stride, a.v_stride);
   DUALKV_CHECK(a.out && a.lse, "out and lse must be non-null device pointers");
   DUALKV_CHECK(aligned16(a.out), "out must be 16-byte aligned");
+  check_smem_for(a.shape.head_dim);
   Params p = make_params(a);
   p.out = a.out;
   p.lse = a.lse;
@@ -245,6 +265,7 @@ void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t str
   DUALKV_CHECK(workspace && (reinterpret_cast<uintptr_t>(workspace) & 255u) == 0,
                "workspace must be a non-null, 256-byte aligned device pointer of "
                "backward_workspace_bytes()");
+  check_smem_for(a.shape.head_dim);
   Params p = make_params(a);
   p.o = a.out;
   p.dout = a.dout;

@@ -105,6 +105,34 @@ void launch_dq_convert(const Params& p, cudaStream_t stream) {
   check_launch("dualkv backward dq convert");
 }
 
+// The DSPLIT warps of one slab (warps slab * DSPLIT + [0, DSPLIT)) have each computed a partial
+// sum of the same two fragment arrays (over their share of the reduction dim): afterwards every
+// one of them holds the full sums, added in the same order (so bitwise equal in all of them).
+// xb: shared memory of WARPS * (NA + NB) float4s per lane; one __syncthreads (all threads).
+template <int DSPLIT, int NA, int NB>
+__device__ __forceinline__ void sum_slab_partials(float4* xb, float (&a)[NA][4], float (&b)[NB][4],
+                                                  int warp, int lane) {
+  constexpr int NV = NA + NB;
+  auto at = [&](int w, int i) -> float4& { return xb[(w * NV + i) * 32 + lane]; };
+#pragma unroll
+  for (int i = 0; i < NA; ++i) at(warp, i) = make_float4(a[i][0], a[i][1], a[i][2], a[i][3]);
+#pragma unroll
+  for (int i = 0; i < NB; ++i) at(warp, NA + i) = make_float4(b[i][0], b[i][1], b[i][2], b[i][3]);
+  __syncthreads();
+  const int w0 = warp - warp % DSPLIT;
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    float4 t = at(w0, i);
+#pragma unroll
+    for (int d = 1; d < DSPLIT; ++d) {
+      const float4 u = at(w0 + d, i);
+      t.x += u.x, t.y += u.y, t.z += u.z, t.w += u.w;
+    }
+    float* f = i < NA ? a[i] : b[i - NA];
+    f[0] = t.x, f[1] = t.y, f[2] = t.z, f[3] = t.w;
+  }
+}
+
 // ---- 2. dK, dV (and atomic dQ) over key blocks --------------------------------------------------
 template <int D>
 struct BwdCfg {
@@ -126,11 +154,17 @@ struct BwdCfg {
   static constexpr int OFF_DO = OFF_Q + 2 * BM * D * 2;
   static constexpr int OFF_L = OFF_DO + 2 * BM * D * 2;  // lse2[2][BM], delta[2][BM]
   static constexpr int OFF_DS = OFF_L + 4 * BM * 4;
-  static constexpr int SMEM = OFF_DS + BN * PITCH * 2;
+  // D = 512: the DSPLIT warps of a slab split S^T's and dP^T's reduction dim too (each
+  // D / DSPLIT columns) and add their partials through shared memory (sum_slab_partials) instead
+  // of each computing them in full.
+  static constexpr bool XCHG = D >= 512;
+  static constexpr int OFF_X = OFF_DS + BN * PITCH * 2;
+  static constexpr int SMEM = OFF_X + (XCHG ? WARPS * (BM / 8) * 2 * 32 * 16 : 0);
   static constexpr int MIN_BLOCKS = D >= 512 ? 1 : 2;  // D = 512: dK + dV are 128 registers
   static_assert(WARPS % DQ_SLABS == 0 && 2 * BM <= THREADS, "bad backward tile config");
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
+static_assert(BwdCfg<512>::SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
 
 // Iteration state of the dkdv kernel: q head (within the kv head's group), query segment, block.
 struct QIter {
@@ -273,29 +307,38 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, BwdCfg<D>::MIN_BLOCKS)
     const float* lse_c = lse_s + stage * BM;
     const float* del_c = del_s + stage * BM;
 
-    // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x BM queries.
+    // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x BM queries (XCHG: over this warp's
+    // D / DSPLIT columns, then summed over the slab's warps).
     float s[BM / 8][4], dp[BM / 8][4];
 #pragma unroll
     for (int i = 0; i < BM / 8; ++i) {
       s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
       dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
     }
+    constexpr int KSTEPS = Cfg::XCHG ? D / 16 / Cfg::DSPLIT : D / 16;
+    // Byte offset of the warp's first column (a multiple of 64 columns: the swizzle's 8-chunk
+    // pattern is unchanged, so the offset just adds).
+    const uint32_t c0 = Cfg::XCHG ? uint32_t(dpart * KSTEPS * 16 * 2) : 0u;
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
+    for (int kk = 0; kk < KSTEPS; ++kk) {
       uint32_t a[4], av[4];
-      ldsm_x4(a, sK + swz<D>(a_row, kk * 16 + a_col));
-      ldsm_x4(av, sV + swz<D>(a_row, kk * 16 + a_col));
+      ldsm_x4(a, sK + c0 + swz<D>(a_row, kk * 16 + a_col));
+      ldsm_x4(av, sV + c0 + swz<D>(a_row, kk * 16 + a_col));
 #pragma unroll
       for (int n2 = 0; n2 < BM / 16; ++n2) {
         uint32_t b[4], bo[4];
-        ldsm_x4(b, sQ + swz<D>(n2 * 16 + b_row, kk * 16 + b_col));
+        ldsm_x4(b, sQ + c0 + swz<D>(n2 * 16 + b_row, kk * 16 + b_col));
         mma<T>(s[2 * n2], a, b[0], b[1]);
         mma<T>(s[2 * n2 + 1], a, b[2], b[3]);
-        ldsm_x4(bo, sdO + swz<D>(n2 * 16 + b_row, kk * 16 + b_col));
+        ldsm_x4(bo, sdO + c0 + swz<D>(n2 * 16 + b_row, kk * 16 + b_col));
         mma<T>(dp[2 * n2], av, bo[0], bo[1]);
         mma<T>(dp[2 * n2 + 1], av, bo[2], bo[3]);
       }
     }
+
+    if constexpr (Cfg::XCHG)
+      sum_slab_partials<Cfg::DSPLIT>(reinterpret_cast<float4*>(smem + Cfg::OFF_X), s, dp, warp,
+                                     lane);
 
     // P^T and dS^T (in place of s and dp).
 #pragma unroll
@@ -424,10 +467,15 @@ struct DqCfg {
   static constexpr int DC = D / DSPLIT;
   static constexpr int WARPS = BM / 16 * DSPLIT;
   static constexpr int THREADS = WARPS * 32;
-  static constexpr int SMEM = (2 * BM * D + 4 * BN * D) * 2;
+  // D = 512: the slab's warps split S's and dP's reduction dim too and add their partials
+  // through shared memory (sum_slab_partials).
+  static constexpr bool XCHG = D >= 512;
+  static constexpr int OFF_X = (2 * BM * D + 4 * BN * D) * 2;
+  static constexpr int SMEM = OFF_X + (XCHG ? WARPS * (BN / 8) * 2 * 32 * 16 : 0);
   static constexpr int MIN_BLOCKS = D >= 512 ? 1 : 2;
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
+static_assert(DqCfg<512>::SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
 
 template <typename T, int D, bool kCap>
 __global__ void __launch_bounds__(DqCfg<D>::THREADS, DqCfg<D>::MIN_BLOCKS)
@@ -464,7 +512,7 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, DqCfg<D>::MIN_BLOCKS)
   cp_commit();
 
   const int g = lane >> 2, tq = lane & 3;
-  const int slab = warp / Cfg::DSPLIT, dbase = (warp % Cfg::DSPLIT) * DC;
+  const int slab = warp / Cfg::DSPLIT, dpart = warp % Cfg::DSPLIT, dbase = dpart * DC;
   const int row0 = slab * 16 + g;
   float lse2[2], del[2];
   load_row_stats(p, h, q0, nq, row0, lse2, del);
@@ -488,22 +536,28 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, DqCfg<D>::MIN_BLOCKS)
       s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
       dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
     }
+    // XCHG: over this warp's D / DSPLIT columns, then summed over the slab's warps.
+    constexpr int KSTEPS = Cfg::XCHG ? D / 16 / Cfg::DSPLIT : D / 16;
+    const uint32_t c0 = Cfg::XCHG ? uint32_t(dpart * KSTEPS * 16 * 2) : 0u;  // as in dkdv
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
+    for (int kk = 0; kk < KSTEPS; ++kk) {
       uint32_t a[4], ao[4];
-      ldsm_x4(a, sQ + swz<D>(a_row, kk * 16 + a_col));
-      ldsm_x4(ao, sdO + swz<D>(a_row, kk * 16 + a_col));
+      ldsm_x4(a, sQ + c0 + swz<D>(a_row, kk * 16 + a_col));
+      ldsm_x4(ao, sdO + c0 + swz<D>(a_row, kk * 16 + a_col));
 #pragma unroll
       for (int n2 = 0; n2 < BN / 16; ++n2) {
         uint32_t b[4];
-        ldsm_x4(b, sK + swz<D>(n2 * 16 + b_row, kk * 16 + b_col));
+        ldsm_x4(b, sK + c0 + swz<D>(n2 * 16 + b_row, kk * 16 + b_col));
         mma<T>(s[2 * n2], a, b[0], b[1]);
         mma<T>(s[2 * n2 + 1], a, b[2], b[3]);
-        ldsm_x4(b, sV + swz<D>(n2 * 16 + b_row, kk * 16 + b_col));
+        ldsm_x4(b, sV + c0 + swz<D>(n2 * 16 + b_row, kk * 16 + b_col));
         mma<T>(dp[2 * n2], ao, b[0], b[1]);
         mma<T>(dp[2 * n2 + 1], ao, b[2], b[3]);
       }
     }
+    if constexpr (Cfg::XCHG)
+      sum_slab_partials<Cfg::DSPLIT>(reinterpret_cast<float4*>(smem + Cfg::OFF_X), s, dp, warp,
+                                     lane);
 
     const auto kb = walk.at(j);
     const bool msk = walk.masked(kb, nq, BM, p.mask);

@@ -30,6 +30,7 @@ struct FwdCfg {
   static constexpr int MIN_BLOCKS = D >= 256 ? 1 : 2;
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
+static_assert(FwdCfg<512>::SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
 
 template <typename T, int D, bool kCap>
 __global__ void __launch_bounds__(FwdCfg<D>::THREADS, FwdCfg<D>::MIN_BLOCKS)

@@ -25,6 +25,12 @@
 // parity, one named barrier per block) and each warpgroup adds them in the same order, so both
 // hold bitwise the same S and run the same online softmax; then O_c += P V[:, cols]. No ping-pong
 // (the warpgroups meet every block); the O rescale is skipped in a warp whose rows kept their max.
+// The two 64-row halves of a tile run as a cluster of two CTAs (CLUSTER = 2) that walk the same
+// key blocks (the whole tile's walk): each producer loads half of a K/V block's column blocks
+// with TMA multicast into both CTAs, so every block is read from L2 once per 128 queries, not
+// per 64 (64 queries x 32 keys x 512 columns is 64 FLOP per byte of K/V: L2 bandwidth bound).
+// A stage is refilled when the consumer warps of both CTAs have released it (their empty barrier
+// counts 2 x 8 warp arrivals, one of them remote).
 #pragma once
 
 #include <cuda.h>
@@ -43,7 +49,8 @@ struct FwdWsCfg {
   static constexpr int BM = kTileSize / KSPLIT;  // 2 consumer warpgroups x 64 rows / KSPLIT
   static constexpr int BN = D >= 512 ? 32 : D >= 256 ? 64 : 128;
   static constexpr int STAGES = 2;
-  static constexpr int THREADS = 384;  // warpgroup 0 produces, 1 and 2 consume
+  static constexpr int CLUSTER = KSPLIT > 1 ? 2 : 1;  // CTAs sharing each K/V block (multicast)
+  static constexpr int THREADS = 384;                 // warpgroup 0 produces, 1 and 2 consume
   static constexpr int CONSUMERS = 256;
   static constexpr int Q_BYTES = BM * D * 2;
   static constexpr int KV_BYTES = BN * D * 2;
@@ -62,6 +69,7 @@ struct FwdWsCfg {
   static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "register pool of one CTA");
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
+static_assert(FwdWsCfg<512>::SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
 
 // Kernel parameter block: the common parameters plus the TMA maps (by value, __grid_constant__).
 struct FwdWsArgs {
@@ -103,6 +111,32 @@ __device__ __forceinline__ void tma_load3(uint32_t dst, const CUtensorMap* map, 
       "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
 }
+// The same copy delivered to the same shared-memory offsets of every CTA of the cluster in
+// `cta_mask` (and completing on the barrier at the same offset in each).
+__device__ __forceinline__ void tma_load3_multicast(uint32_t dst, const CUtensorMap* map,
+                                                    uint32_t bar, int c0, int c1, int c2,
+                                                    uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%3, %4, %5}], [%2], %6;" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "h"(cta_mask)
+      : "memory");
+}
+// Arrives on the barrier at offset `bar` of cluster CTA `cta`. A consumer's release of a stage
+// publishes no memory writes (its reads of the stage are wgmma operands, complete at its
+// wait_group), so the default (.release.cta) semantics suffice, as in CUTLASS's pipelines; a
+// .release.cluster arrive compiled to a MEMBAR.ALL.GPU per arrival.
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
+  asm volatile(
+      "{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n" ::"r"(bar),
+      "r"(cta)
+      : "memory");
+}
+// All threads of all CTAs of the cluster meet (and see each other's earlier writes).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
 __device__ __forceinline__ void prefetch_tmap(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
@@ -134,13 +168,31 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
   auto empty_v = [&](int s) { return bQ + 8u * (1 + 3 * S + s); };
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
-  const QueryTileCta<BM> cta(p);
-  if (!cta.valid) return;  // (KSPLIT > 1) a half tile past its tile's end: the whole CTA
-  const int h = cta.h, hk = cta.hk, q0 = cta.q0, nq = cta.nq;
-  const Segment& seg = cta.seg;
+  constexpr int CLUSTER = Cfg::CLUSTER;
+  int h, hk, q0, nq;  // this CTA's q head, kv head and query rows [q0, q0 + nq)
+  int wq0, wnq;       // the queries whose key walk the CTA follows (CLUSTER: the whole tile)
+  Segment seg;
+  if constexpr (CLUSTER == 1) {
+    const QueryTileCta<BM> cta(p);
+    if (!cta.valid) return;
+    h = cta.h, hk = cta.hk, q0 = cta.q0, nq = cta.nq, seg = cta.seg;
+    wq0 = q0, wnq = nq;
+  } else {
+    // Both halves of the tile run, the second one also when the tile has <= 64 rows (nq = 0:
+    // it computes rows it does not write), since the pair shares every K/V load.
+    static_assert(CLUSTER == 2 && BM * 2 == kTileSize, "a cluster holds one tile's two halves");
+    const TilePart<BM, true> part(p.qtiles, p.Hq);
+    h = part.head, hk = h / p.group, q0 = part.begin, nq = part.valid ? part.count : 0;
+    seg = p.segs[part.segment];
+    wq0 = part.tile_begin, wnq = part.tile_end - part.tile_begin;
+  }
+  const uint32_t rank = CLUSTER > 1 ? blockIdx.x % CLUSTER : 0u;  // = %cluster_ctarank
 
-  const KeyBlockWalk<BN> walk(seg, q0, nq, p.mask);
+  const KeyBlockWalk<BN> walk(seg, wq0, wnq, p.mask);
   const int total = walk.total, pq_first = walk.pq_first;
+  // Empty-barrier arrivals per phase: every consumer thread, or (CLUSTER) one per consumer warp
+  // of each CTA of the cluster.
+  constexpr uint32_t kEmptyCount = CLUSTER > 1 ? CLUSTER * (NC / 32) : NC;
 
   if (tid == 0) {
     ws::mbar_init(bQ, 1);
@@ -148,14 +200,18 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
     for (int s = 0; s < S; ++s) {
       ws::mbar_init(full_k(s), 1);
       ws::mbar_init(full_v(s), 1);
-      ws::mbar_init(empty_k(s), NC);
-      ws::mbar_init(empty_v(s), NC);
+      ws::mbar_init(empty_k(s), kEmptyCount);
+      ws::mbar_init(empty_v(s), kEmptyCount);
     }
     // Make the initialised barriers visible to the copy engine (async proxy).
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     fence_proxy_async();
   }
-  __syncthreads();
+  if constexpr (CLUSTER > 1) {
+    ws::cluster_sync();  // the peer's barriers are initialised before any copy or arrival
+  } else {
+    __syncthreads();
+  }
 
   if (warp < 4) {
     // ---- producer warpgroup: one thread issues every copy ------------------------------------
@@ -171,19 +227,40 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
         const int s = j % S;
         const uint32_t ph = uint32_t(j / S) & 1u;
         const int row = int(walk.at(j).row());
-        ws::mbar_wait(empty_k(s), ph ^ 1u);
-        ws::mbar_expect_tx(full_k(s), Cfg::KV_BYTES);
+        if constexpr (CLUSTER > 1) {
+          // This CTA's share of the column blocks, multicast to both; each CTA's full barrier
+          // expects the whole block (half from each producer).
+          constexpr int CB = D / 64 / CLUSTER;
+          constexpr uint16_t kAll = (1u << CLUSTER) - 1u;
+          ws::mbar_wait(empty_k(s), ph ^ 1u);
+          ws::mbar_expect_tx(full_k(s), Cfg::KV_BYTES);
 #pragma unroll
-        for (int c = 0; c < D / 64; ++c) {
-          ws::tma_load3(sK0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tk, full_k(s), c * 64, hk,
-                        row);
-        }
-        ws::mbar_wait(empty_v(s), ph ^ 1u);
-        ws::mbar_expect_tx(full_v(s), Cfg::KV_BYTES);
+          for (int c = int(rank) * CB; c < int(rank) * CB + CB; ++c) {
+            ws::tma_load3_multicast(sK0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tk, full_k(s),
+                                    c * 64, hk, row, kAll);
+          }
+          ws::mbar_wait(empty_v(s), ph ^ 1u);
+          ws::mbar_expect_tx(full_v(s), Cfg::KV_BYTES);
 #pragma unroll
-        for (int c = 0; c < D / 64; ++c) {
-          ws::tma_load3(sV0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tv, full_v(s), c * 64, hk,
-                        row);
+          for (int c = int(rank) * CB; c < int(rank) * CB + CB; ++c) {
+            ws::tma_load3_multicast(sV0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tv, full_v(s),
+                                    c * 64, hk, row, kAll);
+          }
+        } else {
+          ws::mbar_wait(empty_k(s), ph ^ 1u);
+          ws::mbar_expect_tx(full_k(s), Cfg::KV_BYTES);
+#pragma unroll
+          for (int c = 0; c < D / 64; ++c) {
+            ws::tma_load3(sK0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tk, full_k(s), c * 64, hk,
+                          row);
+          }
+          ws::mbar_wait(empty_v(s), ph ^ 1u);
+          ws::mbar_expect_tx(full_v(s), Cfg::KV_BYTES);
+#pragma unroll
+          for (int c = 0; c < D / 64; ++c) {
+            ws::tma_load3(sV0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tv, full_v(s), c * 64, hk,
+                          row);
+          }
         }
       }
     }
@@ -198,6 +275,20 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
     const int g = lane >> 2, tq = lane & 3;
     const int row0 = wrow + (warp & 3) * 16 + g;  // rows row0, row0 + 8
     const bool pp = KSPLIT == 1 && a.pingpong != 0;
+    const int row_base = CLUSTER > 1 ? q0 - wq0 : 0;  // first row's offset in the walk's rows
+    // A consumer's release of a stage: every thread arrives, or (CLUSTER) one per warp, on the
+    // barrier of each CTA of the cluster.
+    auto release = [&](uint32_t bar) {
+      if constexpr (CLUSTER > 1) {
+        __syncwarp();
+        if (lane == 0) {
+#pragma unroll
+          for (uint32_t c = 0; c < uint32_t(CLUSTER); ++c) ws::mbar_arrive_cluster(bar, c);
+        }
+      } else {
+        ws::mbar_arrive(bar);
+      }
+    };
     const int my_bar = 1 + cw, other_bar = 2 - cw;
     const float sl = (kCap || a.prescale) ? 1.f : p.scale_log2;  // log2-domain factor of the scores
 
@@ -233,7 +324,7 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
     // and sum; corr = factor by which O must be rescaled.
     auto softmax = [&](int j, float (&corr)[2]) {
       const auto kb = walk.at(j);
-      const bool msk = walk.masked(kb, nq, BM, p.mask);
+      const bool msk = walk.masked(kb, wnq, CLUSTER > 1 ? kTileSize : BM, p.mask);
       if constexpr (kCap) {
 #pragma unroll
         for (int i = 0; i < SR; ++i) s[i] = p.cap_log2 * tanhf(s[i] * p.cap_inv);
@@ -247,7 +338,7 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
 #pragma unroll
         for (int i = 0; i < SR; ++i) {
           const int nt = i >> 2, e = i & 3;
-          const int pq = pq_first + row0 + (e >> 1) * 8;
+          const int pq = pq_first + row_base + row0 + (e >> 1) * 8;
           const int kr = kb.off + nt * 8 + 2 * tq + (e & 1);
           if (!(kr < kb.R.len && p.mask.allowed(pq, kb.R.pos0 + kr))) s[i] = -INFINITY;
         }
@@ -312,7 +403,7 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
       if (pp) ws::bar_arrive(other_bar, NC);
       wg_wait<0>();
       fence_regs(s);
-      ws::mbar_arrive(empty_k(0));
+      release(empty_k(0));
       exchange(0);
       float corr[2];
       softmax(0, corr);
@@ -331,7 +422,7 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
         if (pp) ws::bar_arrive(other_bar, NC);
         wg_wait<1>();  // S_j done; P V still in flight
         fence_regs(s);
-        ws::mbar_arrive(empty_k(st));
+        release(empty_k(st));
         exchange(j);
         softmax(j, corr);
         // Keep the exp2s before the wait: ptxas hoists the wait over straight-line code, which
@@ -342,7 +433,7 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
         wg_wait<0>();
         fence_regs(o);
         fence_regs(pa);
-        ws::mbar_arrive(empty_v(pst));
+        release(empty_v(pst));
         bool rescale = true;
         if constexpr (KSPLIT > 1) rescale = __any_sync(~0u, corr[0] != 1.f || corr[1] != 1.f);
         if (rescale) {
@@ -377,6 +468,8 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
     store_out_rows<T, D, DC>(p, o, m_run, l_run, sl, q0, nq, h, row0, tq, col0,
                              KSPLIT == 1 || cw == 0);
   }
+  // No CTA of a cluster exits while its peer may still arrive on its barriers.
+  if constexpr (CLUSTER > 1) ws::cluster_sync();
 #endif
 }
 
@@ -397,7 +490,7 @@ bool launch_forward_sm90_ws(const Params& p, cudaStream_t stream) {
   a.prescale = !(p.scale_log2 > 0.f);
   auto kernel = p.softcap > 0.f ? fwd_ws_kernel_sm90<T, D, true> : fwd_ws_kernel_sm90<T, D, false>;
   launch_kernel(kernel, grid, Cfg::THREADS, Cfg::SMEM, stream, a,
-                "dualkv forward (sm90a, warp-specialised)");
+                "dualkv forward (sm90a, warp-specialised)", Cfg::CLUSTER);
   return true;
 }
 

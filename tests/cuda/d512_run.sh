@@ -25,11 +25,14 @@ for s in "${steps[@]}"; do
     grep -q "kernels cannot run" "$OUT/test.log" && { echo "FAIL: fell back"; rc=1; }
     echo "rc=$rc"; [ $rc = 0 ] || status=1 ;;
   sanitize)
-    echo "== compute-sanitizer memcheck (--small, default path) =="
-    timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 $BIN --small --seed 1 \
-      --path default >"$OUT/san_memcheck.log" 2>&1; rc=$?
-    grep -E "ERROR SUMMARY|correctness" "$OUT/san_memcheck.log" | tail -2; echo "rc=$rc"
-    [ $rc = 0 ] || status=1 ;;
+    for run in "memcheck default" "racecheck sm80"; do
+      set -- $run
+      echo "== compute-sanitizer $1 (--small, path $2) =="
+      timeout 200 compute-sanitizer --tool "$1" --error-exitcode 9 $BIN --small --seed 1 \
+        --path "$2" >"$OUT/san_$1.log" 2>&1; rc=$?
+      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|correctness" "$OUT/san_$1.log" | tail -2; echo "rc=$rc"
+      [ $rc = 0 ] || status=1
+    done ;;
   pytest)
     echo "== build the package (D = 512 only) =="
     CMAKE_ARGS="-DDUALKV_CUDA=ON -DDUALKV_CUDA_HEAD_DIMS=512" CMAKE_BUILD_PARALLEL_LEVEL=16 \
@@ -46,14 +49,14 @@ for s in "${steps[@]}"; do
       [ $rc = 0 ] || status=1
     done ;;
   bench)
-    echo "== standalone bench (default path and sm80) =="
-    for path in default sm80; do
+    echo "== standalone bench (${BENCH_PATHS:-default}) =="
+    for path in ${BENCH_PATHS:-default}; do
       timeout 200 $BIN --no-check --bench --bench-reps 5 --path $path >"$OUT/bench_$path.log" 2>&1
       echo "rc=$?"; grep "^|" "$OUT/bench_$path.log"
     done ;;
   sdpa)
     echo "== bench/attention.py: DualKV vs SDPA memory-efficient (rows) and its 3-pass =="
-    timeout 400 python3 bench/attention.py "${SHAPES[@]}" --methods dualkv,sdpa_mem,mem_3pass \
+    timeout 400 python3 bench/attention.py "${SHAPES[@]}" --methods "${METHODS:-dualkv,sdpa_mem,mem_3pass}" \
       --warmup 1 --repeats 3 --out "$OUT" 2>&1 | tee "$OUT/attention.log" | tail -9 ;;
   *) echo "unknown step $s"; status=1 ;;
   esac
