@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Head dim 512, one device call: the standalone CUDA tests (binary built on the dev machine with
-# DUALKV_CUDA_HEAD_DIMS=512, carried in .out/), memcheck, the package built with D = 512 only and
-# its D = 512 GPU tests on the default and sm_80 paths, then the benchmarks side by side.
-#   OUT=... bash tests/cuda/d512_run.sh [test] [sanitize] [pytest] [bench] [sdpa]
+# DUALKV_CUDA_HEAD_DIMS=512, carried in .out/), sanitizers, the package built with D = 64 and 512
+# and its D = 512 GPU tests on the default and sm_80 paths, the benchmarks side by side, and ncu
+# kernel durations. The sdpa step needs the package (pytest step) installed first.
+#   OUT=... bash tests/cuda/d512_run.sh [test] [sanitize] [pytest] [bench] [sdpa] [ncu]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-.out/d512}"
@@ -34,8 +35,8 @@ for s in "${steps[@]}"; do
       [ $rc = 0 ] || status=1
     done ;;
   pytest)
-    echo "== build the package (D = 512 only) =="
-    CMAKE_ARGS="-DDUALKV_CUDA=ON -DDUALKV_CUDA_HEAD_DIMS=512" CMAKE_BUILD_PARALLEL_LEVEL=16 \
+    echo "== build the package (D = 64 and 512) =="
+    CMAKE_ARGS="-DDUALKV_CUDA=ON -DDUALKV_CUDA_HEAD_DIMS=64;512" CMAKE_BUILD_PARALLEL_LEVEL=16 \
       timeout 300 python3 -m pip install --no-build-isolation --no-deps -q . >"$OUT/build.log" 2>&1 ||
       { tail -30 "$OUT/build.log"; exit 1; }
     for path in default DUALKV_FORCE_SM80=1; do
@@ -58,6 +59,12 @@ for s in "${steps[@]}"; do
     echo "== bench/attention.py: DualKV vs SDPA memory-efficient (rows) and its 3-pass =="
     timeout 400 python3 bench/attention.py "${SHAPES[@]}" --methods "${METHODS:-dualkv,sdpa_mem,mem_3pass}" \
       --warmup 1 --repeats 3 --out "$OUT" 2>&1 | tee "$OUT/attention.log" | tail -9 ;;
+  ncu)
+    echo "== ncu kernel durations (first bench shape, default path) =="
+    timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum --launch-count 8 \
+      -k "regex:fwd_ws|dkdv|dq_kernel|bwd_pre" $BIN --no-check --bench --bench-reps 1 \
+      --path default >"$OUT/ncu.log" 2>&1
+    echo "rc=$?"; grep -E "^  [a-z_]|gpu__time_duration" "$OUT/ncu.log" | sed 's/(dualkv::[^)]*)//' | cut -c1-120 ;;
   *) echo "unknown step $s"; status=1 ;;
   esac
 done
