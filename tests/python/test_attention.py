@@ -156,16 +156,27 @@ def test_large_head_dims(
 ) -> None:
     if device == "cuda" and dtype == torch.float32:
         pytest.skip("float32 is a CPU-only dtype")
-    if device == "cuda" and d == 512:
-        pytest.skip("head dim 512 is not supported yet on GPU (test_gpu checks the error)")
     rng = random.Random(seed)
     lens = random_layout_lens(rng, groups=2, max_p=150, max_n=3, max_r=100)
     run_case(lens, 4, 2, d, dtype, device, window, softcap, seed)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 1), (16, 2)], ids=["1:1", "MQA", "8:1"])
+@pytest.mark.parametrize("window,softcap", [(None, 0.0), (37, 5.0)])
+def test_head_dim_512_gpu(
+    dtype: torch.dtype, hq: int, hkv: int, window: int | None, softcap: float, seed: int
+) -> None:
+    """Head dim 512 (Gemma 4's global layers) on the GPU: both dtypes, GQA ratios and MQA."""
+    rng = random.Random(seed)
+    lens = random_layout_lens(rng, groups=rng.randint(1, 3), max_p=300, max_r=200)
+    run_case(lens, hq, hkv, 512, dtype, "cuda", window, softcap, seed)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["1", "2"])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256, 512])
 @pytest.mark.parametrize("window,softcap", [(None, 0.0), (37, 5.0)])
 def test_atomic_dq_modes(
     mode: str,
@@ -203,6 +214,8 @@ def test_edge_layouts(device: str, dtype: torch.dtype, lens, seed: int) -> None:
         pytest.skip("float64 is a CPU-only dtype")
     run_case(lens, 4, 2, 64, dtype, device, None, 0.0, seed)
     run_case(lens, 4, 2, 64, dtype, device, 2, 0.0, seed + 1)
+    if device == "cuda":  # head dim 512 has its own tiles (half-tile CTAs, split columns)
+        run_case(lens, 4, 2, 512, dtype, device, None, 0.0, seed + 2)
 
 
 @pytest.mark.parametrize("device", DEVICES)
