@@ -14,7 +14,12 @@ the batch's :class:`dualkv.Layout` given either
   a process-wide stack, and a checkpointed backward must then run inside the ``with`` block).
 
 Every decoder of transformers that dispatches through ``ALL_ATTENTION_FUNCTIONS`` works; tested
-with Qwen3, Llama and Gemma3 (whose sliding-window layers get their window in logical positions).
+with Qwen3, Llama, Gemma3 (whose sliding-window layers get their window in logical positions) and
+Gemma 4 text models (``Gemma4ForCausalLM``, and ``Gemma4ForConditionalGeneration`` on text): one
+``"dualkv"`` serves their sliding (``head_dim``) and full (``global_head_dim``) layers, with
+``attention_k_eq_v``, shared-KV layers (``num_kv_shared_layers``: the model hands them the packed
+K/V of an earlier layer, which is on the same packed stream), per-layer input embeddings (looked up
+from the packed input ids) and the final logit softcap in the log-probs.
 
 Typical step::
 
@@ -169,7 +174,10 @@ def dualkv_attention_forward(
     if dropout:
         raise ValueError(f"dualkv attention does not support attention dropout (got {dropout})")
     if not getattr(module, "is_causal", True):
-        raise ValueError("dualkv attention is causal; this module is not (bidirectional attention)")
+        raise ValueError(
+            f"dualkv attention is causal; {type(module).__name__} is bidirectional (e.g. Gemma 4 "
+            "with use_bidirectional_attention='all'), which a shared-prompt layout cannot pack"
+        )
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
