@@ -51,16 +51,32 @@ def test_real_head_dims_fp32(seed, k_eq_v):
         assert err <= 1e-4 * scale + 1e-7, (name, err, scale)
 
 
-def test_real_head_dims_bf16(seed):
+def _skip_without_cuda_d512() -> None:
+    """Skip (with the build's reason) where the CUDA kernels of this build lack head dim 512."""
+    import dualkv
+
+    x = torch.randn(3, 1, 512, device="cuda", dtype=torch.bfloat16)
+    try:
+        dualkv.attention(x, x, x, dualkv.Layout([1], [[2]], device="cuda"))
+    except ValueError as exc:
+        if "not supported yet" not in str(exc):
+            raise
+        pytest.skip(f"this build's CUDA kernels: {exc}")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_real_head_dims_bf16(seed, device):
     """bf16 at head dims 256/512 (k_eq_v): error vs an fp64 reference within 2.5x (log-probs) and
     3x (gradients, relative L2) the bf16 rows' own error, as test_transformers' bf16 test."""
+    if device == "cuda":
+        _skip_without_cuda_d512()
     wide = (0.99, 100.0)  # a smooth loss (see test_transformers.test_packed_step_bf16_tolerance)
     config = _real_dims_config(True)
     ids, mask, pw, pk, adv, noise = _batch(seed, groups=2)
     ref = tiny_model("gemma4", torch.float64, seed=seed % 1000, config=config)
     old = _old_logprobs(ref, ids, mask, pw, noise).double()
     lp_ref, _, g_ref = _step(ref, ids, mask, pw, pk, adv, old, False, wide)
-    model = tiny_model("gemma4", torch.bfloat16, seed=seed % 1000, config=config)
+    model = tiny_model("gemma4", torch.bfloat16, seed=seed % 1000, config=config).to(device)
     lp_r, _, g_r = _step(model, ids, mask, pw, pk, adv, old.float(), False, wide)
     lp_p, _, g_p = _step(model, ids, mask, pw, pk, adv, old.float(), True, wide)
     e_r = (lp_r.double() - lp_ref).abs().max().item()
@@ -192,6 +208,20 @@ def test_unpackable_variants_raise(seed):
     pk = _batch(seed, groups=2)[3]
     with pytest.raises(ValueError, match="use_bidirectional_attention='all'"):
         dkt.packed_hidden_states(model, pk)
+    # bidirectional attention among an image's tokens ("vision"): raises when the batch has
+    # vision tokens; text-only batches of such a model pack (and equal the rows)
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    text = gemma4_config("gemma4-keqv", use_bidirectional_attention="vision")
+    config = Gemma4Config(text_config=text.to_dict(), vision_config=None, audio_config=None)
+    model = Gemma4ForConditionalGeneration(config).float()
+    model.set_attn_implementation("dualkv")
+    kinds = torch.zeros_like(pk.input_ids)  # mm_token_type_ids: 0 text, 1 image
+    with torch.no_grad():
+        model(**pk.model_inputs(), mm_token_type_ids=kinds)
+        kinds[0, 1:4] = 1
+        with pytest.raises(ValueError, match="use_bidirectional_attention='vision'"):
+            model(**pk.model_inputs(), mm_token_type_ids=kinds)
     # a KV cache that already holds tokens (generation), including the shared-KV layers' source
     model = tiny_model("gemma4-shared", torch.float32, seed=seed % 1000)
     model.set_attn_implementation("dualkv")

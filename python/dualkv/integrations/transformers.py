@@ -193,8 +193,33 @@ def dualkv_attention_forward(
 
 
 def dualkv_mask(*args: Any, **kwargs: Any) -> None:
-    """Mask function of ``"dualkv"`` (transformers' mask interface): no mask, the layout is it."""
+    """Mask function of ``"dualkv"`` (transformers' mask interface): no mask, the layout is it.
+
+    For a model that may relax causality among vision tokens (Gemma 4 with
+    ``use_bidirectional_attention="vision"``), the mask function transformers built is checked
+    on every (token, next token) pair: a bidirectional block (an image's or video's tokens)
+    raises, since the layout cannot express it and dropping it would be a silent wrong answer.
+    """
+    config = kwargs.get("config")
+    mask_function = kwargs.get("mask_function")
+    if mask_function is not None and getattr(config, "use_bidirectional_attention", None) == "vision":
+        _check_causal(mask_function, int(kwargs.get("kv_length") or 0), kwargs.get("device"))
     return None
+
+
+def _check_causal(mask_function: Any, length: int, device: Any) -> None:
+    if length < 2:
+        return
+    q = torch.arange(length - 1, device=device)
+    zero = torch.zeros_like(q)
+    sees_next = torch.as_tensor(mask_function(zero, zero, q, q + 1))
+    if bool(sees_next.any()):  # one host sync per mask, only for such models
+        raise ValueError(
+            "dualkv attention is causal, but this batch's mask lets tokens attend to later ones "
+            "(bidirectional attention among vision tokens: Gemma 4 "
+            "use_bidirectional_attention='vision' with image/video inputs); packing such "
+            "prompts is not supported yet"
+        )
 
 
 def register() -> None:
