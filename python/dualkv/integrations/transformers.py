@@ -202,7 +202,8 @@ def dualkv_mask(*args: Any, **kwargs: Any) -> None:
     """
     config = kwargs.get("config")
     mask_function = kwargs.get("mask_function")
-    if mask_function is not None and getattr(config, "use_bidirectional_attention", None) == "vision":
+    bidirectional = getattr(config, "use_bidirectional_attention", None)
+    if mask_function is not None and bidirectional == "vision":
         _check_causal(mask_function, int(kwargs.get("kv_length") or 0), kwargs.get("device"))
     return None
 
