@@ -14,7 +14,12 @@ the batch's :class:`dualkv.Layout` given either
   a process-wide stack, and a checkpointed backward must then run inside the ``with`` block).
 
 Every decoder of transformers that dispatches through ``ALL_ATTENTION_FUNCTIONS`` works; tested
-with Qwen3, Llama and Gemma3 (whose sliding-window layers get their window in logical positions).
+with Qwen3, Llama, Gemma3 (whose sliding-window layers get their window in logical positions) and
+Gemma 4 text models (``Gemma4ForCausalLM``, and ``Gemma4ForConditionalGeneration`` on text): one
+``"dualkv"`` serves their sliding (``head_dim``) and full (``global_head_dim``) layers, with
+``attention_k_eq_v``, shared-KV layers (``num_kv_shared_layers``: the model hands them the packed
+K/V of an earlier layer, which is on the same packed stream), per-layer input embeddings (looked up
+from the packed input ids) and the final logit softcap in the log-probs.
 
 Typical step::
 
@@ -188,7 +193,10 @@ def dualkv_attention_forward(
         raise ValueError(f"dualkv attention does not support attention dropout (got {dropout})")
     check_positions(kwargs.get("position_ids"), layout)
     if not getattr(module, "is_causal", True):
-        raise ValueError("dualkv attention is causal; this module is not (bidirectional attention)")
+        raise ValueError(
+            f"dualkv attention is causal; {type(module).__name__} is bidirectional (e.g. Gemma 4 "
+            "with use_bidirectional_attention='all'), which a shared-prompt layout cannot pack"
+        )
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
@@ -255,7 +263,17 @@ def dualkv_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs
     A padding mask with zeros cannot be honoured on a packed stream (there is no padding in
     it), so it is refused rather than ignored; an all-ones mask is accepted (checked with one
     host synchronisation; under torch.compile only ``None`` is accepted).
+
+    For a model that may relax causality among vision tokens (Gemma 4 with
+    ``use_bidirectional_attention="vision"``), the mask function transformers built is checked
+    on every (token, next token) pair: a bidirectional block (an image's or video's tokens)
+    raises, since the layout cannot express it and dropping it would be a silent wrong answer.
     """
+    config = kwargs.get("config")
+    mask_function = kwargs.get("mask_function")
+    bidirectional = getattr(config, "use_bidirectional_attention", None)
+    if mask_function is not None and bidirectional == "vision":
+        _check_causal(mask_function, int(kwargs.get("kv_length") or 0), kwargs.get("device"))
     if attention_mask is None:
         return None
     if torch.compiler.is_compiling():
@@ -299,6 +317,21 @@ def _guard(name: str, function: Any) -> Any:
 
     guarded._dualkv_guard = True  # type: ignore[attr-defined]
     return guarded
+
+
+def _check_causal(mask_function: Any, length: int, device: Any) -> None:
+    if length < 2:
+        return
+    q = torch.arange(length - 1, device=device)
+    zero = torch.zeros_like(q)
+    sees_next = torch.as_tensor(mask_function(zero, zero, q, q + 1))
+    if bool(sees_next.any()):  # one host sync per mask, only for such models
+        raise ValueError(
+            "dualkv attention is causal, but this batch's mask lets tokens attend to later ones "
+            "(bidirectional attention among vision tokens: Gemma 4 "
+            "use_bidirectional_attention='vision' with image/video inputs); packing such "
+            "prompts is not supported yet"
+        )
 
 
 def register() -> None:
