@@ -170,6 +170,12 @@ def dualkv_attention_forward(
         raise ValueError(f"dualkv attention does not support attention dropout (got {dropout})")
     if not getattr(module, "is_causal", True):
         raise ValueError("dualkv attention is causal; this module is not (bidirectional attention)")
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        # mixed precision (e.g. TRL's bf16=True): q and k may leave their norms in float32 while
+        # v comes from an autocast linear; attention runs in the autocast dtype, as SDPA's does
+        dtype = torch.get_autocast_dtype(device_type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
