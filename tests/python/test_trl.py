@@ -362,6 +362,21 @@ def test_group_microbatches_fits_uneven_groups():
         group_microbatches(codes, 5)
 
 
+def test_group_shuffle_draws_what_trls_shuffle_draws():
+    """The group shuffle takes the same random draw as TRL's row shuffle, so the next
+    generation samples from the same random state as in TRL's own run."""
+    from trl.trainer.utils import shuffle_sequence_dict
+
+    codes = torch.arange(24) // 4
+    torch.manual_seed(7)
+    shuffle_sequence_dict({"x": torch.zeros(24, 3), "y": list(range(24))})
+    after_trl = torch.get_rng_state()
+    torch.manual_seed(7)
+    parts, cut = group_microbatches(codes, 3)
+    assert torch.equal(torch.get_rng_state(), after_trl)
+    assert cut == 0 and all(len(set(codes[p].tolist())) == 2 for p in parts)
+
+
 def test_unsupported_options_raise(model_dirs, tmp_path):
     data = dataset(random.Random(0), 4)
     with pytest.raises(NotImplementedError, match="use_vllm"):

@@ -226,8 +226,9 @@ def group_microbatches(
     Groups are taken in a random order; a group of at least a micro-batch's size fills whole
     micro-batches, and the remainders are placed largest first into the micro-batch with the
     least room that holds them whole. A remainder that fits nowhere is cut over the micro-batches
-    with the most room (so the fewest groups are cut). Micro-batches come back in random order,
-    each its rows in group order.
+    with the most room (so the fewest groups are cut). The random order comes from one
+    ``torch.randperm(B)`` (groups in the order their rows first appear in it), the same draw as
+    TRL's row shuffle, so the random stream after it (the next generation) is TRL's.
 
     Args:
         groups: ``[B]`` int64 group code of each row.
@@ -242,19 +243,15 @@ def group_microbatches(
         raise ValueError(f"{num_rows} rows cannot be split into {num_chunks} equal micro-batches")
     size = num_rows // num_chunks
     codes = groups.detach().to("cpu", torch.int64)
-    num_groups = int(codes.max()) + 1 if num_rows else 0
-    order = torch.argsort(codes, stable=True)
-    counts = torch.bincount(codes, minlength=num_groups).tolist()
-    members: list[list[int]] = []
-    start = 0
-    flat = order.tolist()
-    for c in counts:
-        members.append(flat[start : start + c])
-        start += c
+    perm = torch.randperm(num_rows, generator=generator)
+    members: dict[int, list[int]] = {}
+    for r in perm.tolist():  # dict order: groups as their rows first appear in the permutation
+        members.setdefault(int(codes[r]), [])
+    for r in range(num_rows):  # a group's rows in row order
+        members[int(codes[r])].append(r)
     bins: list[list[int]] = []
     rests: list[list[int]] = []
-    for g in torch.randperm(num_groups, generator=generator).tolist():
-        rows = members[g]
+    for rows in members.values():
         while len(rows) >= size:
             bins.append(rows[:size])
             rows = rows[size:]
@@ -276,9 +273,7 @@ def group_microbatches(
             rows = rows[take:]
             if not rows:
                 break
-    chunks = bins + open_bins
-    perm = torch.randperm(len(chunks), generator=generator).tolist()
-    return [torch.tensor(chunks[i], dtype=torch.int64) for i in perm], cut
+    return [torch.tensor(c, dtype=torch.int64) for c in bins + open_bins], cut
 
 
 def _select(value: Any, index: torch.Tensor) -> Any:
