@@ -235,6 +235,36 @@ def test_logps_loss_and_grads_equal_trl(model_dirs, tmp_path, seed, family, loss
         assert "aux_loss" in m_t and m_t["aux_loss"][-1] > 0
 
 
+@pytest.mark.parametrize("fp32_head", [False, True])
+def test_bf16_autocast_within_trl_error(model_dirs, tmp_path, seed, fp32_head):
+    """TRL's bf16=True (autocast, float32 weights; optionally cast_lm_head_to_fp32): the packed
+    log-probs' error against the float32 rows is at most 2.5x TRL's own bf16 error (+ slack)."""
+    data = dataset(random.Random(seed), 4)
+    path = model_dirs["qwen3"]
+    want_tr = GRPOTrainer(
+        model=path, reward_funcs=reward_distinct, args=config(tmp_path / "fp32"),
+        train_dataset=data, processing_class=tokenizer(),
+    )  # fmt: skip
+    bf = dict(bf16=True, cast_lm_head_to_fp32=fp32_head)
+    ref_tr, dk_tr = trainers(path, tmp_path, data, **bf)
+    batch = random_batch(seed)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    width = batch["completion_ids"].shape[1]
+    got = {}
+    for name, tr in (("want", want_tr), ("trl", ref_tr), ("dualkv", dk_tr)):
+        with torch.no_grad():
+            lp, ent, _ = tr._get_per_token_logps_and_entropies(
+                tr.model, ids, mask, width, compute_entropy=True
+            )
+        got[name] = (lp.float(), ent.float())
+    for i, what in enumerate(("logprobs", "entropy")):
+        e_trl = (got["trl"][i] - got["want"][i]).abs().max().item()
+        e_dk = (got["dualkv"][i] - got["want"][i]).abs().max().item()
+        assert e_trl > 0  # autocast was on
+        assert e_dk <= 2.5 * e_trl + 1e-3, (what, e_dk, e_trl)
+
+
 def _row_keys(batch):
     """(prompt tokens, completion tokens) of each row, as a sorted list (order-free comparison)."""
     keys = []
