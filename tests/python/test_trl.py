@@ -390,6 +390,10 @@ def test_group_microbatches_fits_uneven_groups():
     assert sorted(sorted(set(codes[p].tolist())) for p in parts) == [[0, 1], [2, 3, 4]]
     with pytest.raises(ValueError, match="equal micro-batches"):
         group_microbatches(codes, 5)
+    # a group larger than a micro-batch (num_generations > per_device_train_batch_size)
+    parts, cut = group_microbatches(torch.tensor([0] * 8 + [1] * 4), 3)
+    assert cut == 1
+    assert sorted(sorted({0 if r < 8 else 1 for r in p.tolist()}) for p in parts) == [[0], [0], [1]]
 
 
 def test_group_shuffle_draws_what_trls_shuffle_draws():

@@ -236,7 +236,7 @@ def group_microbatches(
         generator: the random source (torch's global one by default, as TRL's shuffle).
 
     Returns:
-        ``(row indices of each micro-batch, number of groups cut)``.
+        ``(row indices of each micro-batch, number of groups cut over micro-batches)``.
     """
     num_rows = groups.numel()
     if num_chunks < 1 or num_rows % num_chunks:
@@ -251,14 +251,15 @@ def group_microbatches(
         members[int(codes[r])].append(r)
     bins: list[list[int]] = []
     rests: list[list[int]] = []
+    cut = 0
     for rows in members.values():
+        cut += len(rows) > size  # larger than a micro-batch: cut into micro-batch-sized pieces
         while len(rows) >= size:
             bins.append(rows[:size])
             rows = rows[size:]
         if rows:
             rests.append(rows)
     open_bins: list[list[int]] = [[] for _ in range(num_chunks - len(bins))]
-    cut = 0
     for rows in sorted(rests, key=len, reverse=True):  # stable: ties keep the random order
         fits = [b for b in open_bins if size - len(b) >= len(rows)]
         if fits:
