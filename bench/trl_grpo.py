@@ -65,6 +65,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", default="trl,dualkv", help="comma list of trl, dualkv")
+    p.add_argument("--json", default=None, help="also write the per-step results to this file")
     return p.parse_args(argv)
 
 
@@ -115,6 +116,7 @@ class StepLog:
     loss: float
     reward: float
     token_reduction: float | None
+    peak_gib: float | None = None  # the run's peak GPU memory (whole run: generation included)
 
 
 def timing_subclass(base: type) -> type:
@@ -198,12 +200,15 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: str, vocab: int) ->
     clock.trainer = trainer
     trainer.add_callback(clock)
     set_seed(args.seed)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     trainer.train()
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
     logs = [h for h in trainer.state.log_history if "loss" in h and "reward" in h]
     out = []
     for i, (h, (st, gen)) in enumerate(zip(logs, clock.times, strict=True)):
         tr = h.get("dualkv/token_reduction")
-        out.append(StepLog(i + 1, st, gen, float(h["loss"]), float(h["reward"]), tr))
+        out.append(StepLog(i + 1, st, gen, float(h["loss"]), float(h["reward"]), tr, peak))
     del trainer
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -241,6 +246,16 @@ def run(argv: list[str] | None = None, out: Any = None) -> dict[str, list[StepLo
             print(f"{s.step:4d} {mode:>7} {s.step_time:8.3f} {s.gen_time:7.3f} "
                   f"{s.step_time - s.gen_time:8.3f} {s.loss:12.5g} {s.reward:9.5f} {rho}",
                   file=out)  # fmt: skip
+    for mode in modes:
+        if results[mode] and results[mode][0].peak_gib is not None:
+            print(f"{mode}: peak GPU memory {results[mode][0].peak_gib:.2f} GiB", file=out)
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "device": dev,
+                       "runs": {m: [dataclasses.asdict(s) for s in r] for m, r in results.items()}},
+                      f, indent=1)  # fmt: skip
     if {"trl", "dualkv"} <= results.keys():
         a, b = results["trl"], results["dualkv"]
         d_reward = [abs(x.reward - y.reward) for x, y in zip(a, b, strict=False)]
