@@ -45,6 +45,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+import trl
 from trl import GRPOTrainer
 from trl.trainer.utils import FusedCausalLMOutput
 
@@ -61,6 +62,13 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+SUPPORTED_TRL = "1.16."  # the hooks below are GRPOTrainer's private methods of this release
+if not str(trl.__version__).startswith(SUPPORTED_TRL):
+    raise ImportError(
+        f"dualkv.integrations.trl supports trl {SUPPORTED_TRL}x (it overrides GRPOTrainer's "
+        f"internal hooks of that release); found trl {trl.__version__}: install trl==1.16.0"
+    )
 
 PACKED_KWARG = "dualkv_packed"
 
