@@ -15,3 +15,6 @@ if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
 fi
 python3 -c "import torch" 2>/dev/null || python3 -m pip install -q "$DUALKV_TORCH_PIN"
 python3 -m pip install -q "scikit-build-core>=0.10" pytest numpy "transformers==5.17.0"
+# TRL integration tests (tests/python/test_trl.py): trl 1.16.0 and its trainer stack; pip's
+# resolution keeps the torch and transformers above (checked with --dry-run).
+python3 -m pip install -q "trl==1.16.0" "accelerate==1.15.0" "datasets==5.2.0"

@@ -2,6 +2,8 @@
 
 * :mod:`dualkv.integrations.transformers` registers ``attn_implementation="dualkv"`` with HF
   transformers (imported on demand, so ``import dualkv`` does not import transformers).
+* :mod:`dualkv.integrations.trl`: ``DualKVGRPOTrainer``, TRL 1.16's ``GRPOTrainer`` on packed
+  prompt groups (imported on demand; needs ``trl==1.16.*``).
 """
 
 from __future__ import annotations

@@ -197,6 +197,12 @@ def dualkv_attention_forward(
             f"dualkv attention is causal; {type(module).__name__} is bidirectional (e.g. Gemma 4 "
             "with use_bidirectional_attention='all'), which a shared-prompt layout cannot pack"
         )
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        # mixed precision (e.g. TRL's bf16=True): q and k may leave their norms in float32 while
+        # v comes from an autocast linear; attention runs in the autocast dtype, as SDPA's does
+        dtype = torch.get_autocast_dtype(device_type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)

@@ -1,0 +1,502 @@
+"""TRL integration: :class:`DualKVGRPOTrainer`, TRL's ``GRPOTrainer`` on packed prompt groups.
+
+TRL 1.16's ``GRPOTrainer`` scores every completion as a row ``[left-padded prompt | right-padded
+completion]``, so a prompt shared by ``num_generations`` completions goes through the model once
+per completion. :class:`DualKVGRPOTrainer` is a drop-in subclass that changes three hooks and
+nothing else:
+
+* ``_get_per_token_logps_and_entropies`` (the old-policy and reference passes and the loss): the
+  rows are packed with :func:`dualkv.pack` (rows with identical prompt tokens form a group; a row
+  whose prompt no other row shares is a group of one), the model runs once on the packed stream
+  with ``attn_implementation="dualkv"``, and :func:`dualkv.response_logprobs` scores the completion
+  tokens with the model's LM head, the sampling temperature and the final logit soft-cap. The
+  per-token log-probs and entropies come back in TRL's ``[B, completion_len]`` layout (zeros on
+  padding), so TRL's losses, KL term, clipping, entropy masks and metrics run unchanged. MoE
+  load-balancing loss is computed on the packed router logits with each prompt token weighted by
+  the number of rows sharing it, which is TRL's row-layout value.
+* ``_prepare_inputs``: TRL shuffles the rows of a generation batch and cuts it into
+  ``steps_per_generation`` micro-batches, which scatters a group over micro-batches. Here whole
+  groups are shuffled and assigned to micro-batches of the same row count
+  (:func:`group_microbatches`), so a micro-batch holds whole groups whenever
+  ``per_device_train_batch_size`` is a multiple of the group size (otherwise the fewest groups
+  are cut, each piece packed on its own; a warning says so).
+* ``_generate``: generation runs with the model's ordinary attention (``"sdpa"`` unless given), the
+  rest of the time the policy and reference models use ``"dualkv"``, so a gradient-checkpointed
+  backward replays the packed layers with DualKV.
+
+Usage::
+
+    from dualkv.integrations.trl import DualKVGRPOTrainer
+    trainer = DualKVGRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(...),
+                                train_dataset=dataset, processing_class=tokenizer)
+    trainer.train()
+
+Configurations it cannot run raise ``NotImplementedError`` naming the option (see
+:data:`UNSUPPORTED_OPTIONS` and :meth:`DualKVGRPOTrainer._check_supported`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import types
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import trl
+from trl import GRPOTrainer
+from trl.trainer.utils import FusedCausalLMOutput
+
+from ..logprobs import response_logprobs
+from ..packing import PackedBatch, _prompt_groups, pack
+from . import transformers as dkt
+
+__all__ = [
+    "UNSUPPORTED_OPTIONS",
+    "DualKVGRPOTrainer",
+    "add_packed_lm_head",
+    "group_microbatches",
+    "prompt_groups",
+]
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_TRL = "1.16."  # the hooks below are GRPOTrainer's private methods of this release
+if not str(trl.__version__).startswith(SUPPORTED_TRL):
+    raise ImportError(
+        f"dualkv.integrations.trl supports trl {SUPPORTED_TRL}x (it overrides GRPOTrainer's "
+        f"internal hooks of that release); found trl {trl.__version__}: install trl==1.16.0"
+    )
+
+PACKED_KWARG = "dualkv_packed"
+
+# GRPOConfig options whose paths DualKV does not run yet (option, the value that is unsupported,
+# why). Checked before TRL builds anything.
+UNSUPPORTED_OPTIONS: tuple[tuple[str, Any, str], ...] = (
+    ("use_vllm", True, "generation by vLLM is not supported yet (generate with transformers)"),
+    (
+        "use_transformers_continuous_batching",
+        True,
+        "transformers continuous batching is not supported yet (use generate)",
+    ),
+    ("use_transformers_paged", True, "paged generation is not supported yet (use generate)"),
+    ("use_liger_kernel", True, "Liger kernels are not supported yet"),
+)
+
+# Multimodal fields of _get_per_token_logps_and_entropies: text-only packing cannot place them.
+_MULTIMODAL_ARGS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+
+
+def _logit_scale(text_config: Any) -> float:
+    """The pre-softcap logit multiplier TRL's fused LM head applies (1.0 for most models)."""
+    scale = getattr(text_config, "logit_scale", None)
+    if scale is None:
+        scale = getattr(text_config, "output_multiplier", None)
+    if scale is None:
+        scale = getattr(text_config, "lm_head_multiplier", None)
+    if scale is None and getattr(text_config, "logits_scaling", None) is not None:
+        scaling = text_config.logits_scaling
+        scale = scaling if text_config.model_type == "hyperclovax" else 1 / scaling
+    return 1.0 if scale is None else float(scale)
+
+
+def _token_weights(packed: PackedBatch) -> torch.Tensor:
+    """``[1, T]`` float32: how many rows each packed token stands for (N_g on a prompt, 1 else)."""
+    layout = packed.layout
+    weights: list[int] = []
+    lengths: list[int] = []
+    for p, rs in zip(layout.prefix_lens, layout.response_lens, strict=True):
+        weights.append(len(rs))
+        lengths.append(p)
+        weights.extend([1] * len(rs))
+        lengths.extend(rs)
+    w = torch.repeat_interleave(
+        torch.tensor(weights, dtype=torch.float32), torch.tensor(lengths, dtype=torch.int64)
+    )
+    return w.to(packed.device).view(1, -1)
+
+
+def add_packed_lm_head(
+    model: Any, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False
+) -> None:
+    """Let ``model(dualkv_packed=packed, ...)`` score a :class:`dualkv.PackedBatch`.
+
+    Wraps ``model.forward`` (after TRL's ``add_fused_lm_head``): with ``dualkv_packed`` the
+    backbone runs on the packed stream (the model must be in ``attn_implementation="dualkv"``)
+    and the call returns TRL's ``FusedCausalLMOutput`` with ``log_probs`` (and ``entropy`` when
+    ``dualkv_entropy=True``) in the rows' ``[B, R_max]`` layout, and ``aux_loss`` (the MoE
+    load-balancing loss, row-weighted) with ``output_router_logits=True``. Without it the previous
+    forward runs, so generation is unchanged. Calls go through the model's wrappers (DDP), as
+    TRL's own fused head does.
+
+    Args:
+        model: a transformers causal LM.
+        temperature: logits are divided by it (TRL's sampling temperature).
+        cast_lm_head_to_fp32: score with float32 hidden states and LM head, outside autocast
+            (TRL's ``cast_lm_head_to_fp32``).
+    """
+    text_config = model.config.get_text_config()
+    scale = _logit_scale(text_config)
+    if scale != 1.0:
+        raise NotImplementedError(
+            f"{type(model).__name__} scales its logits by {scale} (logit_scale / "
+            "logits_scaling in its config); DualKV's packed LM head does not support logit "
+            "scaling yet"
+        )
+    softcap = getattr(text_config, "final_logit_softcapping", None)
+    previous = model.forward
+
+    @functools.wraps(type(model).forward)
+    def forward(
+        self: Any,
+        *args: Any,
+        dualkv_packed: PackedBatch | None = None,
+        dualkv_entropy: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        if dualkv_packed is None:
+            return previous(*args, **kwargs)
+        packed = dualkv_packed
+        for name, value in kwargs.items():  # wrappers (PEFT) pass their own arguments as None
+            if value is not None and name not in ("output_router_logits", "use_cache"):
+                raise ValueError(f"a packed forward takes no {name!r} (the batch is packed)")
+        if args:
+            raise ValueError("a packed forward takes no positional arguments")
+        router = bool(kwargs.get("output_router_logits"))
+        impl = getattr(self.config.get_text_config(), "_attn_implementation", None)
+        if impl != dkt.ATTN_IMPLEMENTATION:
+            raise RuntimeError(
+                f"the packed forward needs attn_implementation='dualkv', the model is in {impl!r}"
+            )
+        extra = {"output_router_logits": True} if router else {}
+        out = self.base_model(**packed.model_inputs(), **extra)
+        hidden = out.last_hidden_state
+        head = self.get_output_embeddings()
+        weight, bias = head.weight, getattr(head, "bias", None)
+        ctx: Any = contextlib.nullcontext()
+        if cast_lm_head_to_fp32:
+            hidden = hidden.float()
+            weight = weight.float()
+            bias = bias.float() if bias is not None else None
+            ctx = torch.autocast(hidden.device.type, enabled=False)
+        with ctx:
+            res = response_logprobs(
+                hidden, weight, packed, temperature=temperature, return_entropy=dualkv_entropy,
+                lm_head_bias=bias, logit_softcap=softcap,
+            )  # fmt: skip
+        logp, ent = res if isinstance(res, tuple) else (res, None)
+        aux = None
+        if router:
+            from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+            value = load_balancing_loss_func(
+                getattr(out, "router_logits", None),
+                text_config.num_experts,
+                text_config.num_experts_per_tok,
+                _token_weights(packed),
+            )
+            if not isinstance(value, torch.Tensor):
+                raise RuntimeError(
+                    f"{type(self).__name__} returned no router logits for the MoE auxiliary loss"
+                )
+            aux = value
+        return FusedCausalLMOutput(
+            log_probs=logp, entropy=ent, label_mask=packed.response_mask, aux_loss=aux
+        )
+
+    model.forward = types.MethodType(forward, model)
+
+
+def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` int64 group code of each row (first-seen order): rows with identical real prompt
+    tokens (left-padded ``prompt_ids`` under ``prompt_mask``) share a code."""
+    return _prompt_groups(prompt_ids, prompt_mask != 0)
+
+
+def group_microbatches(
+    groups: torch.Tensor, num_chunks: int, generator: torch.Generator | None = None
+) -> tuple[list[torch.Tensor], int]:
+    """Split rows into ``num_chunks`` micro-batches of equal size, keeping groups whole.
+
+    Groups are taken in a random order; a group of at least a micro-batch's size fills whole
+    micro-batches, and the remainders are placed largest first into the micro-batch with the
+    least room that holds them whole. A remainder that fits nowhere is cut over the micro-batches
+    with the most room (so the fewest groups are cut). The random order comes from one
+    ``torch.randperm(B)`` (groups in the order their rows first appear in it), the same draw as
+    TRL's row shuffle, so the random stream after it (the next generation) is TRL's.
+
+    Args:
+        groups: ``[B]`` int64 group code of each row.
+        num_chunks: micro-batch count; must divide ``B``.
+        generator: the random source (torch's global one by default, as TRL's shuffle).
+
+    Returns:
+        ``(row indices of each micro-batch, number of groups cut over micro-batches)``.
+    """
+    num_rows = groups.numel()
+    if num_chunks < 1 or num_rows % num_chunks:
+        raise ValueError(f"{num_rows} rows cannot be split into {num_chunks} equal micro-batches")
+    size = num_rows // num_chunks
+    codes = groups.detach().to("cpu", torch.int64)
+    perm = torch.randperm(num_rows, generator=generator)
+    members: dict[int, list[int]] = {}
+    for r in perm.tolist():  # dict order: groups as their rows first appear in the permutation
+        members.setdefault(int(codes[r]), [])
+    for r in range(num_rows):  # a group's rows in row order
+        members[int(codes[r])].append(r)
+    bins: list[list[int]] = []
+    rests: list[list[int]] = []
+    cut = 0
+    for rows in members.values():
+        cut += len(rows) > size  # larger than a micro-batch: cut into micro-batch-sized pieces
+        while len(rows) >= size:
+            bins.append(rows[:size])
+            rows = rows[size:]
+        if rows:
+            rests.append(rows)
+    open_bins: list[list[int]] = [[] for _ in range(num_chunks - len(bins))]
+    for rows in sorted(rests, key=len, reverse=True):  # stable: ties keep the random order
+        fits = [b for b in open_bins if size - len(b) >= len(rows)]
+        if fits:
+            target = max(fits, key=len)  # least room left that still holds the group
+            target.extend(rows)
+            continue
+        cut += 1
+        rows = list(rows)
+        for b in sorted(open_bins, key=len):  # most room first
+            take = min(size - len(b), len(rows))
+            b.extend(rows[:take])
+            rows = rows[take:]
+            if not rows:
+                break
+    return [torch.tensor(c, dtype=torch.int64) for c in bins + open_bins], cut
+
+
+def _select(value: Any, index: torch.Tensor) -> Any:
+    """Rows ``index`` of one generation-batch entry (as TRL's shuffle/split treat them)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return value if value.ndim == 0 else value[index.to(value.device)]
+    if isinstance(value, (list, tuple)):
+        return [value[i] for i in index.tolist()]
+    return value
+
+
+def _chunks_of_groups(groups: torch.Tensor, max_rows: int) -> list[torch.Tensor]:
+    """Row indices of consecutive chunks of whole groups, each of at most ``max_rows`` rows
+    (a larger group is one chunk), groups in first-seen order."""
+    codes = groups.to("cpu", torch.int64)
+    order = torch.argsort(codes, stable=True).tolist()
+    counts = torch.bincount(codes).tolist() if codes.numel() else []
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    start = 0
+    for c in counts:
+        rows = order[start : start + c]
+        start += c
+        if current and len(current) + c > max_rows:
+            chunks.append(current)
+            current = []
+        current = current + rows
+    if current:
+        chunks.append(current)
+    return [torch.tensor(c, dtype=torch.int64) for c in chunks]
+
+
+class DualKVGRPOTrainer(GRPOTrainer):
+    """TRL's ``GRPOTrainer`` with log-probs, entropies and the loss on packed prompt groups.
+
+    Takes GRPOTrainer's arguments, plus:
+
+    Args:
+        generation_attn_implementation: attention used for generation (``model.generate`` with a
+            KV cache, which DualKV does not serve). Default: the model's own implementation
+            when it is not ``"dualkv"``, else ``"sdpa"``.
+
+    Raises:
+        NotImplementedError: an option DualKV does not run yet (vLLM or continuous-batching
+            generation, PEFT, DeepSpeed/FSDP, multimodal processors, Liger kernels, scaled
+            logits), naming it.
+    """
+
+    def __init__(
+        self, *args: Any, generation_attn_implementation: str | None = None, **kwargs: Any
+    ) -> None:
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        if config is not None:
+            self._check_options(config)
+        if kwargs.get("peft_config") is not None:
+            raise NotImplementedError("DualKVGRPOTrainer does not support peft_config yet")
+        super().__init__(*args, **kwargs)
+        self._check_options(self.args)
+        self._check_supported()
+        policy = self.accelerator.unwrap_model(self.model)
+        own = policy.config._attn_implementation
+        if generation_attn_implementation is None:
+            generation_attn_implementation = own if own != dkt.ATTN_IMPLEMENTATION else "sdpa"
+        if generation_attn_implementation == dkt.ATTN_IMPLEMENTATION:
+            raise ValueError(
+                "generation_attn_implementation cannot be 'dualkv' (generation uses a KV cache); "
+                "use e.g. 'sdpa'"
+            )
+        self.generation_attn_implementation = generation_attn_implementation
+        self.dualkv_groups_cut = 0  # groups cut over micro-batches so far (see group_microbatches)
+        config_: Any = self.args
+        fp32_head = bool(config_.cast_lm_head_to_fp32)
+        add_packed_lm_head(policy, self.temperature, fp32_head)
+        policy.set_attn_implementation(dkt.ATTN_IMPLEMENTATION)
+        if self.ref_model is not None:
+            ref = self.accelerator.unwrap_model(self.ref_model)
+            add_packed_lm_head(ref, self.temperature, fp32_head)
+            ref.set_attn_implementation(dkt.ATTN_IMPLEMENTATION)
+
+    # --- configuration ---------------------------------------------------------------------------
+    @staticmethod
+    def _check_options(config: Any) -> None:
+        for name, bad, why in UNSUPPORTED_OPTIONS:
+            if getattr(config, name, None) == bad:
+                raise NotImplementedError(f"DualKVGRPOTrainer: {name}={bad!r}: {why}")
+        if getattr(config, "deepspeed", None):
+            raise NotImplementedError(
+                "DualKVGRPOTrainer does not support DeepSpeed (deepspeed) yet"
+            )
+        if getattr(config, "fsdp", None):
+            raise NotImplementedError("DualKVGRPOTrainer does not support FSDP yet (fsdp)")
+
+    def _check_supported(self) -> None:
+        from transformers import ProcessorMixin
+
+        if isinstance(self.processing_class, ProcessorMixin):
+            raise NotImplementedError(
+                "DualKVGRPOTrainer packs text only: multimodal processors "
+                f"({type(self.processing_class).__name__}) are not supported yet"
+            )
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise NotImplementedError("DualKVGRPOTrainer does not support DeepSpeed or FSDP yet")
+        from accelerate.utils import is_peft_model
+
+        if is_peft_model(self.model):
+            raise NotImplementedError("DualKVGRPOTrainer does not support PEFT models yet")
+
+    @contextlib.contextmanager
+    def _generation_attention(self) -> Iterator[None]:
+        """The policy in ``generation_attn_implementation`` inside the block, then DualKV."""
+        policy = self.accelerator.unwrap_model(self.model)
+        policy.set_attn_implementation(self.generation_attn_implementation)
+        try:
+            yield
+        finally:
+            policy.set_attn_implementation(dkt.ATTN_IMPLEMENTATION)
+
+    # --- hooks -----------------------------------------------------------------------------------
+    def _generate(self, prompts: list) -> Any:
+        with self._generation_attention():
+            return super()._generate(prompts)
+
+    def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
+        # TRL's _prepare_inputs, with its row shuffle and equal split replaced by whole groups.
+        model: Any = self.model
+        if not model.training:
+            return super()._prepare_inputs(generation_batch)
+        args: Any = self.args
+        steps = args.steps_per_generation
+        generate_every = steps * self.num_iterations
+        buffered: Any = getattr(self, "_buffered_inputs", None)
+        if self._step % generate_every == 0 or buffered is None:
+            batch = self._generate_and_score_completions(generation_batch)
+            buffered = self.split_generation_batch(batch, steps)
+            self._buffered_inputs = buffered
+        return buffered[self._step % steps]  # type: ignore[no-any-return]
+
+    def split_generation_batch(
+        self, batch: dict[str, Any], num_chunks: int
+    ) -> list[dict[str, Any]]:
+        """Shuffle a generation batch by groups and split it into whole-group micro-batches."""
+        for name in ("pixel_values", "num_images"):
+            if batch.get(name) is not None:
+                raise NotImplementedError(f"DualKVGRPOTrainer: multimodal input {name!r}")
+        groups = prompt_groups(batch["prompt_ids"], batch["prompt_mask"])
+        chunks, cut = group_microbatches(groups, num_chunks)
+        if cut:
+            self.dualkv_groups_cut += cut
+            logger.warning(
+                "DualKV: %d prompt group(s) were cut over micro-batches of %d rows (make "
+                "per_device_train_batch_size a multiple of num_generations to keep groups whole)",
+                cut,
+                groups.numel() // num_chunks,
+            )
+        return [{k: _select(v, idx) for k, v in batch.items()} for idx in chunks]
+
+    def _get_per_token_logps_and_entropies(  # type: ignore[override]
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: int | None = None,
+        compute_entropy: bool = False,
+        compute_aux_loss: bool = False,
+        **multimodal: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        for name, value in multimodal.items():
+            if name not in _MULTIMODAL_ARGS:
+                raise TypeError(f"unexpected argument {name!r}")
+            if value is not None:
+                raise NotImplementedError(
+                    f"DualKVGRPOTrainer packs text only: {name!r} is not supported yet"
+                )
+        num_rows, width = input_ids.shape
+        prompt_width = width - int(logits_to_keep)
+        groups = prompt_groups(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])
+        chunks = _chunks_of_groups(groups, batch_size or num_rows)
+        logps: list[torch.Tensor] = []
+        ents: list[torch.Tensor] = []
+        auxes: list[torch.Tensor] = []
+        trainee: Any = self.model
+        mode = "train" if trainee.training else "eval"
+        for idx in chunks:
+            whole = idx.numel() == num_rows and bool((idx == torch.arange(num_rows)).all())
+            dev_idx = idx.to(input_ids.device)
+            ids = input_ids if whole else input_ids.index_select(0, dev_idx)
+            mask = attention_mask if whole else attention_mask.index_select(0, dev_idx)
+            packed = pack(ids, mask, prompt_width, group_ids=groups[idx])
+            extra = {"output_router_logits": True} if compute_aux_loss else {}
+            with self.accelerator.autocast():
+                out = model(**{PACKED_KWARG: packed}, dualkv_entropy=compute_entropy, **extra)
+            logps.append(out.log_probs)
+            if compute_entropy:
+                ents.append(out.entropy)
+            if compute_aux_loss:
+                auxes.append(out.aux_loss)
+            self._metrics[mode]["dualkv/token_reduction"].append(packed.token_reduction)
+        logp = self._rows(logps, chunks, num_rows)
+        ent = self._rows(ents, chunks, num_rows) if compute_entropy else None
+        aux = torch.stack(auxes).mean() if compute_aux_loss else None
+        return logp, ent, aux
+
+    @staticmethod
+    def _rows(
+        parts: Sequence[torch.Tensor], chunks: Sequence[torch.Tensor], n: int
+    ) -> torch.Tensor:
+        """Per-chunk ``[b_i, C]`` results back to the batch's row order ``[n, C]``."""
+        if len(parts) == 1 and parts[0].shape[0] == n:
+            idx = chunks[0]
+            if bool((idx == torch.arange(n)).all()):
+                return parts[0]
+        cat = torch.cat(list(parts), 0)
+        index = torch.cat(list(chunks)).to(cat.device)
+        return cat.new_zeros(cat.shape).index_copy(0, index, cat)

@@ -1,0 +1,448 @@
+"""TRL 1.16 GRPOTrainer: the DualKV trainer equals TRL's own unpacked path on the same batch.
+
+Tiny random Qwen3 (and Qwen3-MoE, with its load-balancing loss) saved to a temporary folder, a
+tokenizer built locally (a ``tokenizers`` WordLevel model: no hub access), an in-memory dataset
+and a simple reward. Compared in float32: per-token log-probs and entropies of the policy and the
+reference model, TRL's loss for several loss types and every parameter gradient; one optimizer
+step of ``trainer.train()`` (generation by transformers) leaves the same parameters; micro-batches
+hold whole prompt groups.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+from datasets import Dataset  # noqa: E402
+from transformers import set_seed  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from dualkv.integrations import trl as dktrl  # noqa: E402
+from dualkv.integrations.trl import DualKVGRPOTrainer, group_microbatches  # noqa: E402
+from hf_helpers import VOCAB, tiny_config  # noqa: E402
+
+PAD, EOS = 0, 1
+TEMPERATURE = 0.9
+
+
+def tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": PAD, "<eos>": EOS, "<unk>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+        padding_side="left",
+    )  # fmt: skip
+
+
+def _init_weights(model, seed):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08 if "embed" not in name else 0.15)
+            elif "bias" in name:
+                p.normal_(0.0, 0.05)
+            else:
+                p.add_(torch.randn_like(p) * 0.1)
+
+
+def moe_config():
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=512, router_aux_loss_coef=0.05, tie_word_embeddings=True,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """Saved tiny random models (loaded by path, so TRL builds its reference model from it)."""
+    from transformers import AutoModelForCausalLM
+
+    weights_seed = int(os.environ.get("DUALKV_SEED", int.from_bytes(os.urandom(4), "little")))
+    print(f"[model_dirs] weights seed={weights_seed}")
+    dirs = {}
+    for family, cfg in (("qwen3", tiny_config("qwen3")), ("qwen3-moe", moe_config())):
+        cfg.eos_token_id = EOS
+        cfg.pad_token_id = PAD
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+        _init_weights(model, seed=weights_seed % 2**31)
+        with torch.no_grad():  # make EOS likely enough that completions end at different lengths
+            model.get_input_embeddings().weight[EOS] *= 4.0
+        path = tmp_path_factory.mktemp(family)
+        model.save_pretrained(path)
+        dirs[family] = str(path)
+    return dirs
+
+
+def reward_distinct(completions, **kwargs):
+    """Distinct words over length: varies within a group."""
+    return [len(set(c.split())) / (1 + len(c.split())) for c in completions]
+
+
+def dataset(rng, n):
+    prompts = set()
+    while len(prompts) < n:
+        prompts.add(" ".join(f"w{rng.randrange(3, VOCAB)}" for _ in range(rng.randint(2, 9))))
+    return Dataset.from_dict({"prompt": sorted(prompts)})
+
+
+def config(tmp_path, **kw):
+    base = dict(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
+        gradient_accumulation_steps=2, max_completion_length=6, max_steps=1,
+        learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", report_to=[],
+        logging_steps=1, save_strategy="no", use_cpu=True, bf16=False, seed=1234,
+        temperature=TEMPERATURE,
+        model_init_kwargs={"attn_implementation": "sdpa", "dtype": torch.float32},
+        dataloader_num_workers=0,
+    )  # fmt: skip
+    base.update(kw)
+    return GRPOConfig(**base)
+
+
+def trainers(path, tmp_path, data, **kw):
+    made = []
+    for cls in (GRPOTrainer, DualKVGRPOTrainer):
+        made.append(
+            cls(
+                model=path,
+                reward_funcs=reward_distinct,
+                args=config(tmp_path / cls.__name__, **kw),
+                train_dataset=data,
+                processing_class=tokenizer(),
+            )  # fmt: skip
+        )
+    return made
+
+
+def random_batch(seed, width=7):
+    """TRL's batch layout: left-padded prompts, right-padded completions; groups of identical
+    prompts (sizes 1..4, rows shuffled), a masked (truncated) completion, junk in the padding."""
+    rng = random.Random(seed)
+    groups = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 9))] for _ in range(4)]
+    rows = []
+    for g, p in enumerate(groups):
+        for _ in range(rng.randint(1, 4) if g else 1):  # group 0 is a singleton
+            rows.append((p, [rng.randrange(1, VOCAB) for _ in range(rng.randint(0, width))]))
+    rows.append((groups[1], []))  # an empty (masked) completion in a shared group
+    rng.shuffle(rows)
+    b, pw = len(rows), max(len(p) for p in groups)
+    junk = torch.randint(0, VOCAB, (b, pw + width), generator=torch.Generator().manual_seed(seed))
+    pids, pmask = junk[:, :pw].clone(), torch.zeros(b, pw, dtype=torch.int64)
+    cids, cmask = junk[:, pw:].clone(), torch.zeros(b, width, dtype=torch.int64)
+    for i, (p, c) in enumerate(rows):
+        pids[i, pw - len(p) :], pmask[i, pw - len(p) :] = torch.tensor(p), 1
+        if c:
+            cids[i, : len(c)], cmask[i, : len(c)] = torch.tensor(c), 1
+    g = torch.Generator().manual_seed(seed + 1)
+    old = (torch.randn(b, width, generator=g) * 0.2 - 4.5) * cmask
+    ref = (torch.randn(b, width, generator=g) * 0.2 - 4.5) * cmask
+    return {
+        "prompt_ids": pids, "prompt_mask": pmask, "completion_ids": cids, "completion_mask": cmask,
+        "advantages": torch.randn(b, generator=g), "old_per_token_logps": old,
+        "ref_per_token_logps": ref, "num_items_in_batch": cmask.sum(),
+    }  # fmt: skip
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_grads_close(got, want):
+    assert got.keys() == want.keys() and want
+    for name, w in want.items():
+        scale = w.abs().max().item()
+        err = (got[name] - w).abs().max().item()
+        assert err <= 2e-4 * scale + 1e-7, (name, err, scale)
+
+
+@pytest.mark.parametrize(
+    "family,loss_type,extra",
+    [
+        ("qwen3", "dapo", {"beta": 0.04}),
+        ("qwen3", "grpo", {"beta": 0.04, "top_entropy_quantile": 0.5, "entropy_coef": 0.01}),
+        ("qwen3", "bnpo", {"beta": 0.0, "importance_sampling_level": "sequence"}),
+        ("qwen3-moe", "dapo", {"beta": 0.04}),
+    ],
+)
+def test_logps_loss_and_grads_equal_trl(model_dirs, tmp_path, seed, family, loss_type, extra):
+    data = dataset(random.Random(seed), 4)
+    ref_tr, dk_tr = trainers(model_dirs[family], tmp_path, data, loss_type=loss_type, **extra)
+    assert dk_tr.model.config._attn_implementation == "dualkv"
+    assert ref_tr.model.config._attn_implementation == "sdpa"
+    if extra["beta"]:
+        assert dk_tr.ref_model.config._attn_implementation == "dualkv"
+    if family == "qwen3-moe":
+        assert dk_tr.aux_loss_enabled and ref_tr.aux_loss_enabled
+    batch = random_batch(seed)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    width = batch["completion_ids"].shape[1]
+    cmask = batch["completion_mask"].bool()
+
+    # the old-policy / reference passes (no grad, chunked by batch_size rows of whole groups)
+    outs = {}
+    for name, tr in (("trl", ref_tr), ("dualkv", dk_tr)):
+        tr.model.eval()
+        with torch.no_grad():
+            lp, ent, _ = tr._get_per_token_logps_and_entropies(
+                tr.model, ids, mask, width, batch_size=3, compute_entropy=True
+            )
+            ref_lp = None
+            if tr.ref_model is not None:
+                ref_lp = tr._get_per_token_logps_and_entropies(tr.ref_model, ids, mask, width, 3)[0]
+        outs[name] = (lp, ent, ref_lp)
+    lp_t, ent_t, ref_t = outs["trl"]
+    lp_d, ent_d, ref_d = outs["dualkv"]
+    assert lp_d.shape == lp_t.shape == cmask.shape
+    assert (lp_d[~cmask] == 0).all() and (ent_d[~cmask] == 0).all()
+    assert (lp_t[cmask] < 0).all()
+    torch.testing.assert_close(lp_d, lp_t, rtol=0, atol=2e-5)
+    torch.testing.assert_close(ent_d, ent_t, rtol=0, atol=2e-5)
+    if ref_t is not None:
+        torch.testing.assert_close(ref_d, ref_t, rtol=0, atol=2e-5)
+    assert max(dk_tr._metrics["eval"]["dualkv/token_reduction"]) > 1.0
+
+    # the loss (TRL's _compute_loss, unchanged) and every gradient
+    results = {}
+    for name, tr in (("trl", ref_tr), ("dualkv", dk_tr)):
+        tr.model.train()
+        tr.current_gradient_accumulation_steps = 1
+        tr.model.zero_grad(set_to_none=True)
+        loss = tr._compute_loss(tr.model, batch)
+        loss.backward()
+        results[name] = (loss.detach(), _grads(tr.model), dict(tr._metrics["train"]))
+    (loss_t, g_t, m_t), (loss_d, g_d, m_d) = results["trl"], results["dualkv"]
+    torch.testing.assert_close(loss_d, loss_t, rtol=1e-5, atol=1e-7)
+    _assert_grads_close(g_d, g_t)
+    for key in ("entropy", "kl", "aux_loss", "clip_ratio/region_mean"):
+        if key in m_t:
+            torch.testing.assert_close(
+                torch.tensor(m_d[key][-1]), torch.tensor(m_t[key][-1]), rtol=1e-5, atol=1e-6
+            )
+    if family == "qwen3-moe":
+        assert "aux_loss" in m_t and m_t["aux_loss"][-1] > 0
+
+
+@pytest.mark.parametrize("fp32_head", [False, True])
+def test_bf16_autocast_within_trl_error(model_dirs, tmp_path, seed, fp32_head):
+    """TRL's bf16=True (autocast, float32 weights; optionally cast_lm_head_to_fp32): the packed
+    log-probs' and entropies' mean error against the float32 rows is at most 3x TRL's own bf16
+    error (+ slack): two bf16 computations in different orders, of similar error (the ratio
+    seen over 24 seeds: 0.5-2.2)."""
+    data = dataset(random.Random(seed), 4)
+    path = model_dirs["qwen3"]
+    want_tr = GRPOTrainer(
+        model=path, reward_funcs=reward_distinct, args=config(tmp_path / "fp32"),
+        train_dataset=data, processing_class=tokenizer(),
+    )  # fmt: skip
+    bf = dict(bf16=True, cast_lm_head_to_fp32=fp32_head)
+    ref_tr, dk_tr = trainers(path, tmp_path, data, **bf)
+    batch = random_batch(seed)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    width = batch["completion_ids"].shape[1]
+    got = {}
+    for name, tr in (("want", want_tr), ("trl", ref_tr), ("dualkv", dk_tr)):
+        with torch.no_grad():
+            lp, ent, _ = tr._get_per_token_logps_and_entropies(
+                tr.model, ids, mask, width, compute_entropy=True
+            )
+        got[name] = (lp.float(), ent.float())
+    real = batch["completion_mask"].bool()
+    for i, what in enumerate(("logprobs", "entropy")):
+        # mean error over the real tokens (the max over ~30 tokens is a noisy extreme)
+        e_trl = (got["trl"][i] - got["want"][i])[real].abs().mean().item()
+        e_dk = (got["dualkv"][i] - got["want"][i])[real].abs().mean().item()
+        assert e_trl > 0  # autocast was on
+        assert e_dk <= 3 * e_trl + 2e-3, (what, e_dk, e_trl)
+
+
+def _row_keys(batch):
+    """(prompt tokens, completion tokens) of each row, as a sorted list (order-free comparison)."""
+    keys = []
+    for i in range(batch["prompt_ids"].shape[0]):
+        p = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist()
+        c = batch["completion_ids"][i][batch["completion_mask"][i].bool()].tolist()
+        keys.append((tuple(p), tuple(c)))
+    return keys
+
+
+def _assert_whole_groups(micro_batches, num_generations):
+    seen = set()
+    for mb in micro_batches:
+        prompts = [k[0] for k in _row_keys(mb)]
+        for p in set(prompts):
+            assert prompts.count(p) == num_generations, "a micro-batch holds part of a group"
+            assert p not in seen, "a group is spread over micro-batches"
+            seen.add(p)
+
+
+@pytest.mark.parametrize(
+    "loss_type,extra",
+    [
+        ("grpo", {"beta": 0.04, "gradient_checkpointing": True}),
+        ("dapo", {"beta": 0.0, "num_generations": 4, "per_device_train_batch_size": 8}),
+    ],
+)
+def test_train_step_equals_trl(model_dirs, tmp_path, seed, loss_type, extra):
+    """trainer.train(), one optimizer step over 2 micro-batches: same completions and rewards,
+    same loss, same parameters after the step; every micro-batch holds whole groups."""
+    data = dataset(random.Random(seed), 12)
+    ref_tr, dk_tr = trainers(model_dirs["qwen3"], tmp_path, data, loss_type=loss_type, **extra)
+    before = {n: p.detach().clone() for n, p in ref_tr.model.named_parameters()}
+    for tr in (ref_tr, dk_tr):
+        set_seed(tr.args.seed)  # both generate from the same random state
+        tr.train()
+    buf_t, buf_d = ref_tr._buffered_inputs, dk_tr._buffered_inputs
+    rows_t = sorted(k for mb in buf_t for k in _row_keys(mb))
+    rows_d = sorted(k for mb in buf_d for k in _row_keys(mb))
+    assert rows_t == rows_d  # the same generations (same seed, same sampling attention)
+    assert any(len(k[1]) > 0 for k in rows_d)
+    _assert_whole_groups(buf_d, dk_tr.num_generations)
+    assert dk_tr.dualkv_groups_cut == 0
+    log_t, log_d = ref_tr.state.log_history[0], dk_tr.state.log_history[0]
+    assert log_t["reward"] == log_d["reward"]
+    # (TRL logs the entropy as a mean of per-micro-batch means: it depends on which rows share a
+    # micro-batch, so it is compared in test_logps_loss_and_grads_equal_trl instead)
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(
+            torch.tensor(log_d[key]), torch.tensor(log_t[key]), rtol=2e-4, atol=1e-6
+        )
+    assert log_d["dualkv/token_reduction"] > 1.0
+    moved = 0.0
+    params_d = dict(dk_tr.model.named_parameters())
+    for name, p_t in ref_tr.model.named_parameters():
+        step_t = p_t.detach() - before[name]
+        step_d = params_d[name].detach() - before[name]
+        scale = step_t.abs().max().item()
+        moved = max(moved, scale)
+        assert (step_d - step_t).abs().max().item() <= 2e-4 * scale + 1e-7, name
+    assert moved > 0
+
+
+def test_old_logps_pass_equals_trl(model_dirs, tmp_path, seed):
+    """steps_per_generation > gradient_accumulation_steps: TRL computes old-policy log-probs of
+    the whole generation batch (in chunks of per_device_train_batch_size rows)."""
+    data = dataset(random.Random(seed), 12)
+    ref_tr, dk_tr = trainers(
+        model_dirs["qwen3"], tmp_path, data, steps_per_generation=4, per_device_train_batch_size=3,
+        num_generations=3,
+    )  # fmt: skip
+    for tr in (ref_tr, dk_tr):
+        set_seed(tr.args.seed)  # both generate from the same random state
+        tr.train()
+    old = []
+    for tr in (ref_tr, dk_tr):
+        table = {}
+        for mb in tr._buffered_inputs:
+            assert "old_per_token_logps" in mb
+            for key, lp, m in zip(
+                _row_keys(mb), mb["old_per_token_logps"], mb["completion_mask"], strict=True
+            ):
+                table.setdefault(key, []).append(lp[m.bool()])
+        old.append(table)
+    assert old[0].keys() == old[1].keys()
+    for key, lps in old[0].items():
+        for a, b in zip(
+            sorted(lps, key=torch.Tensor.sum), sorted(old[1][key], key=torch.Tensor.sum)
+        ):
+            torch.testing.assert_close(b, a, rtol=0, atol=2e-5)
+    _assert_whole_groups(dk_tr._buffered_inputs, 3)
+
+
+@pytest.mark.parametrize("trial", range(20))
+def test_group_microbatches(trial):
+    rng = random.Random(trial)
+    chunks = rng.randint(1, 5)
+    size = rng.randint(1, 9)
+    n = chunks * size
+    if trial % 2:  # groups of one size that divides the micro-batch: never cut
+        g = rng.choice([d for d in range(1, size + 1) if size % d == 0])
+        sizes = [g] * (n // g)
+    else:
+        sizes = []
+        while sum(sizes) < n:
+            sizes.append(min(rng.randint(1, 2 * size), n - sum(sizes)))
+    codes = torch.tensor([i for i, s in enumerate(sizes) for _ in range(s)])
+    codes = codes[torch.randperm(n)]
+    parts, cut = group_microbatches(codes, chunks, torch.Generator().manual_seed(trial))
+    assert len(parts) == chunks and all(p.numel() == size for p in parts)
+    assert sorted(torch.cat(parts).tolist()) == list(range(n))
+    pieces = [sum(int(codes[p].eq(c).any()) for p in parts) for c in range(len(sizes))]
+    if trial % 2:
+        assert cut == 0 and pieces == [1] * len(sizes)
+    over = sum(k > s // size + (s % size > 0) for k, s in zip(pieces, sizes, strict=True))
+    assert over <= cut
+
+
+def test_group_microbatches_fits_uneven_groups():
+    codes = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 4, 4])
+    parts, cut = group_microbatches(codes, 2)
+    assert cut == 0
+    assert sorted(sorted(set(codes[p].tolist())) for p in parts) == [[0, 1], [2, 3, 4]]
+    with pytest.raises(ValueError, match="equal micro-batches"):
+        group_microbatches(codes, 5)
+    # a group larger than a micro-batch (num_generations > per_device_train_batch_size)
+    parts, cut = group_microbatches(torch.tensor([0] * 8 + [1] * 4), 3)
+    assert cut == 1
+    assert sorted(sorted({0 if r < 8 else 1 for r in p.tolist()}) for p in parts) == [[0], [0], [1]]
+
+
+def test_group_shuffle_draws_what_trls_shuffle_draws():
+    """The group shuffle takes the same random draw as TRL's row shuffle, so the next
+    generation samples from the same random state as in TRL's own run."""
+    from trl.trainer.utils import shuffle_sequence_dict
+
+    codes = torch.arange(24) // 4
+    torch.manual_seed(7)
+    shuffle_sequence_dict({"x": torch.zeros(24, 3), "y": list(range(24))})
+    after_trl = torch.get_rng_state()
+    torch.manual_seed(7)
+    parts, cut = group_microbatches(codes, 3)
+    assert torch.equal(torch.get_rng_state(), after_trl)
+    assert cut == 0 and all(len(set(codes[p].tolist())) == 2 for p in parts)
+
+
+def test_unsupported_options_raise(model_dirs, tmp_path):
+    data = dataset(random.Random(0), 4)
+    with pytest.raises(NotImplementedError, match="use_vllm"):
+        DualKVGRPOTrainer(
+            model=model_dirs["qwen3"], reward_funcs=reward_distinct,
+            args=config(tmp_path, use_vllm=True), train_dataset=data,
+            processing_class=tokenizer(),
+        )  # fmt: skip
+    tr = DualKVGRPOTrainer(
+        model=model_dirs["qwen3"], reward_funcs=reward_distinct, args=config(tmp_path),
+        train_dataset=data, processing_class=tokenizer(),
+    )  # fmt: skip
+    batch = random_batch(0)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    with pytest.raises(NotImplementedError, match="pixel_values"):
+        tr._get_per_token_logps_and_entropies(
+            tr.model, ids, mask, 7, pixel_values=torch.zeros(1, 3)
+        )
+    bad = mask.clone()
+    bad[:, -7] = 0  # a hole at the start of every completion: not right-padded
+    bad[:, -6] = 1
+    with pytest.raises(ValueError, match="right-padded"):
+        tr._get_per_token_logps_and_entropies(tr.model, ids, bad, 7)
+    # the packed model cannot be called on rows by mistake (no silent fallback)
+    with pytest.raises(RuntimeError, match="dualkv.Layout"):
+        tr.model(input_ids=ids, attention_mask=mask)
+    assert dktrl.UNSUPPORTED_OPTIONS
