@@ -201,9 +201,9 @@ def self_test(
 def _tiny_qwen3(dtype: torch.dtype, device: str) -> PreTrainedModel:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    config = Qwen3Config(
-        vocab_size=151, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+    config = Qwen3Config(  # head dim 64: the smallest the CUDA kernels are built for
+        vocab_size=151, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
     )  # fmt: skip
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, dtype=dtype).to(device)
@@ -217,7 +217,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", help="a local model directory (from_pretrained); default: a "
                         "tiny random Qwen3")  # fmt: skip
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="default: float32 on CPU, bfloat16 on CUDA (whose kernels are "
+                        "16-bit)")  # fmt: skip
     parser.add_argument("--reference", default="sdpa", choices=["sdpa", "eager"])
     parser.add_argument("--groups", type=int, default=2)
     parser.add_argument("--n", type=int, default=3)
@@ -231,7 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("python -m dualkv.check needs transformers: pip install 'dualkv[transformers]'",
               file=sys.stderr)  # fmt: skip
         return 2
-    dtype = getattr(torch, args.dtype)
+    name = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    dtype = getattr(torch, name)
     model: Any
     if args.model:
         from transformers import AutoModelForCausalLM
