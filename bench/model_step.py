@@ -367,6 +367,7 @@ def step(model, path: str, ids, mask, gid, adv, p: int, old: torch.Tensor) -> to
 
 def init_group_of_one(device: torch.device) -> None:
     """The default process group with this process alone (for the dualkv-sp path)."""
+    import atexit
     import socket
 
     import torch.distributed as dist
@@ -380,6 +381,7 @@ def init_group_of_one(device: torch.device) -> None:
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    atexit.register(dist.destroy_process_group)
 
 
 def checkpointing_for(model, path: str) -> None:
