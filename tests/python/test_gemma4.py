@@ -1,12 +1,13 @@
-"""Gemma 4 text models through ``attn_implementation="dualkv"`` (CPU).
+"""Gemma 4 text models through ``attn_implementation="dualkv"`` (CPU; one GPU case).
 
 The packed step against the unshared rows with HF SDPA for the small-head-dim variants runs in
-test_transformers.py (families gemma4, gemma4-keqv, gemma4-shared, gemma4-moe). Here: the real
-head dims (sliding 256 / full 512) with few heads and tokens, in fp32 and bf16; what each layer
-hands the attention (two head dims in one model, the window on sliding layers only, scale 1,
-k_eq_v's K and V as different tensors, shared-KV layers reading an earlier layer's K/V);
-gradient checkpointing with shared-KV layers; the multimodal class on text; the variants that
-cannot be packed.
+test_transformers.py (families gemma4, gemma4-keqv, gemma4-shared; in fp32 also gemma4-ple and
+gemma4-moe). Here: the real head dims (sliding 256 / full 512) with few heads and tokens, in fp32
+and bf16; what each layer hands the attention (two head dims in one model, the window on sliding
+layers only, scale 1, k_eq_v's K and V as different tensors, shared-KV layers reading an earlier
+layer's K/V); gradient checkpointing with shared-KV layers and per-layer input embeddings; the
+multimodal class on text; the variants that cannot be packed (bidirectional attention, vision
+blocks, a filled KV cache).
 """
 
 from __future__ import annotations
@@ -153,9 +154,11 @@ class _CountAttention(TorchDispatchMode):
 
 @pytest.mark.parametrize("keep_attention", [True, False])
 def test_gradient_checkpointing_with_shared_kv(seed, keep_attention):
-    """Checkpointed layers that hand their K/V to later (shared-KV) layers: the plain step's
-    gradients, and the kept attention outputs spare the recompute its attention forwards."""
-    model = tiny_model("gemma4-shared", torch.float32, seed=seed % 1000)
+    """Checkpointed layers that hand their K/V to later (shared-KV) layers, with per-layer input
+    embeddings: the plain step's gradients, and the kept attention outputs spare the recompute
+    its attention forwards."""
+    model = tiny_model("gemma4-ple", torch.float32, seed=seed % 1000)
+    assert model.model.hidden_size_per_layer_input
     model.set_attn_implementation("dualkv")
     model.train()
     _, _, _, pk, adv, noise = _batch(seed, groups=2)
