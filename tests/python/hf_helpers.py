@@ -70,7 +70,7 @@ def tiny_config(family: str, window: int = 5, head_dim: int = 16) -> object:
 
 
 EMBED_STD = 0.15
-GEMMA4_FAMILIES = ("gemma4", "gemma4-keqv", "gemma4-shared", "gemma4-moe")
+GEMMA4_FAMILIES = ("gemma4", "gemma4-keqv", "gemma4-shared", "gemma4-ple", "gemma4-moe")
 
 
 def gemma4_config(
@@ -87,13 +87,15 @@ def gemma4_config(
     """A tiny random Gemma 4 text config (transformers' ``Gemma4TextConfig``).
 
     Sliding layers have ``head_dim``, full layers ``global_head_dim`` (2x by default), with the
-    proportional partial RoPE of the full layers, q/k RMSNorm (``scaling=1.0``), per-layer input
-    embeddings and the final logit softcap. Variants:
+    proportional partial RoPE of the full layers, q/k RMSNorm (``scaling=1.0``) and the final
+    logit softcap (3, so that it bends the logits). Variants:
 
     * ``gemma4``: 4 layers (S F S F), every layer with its own k/v projections;
-    * ``gemma4-keqv``: ``attention_k_eq_v`` (full layers without v_proj, ``global_kv_heads``);
+    * ``gemma4-keqv``: ``attention_k_eq_v`` (full layers without v_proj, ``global_kv_heads``),
+      as Gemma-4-31B;
     * ``gemma4-shared``: k_eq_v, 5 layers (S F S S F) of which the last 3 reuse the KV of
       layers 0 and 1 (``num_kv_shared_layers``), double-wide MLP on those;
+    * ``gemma4-ple``: gemma4-shared plus per-layer input embeddings (E2B/E4B style);
     * ``gemma4-moe``: k_eq_v and the MoE block next to the MLP (26B-A4B style).
 
     ``overrides`` are further ``Gemma4TextConfig`` fields.
@@ -103,13 +105,15 @@ def gemma4_config(
     if family not in GEMMA4_FAMILIES:
         raise ValueError(family)
     layers = ["sliding_attention", "full_attention"] * 2
-    extra: dict[str, object] = {}
-    if family == "gemma4-shared":
+    extra: dict[str, object] = {"hidden_size_per_layer_input": 0}
+    if family in ("gemma4-shared", "gemma4-ple"):
         layers = ["sliding_attention", "full_attention", "sliding_attention",
                   "sliding_attention", "full_attention"]  # fmt: skip
-        extra = dict(num_kv_shared_layers=3, use_double_wide_mlp=True)
+        extra.update(num_kv_shared_layers=3, use_double_wide_mlp=True)
+    if family == "gemma4-ple":
+        extra.update(hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB)
     if family == "gemma4-moe":
-        extra = dict(enable_moe_block=True, num_experts=4, top_k_experts=2,
+        extra.update(enable_moe_block=True, num_experts=4, top_k_experts=2,
                      moe_intermediate_size=32)  # fmt: skip
     extra.update(overrides)
     return Gemma4TextConfig(
@@ -127,9 +131,7 @@ def gemma4_config(
         sliding_window=window,
         max_position_embeddings=512,
         rms_norm_eps=1e-6,
-        hidden_size_per_layer_input=8,
-        vocab_size_per_layer_input=VOCAB,
-        final_logit_softcapping=15.0,
+        final_logit_softcapping=3.0,
         **extra,
     )
 

@@ -1,12 +1,13 @@
-"""Gemma 4 text models through ``attn_implementation="dualkv"`` (CPU).
+"""Gemma 4 text models through ``attn_implementation="dualkv"`` (CPU; one GPU case).
 
 The packed step against the unshared rows with HF SDPA for the small-head-dim variants runs in
-test_transformers.py (families gemma4, gemma4-keqv, gemma4-shared, gemma4-moe). Here: the real
-head dims (sliding 256 / full 512) with few heads and tokens, in fp32 and bf16; what each layer
-hands the attention (two head dims in one model, the window on sliding layers only, scale 1,
-k_eq_v's K and V as different tensors, shared-KV layers reading an earlier layer's K/V);
-gradient checkpointing with shared-KV layers; the multimodal class on text; the variants that
-cannot be packed.
+test_transformers.py (families gemma4, gemma4-keqv, gemma4-shared; in fp32 also gemma4-ple and
+gemma4-moe). Here: the real head dims (sliding 256 / full 512) with few heads and tokens, in fp32
+and bf16; what each layer hands the attention (two head dims in one model, the window on sliding
+layers only, scale 1, k_eq_v's K and V as different tensors, shared-KV layers reading an earlier
+layer's K/V); gradient checkpointing with shared-KV layers and per-layer input embeddings; the
+multimodal class on text; the variants that cannot be packed (bidirectional attention, vision
+blocks, a filled KV cache).
 """
 
 from __future__ import annotations
@@ -153,9 +154,11 @@ class _CountAttention(TorchDispatchMode):
 
 @pytest.mark.parametrize("keep_attention", [True, False])
 def test_gradient_checkpointing_with_shared_kv(seed, keep_attention):
-    """Checkpointed layers that hand their K/V to later (shared-KV) layers: the plain step's
-    gradients, and the kept attention outputs spare the recompute its attention forwards."""
-    model = tiny_model("gemma4-shared", torch.float32, seed=seed % 1000)
+    """Checkpointed layers that hand their K/V to later (shared-KV) layers, with per-layer input
+    embeddings: the plain step's gradients, and the kept attention outputs spare the recompute
+    its attention forwards."""
+    model = tiny_model("gemma4-ple", torch.float32, seed=seed % 1000)
+    assert model.model.hidden_size_per_layer_input
     model.set_attn_implementation("dualkv")
     model.train()
     _, _, _, pk, adv, noise = _batch(seed, groups=2)
@@ -233,3 +236,36 @@ def test_unpackable_variants_raise(seed):
         model.model(**inputs)  # the first call sees only the packed stream: fine
         with pytest.raises(ValueError, match="KV cache is not supported"):
             model.model(**inputs)
+
+
+@pytest.mark.parametrize("sliding_kernel", ["dualkv-rows", "sdpa"])
+def test_bench_verl_baseline_is_the_same_step(sliding_kernel):
+    """bench/model_step.py's Gemma 4 baseline (the N rows in micro-batches, SDPA on full layers,
+    the chosen kernel on sliding layers, window < P) takes the same step as DualKV's packed one:
+    its loss and gradients, in fp32 on CPU (FlexAttention has no CPU backward)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+    import model_step as ms
+
+    ms.register_hybrid()
+    ms.OPTIONS.update(sliding_kernel=sliding_kernel, rows_micro_batch=3)
+    cpu = torch.device("cpu")
+    model = ms.build_any(
+        "gemma4-tiny", cpu, torch.float32, overrides={"sliding_window": 8, "num_hidden_layers": 3}
+    )
+    n, p, r = 5, 20, 6
+    ids, mask, gid, adv = ms.make_rows(n, p, r, model.config.vocab_size, cpu, seed=3)
+    old = torch.randn(n, r) * 0.1
+    out = {}
+    for path in ("verl", "dualkv"):
+        model.zero_grad(set_to_none=True)
+        loss = ms.step(model, path, ids, mask, gid, adv, p, old)
+        grads = {k: q.grad.clone() for k, q in model.named_parameters() if q.grad is not None}
+        out[path] = loss, grads
+    torch.testing.assert_close(out["verl"][0], out["dualkv"][0], rtol=1e-5, atol=1e-6)
+    assert out["verl"][1].keys() == out["dualkv"][1].keys()
+    for k, g in out["dualkv"][1].items():
+        err = (out["verl"][1][k] - g).abs().max().item()
+        assert err <= 1e-4 * g.abs().max().item() + 1e-7, (k, err)

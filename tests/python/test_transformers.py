@@ -1,7 +1,7 @@
 """HF transformers backend: the packed GRPO/DAPO step equals the standard rows step with SDPA.
 
 Tiny random Qwen3, Llama, Gemma3 (sliding-window layers in logical positions) and Gemma 4 text
-models (hf_helpers.gemma4_config: two head dims, k_eq_v, shared-KV layers, MoE) built in code;
+models (hf_helpers.gemma4_config: two head dims, k_eq_v, shared-KV layers, PLE, MoE) built in code;
 per-token log-probs, the loss and every parameter gradient of the packed step
 (``attn_implementation="dualkv"``) against the unshared rows with HF SDPA, in float32 (tight) and
 bfloat16 (error vs a float64 reference at most a small multiple of the plain bf16 rows' error).
@@ -78,8 +78,11 @@ def _old_logprobs(model, ids, mask, pw, noise):
     return (lp.float() + noise) * (mask[:, pw:] != 0)
 
 
-# (MoE top-k routing only in fp32: a bf16 rounding may route a token differently on either path)
-@pytest.mark.parametrize("family", [*FAMILIES, "gemma2", "gemma4-moe"])
+# fp32 only: MoE top-k routing (a bf16 rounding may route a token differently on either path);
+# Gemma 4's per-layer input embeddings, whose tiny random gated branch makes bf16 gradients
+# chaotic (20-40% relative error on either path; a [1, T] vs [B, L] arrangement alone, with no
+# prompt shared, moves the packed error 0.5-3x the rows'), so a 3x rule would be a coin toss
+@pytest.mark.parametrize("family", [*FAMILIES, "gemma2", "gemma4-ple", "gemma4-moe"])
 def test_packed_step_equals_rows_fp32(seed, family):
     model = tiny_model(family, torch.float32, seed=seed % 1000)
     ids, mask, pw, pk, adv, noise = _batch(seed)
