@@ -56,7 +56,8 @@ for step in "${steps[@]}"; do
   trl)
     # TRL GRPO with and without DualKV (issue 15). trl, datasets, dill, multiprocess are not on
     # the GPU image: carry their cp312 wheels in .whl/trl (and pyarrow>=24 / fsspec<=2026.9.0
-    # if the image's are outside datasets' range; the step prints them).
+    # if the image's are outside datasets' range; the step prints them). bench/trl_grpo.py's
+    # docstring has the pip download command.
     echo "== TRL GRPOTrainer run, with and without DualKV =="
     if ls .whl/trl/*.whl >/dev/null 2>&1; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
