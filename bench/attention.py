@@ -5,9 +5,11 @@ forward and forward+backward of
   dualkv      DualKV on the packed layout (P + N*R tokens)
   sdpa_cudnn  PyTorch SDPA, cuDNN backend, causal, on the N unshared rows of P + R tokens
   sdpa_fa2    PyTorch SDPA, FlashAttention-2 backend, same rows
+  sdpa_mem    PyTorch SDPA, memory-efficient backend, same rows (the only one that takes D = 512)
   flex        FlexAttention on the packed layout with a shared-prefix block mask
   cudnn_3pass prompt causal + responses vs prompt + each response causal (cuDNN), merged by lse,
               exact backward (merged out and lse fed to each pass's backward)
+  mem_3pass   the same composition with PyTorch's memory-efficient attention ops (D = 512)
 and reports the median time (CUDA events) and useful TFLOP/s on the packed layout's FLOP count
 (dualkv.Layout.flops: 4*D*Hq*allowed pairs forward, 2.5x that backward).
 
@@ -39,6 +41,8 @@ SHAPES = [
     (16, 4096, 1024, 16, 8, 256),
 ]
 METHODS = ["dualkv", "sdpa_cudnn", "sdpa_fa2", "flex", "cudnn_3pass"]
+# Also available (not in the default list): sdpa_mem, mem_3pass.
+EXTRA_METHODS = ["sdpa_mem", "mem_3pass"]
 
 
 def time_ms(fn: Callable[[], object], warmup: int, repeats: int) -> float:
@@ -129,8 +133,9 @@ def run_flex(c: Case) -> Runner:
     return fwd, lambda: torch.autograd.backward(fwd(), dout), lambda: fwd()[0].transpose(0, 1)
 
 
-def run_cudnn_3pass(c: Case) -> Runner:
-    """Three cuDNN passes merged by lse; backward feeds the merged out/lse to each pass."""
+def run_cudnn_3pass(c: Case, backend: str = "cudnn") -> Runner:
+    """Three cuDNN (or memory-efficient, backend="mem") attention passes merged by lse; backward
+    feeds the merged out/lse to each pass's backward."""
     aten = torch.ops.aten
     n, p, r, h = c.n, c.p, c.r, c.hq
     expand = lambda t: t.repeat_interleave(c.hq // c.hkv, 1)  # noqa: E731
@@ -147,12 +152,55 @@ def run_cudnn_3pass(c: Case) -> Runner:
     ]
 
     def cudnn(qq, kk, vv, causal):  # noqa: ANN001, ANN202
+        if backend == "mem":
+            return aten._scaled_dot_product_efficient_attention(
+                qq, kk, vv, None, True, 0.0, causal, scale=c.scale
+            )
         return aten._scaled_dot_product_cudnn_attention(
             qq, kk, vv, None, True, 0.0, causal, False, scale=c.scale
         )
 
-    def lse_of(res: tuple) -> torch.Tensor:  # [B, H, L] whatever cuDNN's trailing dims
+    def lse_of(res: tuple) -> torch.Tensor:  # [B, H, L] whatever the trailing dims / padding
+        if backend == "mem":  # [B, H, L rounded up]
+            return res[1][..., : res[0].shape[2]]
         return res[1].reshape(res[0].shape[:3])
+
+    def pass_backward(do, qq, kk, vv, o, lse_p, rr, causal):  # noqa: ANN001, ANN202
+        if backend == "mem":
+            lse_pad = F.pad(lse_p, (0, rr[1].shape[-1] - lse_p.shape[-1])).contiguous()
+            return aten._scaled_dot_product_efficient_attention_backward(
+                do,
+                qq,
+                kk,
+                vv,
+                None,
+                o,
+                lse_pad,
+                rr[2],
+                rr[3],
+                0.0,
+                [True, True, True, False],
+                causal,
+                scale=c.scale,
+            )
+        return aten._scaled_dot_product_cudnn_attention_backward(
+            do,
+            qq,
+            kk,
+            vv,
+            o,
+            lse_p.contiguous().view_as(rr[1]),
+            rr[6],
+            rr[7],
+            None,  # attn_bias: undefined (no bias), as autograd passes it
+            rr[2],
+            rr[3],
+            rr[4],
+            rr[5],
+            0.0,
+            causal,
+            scale=c.scale,
+        )
 
     def forward() -> tuple[list, torch.Tensor, torch.Tensor]:
         res = [cudnn(*ps) for ps in passes]
@@ -177,24 +225,7 @@ def run_cudnn_3pass(c: Case) -> Runner:
         grads = []
         for (qq, kk, vv, causal), rr, o, lse_p, do in zip(passes, res, outs, lses, douts):
             grads.append(
-                aten._scaled_dot_product_cudnn_attention_backward(
-                    do.contiguous(),
-                    qq,
-                    kk,
-                    vv,
-                    o.contiguous(),
-                    lse_p.contiguous().view_as(rr[1]),
-                    rr[6],
-                    rr[7],
-                    None,  # attn_bias: undefined (no bias), as autograd passes it
-                    rr[2],
-                    rr[3],
-                    rr[4],
-                    rr[5],
-                    0.0,
-                    causal,
-                    scale=c.scale,
-                )
+                pass_backward(do.contiguous(), qq, kk, vv, o.contiguous(), lse_p, rr, causal)
             )
         # Assemble dq, dk, dv as autograd would: sum the passes' contributions.
         dq = torch.cat([grads[0][0], grads[1][0] + unbatch(grads[2][0])], dim=2)
@@ -212,13 +243,20 @@ def make_runner(method: str, c: Case) -> Runner:
     sdpa = torch.nn.attention.SDPBackend
     if method == "dualkv":
         return run_dualkv(c)
-    if method in ("sdpa_cudnn", "sdpa_fa2"):
-        return run_sdpa(c, sdpa.CUDNN_ATTENTION if method == "sdpa_cudnn" else sdpa.FLASH_ATTENTION)
+    if method in ("sdpa_cudnn", "sdpa_fa2", "sdpa_mem"):
+        backend = {
+            "sdpa_cudnn": sdpa.CUDNN_ATTENTION,
+            "sdpa_fa2": sdpa.FLASH_ATTENTION,
+            "sdpa_mem": sdpa.EFFICIENT_ATTENTION,
+        }[method]
+        return run_sdpa(c, backend)
     if method == "flex":
         return run_flex(c)
     if method == "cudnn_3pass":
         return run_cudnn_3pass(c)
-    raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+    if method == "mem_3pass":
+        return run_cudnn_3pass(c, backend="mem")
+    raise ValueError(f"unknown method {method!r}; choose from {METHODS + EXTRA_METHODS}")
 
 
 def main() -> None:

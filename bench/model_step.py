@@ -10,7 +10,29 @@ after a P-token prompt), gradient checkpointing on:
 * flex-chunked   as flex but with DualKV's chunked log-probs (isolates the attention kernel);
 * dualkv         the packed stream with attn_implementation="dualkv" and chunked log-probs;
                  checkpointing keeps the attention outputs (no attention forward in the recompute);
-* dualkv-recompute  as dualkv, but the checkpoint recompute runs the attention forward again.
+* dualkv-recompute  as dualkv, but the checkpoint recompute runs the attention forward again;
+* dualkv-sp      as dualkv, through the sequence-parallel code path (dualkv.parallel: sharded
+                 batch, Ulysses attention, sharded log-probs, gradient all-reduce) over a process
+                 group of size 1 that this script initialises (nccl on CUDA, gloo on CPU): what
+                 the SP path costs when it does not split anything;
+* verl           (for hybrid sliding/global models such as Gemma 4) what veRL PR #7131 does: the
+                 N rows, HF SDPA on the global (full-attention) layers -- at head dim 512 PyTorch
+                 takes its memory-efficient kernel, K/V expanded as HF's sdpa does -- and the
+                 fastest windowed kernel at hand on the sliding layers (``--sliding-kernel``:
+                 ``dualkv-rows`` (default) runs DualKV's kernel on the rows as plain causal
+                 varlen attention with the window, each row its own group with no shared prompt:
+                 a FlashAttention-class windowed kernel standing in for FA2, which is not installed
+                 on the GPU machine; ``flex`` FlexAttention with a causal sliding-window BlockMask;
+                 ``sdpa`` SDPA with an explicit [L, L] window mask, which no flash/cuDNN backend
+                 of SDPA takes, so it runs dense); rows in micro-batches of ``--rows-micro-batch``
+                 with gradient accumulation (token-mean over the whole batch), full-vocabulary
+                 logits per micro-batch.
+
+Presets: Qwen3 shapes (dualkv.grpo_demo.PRESETS) and ``gemma4-31b`` (Gemma-4-31B's text layer
+stack: hidden 5376, 32 query heads, sliding layers head dim 256 with 16 KV heads and window 1024,
+full layers head dim 512 with 4 KV heads and attention_k_eq_v, proportional partial RoPE, 5
+sliding : 1 full, final logit softcap 30, vocab 262144; ``--layers`` sets the depth, default 6,
+the last layer is full) and ``gemma4-tiny`` (the same structure, small, for CPU smoke runs).
 
 With ``--compile`` every decoder layer is compiled with ``torch.compile`` (regional compilation,
 as trainers do) in every path, so the model's own elementwise code (RMSNorm, RoPE, SwiGLU,
@@ -24,7 +46,12 @@ bf16 peak (--peak-tflops, 989 for H100/H200 SXM).
     python bench/model_step.py                                   # the issue's full table
     python bench/model_step.py --presets 1.7b --shapes 16,8192,1024 --paths flex,dualkv
     python bench/model_step.py --presets 1.7b --shapes 16,8192,1024 --paths flex,dualkv --compile
+    python bench/model_step.py --presets 1.7b --shapes 16,8192,1024 --paths dualkv,dualkv-sp
     python bench/model_step.py --preset-tiny-cpu                 # a smoke run on CPU
+    python bench/model_step.py --presets gemma4-31b --layers 6 --shapes 16,32768,2048 \
+        --paths verl,dualkv --rows-micro-batch 1                  # Gemma-4-31B layer stack
+    python bench/model_step.py --presets gemma4-tiny --shapes 4,64,16 --paths standard,verl,dualkv \
+        --device cpu --warmup 0 --repeats 1 --rows-micro-batch 2  # its CPU smoke run
     python bench/model_step.py ... --out bench/RESULTS.md        # append the table
 
 OOM in a path is reported as such and the other paths go on.
@@ -44,13 +71,157 @@ from typing import Any
 import torch
 
 import dualkv
+from dualkv import parallel
 from dualkv.grpo_demo import build_model
 from dualkv.integrations.transformers import enable_gradient_checkpointing, packed_hidden_states
 from dualkv.logprobs import logprobs_from_logits, response_logprobs
 from dualkv.losses import dapo_loss, group_advantages
 from dualkv.packing import pack_rows
 
-ALL_PATHS = ("standard", "flex", "flex-chunked", "dualkv", "dualkv-recompute")
+ALL_PATHS = (
+    "standard",
+    "flex",
+    "flex-chunked",
+    "dualkv",
+    "dualkv-recompute",
+    "dualkv-sp",
+    "verl",
+)
+SLIDING_KERNELS = ("dualkv-rows", "flex", "sdpa")
+HYBRID = "dualkv_bench_verl_hybrid"  # the verl path's attention implementation
+
+# Gemma-4-31B's text config (google/gemma-4-31B config.json text_config), minus its depth
+GEMMA4_PRESETS: dict[str, dict[str, Any]] = {
+    "gemma4-31b": dict(
+        vocab_size=262_144, hidden_size=5376, intermediate_size=21_504, num_hidden_layers=6,
+        num_attention_heads=32, num_key_value_heads=16, head_dim=256, global_head_dim=512,
+        num_global_key_value_heads=4, attention_k_eq_v=True, sliding_window=1024,
+        final_logit_softcapping=30.0, hidden_size_per_layer_input=0, num_kv_shared_layers=0,
+        max_position_embeddings=262_144, tie_word_embeddings=True,
+    ),
+    "gemma4-tiny": dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+        num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=16,
+        final_logit_softcapping=30.0, hidden_size_per_layer_input=0, num_kv_shared_layers=0,
+        max_position_embeddings=4096, tie_word_embeddings=True,
+    ),
+}  # fmt: skip
+
+# set by main(): the verl path's sliding-layer kernel and rows micro-batch
+OPTIONS: dict[str, Any] = {"sliding_kernel": "dualkv-rows", "rows_micro_batch": 0}
+
+
+def build_any(preset: str, device: torch.device, dtype: torch.dtype,
+              overrides: dict[str, Any] | None = None) -> torch.nn.Module:  # fmt: skip
+    """A random causal LM of a Qwen3 (grpo_demo) or Gemma 4 (GEMMA4_PRESETS) preset."""
+    if preset not in GEMMA4_PRESETS:
+        return build_model(preset, device, dtype, overrides=overrides)
+    from transformers import AutoModelForCausalLM, Gemma4TextConfig
+
+    fields = dict(GEMMA4_PRESETS[preset], attention_dropout=0.0)
+    fields.update(overrides or {})
+    config = Gemma4TextConfig(**fields)  # layer_types: 5 sliding : 1 full, last one full
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    return model.to(device=device, dtype=dtype)
+
+
+def _layer_attention(model: torch.nn.Module) -> list[tuple[int, int | None]]:
+    """(head dim, sliding window or None) of every decoder layer's attention."""
+    out = []
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        out.append((int(attn.head_dim), getattr(attn, "sliding_window", None) or None))
+    return out
+
+
+def _final_softcap(model: torch.nn.Module) -> float | None:
+    return getattr(model.config, "final_logit_softcapping", None)
+
+
+_MASKS: dict[tuple[Any, ...], Any] = {}
+
+
+def _sliding_rows_attention(module, query, key, value, scaling, window: int) -> torch.Tensor:
+    """Causal sliding-window attention of the rows [N, H, L, D] with ``OPTIONS['sliding_kernel']``;
+    returns [N, L, Hq, D]."""
+    n, hq, length, d = query.shape
+    kernel = OPTIONS["sliding_kernel"]
+    if kernel == "dualkv-rows":  # every row its own group, all prompt: plain causal varlen
+        key_ = ("layout", n, length, query.device)
+        if key_ not in _MASKS:
+            _MASKS[key_] = dualkv.Layout([length] * n, [[] for _ in range(n)], device=query.device)
+        q, k, v = (x.transpose(1, 2).reshape(n * length, x.shape[1], d)
+                   for x in (query, key, value))  # fmt: skip
+        out = dualkv.attention(q, k, v, _MASKS[key_], softmax_scale=scaling, window=window)
+        assert isinstance(out, torch.Tensor)
+        return out.view(n, length, hq, d)
+    if kernel == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        key_ = ("flex", length, window, query.device)
+        if key_ not in _MASKS:
+
+            def sliding(b, h, q, kv):
+                return (kv <= q) & (q - kv < window)
+
+            _MASKS[key_] = create_block_mask(sliding, None, None, length, length,
+                                             device=query.device)  # fmt: skip
+            _MASKS["flex_fn"] = torch.compile(flex_attention, dynamic=False)
+        out = _MASKS["flex_fn"](query, key, value, block_mask=_MASKS[key_], scale=scaling,
+                                enable_gqa=hq != key.shape[1])  # fmt: skip
+        return out.transpose(1, 2)
+    # sdpa: an explicit window mask (no flash/cuDNN backend of SDPA takes a window)
+    key_ = ("sdpa", length, window, query.device)
+    if key_ not in _MASKS:
+        i = torch.arange(length, device=query.device)
+        _MASKS[key_] = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
+    rep = hq // key.shape[1]
+    k, v = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, k, v, attn_mask=_MASKS[key_], scale=scaling
+    )
+    return out.transpose(1, 2)
+
+
+def hybrid_attention_forward(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout=0.0,
+    scaling=None,
+    sliding_window=None,
+    softcap=None,
+    **kwargs,
+):
+    """The verl path's attention: HF SDPA (causal) on full layers, the sliding kernel on sliding
+    layers. Rows without padding: no mask is built (HF's sdpa then runs is_causal)."""
+    if softcap:
+        raise ValueError("the verl path does not run attention logit soft-capping")
+    if sliding_window:
+        return _sliding_rows_attention(
+            module, query, key, value, scaling, int(sliding_window)
+        ), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, None, dropout=dropout,
+                                  scaling=scaling, is_causal=True)  # fmt: skip
+
+
+def register_hybrid() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from dualkv.integrations.transformers import dualkv_mask
+
+    AttentionInterface.register(HYBRID, hybrid_attention_forward)
+    AttentionMaskInterface.register(HYBRID, dualkv_mask)  # full rows, no padding: no mask
+
+
 DEFAULT_SHAPES = ("16,8192,1024", "32,4096,2048", "8,16384,2048")
 
 
@@ -65,8 +236,9 @@ def make_rows(n: int, p: int, r: int, vocab: int, device: torch.device, seed: in
     return ids, mask, gid, group_advantages(rewards, gid)
 
 
-def flex_block_mask(layout: dualkv.Layout, device: torch.device):
-    """FlexAttention BlockMask of the shared-prompt layout (same rule as DualKV's)."""
+def flex_block_mask(layout: dualkv.Layout, device: torch.device, window: int | None = None):
+    """FlexAttention BlockMask of the shared-prompt layout (same rule as DualKV's, with the
+    sliding window on logical positions when given)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     seg, grp = [], []
@@ -86,7 +258,12 @@ def flex_block_mask(layout: dualkv.Layout, device: torch.device):
         q_prompt = seg_t[q] == -1
         causal = kv <= q
         own = (seg_t[q] == seg_t[kv]) & causal
-        return same_group & ((kv_prompt & (~q_prompt | causal)) | (~q_prompt & own))
+        allowed = same_group & ((kv_prompt & (~q_prompt | causal)) | (~q_prompt & own))
+        if window is None:
+            return allowed
+        return allowed & (pos_t[q] - pos_t[kv] < window)
+
+    pos_t = layout.position_ids.to(device)
 
     t = layout.total_tokens
     return create_block_mask(mask_mod, 1, None, t, t, device=device)
@@ -103,9 +280,9 @@ def useful_flops(model: torch.nn.Module, layout: dualkv.Layout, resp_tokens: int
                 dense += mod.in_features * mod.out_features
     dense_flops = 6.0 * t * dense
     head_flops = 6.0 * resp_tokens * cfg.hidden_size * cfg.vocab_size
-    attn = layout.flops(cfg.head_dim, cfg.num_attention_heads)
-    attn_flops = 3.5 * attn * cfg.num_hidden_layers
-    return dense_flops + head_flops + attn_flops
+    # per layer: its head dim and window (Gemma 4 mixes 256-sliding and 512-full layers)
+    attn = sum(layout.flops(d, cfg.num_attention_heads, w) for d, w in _layer_attention(model))
+    return dense_flops + head_flops + 3.5 * attn
 
 
 def compile_layers(model: torch.nn.Module) -> None:
@@ -123,6 +300,22 @@ def compile_layers(model: torch.nn.Module) -> None:
 def step(model, path: str, ids, mask, gid, adv, p: int, old: torch.Tensor) -> torch.Tensor:
     """One timed step of ``path``; returns the loss."""
     r = ids.shape[1] - p
+    if path == "verl":  # the N rows in micro-batches, hybrid attention, full logits
+        model.set_attn_implementation(HYBRID)
+        resp_mask = mask[:, p:].bool()
+        n_tok = resp_mask.sum()
+        mb = OPTIONS["rows_micro_batch"] or ids.shape[0]
+        total = torch.zeros((), device=ids.device)
+        for s in range(0, ids.shape[0], mb):
+            out = model(input_ids=ids[s : s + mb], use_cache=False, logits_to_keep=r + 1)
+            lp = logprobs_from_logits(out.logits[:, -(r + 1) : -1], ids[s : s + mb, p:])
+            del out
+            loss, _ = dapo_loss(lp, old[s : s + mb], adv[s : s + mb], resp_mask[s : s + mb],
+                                num_tokens=n_tok)  # fmt: skip
+            loss.backward()
+            total += loss.detach()
+        return total
+    softcap = _final_softcap(model)
     if path == "standard":
         model.set_attn_implementation("sdpa")
         out = model(input_ids=ids, use_cache=False, logits_to_keep=r + 1)
@@ -134,32 +327,67 @@ def step(model, path: str, ids, mask, gid, adv, p: int, old: torch.Tensor) -> to
         packed = pack_rows(ids, mask, p, gid)
         resp_mask = packed.response_mask
         head = model.get_output_embeddings().weight
+        if path == "dualkv-sp":
+            model.set_attn_implementation("dualkv")
+            lp = parallel.sequence_parallel_logprobs(model, packed)
+            loss, _ = dapo_loss(lp, old, adv, resp_mask)
+            loss.backward()
+            parallel.all_reduce_gradients(model.parameters())
+            return loss.detach()
         if path.startswith("dualkv"):
             model.set_attn_implementation("dualkv")
             hidden = packed_hidden_states(model, packed)
         else:
             model.set_attn_implementation("flex_attention")
-            block_mask = flex_block_mask(packed.layout, ids.device)
+            block_mask: Any = flex_block_mask(packed.layout, ids.device)
+            windows = {w for _, w in _layer_attention(model) if w}
+            if windows:  # hybrid model (Gemma 4): one mask per layer type
+                (w,) = windows
+                block_mask = {
+                    "full_attention": block_mask,
+                    "sliding_attention": flex_block_mask(packed.layout, ids.device, w),
+                }
             out = model.model(input_ids=packed.input_ids, position_ids=packed.position_ids,
                               attention_mask=block_mask, use_cache=False)  # fmt: skip
             hidden = out.last_hidden_state
         if path == "flex":  # full logits of every response token at once
             h = hidden[0].index_select(0, packed.token_sources)
             logits = torch.nn.functional.linear(h, head)
+            if softcap:
+                logits = torch.tanh(logits / softcap) * softcap
             flat = logprobs_from_logits(logits, packed.token_labels)
             lp = packed.scatter_tokens(flat)
             del h, logits
         else:
-            lp = response_logprobs(hidden, head, packed)
+            lp = response_logprobs(hidden, head, packed, logit_softcap=softcap)
     loss, _ = dapo_loss(lp, old, adv, resp_mask)
     loss.backward()
     return loss.detach()
 
 
+def init_group_of_one(device: torch.device) -> None:
+    """The default process group with this process alone (for the dualkv-sp path)."""
+    import atexit
+    import socket
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    atexit.register(dist.destroy_process_group)
+
+
 def checkpointing_for(model, path: str) -> None:
     """Gradient checkpointing as each path runs it: DualKV keeps its attention outputs (the
     selective policy would only add its per-op dispatch cost to the other paths)."""
-    enable_gradient_checkpointing(model, keep_attention=path == "dualkv")
+    enable_gradient_checkpointing(model, keep_attention=path in ("dualkv", "dualkv-sp"))
 
 
 def profiled_step(model, path, ids, mask, gid, adv, p, old):  # noqa: ANN201
@@ -221,7 +449,11 @@ def bench_path(model, path, ids, mask, gid, adv, p, old, warmup, repeats, device
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--presets", default="1.7b,4b", help="Qwen3 shapes (dualkv.grpo_demo.PRESETS)")
+    ap.add_argument(
+        "--presets",
+        default="1.7b,4b",
+        help="Qwen3 shapes (dualkv.grpo_demo.PRESETS) or gemma4-31b, gemma4-tiny",
+    )
     ap.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="N,P,R triples")
     ap.add_argument("--paths", default="standard,flex,dualkv", help=f"subset of {ALL_PATHS}")
     ap.add_argument("--warmup", type=int, default=2)
@@ -229,6 +461,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-grad-ckpt", action="store_true")
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     ap.add_argument("--layers", type=int, help="override the layer count (quick runs)")
+    ap.add_argument("--sliding-window", type=int, help="override a Gemma 4 preset's window")
+    ap.add_argument("--sliding-kernel", choices=SLIDING_KERNELS, default="dualkv-rows",
+                    help="the verl path's kernel on sliding layers (see above)")  # fmt: skip
+    ap.add_argument(
+        "--rows-micro-batch",
+        type=int,
+        default=0,
+        help="rows per forward/backward in the verl path (0: all N at once)",
+    )
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--preset-tiny-cpu", action="store_true", help="smoke run: tiny shape on CPU")
@@ -239,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.preset_tiny_cpu:
         args.presets, args.shapes, args.device = "tiny", ["4,64,16"], "cpu"
         args.paths, args.warmup, args.repeats = "standard,dualkv", 0, 1
+    OPTIONS.update(sliding_kernel=args.sliding_kernel, rows_micro_batch=args.rows_micro_batch)
+    register_hybrid()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     paths = [x for x in args.paths.split(",") if x]
@@ -246,13 +489,18 @@ def main(argv: list[str] | None = None) -> int:
         if x not in ALL_PATHS:
             ap.error(f"unknown path {x!r}; choose from {ALL_PATHS}")
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    if "dualkv-sp" in paths:
+        init_group_of_one(device)
     rows: list[dict[str, Any]] = []
-    header = ("| model | N, P, R | rho | path | step time | peak memory | MFU | vs standard |\n"
+    base = "verl" if "verl" in paths and "standard" not in paths else "standard"
+    header = (f"| model | N, P, R | rho | path | step time | peak memory | MFU | vs {base} |\n"
               "|---|---|---|---|---|---|---|---|")  # fmt: skip
     print(header, flush=True)
     for preset in args.presets.split(","):
-        overrides = {"num_hidden_layers": args.layers} if args.layers else None
-        model = build_model(preset, device, dtype, overrides=overrides)
+        overrides: dict[str, Any] = {"num_hidden_layers": args.layers} if args.layers else {}
+        if args.sliding_window and preset in GEMMA4_PRESETS:
+            overrides["sliding_window"] = args.sliding_window
+        model = build_any(preset, device, dtype, overrides=overrides)
         model.train()
         if args.compile:
             compile_layers(model)
@@ -281,7 +529,10 @@ def main(argv: list[str] | None = None) -> int:
                         except Exception:  # the timings above still get printed
                             traceback.print_exc()
                             model.zero_grad(set_to_none=True)
-            std = next((x for x in results if x["path"] == "standard" and "time" in x), None)
+            # the same step on every path: their losses agree to the dtype's rounding
+            print("losses: " + ", ".join(f"{x['path']} {x['loss']:.6g}" for x in results
+                                         if "loss" in x), flush=True)  # fmt: skip
+            std = next((x for x in results if x["path"] == base and "time" in x), None)
             for res in results:
                 if "time" in res:
                     t = res["time"]
@@ -292,7 +543,12 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     cells = [res["error"], "-", "-", "-"]
                 label = res["path"] + (" (compiled)" if args.compile else "")
-                line = (f"| Qwen3-{preset} | {n}, {p}, {r} | {layout.token_reduction:.2f} | "
+                name = preset if preset in GEMMA4_PRESETS else f"Qwen3-{preset}"
+                if res["path"] == "verl":
+                    mb = args.rows_micro_batch
+                    label += f" [{args.sliding_kernel} sliding"
+                    label += f", micro-batch {mb}]" if mb else "]"
+                line = (f"| {name} | {n}, {p}, {r} | {layout.token_reduction:.2f} | "
                         f"{label} | " + " | ".join(cells) + " |")  # fmt: skip
                 print(line, flush=True)
                 rows.append({"line": line, **res})

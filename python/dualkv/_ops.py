@@ -48,3 +48,35 @@ def _backward(
 
 
 torch.library.register_autograd("dualkv::fwd", _backward, setup_context=_setup_context)
+
+
+# Second-order gradients are not implemented: the backward op's own backward raises (only when a
+# second backward actually flows through it: create_graph=True alone still works), and so do the
+# functorch transforms, whose batching rule the ops do not have.
+_NO_DOUBLE_BACKWARD = (
+    "dualkv.attention: double backward (a gradient of its gradients: create_graph=True followed "
+    "by another backward, gradgradcheck, torch.func.hessian) is not supported yet"
+)
+
+
+def _no_double_backward(ctx: Any, *grads: Any) -> Any:
+    raise NotImplementedError(_NO_DOUBLE_BACKWARD)
+
+
+def _no_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    return None
+
+
+_NO_FUNCTORCH = (
+    "dualkv.attention under torch.func transforms (vmap, grad, jacrev, jacfwd, hessian) is not "
+    "supported yet (the op has no batching rule); use torch.autograd, or call it per example"
+)
+
+
+def _no_vmap(info: Any, in_dims: Any, *args: Any) -> Any:
+    raise NotImplementedError(_NO_FUNCTORCH)
+
+
+torch.library.register_autograd("dualkv::bwd", _no_double_backward, setup_context=_no_setup)
+for _name in ("dualkv::fwd", "dualkv::bwd"):
+    torch.library.register_vmap(_name, _no_vmap)

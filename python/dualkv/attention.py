@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import numbers
+from typing import Any
 
 import torch
 
-from ._ops import ops
+from ._ops import _NO_FUNCTORCH, ops
 from .layout import Layout
 
 
@@ -17,7 +19,7 @@ def attention(
     layout: Layout,
     softmax_scale: float | None = None,
     window: int | None = None,
-    softcap: float = 0.0,
+    softcap: float | None = 0.0,
     return_lse: bool = False,
     deterministic: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -34,7 +36,7 @@ def attention(
         softmax_scale: score scale, default ``1/sqrt(D)``.
         window: sliding window in logical positions (a key is visible when
             ``pos(q) - pos(k) < window``), or None for none.
-        softcap: if > 0, scores become ``softcap * tanh(score / softcap)``.
+        softcap: if > 0, scores become ``softcap * tanh(score / softcap)``; 0 or None: none.
         return_lse: also return the log-sum-exp ``[Hq, T]`` (natural log; float32, or float64
             for float64 inputs).
         deterministic: make the backward pass bitwise reproducible (dq too; dk/dv always are).
@@ -46,11 +48,38 @@ def attention(
     """
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be a dualkv.Layout, got {type(layout).__name__}")
+    if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+        raise NotImplementedError(_NO_FUNCTORCH)
     if q.dim() != 3:
         raise ValueError(f"q must have shape [T, Hq, D], got {tuple(q.shape)}")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    if q.shape[-1] == 0:
+        raise ValueError(f"head dim must be positive, got q of shape {tuple(q.shape)}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else _real(softmax_scale)
+    cap = 0.0 if softcap is None else _real(softcap, "softcap")
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, numbers.Integral)
+    ):
+        raise TypeError(f"window must be None or an int number of tokens, got {window!r}")
     out, lse = ops.fwd(
         q, k, v, layout.segments, layout.query_tiles, layout.key_tiles, layout.total_tokens,
-        scale, window, float(softcap), bool(deterministic),
+        scale, None if window is None else int(window), cap,
+        _flag(deterministic, "deterministic"),
     )  # fmt: skip
-    return (out, lse) if return_lse else out
+    return (out, lse) if _flag(return_lse, "return_lse") else out
+
+
+def _real(value: Any, name: str = "softmax_scale") -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r}")
+    return float(value)
+
+
+def _flag(value: Any, name: str) -> bool:
+    """A bool option (numpy bools too); strings such as "no" are refused, not read as True."""
+    if (
+        isinstance(value, bool)
+        or type(value).__module__ == "numpy"
+        and type(value).__name__ == "bool"
+    ):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {value!r}")

@@ -520,8 +520,20 @@ def _report(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point (``python -m dualkv.demo``); returns the exit status."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print(MISSING_TRANSFORMERS, file=sys.stderr)
+        return 2
     run(argv)
     return 0
+
+
+MISSING_TRANSFORMERS = (
+    "python -m dualkv.demo runs a Hugging Face transformers model, and transformers is not "
+    "installed: pip install 'dualkv[transformers]' (or pip install transformers), or run "
+    "bash scripts/demo.sh, which installs it."
+)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,17 @@ import torch
 
 from ._ops import ops
 
+# Lengths are int32 in the layout tables: a larger one is refused here, naming the argument (the
+# C++ core checks signs and totals).
+_MAX_LEN = 2**31 - 1
+
 
 def _int_list(value: Any, name: str) -> list[int]:
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, torch.Tensor) or (
+        hasattr(value, "tolist") and type(value).__module__ == "numpy"
+    ):
+        if value.ndim != 1:
+            raise TypeError(f"{name} must be one-dimensional, got shape {tuple(value.shape)}")
         value = value.tolist()
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise TypeError(f"{name} must be a list of ints, got {type(value).__name__}")
@@ -21,6 +29,8 @@ def _int_list(value: Any, name: str) -> list[int]:
     for i, x in enumerate(value):
         if isinstance(x, bool) or not isinstance(x, numbers.Integral):
             raise TypeError(f"{name}[{i}] must be an int, got {type(x).__name__} ({x!r})")
+        if int(x) > _MAX_LEN:  # (negative lengths are reported by the C++ core)
+            raise ValueError(f"{name}[{i}] = {int(x)} exceeds the int32 range of the layout")
         out.append(int(x))
     return out
 
@@ -53,6 +63,11 @@ class Layout:
     Raises ``TypeError``/``ValueError`` naming the argument for wrong nesting, negative lengths,
     or totals beyond the int32 range.
     """
+
+    # Caches: group_first_tokens, and the last position-id tensor that
+    # dualkv.integrations.transformers.check_positions accepted for this layout.
+    _group_first: torch.Tensor | None = None
+    _checked_positions: Any = None
 
     def __init__(
         self,
@@ -128,6 +143,21 @@ class Layout:
         """rho = unshared tokens / packed tokens (1.0 for an empty layout)."""
         t = self.total_tokens
         return self.unshared_tokens / t if t else 1.0
+
+    def group_first_tokens(self) -> torch.Tensor:
+        """``[T]`` bool on the layout's device: True on each group's first packed token (built on
+        first use)."""
+        cached = self._group_first
+        if cached is None or cached.device != self._device:
+            first = torch.zeros(self.total_tokens, dtype=torch.bool)
+            t = 0
+            for p, r in zip(self._prefix_lens, self._response_lens):
+                if p + sum(r):
+                    first[t] = True
+                t += p + sum(r)
+            cached = first.to(self._device)
+            self._group_first = cached
+        return cached
 
     def allowed_pairs(self, window: int | None = None) -> int:
         """Number of (query, key) pairs the mask allows (with an optional sliding window)."""

@@ -16,6 +16,8 @@ Nothing here synchronises with the host: statistics are returned as detached ten
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import torch
@@ -47,35 +49,86 @@ def aggregate(
 ) -> torch.Tensor:
     """Aggregate per-token values ``[B, R]`` over the real tokens (``mask``) to a scalar.
 
+    Padding is selected out (``torch.where``), never multiplied by 0, so a NaN or inf on a padded
+    position cannot reach the result or its gradient.
+
     Args:
         values: ``[B, R]`` per-token values.
         mask: ``[B, R]`` True (or 1) on real response tokens.
         mode: one of :data:`LOSS_AGG_MODES`.
-        num_tokens: for ``token-mean``, an optional global token count to divide by instead of
-            this micro-batch's (for gradient accumulation over micro-batches).
+        num_tokens: for ``token-mean``, an optional global token count (> 0) to divide by instead
+            of this micro-batch's (for gradient accumulation over micro-batches).
 
     Returns:
         A 0-d tensor.
     """
-    m = mask.to(values.dtype)
+    if values.shape != mask.shape:
+        raise ValueError(
+            f"values and mask must have one shape [B, R], got {tuple(values.shape)} and "
+            f"{tuple(mask.shape)}"
+        )
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {mode!r}")
+    keep = mask != 0
+    m = keep.to(values.dtype)
+    masked = torch.where(keep, values, torch.zeros((), dtype=values.dtype, device=values.device))
     if mode == "token-mean":
-        denom = m.sum() if num_tokens is None else num_tokens
-        return (values * m).sum() / torch.clamp(torch.as_tensor(denom, dtype=values.dtype), min=1)
-    seq_sum = (values * m).sum(-1)
+        if num_tokens is None:
+            denom = m.sum().clamp(min=1)
+        else:
+            denom = _check_num_tokens(num_tokens).to(device=values.device, dtype=values.dtype)
+        return masked.sum() / denom
+    seq_sum = masked.sum(-1)
     if mode == "seq-mean-token-mean":
         per_seq = seq_sum / m.sum(-1).clamp(min=1)
     elif mode == "seq-mean-token-sum":
         per_seq = seq_sum
-    elif mode == "seq-mean-token-sum-norm":
+    else:  # seq-mean-token-sum-norm
         per_seq = seq_sum / max(values.shape[-1], 1)
-    else:
-        raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {mode!r}")
     return per_seq.mean() if per_seq.numel() else per_seq.sum()
 
 
+def _check_num_tokens(num_tokens: torch.Tensor | float) -> torch.Tensor:
+    """num_tokens as a tensor, refused when it is not a positive count (no sync on the GPU)."""
+    if isinstance(num_tokens, torch.Tensor):
+        if num_tokens.numel() != 1:
+            raise ValueError(f"num_tokens must be a scalar, got shape {tuple(num_tokens.shape)}")
+        if num_tokens.device.type == "cpu" and not bool(num_tokens > 0):
+            raise ValueError(f"num_tokens must be > 0, got {num_tokens.item()}")
+        return num_tokens.reshape(())
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Real):
+        raise TypeError(f"num_tokens must be a number or a tensor, got {num_tokens!r}")
+    if not num_tokens > 0 or not math.isfinite(num_tokens):
+        raise ValueError(f"num_tokens must be a positive, finite token count, got {num_tokens}")
+    return torch.tensor(float(num_tokens))
+
+
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    m = mask.to(x.dtype)
-    return (x * m).sum() / m.sum().clamp(min=1)
+    keep = mask != 0
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    return torch.where(keep, x, zero).sum() / keep.sum().clamp(min=1)
+
+
+def _check_clip(name: str, value: float, upper: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise TypeError(f"{name} must be a finite number, got {value!r}")
+    if value < 0 or (upper is not None and value >= upper):
+        bound = f"in [0, {upper:g})" if upper is not None else ">= 0"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+    return float(value)
+
+
+def _per_token(name: str, x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Advantages ``[B]``, ``[B, 1]`` or ``[B, R]`` as a ``[B, 1]`` / ``[B, R]`` tensor; any
+    other shape is refused (e.g. ``[B, 1, 1]`` would broadcast to a different loss)."""
+    if x.dim() == 1 and x.shape[0] == shape[0]:
+        return x[:, None]
+    if x.dim() == 2 and x.shape[0] == shape[0] and x.shape[1] in (1, shape[1]):
+        return x
+    raise ValueError(
+        f"{name} must have shape [B], [B, 1] or [B, R] = {list(shape)} (one per response or per "
+        f"token), got {tuple(x.shape)}"
+    )
 
 
 def policy_loss(
@@ -96,9 +149,11 @@ def policy_loss(
     Args:
         logprobs: ``[B, R]`` current policy log-probs (differentiable).
         old_logprobs: ``[B, R]`` log-probs of the policy that sampled the responses.
-        advantages: ``[B]`` per-response or ``[B, R]`` per-token advantages.
+        advantages: ``[B]`` / ``[B, 1]`` per-response or ``[B, R]`` per-token advantages
+            (other shapes are refused).
         response_mask: ``[B, R]`` True on real response tokens.
-        clip_low, clip_high: the ratio is clipped to ``[1 - clip_low, 1 + clip_high]``.
+        clip_low, clip_high: the ratio is clipped to ``[1 - clip_low, 1 + clip_high]``
+            (``0 <= clip_low < 1``, ``clip_high >= 0``).
         clip_ratio_c: dual-clip constant (> 1) for negative advantages, or None.
         loss_agg_mode: aggregation, one of :data:`LOSS_AGG_MODES`.
         ref_logprobs: ``[B, R]`` reference-policy log-probs for a KL penalty (k3 estimator).
@@ -114,17 +169,34 @@ def policy_loss(
             "logprobs, old_logprobs and response_mask must have one shape [B, R], got "
             f"{tuple(logprobs.shape)}, {tuple(old_logprobs.shape)}, {tuple(response_mask.shape)}"
         )
-    if advantages.dim() == 1:
-        advantages = advantages[:, None]
-    adv = advantages.to(torch.float32)
-    log_ratio = torch.clamp(logprobs.float() - old_logprobs.float(), min=-20.0, max=20.0)
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [B, R], got shape {tuple(logprobs.shape)}")
+    if ref_logprobs is not None and ref_logprobs.shape != logprobs.shape:
+        raise ValueError(
+            f"ref_logprobs must have logprobs' shape {tuple(logprobs.shape)}, got "
+            f"{tuple(ref_logprobs.shape)}"
+        )
+    clip_low = _check_clip("clip_low", clip_low, upper=1.0)
+    clip_high = _check_clip("clip_high", clip_high)
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
+    if num_tokens is not None:
+        _check_num_tokens(num_tokens)
+    # Padding is selected out before any arithmetic: a NaN/inf on a padded position must not
+    # reach the loss or (through 0 * NaN) its gradient.
+    keep = response_mask != 0
+    adv = _per_token("advantages", advantages, logprobs.shape).to(torch.float32)
+    adv = torch.where(keep, adv, 0.0)
+    logp = torch.where(keep, logprobs.float(), 0.0)
+    old = torch.where(keep, old_logprobs.float(), 0.0)
+    log_ratio = torch.clamp(logp - old, min=-20.0, max=20.0)
     ratio = torch.exp(log_ratio)
     loss1 = -adv * ratio
     loss2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     clipped = torch.maximum(loss1, loss2)
     if clip_ratio_c is not None:
-        if clip_ratio_c <= 1.0:
-            raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
         clipped = torch.where(adv < 0, torch.minimum(clipped, -adv * clip_ratio_c), clipped)
     pg_loss = aggregate(clipped, response_mask, loss_agg_mode, num_tokens)
     loss = pg_loss
@@ -135,7 +207,8 @@ def policy_loss(
     }
     if ref_logprobs is not None and kl_coef != 0.0:
         # k3 estimator (low variance, non-negative): exp(ref - logp) - (ref - logp) - 1
-        d = torch.clamp(ref_logprobs.float() - logprobs.float(), min=-20.0, max=20.0)
+        ref = torch.where(keep, ref_logprobs.float(), 0.0)
+        d = torch.clamp(ref - logp, min=-20.0, max=20.0)
         kl = torch.clamp(torch.exp(d) - d - 1.0, min=-10.0, max=10.0)
         kl_loss = aggregate(kl, response_mask, loss_agg_mode, num_tokens)
         loss = loss + kl_coef * kl_loss
@@ -157,6 +230,7 @@ def grpo_loss(
 
     See :func:`policy_loss` for the arguments and the returned ``(loss, stats)``.
     """
+    clip_eps = _check_clip("clip_eps", clip_eps, upper=1.0)
     return policy_loss(
         logprobs, old_logprobs, advantages, response_mask, clip_low=clip_eps, clip_high=clip_eps,
         loss_agg_mode=loss_agg_mode, ref_logprobs=ref_logprobs, kl_coef=kl_coef,

@@ -13,6 +13,7 @@ synchronisation to read the lengths); nothing here runs per layer or per token i
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +40,10 @@ class PackedBatch:
         layout: the :class:`dualkv.Layout` (on the batch's device).
         response_index: ``[B, R_max]`` int64 packed index of response token ``j`` of row ``b``
             (0 on padding).
-        response_mask: ``[B, R_max]`` bool, True on real response tokens.
+        response_mask: ``[B, R_max]`` bool, True on the response tokens that are scored: every
+            real response token that has a predicting position (the loss mask). The first token
+            of a response to an empty prompt (P = 0) has none, so it is False there.
+        real_mask: ``[B, R_max]`` bool, True on every real response token (padding False).
         response_ids: ``[B, R_max]`` int64 response token ids (0 on padding).
         row_group: ``[B]`` int64 index of each row's group in the layout.
         token_rows: ``[M]`` int64 flat index ``b * R_max + j`` of each predicted response token.
@@ -56,6 +60,7 @@ class PackedBatch:
     layout: Layout
     response_index: torch.Tensor
     response_mask: torch.Tensor
+    real_mask: torch.Tensor
     response_ids: torch.Tensor
     row_group: torch.Tensor
     token_rows: torch.Tensor
@@ -69,7 +74,7 @@ class PackedBatch:
         # Every size here changes from batch to batch (see dualkv.layout.mark_per_batch).
         for t in (self.input_ids, self.position_ids):
             mark_per_batch(t, 1)
-        for t in (self.response_index, self.response_mask, self.response_ids):
+        for t in (self.response_index, self.response_mask, self.real_mask, self.response_ids):
             mark_per_batch(t, 0, 1)
         for t in (self.row_group, self.token_rows, self.token_sources, self.token_labels):
             mark_per_batch(t, 0)
@@ -106,7 +111,8 @@ class PackedBatch:
     def gather_responses(self, x: torch.Tensor) -> torch.Tensor:
         """Per-token packed values ``[T, ...]`` (or ``[1, T, ...]``) to rows ``[B, R_max, ...]``.
 
-        Padding positions are zero. Differentiable (a gather and a mask).
+        Padding positions are zero (every real response token is gathered, see ``real_mask``).
+        Differentiable (a gather and a mask).
         """
         if x.dim() >= 2 and x.shape[0] == 1 and x.shape[1] == self.total_tokens:
             x = x[0]
@@ -117,7 +123,7 @@ class PackedBatch:
             )
         out = x.index_select(0, self.response_index.reshape(-1))
         out = out.view(self.num_rows, self.max_response_len, *x.shape[1:])
-        mask = self.response_mask.view(self.num_rows, self.max_response_len, *([1] * (x.dim() - 1)))
+        mask = self.real_mask.view(self.num_rows, self.max_response_len, *([1] * (x.dim() - 1)))
         return out * mask.to(out.dtype) if out.is_floating_point() else out * mask
 
     def scatter_tokens(self, values: torch.Tensor) -> torch.Tensor:
@@ -228,6 +234,10 @@ def pack_rows(
             f"got {tuple(position_ids.shape)}"
         )
     num_rows, width = input_ids.shape
+    if isinstance(prompt_width, bool) or not isinstance(prompt_width, numbers.Integral):
+        raise TypeError(f"prompt_width must be an int (a column count), got {prompt_width!r}")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must be an integer tensor of token ids, got {input_ids.dtype}")
     pw = int(prompt_width)
     if not 0 <= pw <= width:
         raise ValueError(f"prompt_width must be in [0, {width}], got {prompt_width}")
@@ -338,7 +348,8 @@ def pack_rows(
         position_ids=packed_pos,
         layout=layout,
         response_index=response_index.to(device),
-        response_mask=valid.to(device),
+        response_mask=has_source.to(device),
+        real_mask=valid.to(device),
         response_ids=response_ids,
         row_group=row_group.to(device),
         token_rows=flat.to(device),
@@ -348,6 +359,20 @@ def pack_rows(
         num_rows=num_rows,
         max_response_len=rw,
     )
+
+
+def _check_tokens(tokens: Any, name: str) -> None:
+    """A token list must be a sequence of ints (numpy/torch integer scalars included)."""
+    if isinstance(tokens, torch.Tensor) or type(tokens).__module__ == "numpy":
+        tokens = tokens.tolist()
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+        raise TypeError(f"{name} must be a list of token ids, got {type(tokens).__name__}")
+    for j, t in enumerate(tokens):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise TypeError(
+                f"{name}[{j}] must be an int token id, got {type(t).__name__} ({t!r}); "
+                "tokenize the text first"
+            )
 
 
 def rows_from_lists(
@@ -377,9 +402,15 @@ def rows_from_lists(
     rw = max((len(r) for rs in responses for r in rs), default=0)
     rows, masks, groups = [], [], []
     for g, (p, rs) in enumerate(zip(prompts, responses, strict=True)):
-        for r in rs:
+        _check_tokens(p, f"prompts[{g}]")
+        if isinstance(rs, (str, bytes)) or not isinstance(rs, Sequence):
+            raise TypeError(f"responses[{g}] must be a list of responses, got {type(rs).__name__}")
+        for i, r in enumerate(rs):
+            _check_tokens(r, f"responses[{g}][{i}]")
             pad_p, pad_r = pw - len(p), rw - len(r)
-            rows.append([pad_id] * pad_p + list(p) + list(r) + [pad_id] * pad_r)
+            rows.append(
+                [pad_id] * pad_p + [int(t) for t in p] + [int(t) for t in r] + [pad_id] * pad_r
+            )
             masks.append([0] * pad_p + [1] * (len(p) + len(r)) + [0] * pad_r)
             groups.append(g)
     width = pw + rw

@@ -41,6 +41,10 @@ bool head_dim_built(int d) {
     case 256:
       return true;
 #endif
+#if DUALKV_HAS_HD512
+    case 512:
+      return true;
+#endif
     default:
       return false;
   }
@@ -54,10 +58,9 @@ bool aligned16(const T* p) {
 void check_common(DType dtype, const Shape& s, const ScoreParams& sc, const LayoutView& lv) {
   DUALKV_CHECK(dtype == DType::kBFloat16 || dtype == DType::kFloat16,
                "dtype: the CUDA kernels take float16 or bfloat16, got ", dtype_name(dtype));
-  DUALKV_CHECK(
-      supports(dtype, s.head_dim), "head_dim ", s.head_dim,
-      " is not supported by the CUDA kernels of this build (built: 64/128/256 as configured "
-      "by DUALKV_CUDA_HEAD_DIMS)");
+  DUALKV_CHECK(supports(dtype, s.head_dim), "head_dim ", s.head_dim,
+               " is not supported by the CUDA kernels of this build (built: 64/128/256/512 as "
+               "configured by DUALKV_CUDA_HEAD_DIMS)");
   DUALKV_CHECK(s.tokens >= 0, "shape.tokens must be >= 0, got ", s.tokens);
   DUALKV_CHECK(s.num_q_heads > 0 && s.num_kv_heads > 0,
                "num_q_heads and num_kv_heads must be > 0, got ", s.num_q_heads, " and ",
@@ -150,6 +153,25 @@ bool use_sm90() {
 
 constexpr size_t align256(size_t n) { return (n + 255) & ~size_t(255); }
 
+// The D = 512 kernels ask for up to 227 KB of shared memory per block (Hopper-class GPUs): on a
+// GPU that offers less (A100: 163 KB, Ada/consumer parts: 99 KB) they cannot launch, so say so.
+void check_smem_for(int head_dim) {
+  if (head_dim != 512) return;
+  int dev = 0, optin = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
+    cudaGetLastError();
+    return;  // the launch reports the error
+  }
+  DUALKV_CHECK(optin >= kSmemHeadDim512,
+               "head_dim 512 on this GPU is not supported yet: its "
+               "kernels need ",
+               kSmemHeadDim512 / 1024,
+               " KB of shared memory per block, the GPU "
+               "offers ",
+               optin / 1024, " KB (Hopper-class GPUs run it)");
+}
+
 template <typename F>
 void dispatch(DType dtype, int d, F&& f) {
   auto by_dim = [&](auto tag) {
@@ -168,6 +190,11 @@ void dispatch(DType dtype, int d, F&& f) {
 #if DUALKV_HAS_HD256
       case 256:
         f(T{}, std::integral_constant<int, 256>{});
+        return;
+#endif
+#if DUALKV_HAS_HD512
+      case 512:
+        f(T{}, std::integral_constant<int, 512>{});
         return;
 #endif
       default:
@@ -197,6 +224,7 @@ void attention_forward(const ForwardArgs& a, cudaStream_t stream) {
   check_qkv(a.q, a.k, a.v, a.q_stride, a.k_stride, a.v_stride);
   DUALKV_CHECK(a.out && a.lse, "out and lse must be non-null device pointers");
   DUALKV_CHECK(aligned16(a.out), "out must be 16-byte aligned");
+  check_smem_for(a.shape.head_dim);
   Params p = make_params(a);
   p.out = a.out;
   p.lse = a.lse;
@@ -208,7 +236,8 @@ void attention_forward(const ForwardArgs& a, cudaStream_t stream) {
     // Warp-specialised FA3-style kernels first (false: a TMA map could not be encoded).
     if (sm90 && sm90_ws_enabled() && launch_forward_sm90_ws<T, D>(p, stream)) return;
     // Synchronous wgmma forward; at D = 64 the sm_80 one measured faster (2.02 vs 2.28 ms, H200).
-    if constexpr (D != 64) {
+    // D = 512 has no synchronous wgmma kernel: DUALKV_SM90_WS=0 runs the sm_80 one.
+    if constexpr (D != 64 && D <= 256) {
       if (sm90) return launch_forward_sm90<T, D>(p, stream);
     }
 #endif
@@ -236,6 +265,7 @@ void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t str
   DUALKV_CHECK(workspace && (reinterpret_cast<uintptr_t>(workspace) & 255u) == 0,
                "workspace must be a non-null, 256-byte aligned device pointer of "
                "backward_workspace_bytes()");
+  check_smem_for(a.shape.head_dim);
   Params p = make_params(a);
   p.o = a.out;
   p.dout = a.dout;
@@ -256,9 +286,13 @@ void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t str
     using T = decltype(t);
     constexpr int D = decltype(d)::value;
 #if DUALKV_HAS_SM90A
-    if (sm90 && sm90_ws_enabled() && launch_backward_sm90_ws<T, D>(p, dq_mode, stream)) return;
-    if (sm90 && !atomic_dq) return launch_backward_sm90<T, D>(p, stream);
+    if constexpr (D <= 256) {
+      if (sm90 && sm90_ws_enabled() && launch_backward_sm90_ws<T, D>(p, dq_mode, stream)) return;
+      if (sm90 && !atomic_dq) return launch_backward_sm90<T, D>(p, stream);
+    }
 #endif
+    // D = 512 on every GPU (no wgmma backward for it yet), or a GPU other than sm_90.
+    (void)sm90, (void)atomic_dq;
     launch_backward_sm80<T, D>(p, a.deterministic, stream);
   });
 }

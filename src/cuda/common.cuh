@@ -281,24 +281,37 @@ __device__ __forceinline__ void load_row_stats(const Params& p, int h, int q0, i
   }
 }
 
-// The rows one CTA of a tile kernel owns: blockIdx.x = (tile * SPLIT + part) * heads + head,
-// each 128-token tile cut into SPLIT parts of B rows. `valid` is false for a part that lies past
-// its tile's end (only possible with SPLIT > 1); begin/count are then unset.
-template <int B>
+// The rows one CTA of a tile kernel owns: blockIdx.x = (tile * SPLIT + part) * heads + head
+// (kPartInner: (tile * heads + head) * SPLIT + part, so that a tile's parts are neighbours, as a
+// thread-block cluster needs), each 128-token tile cut into SPLIT parts of B rows. `valid` is
+// false for a part that lies past its tile's end (only possible with SPLIT > 1); begin is then the
+// part's would-be first row and count is unset. tile_begin/tile_end: the whole tile.
+template <int B, bool kPartInner = false>
 struct TilePart {
   static constexpr int SPLIT = kTileSize / B;
-  int head, begin, count, segment;
+  int head, begin, count, segment, tile_begin, tile_end;
   bool valid;
 
   __device__ __forceinline__ TilePart(const Tile* tiles, int heads) {
-    head = int(blockIdx.x % unsigned(heads));
-    const int rest = int(blockIdx.x / unsigned(heads));
-    const Tile tile = tiles[rest / SPLIT];
+    int tile_index, part;
+    if constexpr (kPartInner) {
+      part = int(blockIdx.x % unsigned(SPLIT));
+      const int rest = int(blockIdx.x / unsigned(SPLIT));
+      head = rest % heads;
+      tile_index = rest / heads;
+    } else {
+      head = int(blockIdx.x % unsigned(heads));
+      const int rest = int(blockIdx.x / unsigned(heads));
+      tile_index = rest / SPLIT;
+      part = rest % SPLIT;
+    }
+    const Tile tile = tiles[tile_index];
     segment = tile.segment;
+    tile_begin = tile.begin, tile_end = tile.end;
     if constexpr (SPLIT == 1) {
       begin = tile.begin, count = tile.end - tile.begin, valid = true;
     } else {
-      begin = tile.begin + (rest % SPLIT) * B;
+      begin = tile.begin + part * B;
       valid = begin < tile.end;
       if (valid) count = min(B, tile.end - begin);
     }

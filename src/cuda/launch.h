@@ -34,16 +34,36 @@ inline bool use_pingpong() {
   return !(e && e[0] == '0');
 }
 
+// The most shared memory per block any D = 512 kernel asks for (each config static_asserts it).
+constexpr int kSmemHeadDim512 = 227 * 1024;
+
 // Throws std::runtime_error naming `what` when the last launch failed.
 void check_launch(const char* what);
 
 // kernel<<<grid, threads, smem, stream>>>(arg) with the kernel's dynamic shared-memory limit
-// raised to `smem` first, then check_launch(what). The caller skips an empty grid.
+// raised to `smem` first, then check_launch(what). The caller skips an empty grid. cluster > 1:
+// thread-block clusters of `cluster` consecutive CTAs along x (grid a multiple of it).
 template <typename Arg>
 void launch_kernel(void (*kernel)(Arg), int64_t grid, int threads, int smem, cudaStream_t stream,
-                   const Arg& arg, const char* what) {
+                   const Arg& arg, const char* what, int cluster = 1) {
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  kernel<<<unsigned(grid), threads, smem, stream>>>(arg);
+  if (cluster == 1) {
+    kernel<<<unsigned(grid), threads, smem, stream>>>(arg);
+  } else {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(unsigned(grid));
+    cfg.blockDim = dim3(unsigned(threads));
+    cfg.dynamicSmemBytes = size_t(smem);
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = unsigned(cluster);
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    cudaLaunchKernelEx(&cfg, kernel, arg);
+  }
   check_launch(what);
 }
 

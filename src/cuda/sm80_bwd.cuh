@@ -21,30 +21,39 @@
 namespace dualkv::cuda::detail {
 
 // ---- 1. preprocess ------------------------------------------------------------------------------
+// EPT elements of a (token, head) row per thread (8, or D / 32 so that a row stays in one warp).
+template <int D>
+constexpr int kPreElems = D / 8 > 32 ? D / 32 : 8;
+
 template <typename T, int D>
 __global__ void __launch_bounds__(256)
     bwd_pre_kernel(const __grid_constant__ Params p, bool zero_dq) {
-  constexpr int TPR = D / 8;  // threads per (token, head) row, 8 elements each
+  constexpr int EPT = kPreElems<D>;
+  constexpr int TPR = D / EPT;  // threads per (token, head) row, <= 32
   const int64_t rows = int64_t(p.T) * p.Hq;
   const int64_t gt = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t row = gt / TPR;
-  const int c = int(gt % TPR) * 8;
+  const int c = int(gt % TPR) * EPT;
   const bool valid = row < rows;
   float acc = 0.f;
   if (valid) {
-    const uint4 a = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.dout) + row * D + c);
-    const uint4 b = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.o) + row * D + c);
-    const uint32_t av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 x = unpack2<T>(av[i]), y = unpack2<T>(bv[i]);
-      acc = fmaf(x.x, y.x, fmaf(x.y, y.y, acc));
-    }
-    if (zero_dq) {
-      // Zeroes the accumulator (any layout: the threads cover all T * Hq * D elements).
-      float4* z = reinterpret_cast<float4*>(p.dq_accum + row * D + c);
-      z[0] = make_float4(0.f, 0.f, 0.f, 0.f);
-      z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int v8 = 0; v8 < EPT / 8; ++v8) {
+      const int cc = c + 8 * v8;
+      const uint4 a = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.dout) + row * D + cc);
+      const uint4 b = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.o) + row * D + cc);
+      const uint32_t av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 x = unpack2<T>(av[i]), y = unpack2<T>(bv[i]);
+        acc = fmaf(x.x, y.x, fmaf(x.y, y.y, acc));
+      }
+      if (zero_dq) {
+        // Zeroes the accumulator (any layout: the threads cover all T * Hq * D elements).
+        float4* z = reinterpret_cast<float4*>(p.dq_accum + row * D + cc);
+        z[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+        z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
     }
   }
 #pragma unroll
@@ -81,7 +90,7 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(const __grid_constant__
 // The preprocess every backward path starts with (bwd_pre_kernel; zeroes dq_accum when `atomic`).
 template <typename T, int D>
 void launch_bwd_pre(const Params& p, bool atomic, cudaStream_t stream) {
-  const int64_t threads = int64_t(p.T) * p.Hq * (D / 8);
+  const int64_t threads = int64_t(p.T) * p.Hq * (D / kPreElems<D>);
   if (threads == 0) return;
   bwd_pre_kernel<T, D><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(p, atomic);
   check_launch("dualkv backward preprocess");
@@ -96,13 +105,43 @@ void launch_dq_convert(const Params& p, cudaStream_t stream) {
   check_launch("dualkv backward dq convert");
 }
 
+// The DSPLIT warps of one slab (warps slab * DSPLIT + [0, DSPLIT)) have each computed a partial
+// sum of the same two fragment arrays (over their share of the reduction dim): afterwards every
+// one of them holds the full sums, added in the same order (so bitwise equal in all of them).
+// xb: shared memory of WARPS * (NA + NB) float4s per lane; one __syncthreads (all threads).
+template <int DSPLIT, int NA, int NB>
+__device__ __forceinline__ void sum_slab_partials(float4* xb, float (&a)[NA][4], float (&b)[NB][4],
+                                                  int warp, int lane) {
+  constexpr int NV = NA + NB;
+  auto at = [&](int w, int i) -> float4& { return xb[(w * NV + i) * 32 + lane]; };
+#pragma unroll
+  for (int i = 0; i < NA; ++i) at(warp, i) = make_float4(a[i][0], a[i][1], a[i][2], a[i][3]);
+#pragma unroll
+  for (int i = 0; i < NB; ++i) at(warp, NA + i) = make_float4(b[i][0], b[i][1], b[i][2], b[i][3]);
+  __syncthreads();
+  const int w0 = warp - warp % DSPLIT;
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    float4 t = at(w0, i);
+#pragma unroll
+    for (int d = 1; d < DSPLIT; ++d) {
+      const float4 u = at(w0 + d, i);
+      t.x += u.x, t.y += u.y, t.z += u.z, t.w += u.w;
+    }
+    float* f = i < NA ? a[i] : b[i - NA];
+    f[0] = t.x, f[1] = t.y, f[2] = t.z, f[3] = t.w;
+  }
+}
+
 // ---- 2. dK, dV (and atomic dQ) over key blocks --------------------------------------------------
 template <int D>
 struct BwdCfg {
   static constexpr int BN = D >= 256 ? 32 : 64;  // keys per CTA
   static constexpr int BM = D >= 128 ? 32 : 64;  // queries per iteration
-  static constexpr int DSPLIT =
-      D >= 256 ? 2 : 1;  // warps sharing a 16-key slab (split dK/dV columns)
+  static constexpr int DSPLIT = D >= 512 ? 4
+                                : D >= 256
+                                    ? 2
+                                    : 1;  // warps sharing a 16-key slab (split dK/dV columns)
   static constexpr int WARPS = (BN / 16) * DSPLIT;
   static constexpr int THREADS = WARPS * 32;
   static constexpr int DC = D / DSPLIT;  // dK/dV columns per warp
@@ -115,9 +154,17 @@ struct BwdCfg {
   static constexpr int OFF_DO = OFF_Q + 2 * BM * D * 2;
   static constexpr int OFF_L = OFF_DO + 2 * BM * D * 2;  // lse2[2][BM], delta[2][BM]
   static constexpr int OFF_DS = OFF_L + 4 * BM * 4;
-  static constexpr int SMEM = OFF_DS + BN * PITCH * 2;
+  // D = 512: the DSPLIT warps of a slab split S^T's and dP^T's reduction dim too (each
+  // D / DSPLIT columns) and add their partials through shared memory (sum_slab_partials) instead
+  // of each computing them in full.
+  static constexpr bool XCHG = D >= 512;
+  static constexpr int OFF_X = OFF_DS + BN * PITCH * 2;
+  static constexpr int SMEM = OFF_X + (XCHG ? WARPS * (BM / 8) * 2 * 32 * 16 : 0);
+  static constexpr int MIN_BLOCKS = D >= 512 ? 1 : 2;  // D = 512: dK + dV are 128 registers
   static_assert(WARPS % DQ_SLABS == 0 && 2 * BM <= THREADS, "bad backward tile config");
+  static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
+static_assert(BwdCfg<512>::SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
 
 // Iteration state of the dkdv kernel: q head (within the kv head's group), query segment, block.
 struct QIter {
@@ -172,7 +219,7 @@ __device__ __forceinline__ bool query_walk_next(const Params& p, const Segment& 
 }
 
 template <typename T, int D, bool kCap, bool kFuseDq>
-__global__ void __launch_bounds__(BwdCfg<D>::THREADS, 2)
+__global__ void __launch_bounds__(BwdCfg<D>::THREADS, BwdCfg<D>::MIN_BLOCKS)
     dkdv_kernel_sm80(const __grid_constant__ Params p) {
   using Cfg = BwdCfg<D>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, THREADS = Cfg::THREADS, DC = Cfg::DC;
@@ -260,29 +307,38 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, 2)
     const float* lse_c = lse_s + stage * BM;
     const float* del_c = del_s + stage * BM;
 
-    // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x BM queries.
+    // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x BM queries (XCHG: over this warp's
+    // D / DSPLIT columns, then summed over the slab's warps).
     float s[BM / 8][4], dp[BM / 8][4];
 #pragma unroll
     for (int i = 0; i < BM / 8; ++i) {
       s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
       dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
     }
+    constexpr int KSTEPS = Cfg::XCHG ? D / 16 / Cfg::DSPLIT : D / 16;
+    // Byte offset of the warp's first column (a multiple of 64 columns: the swizzle's 8-chunk
+    // pattern is unchanged, so the offset just adds).
+    const uint32_t c0 = Cfg::XCHG ? uint32_t(dpart * KSTEPS * 16 * 2) : 0u;
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
+    for (int kk = 0; kk < KSTEPS; ++kk) {
       uint32_t a[4], av[4];
-      ldsm_x4(a, sK + swz<D>(a_row, kk * 16 + a_col));
-      ldsm_x4(av, sV + swz<D>(a_row, kk * 16 + a_col));
+      ldsm_x4(a, sK + c0 + swz<D>(a_row, kk * 16 + a_col));
+      ldsm_x4(av, sV + c0 + swz<D>(a_row, kk * 16 + a_col));
 #pragma unroll
       for (int n2 = 0; n2 < BM / 16; ++n2) {
         uint32_t b[4], bo[4];
-        ldsm_x4(b, sQ + swz<D>(n2 * 16 + b_row, kk * 16 + b_col));
+        ldsm_x4(b, sQ + c0 + swz<D>(n2 * 16 + b_row, kk * 16 + b_col));
         mma<T>(s[2 * n2], a, b[0], b[1]);
         mma<T>(s[2 * n2 + 1], a, b[2], b[3]);
-        ldsm_x4(bo, sdO + swz<D>(n2 * 16 + b_row, kk * 16 + b_col));
+        ldsm_x4(bo, sdO + c0 + swz<D>(n2 * 16 + b_row, kk * 16 + b_col));
         mma<T>(dp[2 * n2], av, bo[0], bo[1]);
         mma<T>(dp[2 * n2 + 1], av, bo[2], bo[3]);
       }
     }
+
+    if constexpr (Cfg::XCHG)
+      sum_slab_partials<Cfg::DSPLIT>(reinterpret_cast<float4*>(smem + Cfg::OFF_X), s, dp, warp,
+                                     lane);
 
     // P^T and dS^T (in place of s and dp).
 #pragma unroll
@@ -404,17 +460,28 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, 2)
 template <int D>
 struct DqCfg {
   static constexpr int BM = 64;
-  static constexpr int BN = D >= 256 ? 32 : 64;
-  static constexpr int WARPS = BM / 16;
+  static constexpr int BN = D >= 512 ? 16 : D >= 256 ? 32 : 64;
+  // Warps sharing a 16-query slab, each owning D / DSPLIT columns of dQ (each computes the
+  // slab's S and dP in full).
+  static constexpr int DSPLIT = D >= 512 ? 2 : 1;
+  static constexpr int DC = D / DSPLIT;
+  static constexpr int WARPS = BM / 16 * DSPLIT;
   static constexpr int THREADS = WARPS * 32;
-  static constexpr int SMEM = (2 * BM * D + 4 * BN * D) * 2;
+  // D = 512: the slab's warps split S's and dP's reduction dim too and add their partials
+  // through shared memory (sum_slab_partials).
+  static constexpr bool XCHG = D >= 512;
+  static constexpr int OFF_X = (2 * BM * D + 4 * BN * D) * 2;
+  static constexpr int SMEM = OFF_X + (XCHG ? WARPS * (BN / 8) * 2 * 32 * 16 : 0);
+  static constexpr int MIN_BLOCKS = D >= 512 ? 1 : 2;
+  static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
+static_assert(DqCfg<512>::SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
 
 template <typename T, int D, bool kCap>
-__global__ void __launch_bounds__(DqCfg<D>::THREADS, 2)
+__global__ void __launch_bounds__(DqCfg<D>::THREADS, DqCfg<D>::MIN_BLOCKS)
     dq_kernel_sm80(const __grid_constant__ Params p) {
   using Cfg = DqCfg<D>;
-  constexpr int BM = Cfg::BM, BN = Cfg::BN, THREADS = Cfg::THREADS;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, THREADS = Cfg::THREADS, DC = Cfg::DC;
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t sQ = smem_u32(smem), sdO = sQ + BM * D * 2;
   const uint32_t sK0 = sdO + BM * D * 2, sV0 = sK0 + 2 * BN * D * 2;
@@ -445,16 +512,17 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, 2)
   cp_commit();
 
   const int g = lane >> 2, tq = lane & 3;
-  const int row0 = warp * 16 + g;
+  const int slab = warp / Cfg::DSPLIT, dpart = warp % Cfg::DSPLIT, dbase = dpart * DC;
+  const int row0 = slab * 16 + g;
   float lse2[2], del[2];
   load_row_stats(p, h, q0, nq, row0, lse2, del);
-  const int a_row = warp * 16 + (lane & 15), a_col = (lane >> 4) * 8;
+  const int a_row = slab * 16 + (lane & 15), a_col = (lane >> 4) * 8;
   const int b_row = (lane & 7) + ((lane >> 4) << 3), b_col = ((lane >> 3) & 1) * 8;
   const int t_row = (lane & 7) + (((lane >> 3) & 1) << 3), t_col = (lane >> 4) * 8;
 
-  float acc[D / 8][4];
+  float acc[DC / 8][4];
 #pragma unroll
-  for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  for (int i = 0; i < DC / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 
   for (int j = 0; j < total; ++j) {
     const int st = j & 1;
@@ -468,22 +536,28 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, 2)
       s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
       dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
     }
+    // XCHG: over this warp's D / DSPLIT columns, then summed over the slab's warps.
+    constexpr int KSTEPS = Cfg::XCHG ? D / 16 / Cfg::DSPLIT : D / 16;
+    const uint32_t c0 = Cfg::XCHG ? uint32_t(dpart * KSTEPS * 16 * 2) : 0u;  // as in dkdv
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
+    for (int kk = 0; kk < KSTEPS; ++kk) {
       uint32_t a[4], ao[4];
-      ldsm_x4(a, sQ + swz<D>(a_row, kk * 16 + a_col));
-      ldsm_x4(ao, sdO + swz<D>(a_row, kk * 16 + a_col));
+      ldsm_x4(a, sQ + c0 + swz<D>(a_row, kk * 16 + a_col));
+      ldsm_x4(ao, sdO + c0 + swz<D>(a_row, kk * 16 + a_col));
 #pragma unroll
       for (int n2 = 0; n2 < BN / 16; ++n2) {
         uint32_t b[4];
-        ldsm_x4(b, sK + swz<D>(n2 * 16 + b_row, kk * 16 + b_col));
+        ldsm_x4(b, sK + c0 + swz<D>(n2 * 16 + b_row, kk * 16 + b_col));
         mma<T>(s[2 * n2], a, b[0], b[1]);
         mma<T>(s[2 * n2 + 1], a, b[2], b[3]);
-        ldsm_x4(b, sV + swz<D>(n2 * 16 + b_row, kk * 16 + b_col));
+        ldsm_x4(b, sV + c0 + swz<D>(n2 * 16 + b_row, kk * 16 + b_col));
         mma<T>(dp[2 * n2], ao, b[0], b[1]);
         mma<T>(dp[2 * n2 + 1], ao, b[2], b[3]);
       }
     }
+    if constexpr (Cfg::XCHG)
+      sum_slab_partials<Cfg::DSPLIT>(reinterpret_cast<float4*>(smem + Cfg::OFF_X), s, dp, warp,
+                                     lane);
 
     const auto kb = walk.at(j);
     const bool msk = walk.masked(kb, nq, BM, p.mask);
@@ -517,9 +591,9 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, 2)
                              pack2<T>(dp[2 * kt + 1][0], dp[2 * kt + 1][1]),
                              pack2<T>(dp[2 * kt + 1][2], dp[2 * kt + 1][3])};
 #pragma unroll
-      for (int n2 = 0; n2 < D / 16; ++n2) {
+      for (int n2 = 0; n2 < DC / 16; ++n2) {
         uint32_t b[4];
-        ldsm_x4_t(b, sK + swz<D>(kt * 16 + t_row, n2 * 16 + t_col));
+        ldsm_x4_t(b, sK + swz<D>(kt * 16 + t_row, dbase + n2 * 16 + t_col));
         mma<T>(acc[2 * n2], a, b[0], b[1]);
         mma<T>(acc[2 * n2 + 1], a, b[2], b[3]);
       }
@@ -532,9 +606,9 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, 2)
   for (int i = 0; i < 2; ++i) {
     const int row = row0 + 8 * i;
     if (row < nq) {
-      T* dst = static_cast<T*>(p.dq) + (int64_t(q0 + row) * p.Hq + h) * D + 2 * tq;
+      T* dst = static_cast<T*>(p.dq) + (int64_t(q0 + row) * p.Hq + h) * D + dbase + 2 * tq;
 #pragma unroll
-      for (int nd = 0; nd < D / 8; ++nd) {
+      for (int nd = 0; nd < DC / 8; ++nd) {
         *reinterpret_cast<uint32_t*>(dst + nd * 8) =
             pack2<T>(acc[nd][2 * i] * p.scale, acc[nd][2 * i + 1] * p.scale);
       }

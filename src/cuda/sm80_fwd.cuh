@@ -4,7 +4,8 @@
 // <= 128). A response tile walks the prompt's key blocks (region A) then its own response's key
 // blocks (region B) with one online softmax; a prompt tile walks its prompt causally. Only blocks
 // on the causal diagonal, the window edge or a region end are masked element-wise (with MaskRule).
-// K/V blocks are double-buffered.
+// K/V blocks are double-buffered. D = 512: 64-row CTAs (half tiles), and two warps per 16-row slab
+// that split O's columns (each computes the slab's S in full: 1.5x the matrix work of one warp).
 #pragma once
 
 #include "launch.h"
@@ -13,15 +14,23 @@ namespace dualkv::cuda::detail {
 
 template <int D>
 struct FwdCfg {
-  static constexpr int BM = kTileSize;  // 128: one CTA per query tile
+  // Query rows per CTA: a 128-token tile, or half of one at D = 512 (Q and two K/V stages of
+  // 512 columns must fit in shared memory).
+  static constexpr int BM = D >= 512 ? 64 : kTileSize;
   static constexpr int MT =
       D >= 256 ? 1 : 2;  // 16-row m-tiles per warp (reuse of each K/V fragment)
   static constexpr int BN = D >= 128 ? 32 : 64;  // D = 128 with 64 spills
-  static constexpr int WARPS = BM / (16 * MT);
+  // Warps sharing a 16-row slab, each owning D / DSPLIT columns of O (a 16 x 512 fp32
+  // accumulator would be 256 registers per thread); each computes the slab's S in full.
+  static constexpr int DSPLIT = D >= 512 ? 2 : 1;
+  static constexpr int DC = D / DSPLIT;
+  static constexpr int WARPS = BM / (16 * MT) * DSPLIT;
   static constexpr int THREADS = WARPS * 32;
   static constexpr int SMEM = (BM * D + 4 * BN * D) * 2;
   static constexpr int MIN_BLOCKS = D >= 256 ? 1 : 2;
+  static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
+static_assert(FwdCfg<512>::SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
 
 template <typename T, int D, bool kCap>
 __global__ void __launch_bounds__(FwdCfg<D>::THREADS, FwdCfg<D>::MIN_BLOCKS)
@@ -34,7 +43,8 @@ __global__ void __launch_bounds__(FwdCfg<D>::THREADS, FwdCfg<D>::MIN_BLOCKS)
   const uint32_t sV0 = sK0 + 2 * BN * D * 2;
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
-  const QueryTileCta<kTileSize> cta(p);
+  const QueryTileCta<BM> cta(p);
+  if (!cta.valid) return;
   const int h = cta.h, hk = cta.hk, q0 = cta.q0, nq = cta.nq;
   const Segment& seg = cta.seg;
   const T* qg = static_cast<const T*>(p.q) + int64_t(q0) * p.q_tok + int64_t(h) * p.q_head;
@@ -56,19 +66,21 @@ __global__ void __launch_bounds__(FwdCfg<D>::THREADS, FwdCfg<D>::MIN_BLOCKS)
   if (total > 0) load_kv(0, 0);
   cp_commit();
 
-  constexpr int MT = Cfg::MT;
-  float o[MT][D / 8][4];
+  constexpr int MT = Cfg::MT, DC = Cfg::DC;
+  float o[MT][DC / 8][4];
 #pragma unroll
   for (int m = 0; m < MT; ++m)
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) o[m][i][0] = o[m][i][1] = o[m][i][2] = o[m][i][3] = 0.f;
+    for (int i = 0; i < DC / 8; ++i) o[m][i][0] = o[m][i][1] = o[m][i][2] = o[m][i][3] = 0.f;
   float m_run[MT][2], l_run[MT][2];
 #pragma unroll
   for (int m = 0; m < MT; ++m)
     m_run[m][0] = m_run[m][1] = -INFINITY, l_run[m][0] = l_run[m][1] = 0.f;
 
   const int g = lane >> 2, tq = lane & 3;
-  const int wrow = warp * 16 * MT;  // m-tile m covers rows wrow + 16 m + [0, 16)
+  const int slab = warp / Cfg::DSPLIT, dpart = warp % Cfg::DSPLIT;
+  const int dbase = dpart * DC;     // this warp's O columns [dbase, dbase + DC)
+  const int wrow = slab * 16 * MT;  // m-tile m covers rows wrow + 16 m + [0, 16)
   const int a_row = wrow + (lane & 15), a_col = (lane >> 4) * 8;
   const int b_row = (lane & 7) + ((lane >> 4) << 3), b_col = ((lane >> 3) & 1) * 8;
   const int t_row = (lane & 7) + (((lane >> 3) & 1) << 3), t_col = (lane >> 4) * 8;
@@ -140,7 +152,7 @@ __global__ void __launch_bounds__(FwdCfg<D>::THREADS, FwdCfg<D>::MIN_BLOCKS)
         m_run[m][i] = mx;
         l_run[m][i] *= corr;
 #pragma unroll
-        for (int nd = 0; nd < D / 8; ++nd) {
+        for (int nd = 0; nd < DC / 8; ++nd) {
           o[m][nd][2 * i] *= corr;
           o[m][nd][2 * i + 1] *= corr;
         }
@@ -165,9 +177,9 @@ __global__ void __launch_bounds__(FwdCfg<D>::THREADS, FwdCfg<D>::MIN_BLOCKS)
         a[m][3] = pack2<T>(s[m][2 * kt + 1][2], s[m][2 * kt + 1][3]);
       }
 #pragma unroll
-      for (int n2 = 0; n2 < D / 16; ++n2) {
+      for (int n2 = 0; n2 < DC / 16; ++n2) {
         uint32_t b[4];
-        ldsm_x4_t(b, sV + swz<D>(kt * 16 + t_row, n2 * 16 + t_col));
+        ldsm_x4_t(b, sV + swz<D>(kt * 16 + t_row, dbase + n2 * 16 + t_col));
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
           mma<T>(o[m][2 * n2], a[m], b[0], b[1]);
@@ -188,13 +200,13 @@ __global__ void __launch_bounds__(FwdCfg<D>::THREADS, FwdCfg<D>::MIN_BLOCKS)
       const float inv = l > 0.f ? 1.f / l : 0.f;
       const int row = wrow + 16 * m + g + 8 * i;
       if (row < nq) {
-        T* og = static_cast<T*>(p.out) + (int64_t(q0 + row) * p.Hq + h) * D;
+        T* og = static_cast<T*>(p.out) + (int64_t(q0 + row) * p.Hq + h) * D + dbase;
 #pragma unroll
-        for (int nd = 0; nd < D / 8; ++nd) {
+        for (int nd = 0; nd < DC / 8; ++nd) {
           *reinterpret_cast<uint32_t*>(og + nd * 8 + 2 * tq) =
               pack2<T>(o[m][nd][2 * i] * inv, o[m][nd][2 * i + 1] * inv);
         }
-        if (tq == 0) {
+        if (tq == 0 && dpart == 0) {
           p.lse[int64_t(h) * p.T + q0 + row] =
               l > 0.f ? (m_run[m][i] + log2f(l)) * kLn2 : -INFINITY;
         }
@@ -206,7 +218,7 @@ __global__ void __launch_bounds__(FwdCfg<D>::THREADS, FwdCfg<D>::MIN_BLOCKS)
 template <typename T, int D>
 void launch_forward_sm80(const Params& p, cudaStream_t stream) {
   using Cfg = FwdCfg<D>;
-  const int64_t grid = int64_t(p.nqt) * p.Hq;
+  const int64_t grid = int64_t(p.nqt) * (kTileSize / Cfg::BM) * p.Hq;
   if (grid == 0) return;
   auto kernel = p.softcap > 0.f ? fwd_kernel_sm80<T, D, true> : fwd_kernel_sm80<T, D, false>;
   launch_kernel(kernel, grid, Cfg::THREADS, Cfg::SMEM, stream, p, "dualkv forward (sm80)");

@@ -104,17 +104,23 @@ __device__ __forceinline__ uint64_t desc_mnmajor(uint32_t tile, int k0) {
   return make_desc(tile + k0 * 128, ROWS * 128, 1024);
 }
 
-// acc = A[a_row0, a_row0 + 64) . B[b_row0, b_row0 + N)^T over all D columns: the D / 16 wgmmas
-// of one product of two K-major SW128 tiles (A of A_ROWS rows, B of B_ROWS rows), issued but not
-// committed (the caller fences, commits and waits).
+// acc = A[a_row0, a_row0 + 64) . B[b_row0, b_row0 + N)^T over columns [k_begin, k_begin + KC)
+// (the reduction dim; k_begin a multiple of 16): the KC / 16 wgmmas of one product of two K-major
+// SW128 tiles (A of A_ROWS rows, B of B_ROWS rows), issued but not committed (the caller fences,
+// commits and waits). KC = D, k_begin = 0: the whole product (wgmma_rows).
+template <typename T, int N, int KC, int A_ROWS, int B_ROWS, int NACC>
+__device__ __forceinline__ void wgmma_rows_cols(float (&acc)[NACC], uint32_t sA, int a_row0,
+                                                uint32_t sB, int b_row0, int k_begin) {
+#pragma unroll
+  for (int kk = 0; kk < KC / 16; ++kk) {
+    Wgmma<T, N>::template ss<0>(acc, desc_kmajor<A_ROWS>(sA, a_row0, k_begin + kk * 16),
+                                desc_kmajor<B_ROWS>(sB, b_row0, k_begin + kk * 16), kk > 0);
+  }
+}
 template <typename T, int N, int D, int A_ROWS, int B_ROWS, int NACC>
 __device__ __forceinline__ void wgmma_rows(float (&acc)[NACC], uint32_t sA, int a_row0, uint32_t sB,
                                            int b_row0) {
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    Wgmma<T, N>::template ss<0>(acc, desc_kmajor<A_ROWS>(sA, a_row0, kk * 16),
-                                desc_kmajor<B_ROWS>(sB, b_row0, kk * 16), kk > 0);
-  }
+  wgmma_rows_cols<T, N, D, A_ROWS, B_ROWS>(acc, sA, a_row0, sB, b_row0, 0);
 }
 
 // Epilogues of the wgmma accumulators (m64nN fragments: element nd * 4 + 2 * r + {0, 1} of a
@@ -122,24 +128,26 @@ __device__ __forceinline__ void wgmma_rows(float (&acc)[NACC], uint32_t sA, int 
 
 // A warpgroup's output rows row0 and row0 + 8 (queries q0 + row, of nq, q head h): O over the
 // softmax sum to out, and lse = ln(sum) + the row max (m_run * m_scale, in log2 units) to lse.
-template <typename T, int D>
-__device__ __forceinline__ void store_out_rows(const Params& p, const float (&o)[D / 2],
+// W < D: the accumulator holds the W columns from col0 (and `with_lse` says whether this
+// warpgroup writes lse).
+template <typename T, int D, int W = D>
+__device__ __forceinline__ void store_out_rows(const Params& p, const float (&o)[W / 2],
                                                const float (&m_run)[2], const float (&l_run)[2],
                                                float m_scale, int q0, int nq, int h, int row0,
-                                               int tq) {
+                                               int tq, int col0 = 0, bool with_lse = true) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float l = quad_sum(l_run[r]);
     const float inv = l > 0.f ? 1.f / l : 0.f;
     const int row = row0 + 8 * r;
     if (row < nq) {
-      T* og = static_cast<T*>(p.out) + (int64_t(q0 + row) * p.Hq + h) * D;
+      T* og = static_cast<T*>(p.out) + (int64_t(q0 + row) * p.Hq + h) * D + col0;
 #pragma unroll
-      for (int nd = 0; nd < D / 8; ++nd) {
+      for (int nd = 0; nd < W / 8; ++nd) {
         *reinterpret_cast<uint32_t*>(og + nd * 8 + 2 * tq) =
             pack2<T>(o[nd * 4 + 2 * r] * inv, o[nd * 4 + 2 * r + 1] * inv);
       }
-      if (tq == 0) {
+      if (tq == 0 && with_lse) {
         p.lse[int64_t(h) * p.T + q0 + row] =
             l > 0.f ? (m_run[r] * m_scale + log2f(l)) * kLn2 : -INFINITY;
       }

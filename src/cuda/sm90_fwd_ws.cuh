@@ -18,6 +18,19 @@
 // the neighbouring tokens instead of zero-filled; they are masked to P = 0, so only a non-finite V
 // value there could leak (0 * inf). Q rows past the tile's end are likewise real tokens (their
 // rows are computed and not written).
+// D = 512 (KSPLIT = 2): a 64 x 512 fp32 O does not fit one warpgroup's registers. A CTA owns 64
+// query rows (half a tile); both consumer warpgroups work on them: warpgroup c owns O's columns
+// [256c, 256c + 256) and computes the partial S_c = Q[:, cols] K[:, cols]^T over the same columns
+// of the reduction dim. The two partials go through shared memory (double-buffered by block
+// parity, one named barrier per block) and each warpgroup adds them in the same order, so both
+// hold bitwise the same S and run the same online softmax; then O_c += P V[:, cols]. No ping-pong
+// (the warpgroups meet every block); the O rescale is skipped in a warp whose rows kept their max.
+// The two 64-row halves of a tile run as a cluster of two CTAs (CLUSTER = 2) that walk the same
+// key blocks (the whole tile's walk): each producer loads half of a K/V block's column blocks
+// with TMA multicast into both CTAs, so every block is read from L2 once per 128 queries, not
+// per 64 (64 queries x 32 keys x 512 columns is 64 FLOP per byte of K/V: L2 bandwidth bound).
+// A stage is refilled when the consumer warps of both CTAs have released it (their empty barrier
+// counts 2 x 8 warp arrivals, one of them remote).
 #pragma once
 
 #include <cuda.h>
@@ -30,17 +43,24 @@ namespace dualkv::cuda::detail {
 
 template <int D>
 struct FwdWsCfg {
-  static constexpr int BM = kTileSize;  // 2 consumer warpgroups x 64 rows
-  static constexpr int BN = D >= 256 ? 64 : 128;
+  // Consumer warpgroups sharing one 64-row slab (splitting O's columns and S's reduction dim).
+  static constexpr int KSPLIT = D >= 512 ? 2 : 1;
+  static constexpr int DC = D / KSPLIT;          // columns per consumer warpgroup
+  static constexpr int BM = kTileSize / KSPLIT;  // 2 consumer warpgroups x 64 rows / KSPLIT
+  static constexpr int BN = D >= 512 ? 32 : D >= 256 ? 64 : 128;
   static constexpr int STAGES = 2;
-  static constexpr int THREADS = 384;  // warpgroup 0 produces, 1 and 2 consume
+  static constexpr int CLUSTER = KSPLIT > 1 ? 2 : 1;  // CTAs sharing each K/V block (multicast)
+  static constexpr int THREADS = 384;                 // warpgroup 0 produces, 1 and 2 consume
   static constexpr int CONSUMERS = 256;
   static constexpr int Q_BYTES = BM * D * 2;
   static constexpr int KV_BYTES = BN * D * 2;
   static constexpr int OFF_K = Q_BYTES;
   static constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
+  // KSPLIT > 1: the partial-S exchange, [2 block parities][KSPLIT][BN / 8][128 threads] float4.
+  static constexpr int OFF_X = OFF_V + STAGES * KV_BYTES;
+  static constexpr int X_BYTES = KSPLIT > 1 ? 2 * KSPLIT * 64 * BN * 4 : 0;
   // mbarriers: q, full_k[S], full_v[S], empty_k[S], empty_v[S]
-  static constexpr int OFF_BAR = OFF_V + STAGES * KV_BYTES;
+  static constexpr int OFF_BAR = OFF_X + X_BYTES;
   static constexpr int SMEM = OFF_BAR + 8 * (1 + 4 * STAGES) + 1024;  // + alignment slack
   // setmaxnreg: 40 + 2 x 232 = 504 registers per thread slot of the three warpgroups (<= 512).
   static constexpr int PRODUCER_REGS = 40;
@@ -49,6 +69,7 @@ struct FwdWsCfg {
   static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "register pool of one CTA");
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
+static_assert(FwdWsCfg<512>::SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
 
 // Kernel parameter block: the common parameters plus the TMA maps (by value, __grid_constant__).
 struct FwdWsArgs {
@@ -90,6 +111,32 @@ __device__ __forceinline__ void tma_load3(uint32_t dst, const CUtensorMap* map, 
       "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
 }
+// The same copy delivered to the same shared-memory offsets of every CTA of the cluster in
+// `cta_mask` (and completing on the barrier at the same offset in each).
+__device__ __forceinline__ void tma_load3_multicast(uint32_t dst, const CUtensorMap* map,
+                                                    uint32_t bar, int c0, int c1, int c2,
+                                                    uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%3, %4, %5}], [%2], %6;" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "h"(cta_mask)
+      : "memory");
+}
+// Arrives on the barrier at offset `bar` of cluster CTA `cta`. A consumer's release of a stage
+// publishes no memory writes (its reads of the stage are wgmma operands, complete at its
+// wait_group), so the default (.release.cta) semantics suffice, as in CUTLASS's pipelines; a
+// .release.cluster arrive compiled to a MEMBAR.ALL.GPU per arrival.
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
+  asm volatile(
+      "{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n" ::"r"(bar),
+      "r"(cta)
+      : "memory");
+}
+// All threads of all CTAs of the cluster meet (and see each other's earlier writes).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
 __device__ __forceinline__ void prefetch_tmap(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
@@ -121,12 +168,31 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
   auto empty_v = [&](int s) { return bQ + 8u * (1 + 3 * S + s); };
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
-  const QueryTileCta<kTileSize> cta(p);
-  const int h = cta.h, hk = cta.hk, q0 = cta.q0, nq = cta.nq;
-  const Segment& seg = cta.seg;
+  constexpr int CLUSTER = Cfg::CLUSTER;
+  int h, hk, q0, nq;  // this CTA's q head, kv head and query rows [q0, q0 + nq)
+  int wq0, wnq;       // the queries whose key walk the CTA follows (CLUSTER: the whole tile)
+  Segment seg;
+  if constexpr (CLUSTER == 1) {
+    const QueryTileCta<BM> cta(p);
+    if (!cta.valid) return;
+    h = cta.h, hk = cta.hk, q0 = cta.q0, nq = cta.nq, seg = cta.seg;
+    wq0 = q0, wnq = nq;
+  } else {
+    // Both halves of the tile run, the second one also when the tile has <= 64 rows (nq = 0:
+    // it computes rows it does not write), since the pair shares every K/V load.
+    static_assert(CLUSTER == 2 && BM * 2 == kTileSize, "a cluster holds one tile's two halves");
+    const TilePart<BM, true> part(p.qtiles, p.Hq);
+    h = part.head, hk = h / p.group, q0 = part.begin, nq = part.valid ? part.count : 0;
+    seg = p.segs[part.segment];
+    wq0 = part.tile_begin, wnq = part.tile_end - part.tile_begin;
+  }
+  const uint32_t rank = CLUSTER > 1 ? blockIdx.x % CLUSTER : 0u;  // = %cluster_ctarank
 
-  const KeyBlockWalk<BN> walk(seg, q0, nq, p.mask);
+  const KeyBlockWalk<BN> walk(seg, wq0, wnq, p.mask);
   const int total = walk.total, pq_first = walk.pq_first;
+  // Empty-barrier arrivals per phase: every consumer thread, or (CLUSTER) one per consumer warp
+  // of each CTA of the cluster.
+  constexpr uint32_t kEmptyCount = CLUSTER > 1 ? CLUSTER * (NC / 32) : NC;
 
   if (tid == 0) {
     ws::mbar_init(bQ, 1);
@@ -134,14 +200,18 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
     for (int s = 0; s < S; ++s) {
       ws::mbar_init(full_k(s), 1);
       ws::mbar_init(full_v(s), 1);
-      ws::mbar_init(empty_k(s), NC);
-      ws::mbar_init(empty_v(s), NC);
+      ws::mbar_init(empty_k(s), kEmptyCount);
+      ws::mbar_init(empty_v(s), kEmptyCount);
     }
     // Make the initialised barriers visible to the copy engine (async proxy).
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     fence_proxy_async();
   }
-  __syncthreads();
+  if constexpr (CLUSTER > 1) {
+    ws::cluster_sync();  // the peer's barriers are initialised before any copy or arrival
+  } else {
+    __syncthreads();
+  }
 
   if (warp < 4) {
     // ---- producer warpgroup: one thread issues every copy ------------------------------------
@@ -157,33 +227,72 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
         const int s = j % S;
         const uint32_t ph = uint32_t(j / S) & 1u;
         const int row = int(walk.at(j).row());
-        ws::mbar_wait(empty_k(s), ph ^ 1u);
-        ws::mbar_expect_tx(full_k(s), Cfg::KV_BYTES);
+        if constexpr (CLUSTER > 1) {
+          // This CTA's share of the column blocks, multicast to both; each CTA's full barrier
+          // expects the whole block (half from each producer).
+          constexpr int CB = D / 64 / CLUSTER;
+          constexpr uint16_t kAll = (1u << CLUSTER) - 1u;
+          ws::mbar_wait(empty_k(s), ph ^ 1u);
+          ws::mbar_expect_tx(full_k(s), Cfg::KV_BYTES);
 #pragma unroll
-        for (int c = 0; c < D / 64; ++c) {
-          ws::tma_load3(sK0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tk, full_k(s), c * 64, hk,
-                        row);
-        }
-        ws::mbar_wait(empty_v(s), ph ^ 1u);
-        ws::mbar_expect_tx(full_v(s), Cfg::KV_BYTES);
+          for (int c = int(rank) * CB; c < int(rank) * CB + CB; ++c) {
+            ws::tma_load3_multicast(sK0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tk, full_k(s),
+                                    c * 64, hk, row, kAll);
+          }
+          ws::mbar_wait(empty_v(s), ph ^ 1u);
+          ws::mbar_expect_tx(full_v(s), Cfg::KV_BYTES);
 #pragma unroll
-        for (int c = 0; c < D / 64; ++c) {
-          ws::tma_load3(sV0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tv, full_v(s), c * 64, hk,
-                        row);
+          for (int c = int(rank) * CB; c < int(rank) * CB + CB; ++c) {
+            ws::tma_load3_multicast(sV0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tv, full_v(s),
+                                    c * 64, hk, row, kAll);
+          }
+        } else {
+          ws::mbar_wait(empty_k(s), ph ^ 1u);
+          ws::mbar_expect_tx(full_k(s), Cfg::KV_BYTES);
+#pragma unroll
+          for (int c = 0; c < D / 64; ++c) {
+            ws::tma_load3(sK0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tk, full_k(s), c * 64, hk,
+                          row);
+          }
+          ws::mbar_wait(empty_v(s), ph ^ 1u);
+          ws::mbar_expect_tx(full_v(s), Cfg::KV_BYTES);
+#pragma unroll
+          for (int c = 0; c < D / 64; ++c) {
+            ws::tma_load3(sV0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tv, full_v(s), c * 64, hk,
+                          row);
+          }
         }
       }
     }
   } else {
     // ---- consumer warpgroups -----------------------------------------------------------------
     ws::reg_alloc<Cfg::CONSUMER_REGS>();
-    const int cw = (warp >> 2) - 1;  // 0 or 1: query rows [64 cw, 64 cw + 64)
+    constexpr int KSPLIT = Cfg::KSPLIT, DC = Cfg::DC;
+    // KSPLIT = 1: warpgroup cw (0 or 1) owns query rows [64 cw, 64 cw + 64) and all D columns;
+    // KSPLIT = 2: both own rows [0, 64), cw the columns [DC cw, DC cw + DC).
+    const int cw = (warp >> 2) - 1;
+    const int wrow = KSPLIT > 1 ? 0 : cw * 64, col0 = KSPLIT > 1 ? cw * DC : 0;
     const int g = lane >> 2, tq = lane & 3;
-    const int row0 = cw * 64 + (warp & 3) * 16 + g;  // rows row0, row0 + 8
-    const bool pp = a.pingpong != 0;
+    const int row0 = wrow + (warp & 3) * 16 + g;  // rows row0, row0 + 8
+    const bool pp = KSPLIT == 1 && a.pingpong != 0;
+    const int row_base = CLUSTER > 1 ? q0 - wq0 : 0;  // first row's offset in the walk's rows
+    // A consumer's release of a stage: every thread arrives, or (CLUSTER) one per warp, on the
+    // barrier of each CTA of the cluster.
+    auto release = [&](uint32_t bar) {
+      if constexpr (CLUSTER > 1) {
+        __syncwarp();
+        if (lane == 0) {
+#pragma unroll
+          for (uint32_t c = 0; c < uint32_t(CLUSTER); ++c) ws::mbar_arrive_cluster(bar, c);
+        }
+      } else {
+        ws::mbar_arrive(bar);
+      }
+    };
     const int my_bar = 1 + cw, other_bar = 2 - cw;
     const float sl = (kCap || a.prescale) ? 1.f : p.scale_log2;  // log2-domain factor of the scores
 
-    constexpr int OR = D / 2, SR = BN / 2;  // accumulator floats per thread
+    constexpr int OR = DC / 2, SR = BN / 2;  // accumulator floats per thread
     float o[OR];
 #pragma unroll
     for (int i = 0; i < OR; ++i) o[i] = 0.f;
@@ -191,11 +300,31 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
     float s[SR];
     uint32_t pa[BN / 16][4];
 
+    // KSPLIT > 1: s += the other warpgroup's partial S of block j (through shared memory).
+    auto exchange = [&](int j) {
+      if constexpr (KSPLIT > 1) {
+        static_assert(KSPLIT == 2 && SR % 4 == 0, "two warpgroups exchange float4s");
+        float4* xb = reinterpret_cast<float4*>(smem + (base + Cfg::OFF_X - smem_u32(smem)));
+        const int wt = tid & 127, par = j & 1;
+        float4* mine = xb + (par * 2 + cw) * (SR / 4) * 128 + wt;
+        const float4* other = xb + (par * 2 + (1 - cw)) * (SR / 4) * 128 + wt;
+#pragma unroll
+        for (int i = 0; i < SR / 4; ++i)
+          mine[i * 128] = make_float4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]);
+        ws::bar_sync(3, NC);
+#pragma unroll
+        for (int i = 0; i < SR / 4; ++i) {
+          const float4 x = other[i * 128];
+          // Both warpgroups add the same two numbers (commutative): bitwise the same S.
+          s[4 * i] += x.x, s[4 * i + 1] += x.y, s[4 * i + 2] += x.z, s[4 * i + 3] += x.w;
+        }
+      }
+    };
     // Scores of block j (in s) -> unnormalised probabilities (in place); updates the running max
     // and sum; corr = factor by which O must be rescaled.
     auto softmax = [&](int j, float (&corr)[2]) {
       const auto kb = walk.at(j);
-      const bool msk = walk.masked(kb, nq, BM, p.mask);
+      const bool msk = walk.masked(kb, wnq, CLUSTER > 1 ? kTileSize : BM, p.mask);
       if constexpr (kCap) {
 #pragma unroll
         for (int i = 0; i < SR; ++i) s[i] = p.cap_log2 * tanhf(s[i] * p.cap_inv);
@@ -209,7 +338,7 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
 #pragma unroll
         for (int i = 0; i < SR; ++i) {
           const int nt = i >> 2, e = i & 3;
-          const int pq = pq_first + row0 + (e >> 1) * 8;
+          const int pq = pq_first + row_base + row0 + (e >> 1) * 8;
           const int kr = kb.off + nt * 8 + 2 * tq + (e & 1);
           if (!(kr < kb.R.len && p.mask.allowed(pq, kb.R.pos0 + kr))) s[i] = -INFINITY;
         }
@@ -224,6 +353,9 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
         const float mu =
             (mx == -INFINITY ? 0.f : mx) * sl;         // scaled max; 0 while the row saw nothing
         corr[r] = fast_exp2(fmaf(m_run[r], sl, -mu));  // m_run = -inf -> 0
+        if constexpr (KSPLIT > 1) {
+          if (mx == m_run[r]) corr[r] = 1.f;  // exactly: the rescale may then be skipped
+        }
         m_run[r] = mx;
         float sum = 0.f;
 #pragma unroll
@@ -246,14 +378,15 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
     };
     auto issue_s = [&](int st) {
       const uint32_t sK = sK0 + st * Cfg::KV_BYTES;
-      wgmma_rows<T, BN, D, BM, BN>(s, sQ, cw * 64, sK, 0);
+      wgmma_rows_cols<T, BN, DC, BM, BN>(s, sQ, wrow, sK, 0, col0);
       wg_commit();
     };
     auto issue_pv = [&](int st) {
-      const uint32_t sV = sV0 + st * Cfg::KV_BYTES;
+      // V's columns [col0, col0 + DC): SW128 column blocks of BN rows x 64 columns.
+      const uint32_t sV = sV0 + st * Cfg::KV_BYTES + (col0 / 64) * (BN * 128);
 #pragma unroll
       for (int kt = 0; kt < BN / 16; ++kt)
-        Wgmma<T, D>::template rs<1>(o, pa[kt], desc_mnmajor<BN>(sV, kt * 16), 1);
+        Wgmma<T, DC>::template rs<1>(o, pa[kt], desc_mnmajor<BN>(sV, kt * 16), 1);
       wg_commit();
     };
 
@@ -270,7 +403,8 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
       if (pp) ws::bar_arrive(other_bar, NC);
       wg_wait<0>();
       fence_regs(s);
-      ws::mbar_arrive(empty_k(0));
+      release(empty_k(0));
+      exchange(0);
       float corr[2];
       softmax(0, corr);
       pack_p();
@@ -288,7 +422,8 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
         if (pp) ws::bar_arrive(other_bar, NC);
         wg_wait<1>();  // S_j done; P V still in flight
         fence_regs(s);
-        ws::mbar_arrive(empty_k(st));
+        release(empty_k(st));
+        exchange(j);
         softmax(j, corr);
         // Keep the exp2s before the wait: ptxas hoists the wait over straight-line code, which
         // would stall on P V before the softmax instead of overlapping it. A branch on the row
@@ -298,13 +433,17 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
         wg_wait<0>();
         fence_regs(o);
         fence_regs(pa);
-        ws::mbar_arrive(empty_v(pst));
+        release(empty_v(pst));
+        bool rescale = true;
+        if constexpr (KSPLIT > 1) rescale = __any_sync(~0u, corr[0] != 1.f || corr[1] != 1.f);
+        if (rescale) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
+          for (int r = 0; r < 2; ++r) {
 #pragma unroll
-          for (int nd = 0; nd < D / 8; ++nd) {
-            o[nd * 4 + 2 * r] *= corr[r];
-            o[nd * 4 + 2 * r + 1] *= corr[r];
+            for (int nd = 0; nd < DC / 8; ++nd) {
+              o[nd * 4 + 2 * r] *= corr[r];
+              o[nd * 4 + 2 * r + 1] *= corr[r];
+            }
           }
         }
         pack_p();
@@ -326,15 +465,18 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
     // Consumer 0 takes consumer 1's last hand-over, so no barrier is left half-arrived.
     if (pp && cw == 0) ws::bar_sync(my_bar, NC);
 
-    store_out_rows<T, D>(p, o, m_run, l_run, sl, q0, nq, h, row0, tq);
+    store_out_rows<T, D, DC>(p, o, m_run, l_run, sl, q0, nq, h, row0, tq, col0,
+                             KSPLIT == 1 || cw == 0);
   }
+  // No CTA of a cluster exits while its peer may still arrive on its barriers.
+  if constexpr (CLUSTER > 1) ws::cluster_sync();
 #endif
 }
 
 template <typename T, int D>
 bool launch_forward_sm90_ws(const Params& p, cudaStream_t stream) {
   using Cfg = FwdWsCfg<D>;
-  const int64_t grid = int64_t(p.nqt) * p.Hq;
+  const int64_t grid = int64_t(p.nqt) * (kTileSize / Cfg::BM) * p.Hq;
   if (grid == 0) return true;
   FwdWsArgs a{};
   if (!encode_tmap_thd(&a.tq, p.q, p.T, p.Hq, D, p.q_tok, p.q_head, Cfg::BM) ||
@@ -348,7 +490,7 @@ bool launch_forward_sm90_ws(const Params& p, cudaStream_t stream) {
   a.prescale = !(p.scale_log2 > 0.f);
   auto kernel = p.softcap > 0.f ? fwd_ws_kernel_sm90<T, D, true> : fwd_ws_kernel_sm90<T, D, false>;
   launch_kernel(kernel, grid, Cfg::THREADS, Cfg::SMEM, stream, a,
-                "dualkv forward (sm90a, warp-specialised)");
+                "dualkv forward (sm90a, warp-specialised)", Cfg::CLUSTER);
   return true;
 }
 

@@ -72,11 +72,23 @@ Shape shape_of(const at::Tensor& q, const at::Tensor& k) {
   return Shape{int32_t(q.size(0)), int32_t(q.size(1)), int32_t(k.size(1)), int32_t(q.size(2))};
 }
 
-ScoreParams check_score(const ScoreOptions& opts) {
+ScoreParams check_score(const ScoreOptions& opts, at::ScalarType dtype) {
   TORCH_CHECK_VALUE(std::isfinite(opts.softmax_scale), "softmax_scale must be finite, got ",
                     opts.softmax_scale);
   TORCH_CHECK_VALUE(std::isfinite(opts.softcap) && opts.softcap >= 0.0,
                     "softcap must be >= 0 (0 disables it), got ", opts.softcap);
+  if (dtype != at::kDouble) {
+    // The float32 kernels scale by softmax_scale * log2(e) and divide by the softcap.
+    constexpr double kLog2e = 1.4426950408889634;
+    constexpr double kMax = std::numeric_limits<float>::max() / kLog2e;
+    constexpr double kMinCap = std::numeric_limits<float>::min();
+    TORCH_CHECK_VALUE(std::abs(opts.softmax_scale) <= kMax, "softmax_scale=", opts.softmax_scale,
+                      " overflows the float32 score computation (", dtype,
+                      " inputs): |softmax_scale| must be at most ", kMax);
+    TORCH_CHECK_VALUE(opts.softcap == 0.0 || (opts.softcap >= kMinCap && opts.softcap <= kMax),
+                      "softcap=", opts.softcap, " is outside float32's range for ", dtype,
+                      " inputs: use 0 (no softcap) or a value in [", kMinCap, ", ", kMax, "]");
+  }
   ScoreParams p;
   p.softmax_scale = opts.softmax_scale;
   p.softcap = opts.softcap;

@@ -31,7 +31,10 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                const LayoutTensors& layout);
 // The problem shape of checked (real) q and k.
 Shape shape_of(const at::Tensor& q, const at::Tensor& k);
-ScoreParams check_score(const ScoreOptions& opts);
+// Validates the score options. For inputs other than float64 the scores are computed in float32,
+// so a scale or softcap that does not fit float32 (e.g. 1e39, or a softcap that rounds to 0) is
+// refused instead of turning every output into NaN.
+ScoreParams check_score(const ScoreOptions& opts, at::ScalarType dtype = at::kDouble);
 DType to_dtype(at::ScalarType t, const char* name = "q");
 // lse is float32, except float64 for float64 inputs.
 at::ScalarType lse_dtype(at::ScalarType input);

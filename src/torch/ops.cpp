@@ -58,7 +58,7 @@ int64_t layout_pairs(at::IntArrayRef prefix_lens, at::IntArrayRef response_count
 // The Meta implementations are what torch.compile traces with: output shapes from q's symbolic
 // sizes, so one compiled graph serves every layout (no size of a layout table is read).
 FwdResult fwd_meta(DUALKV_FWD_PARAMS) {
-  check_score({softmax_scale, window, softcap});
+  check_score({softmax_scale, window, softcap}, q.scalar_type());
   check_qkv(q, k, v, {segments, query_tiles, key_tiles, total_tokens});
   const c10::SymInt &tokens = q.sym_size(0), &heads = q.sym_size(1);
   return {at::empty_symint({tokens, heads, q.sym_size(2)}, q.options()),
@@ -66,7 +66,7 @@ FwdResult fwd_meta(DUALKV_FWD_PARAMS) {
 }
 
 BwdResult bwd_meta(DUALKV_BWD_PARAMS) {
-  check_score({softmax_scale, window, softcap});
+  check_score({softmax_scale, window, softcap}, q.scalar_type());
   check_qkv(q, k, v, {segments, query_tiles, key_tiles, total_tokens});
   return {at::empty_like(q, at::MemoryFormat::Contiguous),
           at::empty_like(k, at::MemoryFormat::Contiguous),

@@ -22,7 +22,7 @@ std::tuple<at::Tensor, at::Tensor> run_forward(
     const std::function<void(const ForwardArgs&)>& launch) {
   check_qkv(q_in, k_in, v_in, layout);
   const Shape shape = shape_of(q_in, k_in);
-  const ScoreParams score = check_score(opts);
+  const ScoreParams score = check_score(opts, q_in.scalar_type());
   const at::Tensor q = with_unit_inner_stride(q_in), k = with_unit_inner_stride(k_in),
                    v = with_unit_inner_stride(v_in);
   at::Tensor out = at::empty({shape.tokens, shape.num_q_heads, shape.head_dim}, q.options());
@@ -48,7 +48,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(
     bool deterministic, const std::function<void(const BackwardArgs&)>& launch) {
   check_qkv(q_in, k_in, v_in, layout);
   const Shape shape = shape_of(q_in, k_in);
-  const ScoreParams score = check_score(opts);
+  const ScoreParams score = check_score(opts, q_in.scalar_type());
   TORCH_CHECK_VALUE(dout_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes(),
                     "dout and out must have q's shape ", q_in.sizes(), ", got ", dout_in.sizes(),
                     " and ", out_in.sizes());

@@ -10,7 +10,10 @@ VOCAB = 131
 
 
 def tiny_config(family: str, window: int = 5, head_dim: int = 16) -> object:
-    """A tiny random config of ``family`` (qwen3, llama, gemma3, qwen3-sliding, gemma2)."""
+    """A tiny random config of ``family`` (qwen3, llama, gemma3, qwen3-sliding, gemma2, and the
+    Gemma 4 text variants of :func:`gemma4_config`)."""
+    if family.startswith("gemma4"):
+        return gemma4_config(family, window=window, head_dim=head_dim)
     common = dict(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -66,31 +69,120 @@ def tiny_config(family: str, window: int = 5, head_dim: int = 16) -> object:
     raise ValueError(family)
 
 
+EMBED_STD = 0.15
+GEMMA4_FAMILIES = ("gemma4", "gemma4-keqv", "gemma4-shared", "gemma4-moe")
+
+
+def gemma4_config(
+    family: str = "gemma4",
+    window: int = 5,
+    head_dim: int = 16,
+    global_head_dim: int | None = None,
+    heads: int = 4,
+    kv_heads: int = 2,
+    global_kv_heads: int = 1,
+    hidden: int = 64,
+    **overrides: object,
+) -> object:
+    """A tiny random Gemma 4 text config (transformers' ``Gemma4TextConfig``).
+
+    Sliding layers have ``head_dim``, full layers ``global_head_dim`` (2x by default), with the
+    proportional partial RoPE of the full layers, q/k RMSNorm (``scaling=1.0``), per-layer input
+    embeddings and the final logit softcap. Variants:
+
+    * ``gemma4``: 4 layers (S F S F), every layer with its own k/v projections;
+    * ``gemma4-keqv``: ``attention_k_eq_v`` (full layers without v_proj, ``global_kv_heads``);
+    * ``gemma4-shared``: k_eq_v, 5 layers (S F S S F) of which the last 3 reuse the KV of
+      layers 0 and 1 (``num_kv_shared_layers``), double-wide MLP on those;
+    * ``gemma4-moe``: k_eq_v and the MoE block next to the MLP (26B-A4B style).
+
+    ``overrides`` are further ``Gemma4TextConfig`` fields.
+    """
+    from transformers import Gemma4TextConfig
+
+    if family not in GEMMA4_FAMILIES:
+        raise ValueError(family)
+    layers = ["sliding_attention", "full_attention"] * 2
+    extra: dict[str, object] = {}
+    if family == "gemma4-shared":
+        layers = ["sliding_attention", "full_attention", "sliding_attention",
+                  "sliding_attention", "full_attention"]  # fmt: skip
+        extra = dict(num_kv_shared_layers=3, use_double_wide_mlp=True)
+    if family == "gemma4-moe":
+        extra = dict(enable_moe_block=True, num_experts=4, top_k_experts=2,
+                     moe_intermediate_size=32)  # fmt: skip
+    extra.update(overrides)
+    return Gemma4TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=96,
+        num_hidden_layers=len(layers),
+        layer_types=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        global_head_dim=global_head_dim or 2 * head_dim,
+        num_global_key_value_heads=global_kv_heads,
+        attention_k_eq_v=family != "gemma4",
+        sliding_window=window,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=VOCAB,
+        final_logit_softcapping=15.0,
+        **extra,
+    )
+
+
 def rows_attention(family: str) -> str:
     """The attention of the unshared reference rows (HF SDPA; eager where SDPA cannot softcap)."""
     return "eager" if family == "gemma2" else "sdpa"
 
 
 def tiny_model(
-    family: str, dtype: torch.dtype = torch.float32, seed: int = 0, head_dim: int = 16
+    family: str,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    head_dim: int = 16,
+    config: object | None = None,
 ) -> torch.nn.Module:
-    """A tiny random causal LM; its weights are scaled up a little so logits are not flat."""
+    """A tiny random causal LM (of ``config`` when given, else ``tiny_config(family)``); its
+    weights are scaled up a little so logits are not flat."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = tiny_config(family, head_dim=head_dim)
+    config = tiny_config(family, head_dim=head_dim) if config is None else config
     impl = rows_attention(family)
     config._attn_implementation = impl
     model = AutoModelForCausalLM.from_config(config, attn_implementation=impl)
+    gemma4 = getattr(config, "model_type", "") == "gemma4_text"
+    # (Gemma 4 multiplies its embeddings by sqrt(hidden) = 8 and ties the LM head to them: a
+    # smaller table keeps the inputs and the logits near unit scale)
+    embed_std = EMBED_STD if gemma4 else 0.5
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
-                p.normal_(0.0, 0.08 if "embed" not in name else 0.5)
+                p.normal_(0.0, 0.08 if "embed" not in name else embed_std)
             elif "bias" in name:
                 p.normal_(0.0, 0.05)
             else:  # norm weights: vary them around their init
                 p.add_(torch.randn_like(p) * 0.1)
+        if gemma4:
+            _temper_scores(model)
     return model.to(dtype)
+
+
+def _temper_scores(model: torch.nn.Module, score_std: float = 3.0) -> None:
+    """Gemma 4 scores are ``q_norm(q) . k_norm(k)`` with scale 1: with unit norm weights their
+    spread grows as sqrt(head dim) (16 at D = 256, 23 at D = 512), a near one-hot softmax that no
+    trained model has and on which bf16 rounding is chaotic. Scale the q/k norm weights so the
+    scores spread about ``score_std`` at every head dim, as learned norm weights do."""
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        factor = (score_std / attn.head_dim**0.5) ** 0.5
+        attn.q_norm.weight.mul_(factor)
+        if not attn.is_kv_shared_layer:
+            attn.k_norm.weight.mul_(factor)
 
 
 def random_groups(

@@ -14,6 +14,7 @@ import torch
 
 import dualkv
 from dualkv.reference import random_layout_lens, unshared_attention
+from oracle import dense_attention
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 SLACK = {torch.float64: 1e-10, torch.float32: 2e-6, torch.bfloat16: 1e-4, torch.float16: 1e-5}
@@ -78,9 +79,9 @@ def run_case(
             t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves
         ]
 
-    def ref(dt: torch.dtype, dev: str):  # noqa: ANN202
+    def ref(dt: torch.dtype, dev: str, oracle=unshared_attention):  # noqa: ANN001, ANN202
         def fn(q_, k_, v_):  # noqa: ANN001, ANN202
-            return unshared_attention(q_, k_, v_, prefix, resp, scale, window, softcap)
+            return oracle(q_, k_, v_, prefix, resp, scale, window, softcap)
 
         return grads(
             fn,
@@ -98,7 +99,15 @@ def run_case(
         dout64.to(device, dtype),
         dlse64.to(device, torch.float64 if dtype == torch.float64 else torch.float32),
     )
-    exact = ref(torch.float64, "cpu")
+    # The oracle: a dense mask from DESIGN.md's rule (tests/python/oracle.py), independent of
+    # the package; the plain same-precision yardstick: the package's unshared rows, which must
+    # themselves agree with the oracle in float64.
+    exact = ref(torch.float64, "cpu", dense_attention)
+    for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], ref(torch.float64, "cpu"), exact):
+        assert (
+            max_err(a.masked_fill(~torch.isfinite(b), 0), b.masked_fill(~torch.isfinite(b), 0))
+            < 1e-9
+        ), name
     plain = ref(dtype, device)
     for name, g, r, p, factor in zip(
         ["out", "lse", "dq", "dk", "dv"], got, exact, plain, [2, 2, 3, 3, 3]
@@ -147,16 +156,27 @@ def test_large_head_dims(
 ) -> None:
     if device == "cuda" and dtype == torch.float32:
         pytest.skip("float32 is a CPU-only dtype")
-    if device == "cuda" and d == 512:
-        pytest.skip("head dim 512 is not supported yet on GPU (test_gpu checks the error)")
     rng = random.Random(seed)
     lens = random_layout_lens(rng, groups=2, max_p=150, max_n=3, max_r=100)
     run_case(lens, 4, 2, d, dtype, device, window, softcap, seed)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 1), (16, 2)], ids=["1:1", "MQA", "8:1"])
+@pytest.mark.parametrize("window,softcap", [(None, 0.0), (37, 5.0)])
+def test_head_dim_512_gpu(
+    dtype: torch.dtype, hq: int, hkv: int, window: int | None, softcap: float, seed: int
+) -> None:
+    """Head dim 512 (Gemma 4's global layers) on the GPU: both dtypes, GQA ratios and MQA."""
+    rng = random.Random(seed)
+    lens = random_layout_lens(rng, groups=rng.randint(1, 3), max_p=300, max_r=200)
+    run_case(lens, hq, hkv, 512, dtype, "cuda", window, softcap, seed)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["1", "2"])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256, 512])
 @pytest.mark.parametrize("window,softcap", [(None, 0.0), (37, 5.0)])
 def test_atomic_dq_modes(
     mode: str,
@@ -194,6 +214,8 @@ def test_edge_layouts(device: str, dtype: torch.dtype, lens, seed: int) -> None:
         pytest.skip("float64 is a CPU-only dtype")
     run_case(lens, 4, 2, 64, dtype, device, None, 0.0, seed)
     run_case(lens, 4, 2, 64, dtype, device, 2, 0.0, seed + 1)
+    if device == "cuda":  # head dim 512 has its own tiles (half-tile CTAs, split columns)
+        run_case(lens, 4, 2, 512, dtype, device, None, 0.0, seed + 2)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -222,16 +244,27 @@ def test_gradcheck_fp64(seed: int) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_strided_inputs(device: str, seed: int) -> None:
-    """q, k, v as views into one fused qkv projection give the same result as copies."""
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_strided_inputs(device: str, dtype: torch.dtype, seed: int) -> None:
+    """q, k, v as views into one fused qkv projection give the same outputs and gradients as
+    contiguous copies (and the gradients land in the fused tensor's slices)."""
+    if device == "cuda" and dtype == torch.float64:
+        pytest.skip("float64 is a CPU-only dtype")
     layout = dualkv.Layout([40, 9], [[17, 3], [0, 30]], device=device)
     T = layout.total_tokens
     gen = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(T, 8 + 2 + 2, 64, generator=gen).to(device, torch.bfloat16)
-    q, k, v = qkv[:, :8], qkv[:, 8:10], qkv[:, 10:]
-    a = dualkv.attention(q, k, v, layout)
-    b = dualkv.attention(q.contiguous(), k.contiguous(), v.contiguous(), layout)
+    qkv = torch.randn(T, 8 + 2 + 2, 64, generator=gen).to(device, dtype).requires_grad_()
+    dout = torch.randn(T, 8, 64, generator=gen).to(device, dtype)
+    a = dualkv.attention(qkv[:, :8], qkv[:, 8:10], qkv[:, 10:], layout)
+    a.backward(dout)
+    copies = [qkv.detach()[:, sl].contiguous().requires_grad_() for sl in
+              (slice(0, 8), slice(8, 10), slice(10, 12))]  # fmt: skip
+    b = dualkv.attention(*copies, layout)
+    b.backward(dout)
     assert torch.equal(a, b)
+    assert qkv.grad is not None
+    assert torch.equal(qkv.grad, torch.cat([c.grad for c in copies], dim=1))
+    assert qkv.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("device", DEVICES)

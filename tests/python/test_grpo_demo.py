@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -36,3 +37,10 @@ def test_grpo_demo_packed_only():
     (res,) = grpo_demo.run(argv, out=out)
     assert res.standard.error == "skipped" and res.packed.error is None
     assert "skipped" in out.getvalue()
+    # the packed step really ran: 2 rows of 4 response tokens, finite log-probs (< 0: a random
+    # 256-token model is far from certain of any token) and a finite, nonzero loss
+    lp, loss = res.packed.logprobs, res.packed.loss
+    assert lp is not None and lp.shape == (2, 4)
+    assert torch.isfinite(lp).all() and (lp < 0).all()
+    assert loss is not None and torch.isfinite(loss) and loss != 0
+    assert res.max_logprob_diff is None and res.loss_diff is None

@@ -73,10 +73,32 @@ def test_flops_match_brute_force(window: int | None, seed: int) -> None:
 
 
 def test_device_and_to() -> None:
-    layout = dualkv.Layout([2], [[1]])
+    """to() moves every metadata tensor (to the meta device here, so the move is real on a
+    machine without a GPU) and keeps the structure; the original stays where it was."""
+    layout = dualkv.Layout([2, 0], [[1, 3], [2]])
     assert layout.device == torch.device("cpu")
-    moved = layout.to("cpu")
-    assert moved.total_tokens == layout.total_tokens and moved.prefix_lens == (2,)
+    moved = layout.to("meta")
+    assert moved.device == torch.device("meta")
+    for name in ("segments", "query_tiles", "key_tiles", "position_ids"):
+        a, b = getattr(layout, name), getattr(moved, name)
+        assert a.device.type == "cpu" and b.device.type == "meta", name
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+    assert moved.total_tokens == layout.total_tokens == 8
+    assert moved.prefix_lens == (2, 0) and moved.response_lens == ((1, 3), (2,))
+    back = moved.to("cpu")
+    assert torch.equal(back.position_ids, layout.position_ids)
+    assert torch.equal(back.segments, layout.segments)
+    assert moved.group_first_tokens().device.type == "meta"
+    assert back.group_first_tokens().tolist() == [
+        True,
+        False,
+        False,
+        False,
+        False,
+        False,
+        True,
+        False,
+    ]
 
 
 @pytest.mark.parametrize(
@@ -91,6 +113,9 @@ def test_device_and_to() -> None:
         (3, [[1]], TypeError, "prefix_lens"),
         ([2**31 - 1], [[2]], ValueError, "int32"),
         ([2**30, 2**30], [[], []], ValueError, "int32"),
+        ([2**63], [[1]], ValueError, r"prefix_lens\[0\] = 9223372036854775808 exceeds the int32"),
+        ([1], [[2**64]], ValueError, r"response_lens\[0\]\[0\] = .* exceeds the int32"),
+        ("ab", [[1]], TypeError, "prefix_lens must be a list of ints"),
     ],
 )
 def test_invalid_layouts(prefix, resp, exc, match) -> None:  # noqa: ANN001
@@ -101,3 +126,14 @@ def test_invalid_layouts(prefix, resp, exc, match) -> None:  # noqa: ANN001
 def test_window_must_be_positive() -> None:
     with pytest.raises(ValueError, match="window"):
         dualkv.Layout([2], [[1]]).allowed_pairs(0)
+
+
+def test_numpy_lengths() -> None:
+    """numpy arrays (and numpy integers) are accepted as lengths, like tensors."""
+    np = pytest.importorskip("numpy")
+    a = dualkv.Layout(np.array([3, 0]), [np.array([1, 2]), [np.int64(4)]])
+    b = dualkv.Layout([3, 0], [[1, 2], [4]])
+    assert a.prefix_lens == b.prefix_lens and a.response_lens == b.response_lens
+    assert torch.equal(a.position_ids, b.position_ids)
+    with pytest.raises(TypeError, match="one-dimensional"):
+        dualkv.Layout(np.array([[3]]), [[1]])

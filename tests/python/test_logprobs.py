@@ -87,11 +87,23 @@ def test_logprobs_chunking_is_exact_and_grad_only_logprob(seed):
     for o in outs[1:]:
         for a, b in zip(o, outs[0], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3)
-    # weight only (frozen hidden) and hidden only (frozen head)
+    # weight only (frozen hidden) and hidden only (frozen head): each gradient equals its part
+    # of the gradient of both
+    hidden.grad = weight.grad = None
+    response_logprobs(hidden, weight, pk).sum().backward()
+    want_h, want_w = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
     lp = response_logprobs(hidden.detach(), weight, pk)
+    assert lp.requires_grad
     lp.sum().backward()
+    assert hidden.grad is None
+    torch.testing.assert_close(weight.grad, want_w, rtol=1e-5, atol=1e-5)
+    weight.grad = None
     lp = response_logprobs(hidden, weight.detach(), pk)
     lp.sum().backward()
+    assert weight.grad is None
+    torch.testing.assert_close(hidden.grad, want_h, rtol=1e-5, atol=1e-5)
+    assert want_h.abs().sum() > 0 and want_w.abs().sum() > 0
 
 
 def test_logprobs_bf16_tolerance(seed):

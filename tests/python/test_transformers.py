@@ -1,6 +1,7 @@
 """HF transformers backend: the packed GRPO/DAPO step equals the standard rows step with SDPA.
 
-Tiny random Qwen3, Llama and Gemma3 (sliding-window layers in logical positions) built in code;
+Tiny random Qwen3, Llama, Gemma3 (sliding-window layers in logical positions) and Gemma 4 text
+models (hf_helpers.gemma4_config: two head dims, k_eq_v, shared-KV layers, MoE) built in code;
 per-token log-probs, the loss and every parameter gradient of the packed step
 (``attn_implementation="dualkv"``) against the unshared rows with HF SDPA, in float32 (tight) and
 bfloat16 (error vs a float64 reference at most a small multiple of the plain bf16 rows' error).
@@ -31,7 +32,7 @@ from hf_helpers import (  # noqa: E402
     tiny_model,
 )
 
-FAMILIES = ["qwen3", "llama", "gemma3", "qwen3-sliding"]
+FAMILIES = ["qwen3", "llama", "gemma3", "qwen3-sliding", "gemma4", "gemma4-keqv", "gemma4-shared"]
 TEMPERATURE = 0.9
 
 
@@ -77,7 +78,8 @@ def _old_logprobs(model, ids, mask, pw, noise):
     return (lp.float() + noise) * (mask[:, pw:] != 0)
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "gemma2"])
+# (MoE top-k routing only in fp32: a bf16 rounding may route a token differently on either path)
+@pytest.mark.parametrize("family", [*FAMILIES, "gemma2", "gemma4-moe"])
 def test_packed_step_equals_rows_fp32(seed, family):
     model = tiny_model(family, torch.float32, seed=seed % 1000)
     ids, mask, pw, pk, adv, noise = _batch(seed)
@@ -353,9 +355,15 @@ def test_registration_and_errors(seed):
     ids, mask, pw, pk, adv, noise = _batch(seed, groups=2)
     lp = dkt.packed_response_logprobs(model, pk)
     assert lp.shape == (ids.shape[0], ids.shape[1] - pw)
-    # a 2-D all-ones attention mask is fine (the mask interface builds nothing)
+    # a 2-D all-ones attention mask is fine (the mask interface builds nothing); one with a
+    # zero is refused (a packed stream has no padding to mask)
     out = model(**pk.model_inputs(), attention_mask=torch.ones_like(pk.input_ids))
     assert out.logits.shape == (1, pk.total_tokens, VOCAB)
+    assert torch.equal(out.logits, model(**pk.model_inputs()).logits)
+    zero = torch.ones_like(pk.input_ids)
+    zero[0, -1] = 0
+    with pytest.raises(ValueError, match="attention_mask with zeros"):
+        model(**pk.model_inputs(), attention_mask=zero)
     with pytest.raises(RuntimeError, match="dualkv.Layout"):
         model(input_ids=pk.input_ids, position_ids=pk.position_ids)
     with pytest.raises(ValueError, match="one packed stream"):

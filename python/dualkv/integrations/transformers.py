@@ -14,7 +14,12 @@ the batch's :class:`dualkv.Layout` given either
   a process-wide stack, and a checkpointed backward must then run inside the ``with`` block).
 
 Every decoder of transformers that dispatches through ``ALL_ATTENTION_FUNCTIONS`` works; tested
-with Qwen3, Llama and Gemma3 (whose sliding-window layers get their window in logical positions).
+with Qwen3, Llama, Gemma3 (whose sliding-window layers get their window in logical positions) and
+Gemma 4 text models (``Gemma4ForCausalLM``, and ``Gemma4ForConditionalGeneration`` on text): one
+``"dualkv"`` serves their sliding (``head_dim``) and full (``global_head_dim``) layers, with
+``attention_k_eq_v``, shared-KV layers (``num_kv_shared_layers``: the model hands them the packed
+K/V of an earlier layer, which is on the same packed stream), per-layer input embeddings (looked up
+from the packed input ids) and the final logit softcap in the log-probs.
 
 Typical step::
 
@@ -32,21 +37,32 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+try:
+    import transformers  # noqa: F401
+except ImportError as e:  # the integration is an extra
+    raise ImportError(
+        "dualkv.integrations.transformers needs Hugging Face transformers: pip install "
+        "'dualkv[transformers]' (or pip install transformers)"
+    ) from e
+
 from ..attention import attention
 from ..layout import Layout
 from ..logprobs import logprobs_from_logits, response_logprobs
 from ..packing import PackedBatch
+from ..parallel import ShardedLayout, ulysses_attention
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "check_positions",
     "checkpoint_kwargs",
     "current_layout",
     "dualkv_attention_forward",
@@ -65,29 +81,35 @@ DETERMINISTIC_KWARG = "dualkv_deterministic"
 
 # Process-wide (not thread-local: the autograd engine may replay a checkpointed layer on its
 # device thread) stack of (layout, deterministic) set by use_layout().
-_LAYOUT_STACK: list[tuple[Layout, bool]] = []
+_LAYOUT_STACK: list[tuple[Layout | ShardedLayout, bool]] = []
 
 
-def current_layout() -> Layout | None:
+def current_layout() -> Layout | ShardedLayout | None:
     """The innermost layout set by :func:`use_layout`, or None."""
     return _LAYOUT_STACK[-1][0] if _LAYOUT_STACK else None
 
 
 @contextlib.contextmanager
 def use_layout(
-    layout: Layout, model: PreTrainedModel | None = None, deterministic: bool = False
-) -> Iterator[Layout]:
+    layout: Layout | ShardedLayout,
+    model: PreTrainedModel | None = None,
+    deterministic: bool = False,
+) -> Iterator[Layout | ShardedLayout]:
     """Make ``layout`` the layout of ``"dualkv"`` attention inside the ``with`` block.
 
     Args:
-        layout: the packed batch's :class:`dualkv.Layout`.
+        layout: the packed batch's :class:`dualkv.Layout` (or, sequence-parallel, this rank's
+            :class:`dualkv.parallel.ShardedLayout`).
         model: optional model; when given, a forward pre-hook adds ``dualkv_layout=layout`` to
             its decoder's forward keywords, so gradient-checkpointed layers replay with it even
             when the backward runs after the block.
         deterministic: bitwise-reproducible attention gradients.
     """
-    if not isinstance(layout, Layout):
-        raise TypeError(f"layout must be a dualkv.Layout, got {type(layout).__name__}")
+    if not isinstance(layout, (Layout, ShardedLayout)):
+        raise TypeError(
+            "layout must be a dualkv.Layout (or a dualkv.parallel.ShardedLayout), got "
+            f"{type(layout).__name__}"
+        )
     handle = None
     if model is not None:
 
@@ -134,8 +156,9 @@ def dualkv_attention_forward(
         scaling: softmax scale (default ``1/sqrt(D)``).
         sliding_window: the layer's window in logical positions (``pos(q) - pos(k) < w``).
         softcap: attention logit soft-capping (Gemma 2 style), None for none.
-        kwargs: ``dualkv_layout`` (else :func:`current_layout`), ``dualkv_deterministic``;
-            others are ignored.
+        kwargs: ``dualkv_layout`` (else :func:`current_layout`): a :class:`dualkv.Layout`, or
+            this rank's :class:`dualkv.parallel.ShardedLayout` (sequence parallel: ``query`` is
+            then the rank's shard); ``dualkv_deterministic``; others are ignored.
 
     Returns:
         ``(out [1, T, Hq, D], None)``.
@@ -168,8 +191,12 @@ def dualkv_attention_forward(
         )
     if dropout:
         raise ValueError(f"dualkv attention does not support attention dropout (got {dropout})")
+    check_positions(kwargs.get("position_ids"), layout)
     if not getattr(module, "is_causal", True):
-        raise ValueError("dualkv attention is causal; this module is not (bidirectional attention)")
+        raise ValueError(
+            f"dualkv attention is causal; {type(module).__name__} is bidirectional (e.g. Gemma 4 "
+            "with use_bidirectional_attention='all'), which a shared-prompt layout cannot pack"
+        )
     device_type = query.device.type
     if torch.is_autocast_enabled(device_type):
         # mixed precision (e.g. TRL's bf16=True): q and k may leave their norms in float32 while
@@ -179,7 +206,9 @@ def dualkv_attention_forward(
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    out = attention(
+    # sequence parallel (dualkv.parallel): this rank's token shard, Ulysses all-to-all attention
+    attend = ulysses_attention if isinstance(layout, ShardedLayout) else attention
+    out = attend(
         q, k, v, layout,
         softmax_scale=scaling,
         window=int(sliding_window) if sliding_window else None,
@@ -190,9 +219,125 @@ def dualkv_attention_forward(
     return out.unsqueeze(0), None
 
 
-def dualkv_mask(*args: Any, **kwargs: Any) -> None:
-    """Mask function of ``"dualkv"`` (transformers' mask interface): no mask, the layout is it."""
+def check_positions(position_ids: torch.Tensor | None, layout: Layout | ShardedLayout) -> None:
+    """Refuse position ids that are not the layout's logical positions.
+
+    A packed stream needs RoPE on the logical positions (prompt ``0..P-1``, each response
+    ``P..P+R-1``); a model called without ``position_ids`` numbers the packed tokens ``0..T-1``
+    instead, which would silently shift every response. Positions that differ from the layout's
+    by a constant per group (rows' own positions taken over by :func:`dualkv.pack`) are accepted
+    (RoPE is relative). On a :class:`dualkv.parallel.ShardedLayout` the rank's slice is checked.
+
+    Free for the layout's own tensor (``packed.position_ids``); other tensors are compared once
+    (one host synchronisation) and remembered. Not checked while torch.compile traces.
+    """
+    if position_ids is None or torch.compiler.is_compiling():
+        return
+    base = layout.layout if isinstance(layout, ShardedLayout) else layout
+    own, first = base.position_ids, base.group_first_tokens()
+    pos = position_ids.reshape(-1)
+    if not isinstance(layout, ShardedLayout) and (
+        pos.data_ptr() == own.data_ptr() and pos.numel() == own.numel() and pos.stride(0) == 1
+    ):
+        return
+    checked = layout._checked_positions
+    if checked is not None and checked() is position_ids:
+        return
+    if isinstance(layout, ShardedLayout):
+        own = layout.shard(own)
+        first = layout.shard(first.to(torch.int8), pad_value=1).bool()
+    if pos.numel() != own.numel():
+        raise ValueError(
+            f"position_ids has {pos.numel()} positions but the layout has {own.numel()} tokens; "
+            "pass position_ids=packed.position_ids"
+        )
+    delta = pos.to(own.device, torch.int64) - own
+    same = (delta[1:] == delta[:-1]) | first[1:]
+    if not bool(same.all()):
+        raise ValueError(
+            "position_ids are not the layout's logical positions (prompt 0..P-1, each response "
+            "P..P+R-1): the model was probably called without position_ids, so RoPE numbered the "
+            "packed tokens 0..T-1. Pass position_ids=packed.position_ids (model(**packed."
+            "model_inputs()) does)"
+        )
+    layout._checked_positions = weakref.ref(position_ids)
+
+
+def dualkv_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> None:
+    """Mask function of ``"dualkv"`` (transformers' mask interface): no mask, the layout is it.
+
+    A padding mask with zeros cannot be honoured on a packed stream (there is no padding in
+    it), so it is refused rather than ignored; an all-ones mask is accepted (checked with one
+    host synchronisation; under torch.compile only ``None`` is accepted).
+
+    For a model that may relax causality among vision tokens (Gemma 4 with
+    ``use_bidirectional_attention="vision"``), the mask function transformers built is checked
+    on every (token, next token) pair: a bidirectional block (an image's or video's tokens)
+    raises, since the layout cannot express it and dropping it would be a silent wrong answer.
+    """
+    config = kwargs.get("config")
+    mask_function = kwargs.get("mask_function")
+    bidirectional = getattr(config, "use_bidirectional_attention", None)
+    if mask_function is not None and bidirectional == "vision":
+        _check_causal(mask_function, int(kwargs.get("kv_length") or 0), kwargs.get("device"))
+    if attention_mask is None:
+        return None
+    if torch.compiler.is_compiling():
+        raise ValueError(
+            'attn_implementation="dualkv" takes its mask from the layout: call the model with '
+            "attention_mask=None on a packed batch"
+        )
+    if not bool(attention_mask.all()):
+        raise ValueError(
+            'attn_implementation="dualkv" got an attention_mask with zeros (padding): a packed '
+            "batch has no padding, its mask is the layout. Pack the rows with "
+            "dualkv.pack(input_ids, attention_mask, prompt_width) and call the model with "
+            "attention_mask=None"
+        )
     return None
+
+
+_GUARDED: dict[tuple[str, Any], Any] = {}
+
+
+def _refuse_layout(name: str, function: Any) -> Any:
+    """``function`` (another attention implementation), raising if a dualkv layout reaches it."""
+    key = (name, function)
+    if key not in _GUARDED:
+        _GUARDED[key] = _guard(name, function)
+    return _GUARDED[key]
+
+
+def _guard(name: str, function: Any) -> Any:
+
+    @functools.wraps(function)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get(LAYOUT_KWARG) is not None:
+            raise ValueError(
+                f"a dualkv layout (dualkv_layout=...) reached attn_implementation={name!r}, which "
+                "would ignore it and run plain causal attention over the packed stream. Load the "
+                'model with attn_implementation="dualkv" or call model.set_attn_implementation('
+                '"dualkv") (a config object shared between models switches all of them)'
+            )
+        return function(*args, **kwargs)
+
+    guarded._dualkv_guard = True  # type: ignore[attr-defined]
+    return guarded
+
+
+def _check_causal(mask_function: Any, length: int, device: Any) -> None:
+    if length < 2:
+        return
+    q = torch.arange(length - 1, device=device)
+    zero = torch.zeros_like(q)
+    sees_next = torch.as_tensor(mask_function(zero, zero, q, q + 1))
+    if bool(sees_next.any()):  # one host sync per mask, only for such models
+        raise ValueError(
+            "dualkv attention is causal, but this batch's mask lets tokens attend to later ones "
+            "(bidirectional attention among vision tokens: Gemma 4 "
+            "use_bidirectional_attention='vision' with image/video inputs); packing such "
+            "prompts is not supported yet"
+        )
 
 
 def register() -> None:
@@ -200,6 +345,21 @@ def register() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, dualkv_attention_forward)
+    # Every other implementation (sdpa, flash, flex, a model's own eager function) ignores
+    # unknown keywords: a packed batch reaching one would run plain causal attention over the
+    # packed stream. The functions the interface hands out raise instead.
+    get_interface = getattr(AttentionInterface, "get_interface", None)
+    if get_interface is not None and not getattr(get_interface, "_dualkv_guard", False):
+
+        @functools.wraps(get_interface)
+        def guarded_get_interface(self: Any, attn_implementation: str, default: Any) -> Any:
+            function = get_interface(self, attn_implementation, default)
+            if attn_implementation == ATTN_IMPLEMENTATION:
+                return function
+            return _refuse_layout(str(attn_implementation), function)
+
+        guarded_get_interface._dualkv_guard = True  # type: ignore[attr-defined]
+        AttentionInterface.get_interface = guarded_get_interface  # type: ignore[method-assign]
     try:
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError:  # transformers without the mask interface builds no mask for it anyway

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Head dim 512, one device call: the standalone CUDA tests (binary built on the dev machine with
+# DUALKV_CUDA_HEAD_DIMS=512, carried in .out/), sanitizers, the package built with D = 64 and 512
+# and its D = 512 GPU tests on the default and sm_80 paths, the benchmarks side by side, and ncu
+# kernel durations. The sdpa step needs the package (pytest step) installed first.
+#   OUT=... bash tests/cuda/d512_run.sh [test] [sanitize] [pytest] [bench] [sdpa] [ncu]
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT="${OUT:-.out/d512}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+ldconfig -p | grep -q libgomp.so.1 || export LD_LIBRARY_PATH="$PWD/.out/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+BIN=.out/dualkv_cuda_test
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(test sanitize pytest bench sdpa)
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
+date -u
+status=0
+SHAPES=(--shape 16,8192,1024,32,4,512 --shape 8,16384,2048,32,4,512)
+for s in "${steps[@]}"; do
+  case "$s" in
+  test)
+    echo "== standalone: D = 512 matrix, every path, race 20 =="
+    timeout 300 $BIN --race 20 >"$OUT/test.log" 2>&1; rc=$?
+    grep -E "FAIL|error|note|reproduce" "$OUT/test.log" | head -20; tail -2 "$OUT/test.log"
+    grep -q "kernels cannot run" "$OUT/test.log" && { echo "FAIL: fell back"; rc=1; }
+    echo "rc=$rc"; [ $rc = 0 ] || status=1 ;;
+  sanitize)
+    for run in "memcheck default" "racecheck sm80"; do
+      set -- $run
+      echo "== compute-sanitizer $1 (--small, path $2) =="
+      timeout 200 compute-sanitizer --tool "$1" --error-exitcode 9 $BIN --small --seed 1 \
+        --path "$2" >"$OUT/san_$1.log" 2>&1; rc=$?
+      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|correctness" "$OUT/san_$1.log" | tail -2; echo "rc=$rc"
+      [ $rc = 0 ] || status=1
+    done ;;
+  pytest)
+    echo "== build the package (D = 64 and 512) =="
+    CMAKE_ARGS="-DDUALKV_CUDA=ON -DDUALKV_CUDA_HEAD_DIMS=64;512" CMAKE_BUILD_PARALLEL_LEVEL=16 \
+      timeout 300 python3 -m pip install --no-build-isolation --no-deps -q . >"$OUT/build.log" 2>&1 ||
+      { tail -30 "$OUT/build.log"; exit 1; }
+    for path in default DUALKV_FORCE_SM80=1; do
+      echo "== pytest D = 512 ($path) =="
+      envs=(); [ "$path" = default ] || envs=("$path")
+      (cd /tmp && env "${envs[@]}" timeout 300 python3 -m pytest "$OLDPWD/tests/python" -q \
+        -k "(cuda or gpu) and (512 or unsupported)" -p no:cacheprovider \
+        >"$OUT/pytest_${path%%=*}.log" 2>&1); rc=$?
+      tail -1 "$OUT/pytest_${path%%=*}.log"; grep -E "^(FAILED|ERROR)" "$OUT/pytest_${path%%=*}.log" | head
+      grep -q "kernels cannot run" "$OUT/pytest_${path%%=*}.log" && { echo "FAIL: fell back"; rc=1; }
+      [ $rc = 0 ] || status=1
+    done ;;
+  bench)
+    echo "== standalone bench (${BENCH_PATHS:-default}) =="
+    for path in ${BENCH_PATHS:-default}; do
+      timeout 200 $BIN --no-check --bench --bench-reps 5 --path $path >"$OUT/bench_$path.log" 2>&1
+      echo "rc=$?"; grep "^|" "$OUT/bench_$path.log"
+    done ;;
+  sdpa)
+    echo "== bench/attention.py: DualKV vs SDPA memory-efficient (rows) and its 3-pass =="
+    timeout 400 python3 bench/attention.py "${SHAPES[@]}" --methods "${METHODS:-dualkv,sdpa_mem,mem_3pass}" \
+      --warmup 1 --repeats 3 --out "$OUT" 2>&1 | tee "$OUT/attention.log" | tail -9 ;;
+  ncu)
+    echo "== ncu kernel durations (first bench shape, default path) =="
+    timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum --launch-count 8 \
+      -k "regex:fwd_ws|dkdv|dq_kernel|bwd_pre" $BIN --no-check --bench --bench-reps 1 \
+      --path default >"$OUT/ncu.log" 2>&1
+    echo "rc=$?"; grep -E "^  [a-z_]|gpu__time_duration" "$OUT/ncu.log" | sed 's/(dualkv::[^)]*)//' | cut -c1-120 ;;
+  *) echo "unknown step $s"; status=1 ;;
+  esac
+done
+exit $status

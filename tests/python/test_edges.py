@@ -1,0 +1,356 @@
+"""The edges around the op (issue 14): each case either gives the right answer or raises a clear
+error naming the argument; none returns a silently wrong number."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dualkv
+from dualkv import dapo_loss, grpo_loss, pack, policy_loss
+
+LAYOUT = dualkv.Layout([5, 2], [[3, 1], [4]])  # T = 15
+
+
+def qkv(dtype: torch.dtype = torch.float32, d: int = 16, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    T = LAYOUT.total_tokens
+    return tuple(torch.randn(T, h, d, generator=g, dtype=dtype) for h in (4, 2, 2))
+
+
+# --- 6. options whose float32 value overflows ---
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"softmax_scale": 1e39}, "softmax_scale=1e\\+39 overflows"),
+        ({"softmax_scale": -3e38}, "softmax_scale=-3e\\+38 overflows"),
+        ({"softcap": 1e39}, "softcap=1e\\+39 is outside float32"),
+        ({"softcap": 1e-50}, "softcap=1e-50 is outside float32"),
+    ],
+)
+def test_overflowing_options_are_refused(dtype, kw, match) -> None:  # noqa: ANN001
+    q, k, v = qkv(dtype)
+    with pytest.raises(ValueError, match=match):
+        dualkv.attention(q, k, v, LAYOUT, **kw)
+
+
+def test_large_scale_float64_is_computed() -> None:
+    """float64 computes in float64: a scale beyond float32 is a valid (hard-max) attention."""
+    q, k, v = qkv(torch.float64)
+    out = dualkv.attention(q, k, v, LAYOUT, softmax_scale=1e39)
+    assert torch.isfinite(out).all()
+    from oracle import dense_attention
+
+    ref, _ = dense_attention(q, k, v, [5, 2], [[3, 1], [4]], 1e39)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+
+
+# --- 8. unclear messages ---
+def test_head_dim_zero() -> None:
+    q, k, v = (t[..., :0] for t in qkv())
+    with pytest.raises(ValueError, match="head dim must be positive"):
+        dualkv.attention(q, k, v, LAYOUT)
+
+
+def test_softcap_none_is_no_softcap() -> None:
+    q, k, v = qkv()
+    assert torch.equal(
+        dualkv.attention(q, k, v, LAYOUT, softcap=None), dualkv.attention(q, k, v, LAYOUT)
+    )
+
+
+@pytest.mark.parametrize(
+    "kw,exc,match",
+    [
+        ({"deterministic": "no"}, TypeError, "deterministic must be True or False, got 'no'"),
+        ({"return_lse": 1}, TypeError, "return_lse must be True or False"),
+        ({"softcap": "3"}, TypeError, "softcap must be a real number"),
+        ({"softmax_scale": True}, TypeError, "softmax_scale must be a real number"),
+        ({"window": 2.5}, TypeError, "window must be None or an int"),
+        ({"window": True}, TypeError, "window must be None or an int"),
+    ],
+)
+def test_option_types(kw, exc, match) -> None:  # noqa: ANN001
+    q, k, v = qkv()
+    with pytest.raises(exc, match=match):
+        dualkv.attention(q, k, v, LAYOUT, **kw)
+
+
+def test_numpy_bool_flag() -> None:
+    np = pytest.importorskip("numpy")
+    q, k, v = qkv()
+    out = dualkv.attention(q, k, v, LAYOUT, return_lse=np.True_)
+    assert isinstance(out, tuple)
+
+
+def test_pack_refuses_string_tokens_and_fractional_width() -> None:
+    with pytest.raises(TypeError, match=r"prompts\[0\]\[1\] must be an int token id"):
+        pack(prompts=[[1, "a"]], responses=[[[2]]])
+    with pytest.raises(TypeError, match=r"responses\[0\]\[0\] must be a list of token ids"):
+        pack(prompts=[[1]], responses=[["hello"]])
+    ids = torch.ones(2, 6, dtype=torch.int64)
+    mask = torch.ones(2, 6, dtype=torch.int64)
+    with pytest.raises(TypeError, match="prompt_width must be an int"):
+        pack(ids, mask, 2.7, [0, 0])
+    with pytest.raises(TypeError, match="input_ids must be an integer tensor"):
+        pack(ids.float(), mask, 3, [0, 0])
+    # integer tensors as token lists are fine
+    a = pack(prompts=[torch.tensor([1, 2])], responses=[[torch.tensor([3])]])
+    b = pack(prompts=[[1, 2]], responses=[[[3]]])
+    assert torch.equal(a.input_ids, b.input_ids)
+
+
+# --- 7. P = 0: the first response token has no prediction and is no loss token ---
+def test_empty_prompt_first_token_is_not_scored() -> None:
+    pk = pack(prompts=[[], [7, 8]], responses=[[[1, 2, 3], [4]], [[5, 6]]])
+    assert pk.real_mask.tolist() == [
+        [True, True, True], [True, False, False], [True, True, False]
+    ]  # fmt: skip
+    assert pk.response_mask.tolist() == [
+        [False, True, True], [False, False, False], [True, True, False]
+    ]  # fmt: skip
+    assert pk.num_response_tokens == int(pk.response_mask.sum()) == 4
+    hidden = torch.randn(1, pk.total_tokens, 8, requires_grad=True)
+    weight = torch.randn(11, 8)
+    logp = dualkv.response_logprobs(hidden, weight, pk)
+    old = logp.detach() + 0.1
+    adv = torch.tensor([1.0, -1.0, 0.5])
+    loss, _ = dapo_loss(logp, old, adv, pk.response_mask)
+    # token-mean over the 4 scored tokens only (the two unpredicted first tokens excluded)
+    ratio = torch.exp(logp - old)
+    per_tok = torch.maximum(-adv[:, None] * ratio, -adv[:, None] * ratio.clamp(0.8, 1.28))
+    want = per_tok[pk.response_mask].sum() / 4
+    torch.testing.assert_close(loss, want)
+    # the gathered hidden states keep every real token
+    g = pk.gather_responses(hidden)
+    assert torch.equal(g[0, 0], hidden[0, 0])
+
+
+# --- 5. losses ---
+def _loss_batch(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    B, R = 5, 7
+    mask = torch.arange(R)[None, :] < torch.tensor([7, 3, 1, 5, 0])[:, None]
+    logp = (-torch.rand(B, R, generator=g) * 3).requires_grad_()
+    old = logp.detach() + 0.2 * torch.randn(B, R, generator=g)
+    ref = logp.detach() + 0.2 * torch.randn(B, R, generator=g)
+    adv = torch.randn(B, generator=g)
+    return logp, old, ref, adv, mask
+
+
+def test_advantage_shapes(seed) -> None:
+    logp, old, _, adv, mask = _loss_batch(seed)
+    a, _ = grpo_loss(logp, old, adv, mask)
+    b, _ = grpo_loss(logp, old, adv[:, None], mask)
+    c, _ = grpo_loss(logp, old, adv[:, None].expand_as(logp), mask)
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(a, c)
+    for bad in (adv[:, None, None], adv[:3], adv[None, :], torch.randn(5, 3)):
+        with pytest.raises(ValueError, match="advantages must have shape"):
+            grpo_loss(logp, old, bad, mask)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("mode", dualkv.losses.LOSS_AGG_MODES)
+def test_padding_poison_cannot_reach_loss_or_grad(poison, mode, seed) -> None:  # noqa: ANN001
+    logp, old, ref, adv, mask = _loss_batch(seed)
+    adv_tok = adv[:, None].expand(-1, logp.shape[1]).clone()
+    clean = policy_loss(logp, old, adv_tok, mask, loss_agg_mode=mode, ref_logprobs=ref,
+                        kl_coef=0.1)[0]  # fmt: skip
+    (g_clean,) = torch.autograd.grad(clean, logp)
+    pad = ~mask
+    poisoned = [t.detach().masked_fill(pad, poison) for t in (logp, old, ref, adv_tok)]
+    lp = poisoned[0].requires_grad_()
+    loss, stats = policy_loss(lp, poisoned[1], poisoned[3], mask, loss_agg_mode=mode,
+                              ref_logprobs=poisoned[2], kl_coef=0.1)  # fmt: skip
+    (g,) = torch.autograd.grad(loss, lp)
+    assert torch.isfinite(loss) and torch.isfinite(g).all()
+    torch.testing.assert_close(loss, clean)
+    torch.testing.assert_close(g, g_clean)
+    assert all(torch.isfinite(v) for v in stats.values())
+
+
+def test_loss_option_checks() -> None:
+    logp, old, _, adv, mask = _loss_batch(0)
+    for n in (0, -3, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="num_tokens must be"):
+            dapo_loss(logp, old, adv, mask, num_tokens=n)
+    with pytest.raises(ValueError, match="num_tokens must be > 0"):
+        dapo_loss(logp, old, adv, mask, num_tokens=torch.tensor(0))
+    with pytest.raises(ValueError, match=r"clip_eps must be in \[0, 1\)"):
+        grpo_loss(logp, old, adv, mask, clip_eps=-0.2)
+    with pytest.raises(ValueError, match="clip_low"):
+        policy_loss(logp, old, adv, mask, clip_low=1.0)
+    with pytest.raises(ValueError, match="clip_high"):
+        policy_loss(logp, old, adv, mask, clip_high=-0.1)
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        policy_loss(logp, old, adv, mask, clip_ratio_c=0.5)
+    with pytest.raises(ValueError, match="loss_agg_mode"):
+        policy_loss(logp, old, adv, mask, loss_agg_mode="mean")
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        policy_loss(logp, old, adv, mask, ref_logprobs=logp[:, :2], kl_coef=0.1)
+    # a valid num_tokens divides the token sum
+    a, _ = dapo_loss(logp, old, adv, mask, num_tokens=int(mask.sum()))
+    b, _ = dapo_loss(logp, old, adv, mask)
+    torch.testing.assert_close(a, b)
+
+
+# --- 4. double backward and functorch ---
+def test_double_backward_raises_first_order_with_graph_works(seed) -> None:
+    g = torch.Generator().manual_seed(seed)
+    T = LAYOUT.total_tokens
+    q, k, v = (torch.randn(T, h, 8, generator=g, dtype=torch.float64, requires_grad=True)
+               for h in (4, 2, 2))  # fmt: skip
+    out = dualkv.attention(q, k, v, LAYOUT)
+    (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    (dq_plain,) = torch.autograd.grad(dualkv.attention(q, k, v, LAYOUT).square().sum(), q)
+    torch.testing.assert_close(dq, dq_plain)  # create_graph alone gives the first derivative
+    with pytest.raises(NotImplementedError, match="double backward"):
+        dq.sum().backward()
+    tiny = dualkv.Layout([2], [[1]])
+    small = [t[:3, :2, :2].detach().clone().requires_grad_() for t in (q, k, v)]
+    with pytest.raises(NotImplementedError, match="double backward"):
+        torch.autograd.gradgradcheck(lambda a, b, c: dualkv.attention(a, b, c, tiny), small)
+
+
+def test_functorch_transforms_raise() -> None:
+    q, k, v = qkv(torch.float64, d=8)
+    for transform in (torch.func.jacrev, torch.func.grad, torch.func.vmap):
+        with pytest.raises(NotImplementedError, match="torch.func transforms"):
+            transform(lambda x: dualkv.attention(x, k, v, LAYOUT).sum())(q)
+
+
+# --- 9. the demo without transformers ---
+def _run_without_transformers(code: str) -> subprocess.CompletedProcess[str]:
+    prelude = "import sys; sys.modules['transformers'] = None\n"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    return subprocess.run(
+        [sys.executable, "-c", prelude + code], capture_output=True, text=True, env=env,
+        timeout=300, cwd="/",
+    )  # fmt: skip
+
+
+def test_demo_without_transformers_names_the_extra() -> None:
+    r = _run_without_transformers(
+        "import runpy; runpy.run_module('dualkv.demo', run_name='__main__')"
+    )
+    assert r.returncode == 2, r.stderr
+    assert "dualkv[transformers]" in r.stderr and "Traceback" not in r.stderr
+    r = _run_without_transformers("import dualkv.integrations.transformers")
+    assert r.returncode != 0 and "pip install 'dualkv[transformers]'" in r.stderr
+    r = _run_without_transformers("import dualkv; print(dualkv.__version__)")
+    assert r.returncode == 0, r.stderr  # the core package does not need it
+
+
+# --- 1-3. the HF backend: positions, other backends, masks ---
+transformers = pytest.importorskip("transformers")
+
+import dualkv.integrations.transformers as dkt  # noqa: E402
+from hf_helpers import VOCAB, random_groups, tiny_model  # noqa: E402
+
+
+def _packed(seed: int):
+    rng = random.Random(seed)
+    prompts, responses = random_groups(rng, groups=3, p_range=(3, 10), n_range=(2, 3))
+    return pack(prompts=prompts, responses=responses)
+
+
+def test_missing_position_ids_raise(seed) -> None:
+    model = tiny_model("qwen3", seed=seed % 1000)
+    model.set_attn_implementation("dualkv")
+    pk = _packed(seed)
+    with pytest.raises(ValueError, match="position_ids are not the layout's logical positions"):
+        model.model(input_ids=pk.input_ids, dualkv_layout=pk.layout)
+    with pytest.raises(ValueError, match="position_ids"):  # 0..T-1 given explicitly
+        model(input_ids=pk.input_ids, position_ids=torch.arange(pk.total_tokens)[None],
+              dualkv_layout=pk.layout)  # fmt: skip
+    # the layout's own positions, a copy of them, and a constant shift per group are accepted
+    # (RoPE is relative: the same function)
+    ref = model.model(**pk.model_inputs()).last_hidden_state
+    copy = model.model(input_ids=pk.input_ids, position_ids=pk.position_ids.clone(),
+                       dualkv_layout=pk.layout).last_hidden_state  # fmt: skip
+    assert torch.equal(ref, copy)
+    counts = [p + sum(r) for p, r in zip(pk.layout.prefix_lens, pk.layout.response_lens)]
+    shift = torch.tensor([3, 0, 11]).repeat_interleave(torch.tensor(counts))
+    shifted = model.model(input_ids=pk.input_ids, position_ids=pk.position_ids + shift,
+                          dualkv_layout=pk.layout).last_hidden_state  # fmt: skip
+    torch.testing.assert_close(shifted, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_layout_reaching_another_backend_raises(impl, seed) -> None:  # noqa: ANN001
+    model = tiny_model("qwen3", seed=seed % 1000)
+    model.set_attn_implementation(impl)
+    pk = _packed(seed)
+    with pytest.raises(ValueError, match=f"reached attn_implementation='{impl}'"):
+        model.model(**pk.model_inputs())
+    # without a layout the backend works as before
+    out = model(input_ids=pk.input_ids[:, :5])
+    assert out.logits.shape == (1, 5, VOCAB)
+
+
+def test_shared_config_switch_is_caught(seed) -> None:
+    from transformers import AutoModelForCausalLM
+
+    first = tiny_model("qwen3", seed=seed % 1000)
+    first.set_attn_implementation("dualkv")
+    pk = _packed(seed)
+    first.model(**pk.model_inputs())  # fine
+    AutoModelForCausalLM.from_config(first.config, attn_implementation="sdpa")
+    if first.config._attn_implementation != "dualkv":  # the shared config switched `first`
+        with pytest.raises(ValueError, match="reached attn_implementation='sdpa'"):
+            first.model(**pk.model_inputs())
+        with pytest.raises(ValueError, match="attn_implementation"):
+            dkt.packed_hidden_states(first, pk)
+    else:  # transformers copied the config: the packed path must still be right
+        dkt.packed_hidden_states(first, pk)
+
+
+def test_attention_mask_with_zeros_raises(seed) -> None:
+    model = tiny_model("qwen3", seed=seed % 1000)
+    model.set_attn_implementation("dualkv")
+    pk = _packed(seed)
+    mask = torch.ones_like(pk.input_ids)
+    ref = model(**pk.model_inputs()).logits
+    ones = model(**pk.model_inputs(), attention_mask=mask).logits
+    assert torch.equal(ref, ones)
+    mask[0, 4] = 0
+    with pytest.raises(ValueError, match="attention_mask with zeros"):
+        model(**pk.model_inputs(), attention_mask=mask)
+    with pytest.raises(ValueError, match="explicit attention_mask"):  # a prepared 4-D mask
+        model(
+            **pk.model_inputs(),
+            attention_mask=torch.ones(1, 1, pk.total_tokens, pk.total_tokens, dtype=torch.bool),
+        )
+
+
+# --- the self-test ---
+def test_self_test_passes_and_can_fail(seed, monkeypatch) -> None:
+    import io
+
+    from dualkv import check
+
+    model = tiny_model("qwen3", seed=seed % 1000)
+    out = io.StringIO()
+    report = check.self_test(model, seed=seed % 1000, out=out)
+    assert report.passed, out.getvalue()
+    assert "PASSED" in out.getvalue()
+    assert report.max_logprob_diff < 1e-4 and report.max_grad_error < 1e-3
+    assert model.config._attn_implementation == "sdpa"  # restored
+    # a packed path that is wrong by 1% is reported as a failure
+    real = dkt.attention
+    monkeypatch.setattr(dkt, "attention", lambda *a, **kw: real(*a, **kw) * 1.01)
+    bad = check.self_test(model, seed=seed % 1000, out=None)
+    assert not bad.passed and bad.max_logprob_diff > report.tolerances[0]
+
+
+def test_check_cli(seed) -> None:
+    from dualkv import check
+
+    assert check.main(["--seed", str(seed % 1000), "--groups", "2", "--n", "2"]) == 0

@@ -1,0 +1,235 @@
+"""Gemma 4 text models through ``attn_implementation="dualkv"`` (CPU).
+
+The packed step against the unshared rows with HF SDPA for the small-head-dim variants runs in
+test_transformers.py (families gemma4, gemma4-keqv, gemma4-shared, gemma4-moe). Here: the real
+head dims (sliding 256 / full 512) with few heads and tokens, in fp32 and bf16; what each layer
+hands the attention (two head dims in one model, the window on sliding layers only, scale 1,
+k_eq_v's K and V as different tensors, shared-KV layers reading an earlier layer's K/V);
+gradient checkpointing with shared-KV layers; the multimodal class on text; the variants that
+cannot be packed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+pytest.importorskip("transformers")
+
+from dualkv.integrations import transformers as dkt  # noqa: E402
+from dualkv.integrations.transformers import enable_gradient_checkpointing  # noqa: E402
+from dualkv.losses import dapo_loss  # noqa: E402
+from hf_helpers import gemma4_config, tiny_model  # noqa: E402
+from test_transformers import _batch, _old_logprobs, _rel_l2, _step  # noqa: E402
+
+
+def _real_dims_config(k_eq_v: bool) -> object:
+    """Gemma-4-31B's head dims (256 sliding, 512 full) and window 5, with 2 query heads."""
+    return gemma4_config(
+        "gemma4-keqv" if k_eq_v else "gemma4",
+        head_dim=256, global_head_dim=512, heads=2, kv_heads=1, global_kv_heads=1,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("k_eq_v", [False, True])
+def test_real_head_dims_fp32(seed, k_eq_v):
+    config = _real_dims_config(k_eq_v)
+    model = tiny_model("gemma4", torch.float32, seed=seed % 1000, config=config)
+    assert {a.self_attn.head_dim for a in model.model.layers} == {256, 512}
+    assert (model.model.layers[1].self_attn.v_proj is None) == k_eq_v
+    ids, mask, pw, pk, adv, noise = _batch(seed, groups=2)
+    old = _old_logprobs(model, ids, mask, pw, noise)
+    lp_r, loss_r, g_r = _step(model, ids, mask, pw, pk, adv, old, packed=False)
+    lp_p, loss_p, g_p = _step(model, ids, mask, pw, pk, adv, old, packed=True)
+    torch.testing.assert_close(lp_p, lp_r, rtol=0, atol=5e-5)
+    torch.testing.assert_close(loss_p, loss_r, rtol=1e-5, atol=1e-6)
+    assert g_p.keys() == g_r.keys() and len(g_r) == len(list(model.parameters()))
+    for name, gr in g_r.items():
+        scale = gr.abs().max().item()
+        err = (g_p[name] - gr).abs().max().item()
+        assert err <= 1e-4 * scale + 1e-7, (name, err, scale)
+
+
+def _skip_without_cuda_d512() -> None:
+    """Skip (with the build's reason) where the CUDA kernels of this build lack head dim 512."""
+    import dualkv
+
+    x = torch.randn(3, 1, 512, device="cuda", dtype=torch.bfloat16)
+    try:
+        dualkv.attention(x, x, x, dualkv.Layout([1], [[2]], device="cuda"))
+    except ValueError as exc:
+        if "not supported yet" not in str(exc):
+            raise
+        pytest.skip(f"this build's CUDA kernels: {exc}")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_real_head_dims_bf16(seed, device):
+    """bf16 at head dims 256/512 (k_eq_v): error vs an fp64 reference within 2.5x (log-probs) and
+    3x (gradients, relative L2) the bf16 rows' own error, as test_transformers' bf16 test."""
+    if device == "cuda":
+        _skip_without_cuda_d512()
+    wide = (0.99, 100.0)  # a smooth loss (see test_transformers.test_packed_step_bf16_tolerance)
+    config = _real_dims_config(True)
+    ids, mask, pw, pk, adv, noise = _batch(seed, groups=2)
+    ref = tiny_model("gemma4", torch.float64, seed=seed % 1000, config=config)
+    old = _old_logprobs(ref, ids, mask, pw, noise).double()
+    lp_ref, _, g_ref = _step(ref, ids, mask, pw, pk, adv, old, False, wide)
+    model = tiny_model("gemma4", torch.bfloat16, seed=seed % 1000, config=config).to(device)
+    lp_r, _, g_r = _step(model, ids, mask, pw, pk, adv, old.float(), False, wide)
+    lp_p, _, g_p = _step(model, ids, mask, pw, pk, adv, old.float(), True, wide)
+    e_r = (lp_r.double() - lp_ref).abs().max().item()
+    e_p = (lp_p.double() - lp_ref).abs().max().item()
+    assert e_p <= 2.5 * e_r + 1e-2, ("logprobs", e_p, e_r)
+    for name, gref in g_ref.items():
+        e_r, e_p = _rel_l2(g_r[name], gref), _rel_l2(g_p[name], gref)
+        assert e_p <= 3 * e_r + 1e-3, (name, e_p, e_r)
+
+
+class _AttentionCalls(TorchDispatchMode):
+    """Records the arguments of every dualkv::fwd call (layer order)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[dict] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func is torch.ops.dualkv.fwd.default:
+            q, k, v = args[:3]
+            self.calls.append(
+                dict(
+                    q=q.detach().clone(),
+                    k=k.detach().clone(),
+                    v=v.detach().clone(),
+                    scale=args[7],
+                    window=args[8],
+                )
+            )
+        return func(*args, **(kwargs or {}))
+
+
+def test_what_each_layer_hands_the_attention(seed):
+    """gemma4-shared (S F S S F, the last three reading layers 0 and 1's K/V, k_eq_v): one
+    "dualkv" serves both head dims; window on sliding layers only; scale 1 (q/k RMSNorm);
+    on full k_eq_v layers V is not K (v-normed unrotated vs k-normed rotated); shared layers get
+    the very K/V of their source layer."""
+    model = tiny_model("gemma4-shared", torch.float32, seed=seed % 1000)
+    cfg = model.config
+    model.set_attn_implementation("dualkv")
+    pk = _batch(seed, groups=2)[3]
+    with torch.no_grad(), _AttentionCalls() as rec:
+        dkt.packed_hidden_states(model, pk)
+    calls = rec.calls
+    assert len(calls) == cfg.num_hidden_layers
+    t = pk.total_tokens
+    for i, (kind, c) in enumerate(zip(cfg.layer_types, calls, strict=True)):
+        sliding = kind == "sliding_attention"
+        d = cfg.per_layer_config[i].head_dim
+        hkv = cfg.per_layer_config[i].num_key_value_heads
+        assert c["q"].shape == (t, cfg.num_attention_heads, d), i
+        assert c["k"].shape == c["v"].shape == (t, hkv, d), i
+        assert c["scale"] == 1.0
+        assert c["window"] == (cfg.sliding_window if sliding else None), i
+        if not sliding:  # k_eq_v: different tensors from one projection
+            assert not torch.equal(c["k"], c["v"]), i
+    assert cfg.per_layer_config[1].head_dim == 2 * cfg.per_layer_config[0].head_dim
+    for i, src in ((2, 0), (3, 0), (4, 1)):  # shared-KV layers: their source's K/V
+        assert model.model.layers[i].self_attn.is_kv_shared_layer
+        assert torch.equal(calls[i]["k"], calls[src]["k"])
+        assert torch.equal(calls[i]["v"], calls[src]["v"])
+
+
+class _CountAttention(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func is torch.ops.dualkv.fwd.default:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("keep_attention", [True, False])
+def test_gradient_checkpointing_with_shared_kv(seed, keep_attention):
+    """Checkpointed layers that hand their K/V to later (shared-KV) layers: the plain step's
+    gradients, and the kept attention outputs spare the recompute its attention forwards."""
+    model = tiny_model("gemma4-shared", torch.float32, seed=seed % 1000)
+    model.set_attn_implementation("dualkv")
+    model.train()
+    _, _, _, pk, adv, noise = _batch(seed, groups=2)
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        lp = dkt.packed_response_logprobs(model, pk)
+        dapo_loss(lp, noise * pk.response_mask, adv, pk.response_mask)[0].backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want = grads()
+    enable_gradient_checkpointing(model, keep_attention=keep_attention)
+    try:
+        with _CountAttention() as count:
+            got = grads()
+    finally:
+        model.gradient_checkpointing_disable()
+    layers = model.config.num_hidden_layers
+    assert count.calls == (layers if keep_attention else 2 * layers)
+    assert got.keys() == want.keys() and len(want) == len(list(model.parameters()))
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
+
+
+def test_conditional_generation_class_on_text(seed):
+    """Gemma4ForConditionalGeneration (how the hub checkpoints load) without vision/audio
+    towers: its text decoder and LM head (softcap from the text config) give the rows' values."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    text = gemma4_config("gemma4-keqv")
+    config = Gemma4Config(text_config=text.to_dict(), vision_config=None, audio_config=None)
+    torch.manual_seed(seed % 1000)
+    model = Gemma4ForConditionalGeneration(config).float()
+    ids, mask, pw, pk, adv, noise = _batch(seed, groups=2)
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        want = dkt.rows_response_logprobs(model, ids, mask, pw)
+        model.set_attn_implementation("dualkv")
+        got = dkt.packed_response_logprobs(model, pk)
+    torch.testing.assert_close(got, want, rtol=0, atol=5e-5)
+
+
+def test_unpackable_variants_raise(seed):
+    from transformers import AutoModelForCausalLM
+
+    # bidirectional attention over all tokens: no causal prompt/response layout to pack
+    config = gemma4_config("gemma4", use_bidirectional_attention="all")
+    torch.manual_seed(seed % 1000)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="dualkv")
+    pk = _batch(seed, groups=2)[3]
+    with pytest.raises(ValueError, match="use_bidirectional_attention='all'"):
+        dkt.packed_hidden_states(model, pk)
+    # bidirectional attention among an image's tokens ("vision"): raises when the batch has
+    # vision tokens; text-only batches of such a model pack (and equal the rows)
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    text = gemma4_config("gemma4-keqv", use_bidirectional_attention="vision")
+    config = Gemma4Config(text_config=text.to_dict(), vision_config=None, audio_config=None)
+    model = Gemma4ForConditionalGeneration(config).float()
+    model.set_attn_implementation("dualkv")
+    kinds = torch.zeros_like(pk.input_ids)  # mm_token_type_ids: 0 text, 1 image
+    with torch.no_grad():
+        model(**pk.model_inputs(), mm_token_type_ids=kinds)
+        kinds[0, 1:4] = 1
+        with pytest.raises(ValueError, match="use_bidirectional_attention='vision'"):
+            model(**pk.model_inputs(), mm_token_type_ids=kinds)
+    # a KV cache that already holds tokens (generation), including the shared-KV layers' source
+    model = tiny_model("gemma4-shared", torch.float32, seed=seed % 1000)
+    model.set_attn_implementation("dualkv")
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    inputs = dict(pk.model_inputs(), use_cache=True, past_key_values=cache)
+    with torch.no_grad():
+        model.model(**inputs)  # the first call sees only the packed stream: fine
+        with pytest.raises(ValueError, match="KV cache is not supported"):
+            model.model(**inputs)

@@ -1,0 +1,354 @@
+"""Ulysses sequence parallelism (dualkv.parallel) on CPU: gloo, 2 and 4 processes spawned here.
+
+Every worker builds the same global inputs from the test's seed, runs the single-process
+computation itself (the reference) and the sharded one over the group, and compares its own shard:
+attention outputs, lse and q/k/v gradients (bitwise where the math is the same: no KV head
+replication; replicated KV heads sum their gradients in another order), padding rows exactly 0
+even when the pad inputs are NaN; a tiny random Qwen3 packed GRPO/DAPO step (log-probs, entropy,
+loss, every parameter gradient after the gradient all-reduce) against the single-process packed
+step, with shard boundaries on a prompt's last token.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import socket
+import sys
+import traceback
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import dualkv
+from dualkv import parallel
+
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, world: int, port: int, name: str, args: tuple) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )  # fmt: skip
+    try:
+        getattr(sys.modules[__name__], name)(rank, world, *args)
+    except BaseException:
+        # the first failure is the one to read (the other ranks then fail in a collective)
+        print(f"rank {rank}/{world} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(fn, world: int, *args) -> None:
+    """Run ``fn(rank, world, *args)`` in ``world`` fresh processes joined by a gloo group; a
+    failure in any of them (assertion included) fails the test with its traceback."""
+    os.environ["OMP_NUM_THREADS"] = "1"  # 2-4 processes on a 2-core CI machine
+    mp.spawn(_worker, args=(world, _free_port(), fn.__name__, args), nprocs=world, join=True)
+
+
+# --- attention ------------------------------------------------------------------------------
+def _random_layout(rng: random.Random, world: int) -> tuple[list[int], list[list[int]]]:
+    groups = rng.randint(2, 4)
+    prefix = [rng.choice([0, 1, rng.randint(2, 13)]) for _ in range(groups)]
+    responses = [[rng.choice([0, 1, rng.randint(2, 9)]) for _ in range(rng.randint(0, 4))]
+                 for _ in range(groups)]  # fmt: skip
+    total = sum(prefix) + sum(map(sum, responses))
+    if total % world == 0:  # keep the stream's length off the group size
+        prefix[-1] += 1
+    return prefix, responses
+
+
+def _attention_cases(world: int, seed: int) -> list[dict]:
+    """(layout, heads, dtype, options) cases; ``bitwise`` where no KV head is replicated."""
+    rng = random.Random(seed)
+    heads = [(4, 2), (4, 1), (4, 4), (2, 1)] if world == 2 else [(8, 4), (8, 2), (8, 1), (12, 6)]
+    cases = []
+    for i, (hq, hkv) in enumerate(heads):
+        for dtype in (torch.float64, torch.float32):
+            prefix, responses = _random_layout(rng, world)
+            opts = {}
+            if i % 2 == 1:
+                opts = {"window": rng.randint(1, 6), "softcap": 3.0}
+            cases.append(dict(prefix=prefix, responses=responses, hq=hq, hkv=hkv, dtype=dtype,
+                              d=rng.choice([8, 16]), **opts))  # fmt: skip
+    # 16-bit, a stream shorter than the group (ranks with no real token), the example layout
+    cases.append(dict(prefix=[7, 2], responses=[[3, 0, 5], [4]], hq=world * 2, hkv=world,
+                      dtype=torch.bfloat16, d=16))  # fmt: skip
+    cases.append(dict(prefix=[3, 2], responses=[[5, 1], [2]], hq=world * 2, hkv=1,
+                      dtype=torch.float16, d=16, softcap=2.0))  # fmt: skip
+    cases.append(dict(prefix=[world - 1], responses=[[]], hq=world, hkv=1, dtype=torch.float64,
+                      d=8))  # fmt: skip
+    cases.append(dict(prefix=[1], responses=[[0]], hq=world, hkv=world, dtype=torch.float64, d=8))
+    return cases
+
+
+def _check(got: torch.Tensor, want: torch.Tensor, bitwise: bool, what: str) -> None:
+    assert not torch.isnan(got).any(), what
+    if bitwise:
+        assert torch.equal(got, want), (what, (got.double() - want.double()).abs().max())
+    else:
+        tol = {torch.float64: 1e-12, torch.float32: 2e-6}.get(got.dtype, 2e-2)
+        scale = max(want.double().abs().amax().item(), 1.0) if want.numel() else 1.0
+        torch.testing.assert_close(got, want, rtol=0, atol=tol * scale, msg=what)
+
+
+def _pairs() -> Any:
+    """This rank's 2-rank group of a 4-process run: {0, 1} or {2, 3} (group ranks are then not
+    the global ranks). Every process creates both groups, as torch.distributed requires."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    return groups[dist.get_rank() // 2]
+
+
+def _attention_worker(rank: int, world: int, seed: int) -> None:
+    """The 4-rank cases on the default group, then the 2-rank cases on each pair."""
+    assert world == 4
+    _attention_cases_run(None, 4, seed)
+    _attention_cases_run(_pairs(), 2, seed + 1 + rank // 2)
+
+
+def _attention_cases_run(group: Any, world: int, seed: int) -> None:
+    for n, case in enumerate(_attention_cases(world, seed)):
+        what = f"case {n} {case}"
+        layout = dualkv.Layout(case["prefix"], case["responses"])
+        t, dtype = layout.total_tokens, case["dtype"]
+        hq, hkv, d = case["hq"], case["hkv"], case["d"]
+        opts = {k: case[k] for k in ("window", "softcap") if k in case}
+        g = torch.Generator().manual_seed(seed + n)
+        q, k, v = (torch.randn(t, h, d, generator=g).to(dtype) for h in (hq, hkv, hkv))
+        d_out = torch.randn(t, hq, d, generator=g).to(dtype)
+        lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        d_lse = torch.randn(hq, t, generator=g).to(lse_dtype)
+
+        # the single-process run
+        qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+        out, lse = dualkv.attention(qr, kr, vr, layout, return_lse=True, **opts)
+        ((out * d_out).sum() + (lse * d_lse).sum()).backward()
+
+        # this rank's shard, NaN on the padding
+        sl = parallel.ShardedLayout(layout, group)
+        assert sl.world_size == world and sl.rank == dist.get_rank(group)
+        assert sl.padded_tokens % world == 0 and sl.padded_tokens - t < world
+        ql, kl, vl = (sl.shard(x, pad_value=float("nan")).requires_grad_() for x in (q, k, v))
+        out_l, lse_l = parallel.ulysses_attention(ql, kl, vl, sl, return_lse=True, **opts)
+        assert out_l.shape == (sl.shard_tokens, hq, d) and lse_l.shape == (hq, sl.shard_tokens)
+        loss = (out_l * sl.shard(d_out)).sum() + (lse_l * sl.shard(d_lse, dim=1)).sum()
+        loss.backward()
+
+        real, s0 = sl.real_tokens, sl.start
+        bitwise = parallel.kv_replication(hq, hkv, world) == 1
+        _check(out_l[:real], out[s0 : s0 + real].detach(), True, f"out {what}")
+        _check(lse_l[:, :real], lse[:, s0 : s0 + real].detach(), True, f"lse {what}")
+        _check(ql.grad[:real], qr.grad[s0 : s0 + real], True, f"dq {what}")
+        _check(kl.grad[:real], kr.grad[s0 : s0 + real], bitwise, f"dk {what}")
+        _check(vl.grad[:real], vr.grad[s0 : s0 + real], bitwise, f"dv {what}")
+        for name, x in (("out", out_l), ("dq", ql.grad), ("dk", kl.grad), ("dv", vl.grad)):
+            assert torch.equal(x[real:], torch.zeros_like(x[real:])), f"{name} padding {what}"
+        assert (lse_l[:, real:] == 0).all(), f"lse padding {what}"
+        # without lse: the same output
+        assert torch.equal(parallel.ulysses_attention(ql, kl, vl, sl, **opts), out_l)
+
+        # the gather helper (differentiable) rebuilds the global tensor
+        x = out_l.detach().requires_grad_()
+        full = sl.gather(x, grad_scale=3.0)
+        assert full.shape == out.shape and torch.equal(full, out.detach())
+        (full * d_out).sum().backward()  # the same downstream on every rank
+        assert torch.equal(x.grad[:real], 3.0 * d_out[s0 : s0 + real])
+        assert (x.grad[real:] == 0).all()
+
+    # head splits that cannot work name the case
+    sl = parallel.ShardedLayout(dualkv.Layout([4], [[3]]), group)
+    s = sl.shard_tokens
+    with pytest.raises(ValueError, match="multiple of the group size"):
+        parallel.ulysses_attention(torch.randn(s, world + 1, 8), torch.randn(s, 1, 8),
+                                   torch.randn(s, 1, 8), sl)  # fmt: skip
+    with pytest.raises(ValueError, match="shard has"):
+        q = torch.randn(s + 1, world, 8)
+        parallel.ulysses_attention(q, q, q, sl)
+
+
+def test_attention_equals_single_process(seed):
+    """4 ranks, and 2 ranks (two 2-rank groups side by side in the same 4 processes)."""
+    _spawn(_attention_worker, 4, seed)
+
+
+# --- model step --------------------------------------------------------------------------------
+TEMPERATURE = 0.9
+
+
+def _model_batch(seed: int, world: int, model):
+    """A packed batch, advantages and old log-probs (the model's own, plus noise: the policy
+    ratio stays near 1, so the clipped surrogate has gradients)."""
+    from dualkv.integrations import transformers as dkt
+    from hf_helpers import VOCAB, random_groups
+
+    rng = random.Random(seed)
+    prompts, responses = random_groups(rng, groups=3, p_range=(2, 12), n_range=(1, 4),
+                                       r_range=(1, 9))  # fmt: skip
+    # the first group's prompt fills rank 0 exactly: its last position (rank 0) predicts the first
+    # token of each of its 3 responses (rank 1); the other boundaries fall where they may
+    responses[0] = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 5))] for _ in range(3)]
+    rest = sum(map(len, responses[0])) + sum(
+        len(p) + sum(map(len, rs)) for p, rs in zip(prompts[1:], responses[1:])
+    )
+    shard = -(-rest // (world - 1))  # then ceil((shard + rest) / world) == shard
+    prompts[0] = [rng.randrange(VOCAB) for _ in range(shard)]
+    packed = dualkv.pack(prompts=prompts, responses=responses)  # groups in this order
+    assert -(-packed.total_tokens // world) == shard == packed.layout.prefix_lens[0]
+    rows = packed.num_rows
+    g = torch.Generator().manual_seed(seed)
+    gid = torch.tensor([i for i, rs in enumerate(responses) for _ in rs])
+    adv = dualkv.group_advantages(torch.rand(rows, generator=g), gid).double()
+    noise = torch.randn(rows, packed.max_response_len, generator=g).double() * 0.3
+    with torch.no_grad():
+        old = dkt.packed_response_logprobs(model, packed, temperature=TEMPERATURE) + noise
+    return packed, adv, old * packed.response_mask
+
+
+def _model_step(model, packed, adv, old, sharded: bool, group: Any = None):
+    from dualkv.integrations import transformers as dkt
+
+    model.zero_grad(set_to_none=True)
+    if sharded:
+        lp, ent = parallel.sequence_parallel_logprobs(model, packed, group, TEMPERATURE,
+                                                      return_entropy=True)  # fmt: skip
+    else:
+        lp, ent = dkt.packed_response_logprobs(model, packed, temperature=TEMPERATURE,
+                                               return_entropy=True)  # fmt: skip
+    loss, _ = dualkv.dapo_loss(lp, old, adv, packed.response_mask)
+    loss = loss - 0.01 * dualkv.aggregate(ent, packed.response_mask)
+    loss.backward()
+    if sharded:
+        parallel.all_reduce_gradients(model.parameters(), group)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return lp.detach(), ent.detach(), loss.detach(), grads
+
+
+def _model_worker(rank: int, world: int, seed: int) -> None:
+    """2-rank steps on each pair (plain), then the 4-rank step (gradient checkpointing, keeping
+    the attention outputs)."""
+    assert world == 4
+    _model_run(_pairs(), 2, seed + 1 + rank // 2, checkpointing=False)
+    _model_run(None, 4, seed, checkpointing=True)
+    _fsdp_run(seed)
+
+
+def _fsdp_run(seed: int) -> None:
+    """dp=2 x sp=2 with FSDP2 (fully_shard of the decoder layers over all 4 ranks, which averages
+    the gradients over the 4): with grad_scale=sp the gradients are the mean over the two data-
+    parallel batches of the single-process gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dualkv.integrations import transformers as dkt
+    from hf_helpers import tiny_model
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+    sp_group, dp_rank = mesh.get_group("sp"), mesh.get_local_rank("dp")
+    ref = tiny_model("qwen3", torch.float64, seed=seed % 1000)
+    ref.set_attn_implementation("dualkv")
+    batches = [_model_batch(seed + 10 + i, 2, ref) for i in range(2)]
+    want: dict[str, torch.Tensor] = {}
+    for packed, adv, old in batches:
+        ref.zero_grad(set_to_none=True)
+        lp = dkt.packed_response_logprobs(ref, packed, temperature=TEMPERATURE)
+        dualkv.dapo_loss(lp, old, adv, packed.response_mask)[0].backward()
+        for n, p in ref.named_parameters():
+            want[n] = want.get(n, 0) + p.grad / 2
+
+    model = tiny_model("qwen3", torch.float64, seed=seed % 1000)
+    model.set_attn_implementation("dualkv")
+    flat = init_device_mesh("cpu", (4,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=flat)
+    packed, adv, old = batches[dp_rank]
+    lp = parallel.sequence_parallel_logprobs(model, packed, sp_group, TEMPERATURE, grad_scale=2.0)
+    dualkv.dapo_loss(lp, old, adv, packed.response_mask)[0].backward()
+    for n, p in model.named_parameters():
+        if "layers" in n:  # FSDP's reduce-scatter averaged these over the 4 ranks
+            g = p.grad.full_tensor()
+        else:  # embeddings (tied LM head) and the final norm, outside FSDP: the same average
+            g = p.grad.clone()
+            dist.all_reduce(g)
+            g /= 4
+        err = (g - want[n]).abs().max().item()
+        assert err <= 1e-10 * want[n].abs().max().item() + 1e-15, ("fsdp", n, err)
+
+
+def _model_run(group: Any, world: int, seed: int, checkpointing: bool) -> None:
+    from dualkv.integrations import transformers as dkt
+    from hf_helpers import tiny_model
+
+    model = tiny_model("qwen3", torch.float64, seed=seed % 1000)
+    model.set_attn_implementation("dualkv")
+    if checkpointing:
+        model.train()
+        dkt.enable_gradient_checkpointing(model, keep_attention=True)
+    packed, adv, old = _model_batch(seed, world, model)
+    assert packed.token_reduction > 1.0
+
+    lp_r, ent_r, loss_r, g_r = _model_step(model, packed, adv, old, sharded=False)
+    lp_s, ent_s, loss_s, g_s = _model_step(model, packed, adv, old, sharded=True, group=group)
+    torch.testing.assert_close(lp_s, lp_r, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ent_s, ent_r, rtol=0, atol=1e-12)
+    assert (lp_s[~packed.response_mask] == 0).all()
+    torch.testing.assert_close(loss_s, loss_r, rtol=1e-12, atol=1e-14)
+    assert g_s.keys() == g_r.keys() and len(g_r) == len(list(model.parameters()))
+    for name, gr in g_r.items():
+        err = (g_s[name] - gr).abs().max().item()
+        assert err <= 1e-10 * gr.abs().max().item() + 1e-15, (name, err)
+
+    # the sharded hidden states are the single-process ones, rank by rank; the layout also
+    # travels through use_layout (the context manager) instead of the keyword
+    with torch.no_grad():
+        want = dkt.packed_hidden_states(model, packed)[0]
+        batch = parallel.shard_batch(packed, group)
+        with dkt.use_layout(batch.layout, model):
+            got = model.model(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                              use_cache=False).last_hidden_state[0]  # fmt: skip
+        full = batch.layout.gather(got)
+        torch.testing.assert_close(full, want, rtol=0, atol=1e-12)
+        # every scored token is scored on exactly one rank
+        count = torch.tensor([batch.token_rows.numel()])
+        dist.all_reduce(count, group=group)
+        assert int(count) == packed.num_response_tokens
+
+
+def test_qwen3_step_equals_single_process(seed):
+    """2 ranks (two groups side by side), 4 ranks with gradient checkpointing, and 2 x 2 data x
+    sequence parallel under FSDP2."""
+    pytest.importorskip("transformers")
+    _spawn(_model_worker, 4, seed)
+
+
+def test_group_of_one_is_the_single_gpu_path(seed):
+    """In-process, a group of size 1: the same numbers, and no collective in the path."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+    )
+    try:
+        layout = dualkv.Layout([5, 2], [[3, 1], [4]])
+        sl = parallel.ShardedLayout(layout)
+        assert (sl.shard_tokens, sl.padded_tokens, sl.start) == (15, 15, 0)
+        g = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randn(15, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+        want = dualkv.attention(q, k, v, layout, window=3)
+        assert torch.equal(parallel.ulysses_attention(q, k, v, sl, window=3), want)
+        assert sl.shard(q) is q or torch.equal(sl.shard(q), q)
+    finally:
+        dist.destroy_process_group()
