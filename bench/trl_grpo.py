@@ -9,8 +9,18 @@ are the same in both runs (same seed and sampling path), so its reward must agre
 steps agree as long as the two runs' parameters stay equal to sampling precision.
 
     python bench/trl_grpo.py --device cpu --model-preset tiny --steps 3
-    python bench/trl_grpo.py --device cuda --model-preset qwen3-0.6b --steps 5 \\
-        --prompt-len 2048 --max-completion-length 128 --num-generations 16 --dtype bfloat16
+    bash scripts/gpu_check.sh build trl      # on the GPU machine: the Qwen3-0.6B-shaped run
+
+The GPU image has accelerate, pandas and pyarrow but not trl, datasets, dill or multiprocess:
+carry them as cp312 wheels in ``.whl/trl`` (about 2 MB)::
+
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \\
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \\
+        --platform manylinux2014_x86_64 -d .whl/trl trl==1.16.0 datasets==5.2.0 dill==0.4.1 \\
+        multiprocess==0.70.19 fsspec==2026.9.0
+
+(datasets 5.2.0 needs pyarrow >= 24 and fsspec <= 2026.9.0; if the image's pyarrow is older, add
+``pyarrow==26.0.1``, a 55 MB wheel.)
 """
 
 from __future__ import annotations
