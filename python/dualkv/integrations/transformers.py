@@ -280,8 +280,8 @@ def dualkv_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs
     bidirectional = getattr(config, "use_bidirectional_attention", None)
     if mask_function is not None and bidirectional == "vision":
         _check_causal(mask_function, int(kwargs.get("kv_length") or 0), kwargs.get("device"))
-    if attention_mask is None:
-        return None
+    if attention_mask is None or kwargs.get("batch_size", 1) != 1:
+        return None  # (rows, not one packed stream: the attention function refuses them)
     if torch.compiler.is_compiling():
         raise ValueError(
             'attn_implementation="dualkv" takes its mask from the layout: call the model with '
