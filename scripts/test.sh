@@ -24,3 +24,7 @@ fi
 echo "== Python package: install and pytest =="
 python3 -m pip install --no-build-isolation -q .
 python3 -m pytest tests/python -ra -q "$@"
+
+echo "== veRL engine: tests/python/test_verl.py in veRL's own environment (setup_verl_env.sh) =="
+VERL_PY="$(bash scripts/setup_verl_env.sh)"
+"$VERL_PY" -m pytest tests/python/test_verl.py -ra -q -p no:cacheprovider

@@ -9,7 +9,7 @@ that micro-batches hold whole groups within the packed-token budget. FSDP2 only:
 setup (``sync_module_states=True``) needs a GPU.
 
 veRL 0.9.1 has no CPU platform; the tests give it one through its own platform plugin API
-(``PlatformBase`` + ``set_platform``), with gloo as the process group backend.
+(``dualkv.integrations.verl.use_cpu_platform``), with gloo as the process group backend.
 """
 
 from __future__ import annotations
@@ -24,78 +24,6 @@ import torch
 
 verl = pytest.importorskip("verl", reason="veRL is not installed here (scripts/setup_verl_env.sh)")
 
-from verl.plugin.platform.platform_base import PlatformBase  # noqa: E402
-from verl.plugin.platform.platform_manager import set_platform  # noqa: E402
-
-
-class CPUPlatform(PlatformBase):
-    """veRL platform for CPU-only tests (veRL 0.9.1 ships CUDA, ROCm and NPU ones)."""
-
-    device_name = property(lambda self: "cpu")  # type: ignore[assignment]
-    vendor_name = property(lambda self: "cpu")  # type: ignore[assignment]
-    device_module = property(lambda self: torch.cpu)  # type: ignore[assignment]
-
-    def is_available(self):
-        return True
-
-    def current_device(self):
-        return "cpu"
-
-    def device_count(self):
-        return 1
-
-    def set_device(self, device_index):
-        pass
-
-    def synchronize(self, device_index=None):
-        pass
-
-    def manual_seed(self, seed):
-        torch.manual_seed(seed)
-
-    def manual_seed_all(self, seed):
-        torch.manual_seed(seed)
-
-    def set_allocator_settings(self, settings):
-        pass
-
-    def empty_cache(self):
-        pass
-
-    def get_device_capability(self, device_index=0):
-        return (None, None)
-
-    def communication_backend_name(self):
-        return "gloo"
-
-    def visible_devices_envvar(self):
-        return "CPU_VISIBLE_DEVICES"
-
-    def nvtx_range(self, msg):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    def profiler_start(self):
-        pass
-
-    def profiler_stop(self):
-        pass
-
-    def ray_resource_name(self):
-        return "CPU"
-
-    def ray_noset_envvars(self):
-        return []
-
-    def is_ipc_supported(self):
-        return False
-
-    def cudart(self):
-        return None
-
-
-set_platform(CPUPlatform())
 
 from tensordict import TensorDict  # noqa: E402
 from verl.trainer.config import CheckpointConfig  # noqa: E402
@@ -116,8 +44,11 @@ from dualkv.integrations.verl import (  # noqa: E402
     DualKVVerlError,
     partition_groups,
     prompt_groups,
+    use_cpu_platform,
 )
 from dualkv.packing import rows_from_lists  # noqa: E402
+
+use_cpu_platform()
 
 VOCAB = 131
 
@@ -214,7 +145,10 @@ def _batch(rng: random.Random, groups: int, n_range=(2, 5), p_range=(3, 14), r_r
     """veRL's padded rollout batch (shuffled rows, random pad ids), before no-padding."""
     prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(*p_range))] for _ in range(groups)]
     responses = [
-        [[rng.randrange(VOCAB) for _ in range(rng.randint(*r_range))] for _ in range(rng.randint(*n_range))]
+        [
+            [rng.randrange(VOCAB) for _ in range(rng.randint(*r_range))]
+            for _ in range(rng.randint(*n_range))
+        ]
         for _ in range(groups)
     ]
     # a singleton group and one with a single-token response
@@ -329,9 +263,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "family,strategy,remove_padding,grad_ckpt,dynamic,temperature,agg", CASES
-)
+@pytest.mark.parametrize("family,strategy,remove_padding,grad_ckpt,dynamic,temperature,agg", CASES)
 def test_engine_matches_verl(
     model_dirs, seed, family, strategy, remove_padding, grad_ckpt, dynamic, temperature, agg
 ):
@@ -430,6 +362,24 @@ def test_registry_and_switch(model_dirs):
     a, _, _ = _infer(plain, td)
     b, _, _ = _infer(ref, td)
     assert torch.equal(a, b)
+
+
+def test_plugin_entry_point():
+    """A fresh ``import verl`` loads dualkv's plugin: veRL's registry hands out DualKV's engine."""
+    import subprocess
+    import sys
+
+    code = (
+        "import verl\n"
+        "from verl.workers.engine import EngineRegistry\n"
+        "print(EngineRegistry.get_engine_cls('language_model', 'fsdp2').__name__)\n"
+    )
+    env = dict(os.environ, VERL_PLATFORM="nvidia", PYTHONWARNINGS="ignore")
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "DualKVFSDPEngineWithLMHead"
 
 
 def test_unsupported_settings_raise(model_dirs, seed):

@@ -70,6 +70,7 @@ __all__ = [
     "DualKVVerlError",
     "partition_groups",
     "prompt_groups",
+    "use_cpu_platform",
 ]
 
 ATTN_IMPLEMENTATION = _hf.ATTN_IMPLEMENTATION
@@ -163,7 +164,7 @@ def _all_reduce_int(value: int, op: Any, group: Any) -> int:
 # --- the model side: packed forward inside FSDP's forward ----------------------------------------
 
 
-def _install_packed_forward(model: torch.nn.Module) -> None:
+def _install_packed_forward(model: Any) -> None:
     """Let ``model(dualkv_packed=...)`` run the decoder packed and the LM head on responses.
 
     Instance attributes (this model only): the causal LM's ``forward`` and its output embedding's
@@ -209,7 +210,7 @@ def _install_packed_forward(model: torch.nn.Module) -> None:
     model.forward = packed_lm
 
 
-# --- the engine ------------------------------------------------------------------------------------
+# --- the engine ---------------------------------------------------------------------------------
 
 
 class DualKVFSDPEngineWithLMHead(FSDPEngineWithLMHead):
@@ -443,6 +444,78 @@ class DualKVFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if output_args["calculate_entropy"]:
             model_output["entropy"] = to_rows(output[1])
         return model_output
+
+
+def use_cpu_platform() -> None:
+    """Give veRL a CPU platform (veRL 0.9.1 ships CUDA, ROCm and NPU ones), through its own
+    platform plugin API, so its FSDP engine runs on the CPU with gloo: for tests and smoke runs
+    on machines without an accelerator. Call it before veRL's engine is built."""
+    from verl.plugin.platform.platform_base import PlatformBase
+    from verl.plugin.platform.platform_manager import set_platform
+
+    class CPUPlatform(PlatformBase):
+        device_name = "cpu"  # type: ignore[assignment]
+        vendor_name = "cpu"  # type: ignore[assignment]
+        device_module = torch.cpu  # type: ignore[assignment]
+
+        def is_available(self) -> bool:
+            return True
+
+        def current_device(self) -> Any:
+            return "cpu"
+
+        def device_count(self) -> int:
+            return 1
+
+        def set_device(self, device_index: int) -> None:
+            return None
+
+        def synchronize(self, device_index: int | None = None) -> None:
+            return None
+
+        def manual_seed(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def manual_seed_all(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def set_allocator_settings(self, settings: str) -> None:
+            return None
+
+        def empty_cache(self) -> None:
+            return None
+
+        def get_device_capability(self, device_index: int = 0) -> tuple[None, None]:
+            return (None, None)
+
+        def communication_backend_name(self) -> str:
+            return "gloo"
+
+        def visible_devices_envvar(self) -> str:
+            return "CUDA_VISIBLE_DEVICES"
+
+        def nvtx_range(self, msg: str) -> Any:
+            return nullcontext()
+
+        def profiler_start(self) -> None:
+            return None
+
+        def profiler_stop(self) -> None:
+            return None
+
+        def ray_resource_name(self) -> str:
+            return "CPU"
+
+        def ray_noset_envvars(self) -> list[str]:
+            return []
+
+        def is_ipc_supported(self) -> bool:
+            return False
+
+        def cudart(self) -> Any:
+            return None
+
+    set_platform(CPUPlatform())
 
 
 def _register() -> None:
