@@ -307,35 +307,44 @@ def test_engine_matches_verl(
 
 def test_micro_batches_hold_whole_groups(model_dirs, seed):
     rng = random.Random(seed)
-    td, gid = _batch(rng, groups=6, n_range=(2, 6))
-    budget = 90
+    # every multi-row group: N(P+R) >= 4 * 31 > budget, while P + sum R <= 40 + 5 * 8 <= budget
+    td, gid = _batch(rng, groups=7, n_range=(4, 5), p_range=(30, 40), r_range=(1, 8))
+    budget = 100
     dkv = _engine(DualKVFSDPEngineWithLMHead, model_dirs["qwen3"], "dualkv", max_tokens=budget)
     data = _prepare(td, use_dynamic_bsz=True, max_token_len_per_gpu=budget, temperature=1.0)
     group, plen, rlen = prompt_groups(td["prompts"], td["attention_mask"])
     # groups are exactly the rows' prompt groups (they were built from distinct random prompts)
-    assert len(set(zip(group.tolist(), gid.tolist()))) == len(set(gid.tolist()))
+    pairs = set(zip(group.tolist(), gid.tolist(), strict=True))
+    assert len(pairs) == len(set(gid.tolist())) == len(set(group.tolist()))
     micro, indices = dkv.prepare_dualkv_micro_batches(data)
     assert len(micro) > 1
     seen = sorted(i for idx in indices for i in idx)
     assert seen == list(range(td.shape[0]))
-    rows_tokens = 0
     for idx, mb in zip(indices, micro, strict=True):
         assert mb.shape[0] == len(idx)
+        assert torch.equal(mb["prompts"], td["prompts"][idx])
         members = set(group[idx].tolist())
         for g in members:  # whole groups only
             assert set((group == g).nonzero().flatten().tolist()) <= set(idx)
         packed = sum(int(plen[(group == g).nonzero()[0]]) + int(rlen[group == g].sum())
                      for g in members)  # fmt: skip
         assert packed <= budget
-        rows_tokens += int((plen[idx] + rlen[idx]).sum())
-    # dynamic batch size counted packed tokens: fewer micro-batches than the rows' token count
-    # would need
-    assert len(micro) <= -(-rows_tokens // budget)
+        if len(idx) > 1:  # the budget counted packed tokens, not the rows' N(P+R)
+            assert int((plen[idx] + rlen[idx]).sum()) > budget
 
     # a group larger than the budget is refused, naming the setting
-    small = _prepare(td, use_dynamic_bsz=True, max_token_len_per_gpu=8, temperature=1.0)
+    small = _prepare(td, use_dynamic_bsz=True, max_token_len_per_gpu=30, temperature=1.0)
     with pytest.raises(DualKVVerlError, match="max_token_len_per_gpu"):
         dkv.prepare_dualkv_micro_batches(small)
+
+    # fixed micro-batch size: whole groups of at most micro_batch_size_per_gpu rows (a larger
+    # group alone)
+    fixed = _prepare(td, use_dynamic_bsz=False, micro_batch_size_per_gpu=6, temperature=1.0)
+    micro, indices = dkv.prepare_dualkv_micro_batches(fixed)
+    for idx in indices:
+        members = set(group[idx].tolist())
+        assert sum(int((group == g).sum()) for g in members) == len(idx)
+        assert len(idx) <= 6 or len(members) == 1
 
 
 def test_partition_groups():

@@ -2,6 +2,8 @@
 
 * :mod:`dualkv.integrations.transformers` registers ``attn_implementation="dualkv"`` with HF
   transformers (imported on demand, so ``import dualkv`` does not import transformers).
+* :mod:`dualkv.integrations.verl` is DualKV's engine for veRL 0.9.1 (loaded by ``import verl``
+  through the ``verl.plugins`` entry point; switch: ``attn_implementation=dualkv``).
 """
 
 from __future__ import annotations
