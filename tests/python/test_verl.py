@@ -347,6 +347,41 @@ def test_micro_batches_hold_whole_groups(model_dirs, seed):
         assert len(idx) <= 6 or len(members) == 1
 
 
+def _dp_rank(rank: int, world: int, port: int, groups: list[int], out_dir: str) -> None:
+    """One data-parallel rank: micro-batch its own batch with the engine's method."""
+    import types
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    td, _ = _batch(random.Random(100 + rank), groups=groups[rank], n_range=(2, 4))
+    data = _prepare(td, use_dynamic_bsz=True, max_token_len_per_gpu=60, temperature=1.0)
+    # the method needs only the data-parallel group of its engine
+    engine = types.SimpleNamespace(get_data_parallel_group=lambda: torch.distributed.group.WORLD)
+    micro, indices = DualKVFSDPEngineWithLMHead.prepare_dualkv_micro_batches(engine, data)
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(f"{len(micro)} {sum(len(i) for i in indices)} {td.shape[0]}")
+    torch.distributed.destroy_process_group()
+
+
+def test_micro_batch_count_agrees_across_dp_ranks(tmp_path):
+    """Ranks with different batches run the same number of micro-batches (FSDP needs it)."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    groups = [2, 6]
+    mp.start_processes(
+        _dp_rank, args=(2, port, groups, str(tmp_path)), nprocs=2, start_method="spawn"
+    )
+    counts = []
+    for rank in range(2):
+        n, rows, total = (int(x) for x in (tmp_path / f"rank{rank}.txt").read_text().split())
+        assert rows == total
+        counts.append(n)
+    assert counts[0] == counts[1] > 1
+
+
 def test_partition_groups():
     # longest first onto the lightest bin: 5 -> A, 4 -> B, 3 -> B (4 < 5), 3 -> A (5 < 7)
     assert partition_groups([5, 4, 3, 3], budget=8, num_bins=2, allow_oversized=False) == [
