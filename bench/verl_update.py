@@ -157,8 +157,45 @@ def step(engine: Any, batch: Any, budget: int, loss_fn: Any, args: argparse.Name
     return out
 
 
+def measure(engine: Any, batch: Any, budget: int, loss_fn: Any, steps: int, warmup: int,
+            rec: dict[str, Any], args: argparse.Namespace) -> bool:  # fmt: skip
+    """Time ``steps`` update steps (after ``warmup``) into ``rec``; False on out-of-memory."""
+    cuda = args.device == "cuda"
+    times, losses = [], []
+    try:
+        for i in range(warmup + steps):
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            out = step(engine, batch, budget, loss_fn, args)
+            if cuda:
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            if i >= warmup:
+                times.append(dt)
+            losses.append(float(sum(out["loss"])))
+            rec["micro_batches"] = len(out["loss"])
+        rec["step_s"] = statistics.median(times)
+        rec["loss_first_step"] = losses[0]
+        if cuda:
+            rec["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        ok = True
+    except torch.OutOfMemoryError:
+        rec["oom"] = True
+        ok = False
+    print(json.dumps(rec), flush=True)
+    if cuda:
+        gc.collect()
+        torch.cuda.empty_cache()
+    return ok
+
+
 def run_engine(kind: str, path: str, shape: tuple[int, int, int], args: argparse.Namespace,
                vocab: int) -> list[dict[str, Any]]:  # fmt: skip
+    """Timing on a mini-batch of ``--groups`` groups at rising micro-batch budgets, then the
+    capacity probe: mini-batches of one micro-batch of 2G, 4G, ... groups (one step each) up to
+    ``--capacity-max-groups``, while they fit."""
     from verl.workers.config import FSDPActorConfig
     from verl.workers.utils.losses import ppo_loss
 
@@ -170,43 +207,32 @@ def run_engine(kind: str, path: str, shape: tuple[int, int, int], args: argparse
         return ppo_loss(actor, model_output, data, dp_group)
 
     engine = build_engine(kind, path, args)
-    cuda = args.device == "cuda"
     results = []
+    fits = True
     for budget, per_mb in budgets(kind, args.groups, n, p, r):
         rec: dict[str, Any] = dict(
-            engine=kind, N=n, P=p, R=r, groups=args.groups, max_token_len_per_gpu=budget,
-            responses_per_micro_batch=per_mb,
+            engine=kind, phase="time", N=n, P=p, R=r, groups=args.groups,
+            max_token_len_per_gpu=budget, responses_per_micro_batch=per_mb,
         )  # fmt: skip
-        times, losses = [], []
-        try:
-            for i in range(args.warmup + args.steps):
-                if cuda:
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                t0 = time.perf_counter()
-                out = step(engine, batch, budget, loss_fn, args)
-                if cuda:
-                    torch.cuda.synchronize()
-                dt = time.perf_counter() - t0
-                if i >= args.warmup:
-                    times.append(dt)
-                losses.append(float(sum(out["loss"])))
-                rec["micro_batches"] = len(out["loss"])
-            rec["step_s"] = statistics.median(times)
-            rec["loss_first_step"] = losses[0]
-            if cuda:
-                rec["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        except torch.OutOfMemoryError:
-            rec["oom"] = True
+        fits = measure(engine, batch, budget, loss_fn, args.steps, args.warmup, rec, args)
         results.append(rec)
-        print(json.dumps(rec), flush=True)
-        if rec.get("oom"):
+        if not fits:
             break
-        if cuda:
-            torch.cuda.empty_cache()
+    g = args.groups * 2
+    while fits and g <= args.capacity_max_groups:
+        big = make_batch(g, n, p, r, vocab, seed=args.seed + g)
+        budget = g * (p + n * r) if kind == "dualkv" else g * n * (p + r)
+        rec = dict(
+            engine=kind, phase="capacity", N=n, P=p, R=r, groups=g, max_token_len_per_gpu=budget,
+            responses_per_micro_batch=g * n,
+        )  # fmt: skip
+        fits = measure(engine, big, budget, loss_fn, 1, 0, rec, args)
+        results.append(rec)
+        del big
+        g *= 2
     del engine
     gc.collect()
-    if cuda:
+    if args.device == "cuda":
         torch.cuda.empty_cache()
     return results
 
@@ -226,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="veRL engine's use_remove_padding (default: 1 with flash_attention_2, "
                          "else 0)")  # fmt: skip
     ap.add_argument("--strategy", default="fsdp2", choices=("fsdp", "fsdp2"))
+    cap_help = "capacity probe: micro-batches up to this many groups (0: off)"
+    ap.add_argument("--capacity-max-groups", type=int, default=16, help=cap_help)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
@@ -269,9 +297,9 @@ def main(argv: list[str] | None = None) -> int:
             assert len(shape) == 3, shape_s
             for kind in args.engines.split(","):
                 records += run_engine(kind, path, shape, args, vocab)  # type: ignore[arg-type]
-    print("\n| engine | N, P, R | responses / micro-batch | budget (tokens) | micro-batches | "
-          "step (s) | peak (GiB) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+    print("\n| engine | phase | N, P, R | groups / mini-batch | responses / micro-batch | "
+          "budget (tokens) | micro-batches | step (s) | peak (GiB) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for rec in records:
         shape = f"{rec['N']}, {rec['P']}, {rec['R']}"
         if rec.get("oom"):
@@ -279,21 +307,30 @@ def main(argv: list[str] | None = None) -> int:
         else:
             step_s, mbs = f"{rec['step_s']:.3f}", str(rec["micro_batches"])
             peak = f"{rec['peak_gib']:.1f}" if "peak_gib" in rec else "-"
-        print(f"| {rec['engine']} | {shape} | {rec['responses_per_micro_batch']} | "
-              f"{rec['max_token_len_per_gpu']} | {mbs} | {step_s} | {peak} |")  # fmt: skip
+        print(f"| {rec['engine']} | {rec['phase']} | {shape} | {rec['groups']} | "
+              f"{rec['responses_per_micro_batch']} | {rec['max_token_len_per_gpu']} | {mbs} | "
+              f"{step_s} | {peak} |")  # fmt: skip
     for shape_s in args.shapes:
         n, p, r = (int(x) for x in shape_s.split(","))
         ok = {}
         for rec in records:
-            if (rec["N"], rec["P"], rec["R"]) == (n, p, r) and not rec.get("oom"):
+            same = (rec["N"], rec["P"], rec["R"]) == (n, p, r) and rec["phase"] == "time"
+            if same and not rec.get("oom"):
                 key = rec["engine"]
                 if key not in ok or rec["responses_per_micro_batch"] > ok[key][0]:
                     ok[key] = (
                         rec["responses_per_micro_batch"], rec["step_s"], rec["loss_first_step"]
                     )  # fmt: skip
-        line = ", ".join(f"{k}: largest micro-batch {v[0]} responses, step {v[1]:.3f} s, "
+        line = ", ".join(f"{k}: step {v[1]:.3f} s at {v[0]} responses / micro-batch, "
                          f"loss {v[2]:.6f}" for k, v in ok.items())  # fmt: skip
-        print(f"# ({n}, {p}, {r}): {line}")
+        cap = {}
+        for rec in records:
+            if (rec["N"], rec["P"], rec["R"]) == (n, p, r) and not rec.get("oom"):
+                cap[rec["engine"]] = max(
+                    cap.get(rec["engine"], 0), rec["responses_per_micro_batch"]
+                )
+        caps = ", ".join(f"{k} {v}" for k, v in cap.items())
+        print(f"# ({n}, {p}, {r}): {line}; largest micro-batch that ran (responses): {caps}")
     if args.json:
         with open(args.json, "w") as f:
             for rec in records:
