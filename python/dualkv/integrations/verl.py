@@ -33,11 +33,11 @@ update run on packed groups:
 
 Works with ``use_remove_padding`` on or off (the packed stream replaces both), dynamic batch size,
 gradient checkpointing, FSDP2 (tested on CPU against veRL's own engine) and FSDP1 (the same code;
-not tested: veRL's FSDP1 setup needs a GPU), one temperature per micro-batch. Anything that cannot be
-packed raises :class:`DualKVVerlError` naming the setting: Ulysses sequence parallelism, fused
-kernels, ``pad_to_length``, LoRA, multi-modal inputs or 3-D (mRoPE) position ids, top-k
-distillation, ``calculate_sum_pi_squared``, per-sample temperatures that differ, SFT-style loss
-masks over the whole sequence, empty prompts.
+not tested: veRL's FSDP1 setup needs a GPU), one temperature per micro-batch. Anything that
+cannot be packed raises :class:`DualKVVerlError` naming the setting: Ulysses sequence
+parallelism, fused kernels, ``pad_to_length``, LoRA, multi-modal inputs or 3-D (mRoPE) position
+ids, top-k distillation, ``calculate_sum_pi_squared``, per-sample temperatures that differ,
+SFT-style loss masks over the whole sequence, empty prompts.
 """
 
 from __future__ import annotations
