@@ -398,6 +398,19 @@ def test_registry_and_switch(model_dirs):
     # veRL's registry hands out the DualKV engine for its fsdp/fsdp2 language-model strategies
     assert EngineRegistry.get_engine_cls("language_model", "fsdp2") is DualKVFSDPEngineWithLMHead
     assert EngineRegistry.get_engine_cls("language_model", "fsdp") is DualKVFSDPEngineWithLMHead
+    # as veRL's TrainingWorker builds it (keywords), with the switch on
+    on = EngineRegistry.new(
+        model_type="language_model",
+        backend="fsdp2",
+        model_config=HFModelConfig(
+            path=model_dirs["qwen3"], load_tokenizer=False,
+            override_config={"attn_implementation": "dualkv"},
+        ),
+        engine_config=FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False),
+        optimizer_config=FSDPOptimizerConfig(lr=1e-3, total_training_steps=1),
+        checkpoint_config=CheckpointConfig(),
+    )  # fmt: skip
+    assert type(on) is DualKVFSDPEngineWithLMHead and on.dualkv
     # without the switch it is veRL's engine: the rows path, no packing
     plain = _engine(DualKVFSDPEngineWithLMHead, model_dirs["qwen3"], "sdpa")
     assert not plain.dualkv
