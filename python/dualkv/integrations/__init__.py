@@ -4,6 +4,8 @@
   transformers (imported on demand, so ``import dualkv`` does not import transformers).
 * :mod:`dualkv.integrations.trl`: ``DualKVGRPOTrainer``, TRL 1.16's ``GRPOTrainer`` on packed
   prompt groups (imported on demand; needs ``trl==1.16.*``).
+* :mod:`dualkv.integrations.verl` is DualKV's engine for veRL 0.9.1 (loaded by ``import verl``
+  through the ``verl.plugins`` entry point; switch: ``attn_implementation=dualkv``).
 """
 
 from __future__ import annotations

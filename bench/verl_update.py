@@ -1,0 +1,344 @@
+"""veRL's engine update step: DualKV's engine vs veRL's own, same model and data (random weights).
+
+Runs veRL 0.9.1's FSDP2 language-model engine exactly as its trainer's ``update_actor`` does per
+mini-batch (``engine.train_batch``: micro-batches, forward, veRL's PPO loss, backward, optimizer
+step) on a GRPO mini-batch of G prompt groups, each one prompt of P tokens with N responses of R
+tokens, in veRL's no-padding layout. Two engines, built by veRL from the same saved model:
+
+* verl    veRL's FSDPEngineWithLMHead with its defaults: ``flash_attention_2`` and
+          ``use_remove_padding=True`` where flash-attn is installed; without flash-attn, SDPA on
+          the padded rows (``use_remove_padding=False``: SDPA's flash kernel on [B, L] rows;
+          packed SDPA would build a [T, T] mask); dynamic batch size counting N(P+R) row tokens;
+* dualkv  dualkv.integrations.verl's engine (``attn_implementation="dualkv"``): packed groups,
+          dynamic batch size counting P+NR packed tokens.
+
+Both with gradient checkpointing, bf16 mixed precision (fp32 master weights, AdamW). For each
+engine the micro-batch budget (``max_token_len_per_gpu``) is raised step by step (responses per
+micro-batch: 1, 2, 4, ... rows for verl; 1, 2, ... whole groups for dualkv) until it runs out of
+memory or holds the whole mini-batch; per budget: median step time, peak memory, micro-batch
+count. Printed as a table and as JSON lines; the loss of the first step of each engine at the
+largest common budget is printed side by side (bf16: close, not equal).
+
+    python bench/verl_update.py --device cuda                       # both shapes, 1.7B
+    python bench/verl_update.py --device cuda --shapes 16,8192,1024 --groups 2 --steps 3
+    python bench/verl_update.py --device cpu --preset tiny --shapes 4,32,8   # smoke run
+
+Needs veRL 0.9.1 importable next to dualkv (see bench/RESULTS.md for how it was carried to the
+GPU machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def save_model(preset: str, path: str, device: str, seed: int) -> None:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from dualkv.grpo_demo import PRESETS
+
+    cfg = Qwen3Config(max_position_embeddings=40960, rms_norm_eps=1e-6, **PRESETS[preset])
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02 if "embed" not in name else 0.5)
+    model.save_pretrained(path)
+    del model
+
+
+def make_batch(g: int, n: int, p: int, r: int, vocab: int, seed: int) -> Any:
+    """veRL's padded rollout batch of g groups (n responses each), in no-padding layout."""
+    from tensordict import TensorDict
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(g):
+        prompt = torch.randint(0, vocab, (p,), generator=gen)
+        for _ in range(n):
+            rows.append(torch.cat([prompt, torch.randint(0, vocab, (r,), generator=gen)]))
+    ids = torch.stack(rows)
+    b = ids.shape[0]
+    mask = torch.ones_like(ids)
+    response_mask = mask[:, p:].clone()
+    td = TensorDict(
+        {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "position_ids": (mask.cumsum(-1) - 1),
+            "prompts": ids[:, :p].clone(),
+            "responses": ids[:, p:].clone(),
+            "response_mask": response_mask,
+            "advantages": torch.randn(b, 1, generator=gen).expand(b, r).clone(),
+            # near the random model's log-probs (about -log V): ratios near 1, some clipped
+            "old_log_probs": -torch.log(torch.tensor(float(vocab)))
+            + 0.1 * torch.randn(b, r, generator=gen),
+        },
+        batch_size=[b],
+    )
+    return left_right_2_no_padding(td)
+
+
+def build_engine(kind: str, path: str, args: argparse.Namespace) -> Any:
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    from dualkv.integrations.verl import DualKVFSDPEngineWithLMHead
+
+    cuda = args.device == "cuda"
+    attn = "dualkv" if kind == "dualkv" else args.baseline_attn
+    rmpad = True if kind == "dualkv" else args.baseline_remove_padding
+    model_config = HFModelConfig(
+        path=path, load_tokenizer=False, override_config={"attn_implementation": attn},
+        use_remove_padding=rmpad, enable_gradient_checkpointing=True,
+    )  # fmt: skip
+    mp = None if cuda else {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
+    engine_config = FSDPEngineConfig(
+        strategy=args.strategy, mixed_precision=mp, use_torch_compile=cuda, use_dynamic_bsz=True,
+        max_token_len_per_gpu=1 << 20,
+    )  # fmt: skip
+    engine_config.use_remove_padding = rmpad
+    optim = FSDPOptimizerConfig(lr=1e-6, total_training_steps=1000, clip_grad=1.0)
+    cls = DualKVFSDPEngineWithLMHead if kind == "dualkv" else FSDPEngineWithLMHead
+    engine = cls(model_config, engine_config, optim, CheckpointConfig())
+    engine.initialize()
+    return engine
+
+
+def budgets(kind: str, g: int, n: int, p: int, r: int) -> list[tuple[int, int]]:
+    """(max_token_len_per_gpu, responses per micro-batch) candidates, ascending."""
+    out = []
+    if kind == "dualkv":
+        for groups in range(1, g + 1):
+            out.append((groups * (p + n * r), groups * n))
+    else:
+        k = 1
+        while k <= g * n:
+            out.append((k * (p + r), k))
+            k *= 2
+        if out[-1][1] != g * n:
+            out.append((g * n * (p + r), g * n))
+    return out
+
+
+def step(engine: Any, batch: Any, budget: int, loss_fn: Any, args: argparse.Namespace) -> Any:
+    from verl.utils import tensordict_utils as tu
+
+    data = batch.clone()
+    rmpad = bool(engine.engine_config.use_remove_padding)
+    tu.assign_non_tensor(
+        data, temperature=1.0, calculate_entropy=False, compute_loss=True, use_remove_padding=rmpad,
+        use_dynamic_bsz=True, max_token_len_per_gpu=budget, global_batch_size=data.shape[0],
+    )  # fmt: skip
+    with engine.train_mode():
+        out = engine.train_batch(data, loss_function=loss_fn)
+    return out
+
+
+def measure(engine: Any, batch: Any, budget: int, loss_fn: Any, steps: int, warmup: int,
+            rec: dict[str, Any], args: argparse.Namespace) -> bool:  # fmt: skip
+    """Time ``steps`` update steps (after ``warmup``) into ``rec``; False on out-of-memory."""
+    cuda = args.device == "cuda"
+    times, losses = [], []
+    try:
+        for i in range(warmup + steps):
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            out = step(engine, batch, budget, loss_fn, args)
+            if cuda:
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            if i >= warmup:
+                times.append(dt)
+            losses.append(float(sum(out["loss"])))
+            rec["micro_batches"] = len(out["loss"])
+        rec["step_s"] = statistics.median(times)
+        rec["loss_first_step"] = losses[0]
+        if cuda:
+            rec["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        ok = True
+    except torch.OutOfMemoryError:
+        rec["oom"] = True
+        ok = False
+    print(json.dumps(rec), flush=True)
+    if cuda:
+        gc.collect()
+        torch.cuda.empty_cache()
+    return ok
+
+
+def run_engine(kind: str, path: str, shape: tuple[int, int, int], args: argparse.Namespace,
+               vocab: int) -> list[dict[str, Any]]:  # fmt: skip
+    """Timing on a mini-batch of ``--groups`` groups at rising micro-batch budgets, then the
+    capacity probe: mini-batches of one micro-batch of 2G, 4G, ... groups (one step each) up to
+    ``--capacity-max-groups``, while they fit."""
+    from verl.workers.config import FSDPActorConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    n, p, r = shape
+    batch = make_batch(args.groups, n, p, r, vocab, seed=args.seed)
+    actor = FSDPActorConfig(strategy=args.strategy, rollout_n=n, use_dynamic_bsz=True)
+
+    def loss_fn(model_output: Any, data: Any, dp_group: Any = None) -> Any:
+        return ppo_loss(actor, model_output, data, dp_group)
+
+    engine = build_engine(kind, path, args)
+    results = []
+    fits = True
+    for budget, per_mb in budgets(kind, args.groups, n, p, r):
+        rec: dict[str, Any] = dict(
+            engine=kind, phase="time", N=n, P=p, R=r, groups=args.groups,
+            max_token_len_per_gpu=budget, responses_per_micro_batch=per_mb,
+        )  # fmt: skip
+        fits = measure(engine, batch, budget, loss_fn, args.steps, args.warmup, rec, args)
+        results.append(rec)
+        if not fits:
+            break
+    g = args.groups * 2
+    while fits and g <= args.capacity_max_groups:
+        big = make_batch(g, n, p, r, vocab, seed=args.seed + g)
+        budget = g * (p + n * r) if kind == "dualkv" else g * n * (p + r)
+        rec = dict(
+            engine=kind, phase="capacity", N=n, P=p, R=r, groups=g, max_token_len_per_gpu=budget,
+            responses_per_micro_batch=g * n,
+        )  # fmt: skip
+        fits = measure(engine, big, budget, loss_fn, 1, 0, rec, args)
+        results.append(rec)
+        del big
+        g *= 2
+    del engine
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--preset", default="1.7b", help="Qwen3 shape of dualkv.grpo_demo.PRESETS")
+    ap.add_argument("--shapes", nargs="+", default=["16,8192,1024", "32,4096,2048"],
+                    help="N,P,R per shape")  # fmt: skip
+    ap.add_argument("--groups", type=int, default=2, help="prompt groups per mini-batch")
+    ap.add_argument("--engines", default="dualkv,verl")
+    ap.add_argument("--baseline-attn", default=None,
+                    help="veRL engine's attention (default: flash_attention_2 if flash_attn "
+                         "imports, else sdpa)")  # fmt: skip
+    ap.add_argument("--baseline-remove-padding", type=int, default=None,
+                    help="veRL engine's use_remove_padding (default: 1 with flash_attention_2, "
+                         "else 0)")  # fmt: skip
+    ap.add_argument("--strategy", default="fsdp2", choices=("fsdp", "fsdp2"))
+    cap_help = "capacity probe: micro-batches up to this many groups (0: off)"
+    ap.add_argument("--capacity-max-groups", type=int, default=16, help=cap_help)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="also write the records to this file")
+    args = ap.parse_args(argv)
+
+    if args.baseline_attn is None:
+        try:
+            import flash_attn  # noqa: F401
+
+            args.baseline_attn = "flash_attention_2"
+        except ImportError:
+            args.baseline_attn = "sdpa"
+    if args.baseline_remove_padding is None:
+        args.baseline_remove_padding = int(args.baseline_attn == "flash_attention_2")
+    args.baseline_remove_padding = bool(args.baseline_remove_padding)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    import dualkv.integrations.verl as dkv_verl
+
+    if args.device == "cpu":
+        dkv_verl.use_cpu_platform()
+    if not torch.distributed.is_initialized():
+        backend = "nccl" if args.device == "cuda" else "gloo"
+        torch.distributed.init_process_group(backend, rank=0, world_size=1)
+    if args.device == "cuda":
+        torch.cuda.set_device(0)
+    from dualkv.grpo_demo import PRESETS
+
+    vocab = int(PRESETS[args.preset]["vocab_size"])
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    head = (f"# veRL update step, preset {args.preset}, {args.strategy}, baseline attention "
+            f"{args.baseline_attn} (use_remove_padding={args.baseline_remove_padding}), "
+            f"{args.groups} groups per mini-batch, {where}")  # fmt: skip
+    print(head, flush=True)
+    records: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as path:
+        save_model(args.preset, path, args.device, args.seed)
+        for shape_s in args.shapes:
+            shape = tuple(int(x) for x in shape_s.split(","))
+            assert len(shape) == 3, shape_s
+            for kind in args.engines.split(","):
+                records += run_engine(kind, path, shape, args, vocab)  # type: ignore[arg-type]
+    print("\n| engine | phase | N, P, R | groups / mini-batch | responses / micro-batch | "
+          "budget (tokens) | micro-batches | step (s) | peak (GiB) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for rec in records:
+        shape = f"{rec['N']}, {rec['P']}, {rec['R']}"
+        if rec.get("oom"):
+            step_s, peak, mbs = "OOM", "OOM", "-"
+        else:
+            step_s, mbs = f"{rec['step_s']:.3f}", str(rec["micro_batches"])
+            peak = f"{rec['peak_gib']:.1f}" if "peak_gib" in rec else "-"
+        print(f"| {rec['engine']} | {rec['phase']} | {shape} | {rec['groups']} | "
+              f"{rec['responses_per_micro_batch']} | {rec['max_token_len_per_gpu']} | {mbs} | "
+              f"{step_s} | {peak} |")  # fmt: skip
+    for shape_s in args.shapes:
+        n, p, r = (int(x) for x in shape_s.split(","))
+        ok = {}
+        for rec in records:
+            same = (rec["N"], rec["P"], rec["R"]) == (n, p, r) and rec["phase"] == "time"
+            if same and not rec.get("oom"):
+                key = rec["engine"]
+                if key not in ok or rec["responses_per_micro_batch"] > ok[key][0]:
+                    ok[key] = (
+                        rec["responses_per_micro_batch"], rec["step_s"], rec["loss_first_step"]
+                    )  # fmt: skip
+        line = ", ".join(f"{k}: step {v[1]:.3f} s at {v[0]} responses / micro-batch, "
+                         f"loss {v[2]:.6f}" for k, v in ok.items())  # fmt: skip
+        cap = {}
+        for rec in records:
+            if (rec["N"], rec["P"], rec["R"]) == (n, p, r) and not rec.get("oom"):
+                cap[rec["engine"]] = max(
+                    cap.get(rec["engine"], 0), rec["responses_per_micro_batch"]
+                )
+        caps = ", ".join(f"{k} {v}" for k, v in cap.items())
+        print(f"# ({n}, {p}, {r}): {line}; largest micro-batch that ran (responses): {caps}")
+    if args.json:
+        with open(args.json, "w") as f:
+            for rec in records:
+                f.write(json.dumps(rec) + "\n")
+    with contextlib.suppress(Exception):
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,542 @@
+"""veRL 0.9.1 integration: the FSDP engine path on packed prompt groups.
+
+Turn it on with one setting, the model's attention implementation::
+
+    actor_rollout_ref.model.override_config.attn_implementation=dualkv
+
+With dualkv installed, ``import verl`` loads this module (the ``verl.plugins`` entry point of
+dualkv's package metadata; ``VERL_USE_EXTERNAL_MODULES=dualkv.integrations.verl`` or
+``actor_rollout_ref.model.external_lib=dualkv.integrations.verl`` do the same where plugin
+discovery is off). It registers :class:`DualKVFSDPEngineWithLMHead` as veRL's language-model
+engine of the ``fsdp`` and ``fsdp2`` strategies (through veRL's ``EngineRegistry``, for the
+``("cuda", "nvidia")`` key, which veRL looks up before its own ``"cuda"`` entry, and for
+``"cpu"``). The engine is veRL's ``FSDPEngineWithLMHead`` unchanged unless the model's
+``attn_implementation`` is ``"dualkv"``; then the actor's ``compute_log_prob`` (old log-probs),
+the reference model's ``compute_ref_log_prob`` (it shares the model config) and the policy
+update run on packed groups:
+
+* group-aware micro-batching: the rows of one prompt (rows whose real prompt tokens are
+  identical; a prompt seen once is a singleton group) always land in the same micro-batch. With
+  dynamic batch size a micro-batch holds at most ``max_token_len_per_gpu`` *packed* tokens
+  (``P + sum_i R_i`` per group, not ``N (P + R)``), so it holds rho times more responses; with a
+  fixed micro-batch size it holds whole groups of at most ``micro_batch_size_per_gpu`` rows (a
+  larger group is a micro-batch of its own). Every data-parallel rank runs the same number of
+  micro-batches (the count is agreed with an all-reduce, as veRL does).
+* the model runs on one packed stream per micro-batch (``attn_implementation="dualkv"``), and the
+  response log-probs (and entropy) come from :func:`dualkv.response_logprobs` (chunked over the
+  tokens, no full-vocabulary logits of the whole micro-batch), computed inside the FSDP forward of
+  the LM head so FSDP1/FSDP2 gather and reduce its weight as usual;
+* the outputs are returned in veRL's own layout, nested ``[B, P_b + R_b]`` per row with the value
+  predicting token ``t + 1`` at position ``t``, so veRL's ``no_padding_2_padding`` and its PPO/GRPO
+  loss run unchanged. Positions that do not predict a response token (the prompt's, the last) are
+  0: nothing in veRL's RL path reads them.
+
+Works with ``use_remove_padding`` on or off (the packed stream replaces both), dynamic batch size,
+gradient checkpointing, FSDP2 (tested on CPU against veRL's own engine) and FSDP1 (the same code;
+not tested: veRL's FSDP1 setup needs a GPU), one temperature per micro-batch. Anything that
+cannot be packed raises :class:`DualKVVerlError` naming the setting: Ulysses sequence
+parallelism, fused kernels, ``pad_to_length``, LoRA, multi-modal inputs or 3-D (mRoPE) position
+ids, top-k distillation, ``calculate_sum_pi_squared``, per-sample temperatures that differ,
+SFT-style loss masks over the whole sequence, empty prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from ..logprobs import response_logprobs
+from ..packing import PackedBatch, pack_rows
+from . import transformers as _hf  # registers attn_implementation="dualkv"
+
+try:
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.dataset.dataset_utils import DatasetPadMode
+    from verl.utils.device import get_device_id, get_device_name
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+    from verl.workers.engine.utils import postprocess_batch_func
+except ImportError as exc:  # pragma: no cover - exercised only without verl
+    raise ImportError(
+        "dualkv.integrations.verl needs veRL 0.9.1 (pip install verl==0.9.1; see "
+        f"scripts/setup_verl_env.sh): {exc}"
+    ) from exc
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "DualKVFSDPEngineWithLMHead",
+    "DualKVVerlError",
+    "partition_groups",
+    "prompt_groups",
+    "use_cpu_platform",
+]
+
+ATTN_IMPLEMENTATION = _hf.ATTN_IMPLEMENTATION
+SWITCH = "actor_rollout_ref.model.override_config.attn_implementation=dualkv"
+_PACKED_KW = "dualkv_packed"
+_TEMP_KW = "dualkv_temperature"
+_ENTROPY_KW = "dualkv_entropy"
+
+
+class DualKVVerlError(ValueError):
+    """A veRL setting the DualKV engine cannot run packed (the message names it)."""
+
+
+def _unsupported(what: str) -> DualKVVerlError:
+    return DualKVVerlError(
+        f"DualKV engine ({SWITCH}): {what} is not supported yet; turn it off or run without DualKV"
+    )
+
+
+# --- grouping and micro-batching (host work, once per batch) -------------------------------------
+
+
+def prompt_groups(
+    prompts: torch.Tensor, attention_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group rows by their real prompt tokens.
+
+    Args:
+        prompts: ``[B, Pw]`` left-padded prompt ids (veRL's ``prompts``).
+        attention_mask: ``[B, Pw + Rw]`` veRL's padded attention mask.
+
+    Returns:
+        ``(group [B], prompt_len [B], response_len [B])`` on the CPU: ``group`` numbers the
+        distinct prompts in first-seen order.
+    """
+    pw = prompts.shape[1]
+    mask = attention_mask.detach().to("cpu") != 0
+    plen = mask[:, :pw].sum(1)
+    rlen = mask[:, pw:].sum(1)
+    if prompts.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.int64), plen, rlen
+    key = torch.where(mask[:, :pw], prompts.detach().to("cpu").to(torch.int64), -1)
+    _, inverse = torch.unique(key, dim=0, return_inverse=True)
+    first: dict[int, int] = {}
+    group = torch.tensor([first.setdefault(int(g), len(first)) for g in inverse.tolist()])
+    return group, plen, rlen
+
+
+def partition_groups(
+    costs: list[int],
+    budget: int,
+    num_bins: int,
+    allow_oversized: bool,
+) -> list[list[int]] | None:
+    """Balanced assignment of groups to ``num_bins`` micro-batches (longest first).
+
+    Args:
+        costs: cost of each group (packed tokens, or rows).
+        budget: the most a micro-batch may cost.
+        num_bins: number of micro-batches.
+        allow_oversized: a group costing more than the budget may be a micro-batch alone.
+
+    Returns:
+        For each bin, its group indices in increasing order; None when the groups do not fit.
+    """
+    if num_bins < 1 or num_bins > len(costs):
+        return None
+    order = sorted(range(len(costs)), key=lambda g: (-costs[g], g))
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    loads = [0] * num_bins
+    for g in order:
+        b = min(range(num_bins), key=lambda i: (loads[i], i))
+        bins[b].append(g)
+        loads[b] += costs[g]
+    for b in range(num_bins):
+        if loads[b] > budget and not (allow_oversized and len(bins[b]) == 1):
+            return None
+        if not bins[b]:
+            return None
+    return [sorted(b) for b in bins]
+
+
+def _all_reduce_int(value: int, op: Any, group: Any) -> int:
+    if not torch.distributed.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=get_device_name())
+    torch.distributed.all_reduce(t, op=op, group=group)
+    return int(t.item())
+
+
+# --- the model side: packed forward inside FSDP's forward ----------------------------------------
+
+
+def _install_packed_forward(model: Any) -> None:
+    """Let ``model(dualkv_packed=...)`` run the decoder packed and the LM head on responses.
+
+    Instance attributes (this model only): the causal LM's ``forward`` and its output embedding's
+    ``forward`` take the DualKV keywords and fall back to the original forward without them. The
+    LM head's log-probs are computed inside the head module's own call, so FSDP (1 or 2) has its
+    weight gathered there and registers its backward hooks on the outputs.
+    """
+    head = model.get_output_embeddings()
+    if head is None or not hasattr(head, "weight"):
+        raise _unsupported(f"a model without an LM head ({type(model).__name__})")
+    lm_forward = model.forward
+    head_forward = head.forward
+    softcap = getattr(_hf._text_config(model), "final_logit_softcapping", None)
+
+    def packed_head(
+        hidden: torch.Tensor,
+        dualkv_packed: PackedBatch | None = None,
+        dualkv_temperature: float = 1.0,
+        dualkv_entropy: bool = False,
+    ) -> Any:
+        if dualkv_packed is None:
+            return head_forward(hidden)
+        out = response_logprobs(
+            hidden, head.weight, dualkv_packed, temperature=dualkv_temperature,
+            return_entropy=dualkv_entropy, lm_head_bias=getattr(head, "bias", None),
+            logit_softcap=softcap,
+        )  # fmt: skip
+        # fresh tensors (not views) for FSDP2's output hooks
+        return tuple(t.clone() for t in out) if isinstance(out, tuple) else (out.clone(),)
+
+    def packed_lm(*args: Any, **kwargs: Any) -> Any:
+        packed = kwargs.pop(_PACKED_KW, None)
+        if packed is None:
+            return lm_forward(*args, **kwargs)
+        temperature = kwargs.pop(_TEMP_KW, 1.0)
+        entropy = bool(kwargs.pop(_ENTROPY_KW, False))
+        hidden = _hf.packed_hidden_states(model, packed)
+        return head(
+            hidden, dualkv_packed=packed, dualkv_temperature=temperature, dualkv_entropy=entropy
+        )
+
+    head.forward = packed_head
+    model.forward = packed_lm
+
+
+# --- the engine ---------------------------------------------------------------------------------
+
+
+class DualKVFSDPEngineWithLMHead(FSDPEngineWithLMHead):
+    """veRL's FSDP language-model engine, on packed prompt groups when the model's attention is
+    ``"dualkv"`` (``actor_rollout_ref.model.override_config.attn_implementation=dualkv``);
+    otherwise exactly veRL's ``FSDPEngineWithLMHead``."""
+
+    def __init__(self, model_config: Any, engine_config: Any, *args: Any, **kwargs: Any) -> None:
+        hf_config = getattr(model_config, "hf_config", None)
+        text_config = hf_config.get_text_config() if hf_config is not None else None
+        impl = getattr(text_config, "_attn_implementation", None)
+        self.dualkv = impl == ATTN_IMPLEMENTATION
+        if self.dualkv:
+            if engine_config.ulysses_sequence_parallel_size > 1:
+                raise _unsupported(
+                    "Ulysses sequence parallelism (ulysses_sequence_parallel_size="
+                    f"{engine_config.ulysses_sequence_parallel_size})"
+                )
+            if getattr(model_config, "use_fused_kernels", False):
+                raise _unsupported("use_fused_kernels=True")
+            if getattr(engine_config, "pad_to_length", False):
+                raise _unsupported("pad_to_length=True")
+            if getattr(model_config, "lora_rank", 0) > 0:
+                raise _unsupported(f"LoRA (lora_rank={model_config.lora_rank})")
+            if getattr(model_config, "model_type", "language_model") != "language_model":
+                raise _unsupported(f"model_type={model_config.model_type!r}")
+        super().__init__(model_config, engine_config, *args, **kwargs)
+
+    # model construction: the packed forward is installed before FSDP wraps the model
+    def _build_module(self) -> torch.nn.Module:
+        module = super()._build_module()
+        if self.dualkv:
+            _install_packed_forward(module)
+        return module
+
+    # micro-batching ---------------------------------------------------------------------------
+    def prepare_dualkv_micro_batches(self, data: Any) -> tuple[list[Any], list[list[int]]]:
+        """Split a (mini-)batch into micro-batches of whole prompt groups.
+
+        Returns:
+            ``(micro_batches, indices)``: each micro-batch a TensorDict of rows, ``indices[i]``
+            their row indices in ``data`` (increasing).
+        """
+        if "prompts" not in data.keys() or "attention_mask" not in data.keys():
+            raise _unsupported(
+                "a batch without veRL's padded 'prompts' and 'attention_mask' (the DualKV engine "
+                "reads each row's prompt from them)"
+            )
+        if data["prompts"].is_nested:
+            raise _unsupported("nested 'prompts'")
+        group, plen, rlen = prompt_groups(data["prompts"], data["attention_mask"])
+        num_groups = int(group.max()) + 1 if group.numel() else 0
+        rows_of: list[list[int]] = [[] for _ in range(num_groups)]
+        for b, g in enumerate(group.tolist()):
+            rows_of[g].append(b)
+        use_dynamic_bsz = tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True)
+        if use_dynamic_bsz:
+            budget = int(data["max_token_len_per_gpu"])
+            costs = [int(plen[r[0]]) + int(rlen[r].sum()) for r in rows_of]
+            name = "max_token_len_per_gpu"
+        else:
+            budget = int(data["micro_batch_size_per_gpu"])
+            costs = [len(r) for r in rows_of]
+            name = "micro_batch_size_per_gpu"
+        dp_group = self.get_data_parallel_group()
+        max_op, min_op = torch.distributed.ReduceOp.MAX, torch.distributed.ReduceOp.MIN
+        if use_dynamic_bsz:
+            largest = _all_reduce_int(max(costs, default=0), max_op, dp_group)
+            if largest > budget:
+                raise DualKVVerlError(
+                    f"DualKV engine: a prompt group has {largest} packed tokens (P + sum of its "
+                    f"responses), more than {name}={budget}; a group is never split across "
+                    f"micro-batches, so raise {name} to at least {largest}"
+                )
+        fewest_groups = _all_reduce_int(num_groups, min_op, dp_group)
+        total = sum(costs)
+        count = max(1, -(-total // budget)) if budget > 0 else num_groups
+        count = _all_reduce_int(min(count, max(num_groups, 1)), max_op, dp_group)
+        while True:
+            if count > fewest_groups:
+                raise DualKVVerlError(
+                    f"DualKV engine: {name}={budget} needs {count} micro-batches, but a "
+                    f"data-parallel rank has only {fewest_groups} prompt groups (groups are never "
+                    f"split); raise {name}"
+                )
+            bins = partition_groups(costs, budget, count, allow_oversized=not use_dynamic_bsz)
+            ok = _all_reduce_int(int(bins is not None), min_op, dp_group)
+            if ok and bins is not None:
+                break
+            count += 1
+        indices = [sorted(b for g in groups for b in rows_of[g]) for groups in bins]
+        return [tu.index_select_tensor_dict(data, idx) for idx in indices], indices
+
+    def forward_backward_batch(
+        self, data: Any, loss_function: Callable[..., Any], forward_only: bool = False
+    ) -> Any:
+        if not self.dualkv:
+            return super().forward_backward_batch(data, loss_function, forward_only)
+        tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
+        return_model_output = tu.get_non_tensor_data(
+            data=data, key="return_model_output", default=False
+        )
+        if data["loss_mask"].is_nested:
+            raise _unsupported(
+                "a loss mask over whole sequences (SFT-style nested loss_mask; the DualKV engine "
+                "scores response tokens only)"
+            )
+        batch_num_tokens = data["loss_mask"].sum().to(get_device_id())
+        torch.distributed.all_reduce(
+            batch_num_tokens, op=torch.distributed.ReduceOp.SUM,
+            group=self.get_data_parallel_group(),
+        )  # fmt: skip
+        tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item())
+        tu.assign_non_tensor(data, dp_size=self.get_data_parallel_size())
+
+        micro_batches, indices = self.prepare_dualkv_micro_batches(data)
+        ctx = torch.no_grad() if forward_only else nullcontext()
+        scaler = getattr(self, "scaler", None)
+        output_lst = []
+        for i, micro_batch in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            sync_ctx = (
+                nullcontext() if forward_only
+                else self._gradient_sync_context(is_last_micro_batch=last)
+            )  # fmt: skip
+            with ctx, sync_ctx, torch.profiler.record_function(f"dualkv_micro_batch{i}"):
+                loss, meta_info = self.forward_step(
+                    micro_batch, loss_function=loss_function, forward_only=forward_only
+                )
+                if not forward_only:
+                    (scaler.scale(loss) if scaler is not None else loss).backward()
+                    if not return_model_output:
+                        meta_info.pop("model_output", None)
+            output_lst.append(meta_info)
+        # veRL's own post-processing; the row order is restored as after its dynamic batching
+        view = tu.get_tensordict(
+            tensor_dict={},
+            non_tensor_dict={"use_dynamic_bsz": True, "pad_mode": DatasetPadMode.NO_PADDING},
+        )
+        return postprocess_batch_func(output_lst=output_lst, indices=indices, data=view)
+
+    # model inputs and outputs -------------------------------------------------------------------
+    def prepare_model_inputs(self, micro_batch: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        if not self.dualkv:
+            return super().prepare_model_inputs(micro_batch)
+        get = tu.get_non_tensor_data
+        pad_mode = get(data=micro_batch, key="pad_mode", default=DatasetPadMode.NO_PADDING)
+        if pad_mode != DatasetPadMode.NO_PADDING:
+            raise _unsupported(f"pad_mode={pad_mode}")
+        if get(data=micro_batch, key="use_fused_kernels", default=False):
+            raise _unsupported("use_fused_kernels=True")
+        if get(data=micro_batch, key="distillation_use_topk", default=False):
+            raise _unsupported("top-k distillation (distillation_use_topk)")
+        if get(data=micro_batch, key="calculate_sum_pi_squared", default=False):
+            raise _unsupported("calculate_sum_pi_squared=True (it needs the full logits)")
+        if len(micro_batch.get("multi_modal_inputs", [])) > 0:
+            raise _unsupported("multi-modal inputs")
+        input_ids = micro_batch["input_ids"]
+        position_ids = micro_batch["position_ids"]
+        if not input_ids.is_nested or position_ids.dim() != 2:
+            raise _unsupported("position ids that are not one per token (3-D / mRoPE)")
+        prompts = micro_batch["prompts"]
+        mask = micro_batch["attention_mask"].to(input_ids.device)
+        if prompts.is_nested or mask.is_nested:
+            raise _unsupported("nested 'prompts' or 'attention_mask'")
+        pw = prompts.shape[1]
+        real = mask != 0
+        values = input_ids.values()
+        if int(real.sum()) != values.numel():
+            raise DualKVVerlError(
+                f"DualKV engine: attention_mask has {int(real.sum())} real tokens but input_ids "
+                f"has {values.numel()}; the rows cannot be packed"
+            )
+        plen = real[:, :pw].sum(1)
+        if bool((plen == 0).any()):
+            raise _unsupported("an empty prompt (veRL's layout needs P >= 1)")
+        rows = torch.zeros(mask.shape, dtype=values.dtype, device=values.device)
+        rows[real] = values
+        pos = torch.zeros(mask.shape, dtype=torch.int64, device=values.device)
+        pos[real] = position_ids.values().to(torch.int64)
+        packed = pack_rows(rows, mask, pw, None, position_ids=pos)
+
+        temperature = micro_batch["temperature"]
+        if isinstance(temperature, torch.Tensor):
+            flat = temperature.detach().reshape(-1).to("cpu", torch.float64)
+            if flat.numel() and bool((flat != flat[0]).any()):
+                raise _unsupported("per-sample temperatures that differ within a micro-batch")
+            temperature = float(flat[0]) if flat.numel() else 1.0
+        calculate_entropy = get(data=micro_batch, key="calculate_entropy", default=False)
+        model_inputs = {
+            "input_ids": packed.input_ids,
+            "position_ids": packed.position_ids,
+            _PACKED_KW: packed,
+            _TEMP_KW: float(temperature),
+            _ENTROPY_KW: bool(calculate_entropy),
+        }
+        offsets = input_ids.offsets()
+        row_start = offsets[:-1].to(values.device)
+        output_args = {
+            "dualkv_packed": packed,
+            "offsets": offsets,
+            # position (in the nested values) of the value scoring response token 0 of each row
+            "response_start": row_start + plen - 1,
+            "calculate_entropy": bool(calculate_entropy),
+        }
+        return model_inputs, output_args
+
+    def prepare_model_outputs(
+        self,
+        output: Any,
+        output_args: dict[str, Any],
+        micro_batch: Any,
+        logits_processor_func: Any,
+    ) -> dict[str, Any]:
+        if not self.dualkv:
+            return super().prepare_model_outputs(
+                output, output_args, micro_batch, logits_processor_func
+            )
+        packed: PackedBatch = output_args["dualkv_packed"]
+        offsets = output_args["offsets"]
+        total = int(offsets[-1])
+        valid = packed.response_mask
+        cols = torch.arange(valid.shape[1], device=valid.device)
+        dest = (output_args["response_start"][:, None] + cols[None, :])[valid]
+
+        def to_rows(x: torch.Tensor) -> torch.Tensor:
+            flat = x.new_zeros(total).index_copy(0, dest, x[valid])
+            return torch.nested.nested_tensor_from_jagged(flat, offsets.to(flat.device))
+
+        model_output = {"log_probs": to_rows(output[0])}
+        if output_args["calculate_entropy"]:
+            model_output["entropy"] = to_rows(output[1])
+        return model_output
+
+
+def use_cpu_platform() -> None:
+    """Give veRL a CPU platform (veRL 0.9.1 ships CUDA, ROCm and NPU ones), through its own
+    platform plugin API, so its FSDP engine runs on the CPU with gloo: for tests and smoke runs
+    on machines without an accelerator. Call it before veRL's engine is built."""
+    from verl.plugin.platform.platform_base import PlatformBase
+    from verl.plugin.platform.platform_manager import set_platform
+
+    class CPUPlatform(PlatformBase):
+        device_name = "cpu"  # type: ignore[assignment]
+        vendor_name = "cpu"  # type: ignore[assignment]
+        device_module = torch.cpu  # type: ignore[assignment]
+
+        def is_available(self) -> bool:
+            return True
+
+        def current_device(self) -> Any:
+            return "cpu"
+
+        def device_count(self) -> int:
+            return 1
+
+        def set_device(self, device_index: int) -> None:
+            return None
+
+        def synchronize(self, device_index: int | None = None) -> None:
+            return None
+
+        def manual_seed(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def manual_seed_all(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def set_allocator_settings(self, settings: str) -> None:
+            return None
+
+        def empty_cache(self) -> None:
+            return None
+
+        def get_device_capability(self, device_index: int = 0) -> tuple[None, None]:
+            return (None, None)
+
+        def communication_backend_name(self) -> str:
+            return "gloo"
+
+        def visible_devices_envvar(self) -> str:
+            return "CUDA_VISIBLE_DEVICES"
+
+        def nvtx_range(self, msg: str) -> Any:
+            return nullcontext()
+
+        def profiler_start(self) -> None:
+            return None
+
+        def profiler_stop(self) -> None:
+            return None
+
+        def ray_resource_name(self) -> str:
+            return "CPU"
+
+        def ray_noset_envvars(self) -> list[str]:
+            return []
+
+        def is_ipc_supported(self) -> bool:
+            return False
+
+        def cudart(self) -> Any:
+            return None
+
+    set_platform(CPUPlatform())
+
+
+def _register() -> None:
+    """Register the engine for veRL's fsdp/fsdp2 language-model strategies (idempotent)."""
+    engines = EngineRegistry._engines.get("language_model", {})
+    for key in (("cuda", "nvidia"), "cpu"):
+        taken = [
+            engines.get(b, {}).get(key) for b in ("fsdp", "fsdp2") if key in engines.get(b, {})
+        ]
+        if any(cls is DualKVFSDPEngineWithLMHead for cls in taken):
+            continue
+        if taken:
+            raise RuntimeError(
+                f"dualkv: veRL already has a language-model engine registered for {key!r} "
+                f"({taken[0].__name__}); DualKV's engine cannot be registered beside it"
+            )
+        device, vendor = key if isinstance(key, tuple) else (key, None)
+        EngineRegistry.register(
+            model_type="language_model", backend=["fsdp", "fsdp2"], device=device, vendor=vendor
+        )(DualKVFSDPEngineWithLMHead)
+
+
+_register()

@@ -1,0 +1,452 @@
+"""DualKV's veRL engine against veRL's own FSDP engine (real veRL 0.9.1, CPU, one process).
+
+Runs in the veRL environment (scripts/setup_verl_env.sh; scripts/test.sh runs this file there)
+and is skipped where verl is not installed. Both engines are built by veRL from the same saved
+tiny random model (Qwen3, Qwen3-MoE); veRL's engine runs the rows with SDPA, DualKV's the packed
+groups. Compared: log-probs and entropy of compute_log_prob in veRL's layout, the PPO loss,
+every parameter's gradient, and the parameters after one optimizer step (fp32 tolerance); and
+that micro-batches hold whole groups within the packed-token budget. FSDP2 only: veRL's FSDP1
+setup (``sync_module_states=True``) needs a GPU.
+
+veRL 0.9.1 has no CPU platform; the tests give it one through its own platform plugin API
+(``dualkv.integrations.verl.use_cpu_platform``), with gloo as the process group backend.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from typing import Any
+
+import pytest
+import torch
+
+verl = pytest.importorskip("verl", reason="veRL is not installed here (scripts/setup_verl_env.sh)")
+
+
+from tensordict import TensorDict  # noqa: E402
+from verl.trainer.config import CheckpointConfig  # noqa: E402
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.workers.config import (  # noqa: E402
+    FSDPActorConfig,
+    FSDPEngineConfig,
+    FSDPOptimizerConfig,
+    HFModelConfig,
+)
+from verl.workers.engine import EngineRegistry  # noqa: E402
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead  # noqa: E402
+from verl.workers.utils.losses import ppo_loss  # noqa: E402
+from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
+
+from dualkv.integrations.verl import (  # noqa: E402
+    DualKVFSDPEngineWithLMHead,
+    DualKVVerlError,
+    partition_groups,
+    prompt_groups,
+    use_cpu_platform,
+)
+from dualkv.packing import rows_from_lists  # noqa: E402
+
+use_cpu_platform()
+
+VOCAB = 131
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group():
+    if not torch.distributed.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port)
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    yield
+
+
+def _save_model(family: str, path: str, seed: int) -> None:
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_hidden_layers=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    if family == "qwen3":
+        config = Qwen3Config(intermediate_size=96, **common)
+    else:
+        config = Qwen3MoeConfig(
+            intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+            decoder_sparse_step=1, norm_topk_prob=True, **common,
+        )  # fmt: skip
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08 if "embed" not in name else 0.5)
+            else:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    dirs = {}
+    for i, family in enumerate(("qwen3", "qwen3_moe")):
+        path = str(tmp_path_factory.mktemp(family))
+        _save_model(family, path, seed=1234 + i)
+        dirs[family] = path
+    return dirs
+
+
+def _engine(
+    cls: type,
+    path: str,
+    attn: str,
+    strategy: str = "fsdp2",
+    remove_padding: bool = True,
+    grad_ckpt: bool = True,
+    dynamic: bool = True,
+    max_tokens: int = 96,
+    micro_batch: int = 4,
+    lr: float = 1.0,
+    **engine_kw: Any,
+) -> Any:
+    model_config = HFModelConfig(
+        path=path,
+        load_tokenizer=False,
+        override_config={"attn_implementation": attn},
+        use_remove_padding=remove_padding,
+        enable_gradient_checkpointing=grad_ckpt,
+    )
+    engine_config = FSDPEngineConfig(
+        strategy=strategy,
+        mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+        use_torch_compile=False,
+        use_dynamic_bsz=dynamic,
+        max_token_len_per_gpu=max_tokens,
+        infer_max_token_len_per_gpu=max_tokens,
+        micro_batch_size_per_gpu=micro_batch,
+        infer_micro_batch_size_per_gpu=micro_batch,
+        **engine_kw,
+    )
+    engine_config.use_remove_padding = remove_padding
+    optim = FSDPOptimizerConfig(
+        optimizer="SGD", lr=lr, weight_decay=0.0, total_training_steps=4, clip_grad=1e9
+    )
+    engine = cls(model_config, engine_config, optim, CheckpointConfig())
+    engine.initialize()
+    return engine
+
+
+def _batch(rng: random.Random, groups: int, n_range=(2, 5), p_range=(3, 14), r_range=(1, 12)):
+    """veRL's padded rollout batch (shuffled rows, random pad ids), before no-padding."""
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(*p_range))] for _ in range(groups)]
+    responses = [
+        [
+            [rng.randrange(VOCAB) for _ in range(rng.randint(*r_range))]
+            for _ in range(rng.randint(*n_range))
+        ]
+        for _ in range(groups)
+    ]
+    # a singleton group and one with a single-token response
+    prompts.append([rng.randrange(VOCAB) for _ in range(5)])
+    responses.append([[rng.randrange(VOCAB)]])
+    ids, mask, pw, gid = rows_from_lists(prompts, responses)
+    perm = list(range(ids.shape[0]))
+    rng.shuffle(perm)
+    ids, mask, gid = ids[perm], mask[perm], gid[perm]
+    ids = torch.where(mask.bool(), ids, torch.randint(0, VOCAB, ids.shape))
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    response_mask = mask[:, pw:].clone()
+    b, rw = response_mask.shape
+    td = TensorDict(
+        {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "position_ids": position_ids,
+            "prompts": ids[:, :pw].clone(),
+            "responses": ids[:, pw:].clone(),
+            "response_mask": response_mask,
+            "advantages": torch.randn(b, 1).expand(b, rw) * response_mask,
+        },
+        batch_size=[b],
+    )
+    return td, gid
+
+
+def _prepare(td: TensorDict, **meta: Any) -> TensorDict:
+    data = left_right_2_no_padding(td.clone())
+    tu.assign_non_tensor(data, **meta)
+    return data
+
+
+def _infer(engine: Any, td: TensorDict, temperature: float = 1.0, **meta: Any):
+    cfg = engine.engine_config
+    data = _prepare(
+        td, temperature=temperature, calculate_entropy=True, compute_loss=False,
+        use_remove_padding=cfg.use_remove_padding, use_dynamic_bsz=cfg.use_dynamic_bsz,
+        max_token_len_per_gpu=cfg.infer_max_token_len_per_gpu,
+        micro_batch_size_per_gpu=cfg.infer_micro_batch_size_per_gpu, **meta,
+    )  # fmt: skip
+    with engine.eval_mode():
+        out = engine.infer_batch(data, loss_function=None)
+    logp = no_padding_2_padding(out["model_output"]["log_probs"], data)
+    ent = no_padding_2_padding(out["model_output"]["entropy"], data)
+    return logp, ent, out
+
+
+def _actor_config(strategy: str, dynamic: bool, **kw: Any) -> Any:
+    return FSDPActorConfig(
+        strategy=strategy, rollout_n=1, use_dynamic_bsz=dynamic, ppo_micro_batch_size_per_gpu=4,
+        loss_agg_mode=kw.pop("loss_agg_mode", "token-mean"), **kw,
+    )  # fmt: skip
+
+
+def _grads(engine: Any) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in engine.module.named_parameters():
+        g = p.grad
+        if g is None:
+            continue
+        g = g.full_tensor() if hasattr(g, "full_tensor") else g
+        out[name.replace("_fsdp_wrapped_module.", "")] = g.detach().clone()
+    return out
+
+
+def _params(engine: Any) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in engine.module.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name.replace("_fsdp_wrapped_module.", "")] = t.detach().clone()
+    return out
+
+
+def _train(engine: Any, td: TensorDict, actor_config: Any, temperature: float = 1.0):
+    cfg = engine.engine_config
+    data = _prepare(
+        td, temperature=temperature, calculate_entropy=True, compute_loss=True,
+        use_remove_padding=cfg.use_remove_padding, use_dynamic_bsz=cfg.use_dynamic_bsz,
+        max_token_len_per_gpu=cfg.max_token_len_per_gpu,
+        micro_batch_size_per_gpu=cfg.micro_batch_size_per_gpu, global_batch_size=td.shape[0],
+    )  # fmt: skip
+    loss_fn = _loss(actor_config)
+    with engine.train_mode():
+        engine.optimizer_zero_grad()
+        out = engine.forward_backward_batch(data, loss_fn, forward_only=False)
+        grads = _grads(engine)
+        engine.optimizer_step()
+    return sum(out["loss"]), grads, _params(engine), out
+
+
+def _loss(actor_config: Any):
+    def loss_fn(model_output, data, dp_group=None):
+        return ppo_loss(actor_config, model_output, data, dp_group)
+
+    return loss_fn
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, what: str, rtol=2e-4, atol=2e-5) -> None:
+    assert torch.isfinite(a).all(), what
+    err = (a - b).abs().max().item()
+    assert torch.allclose(a, b, rtol=rtol, atol=atol), f"{what}: max abs error {err:.3e}"
+
+
+CASES = [
+    # family, strategy, remove_padding, grad_ckpt, dynamic, temperature, loss_agg_mode
+    ("qwen3", "fsdp2", True, True, True, 1.0, "token-mean"),
+    ("qwen3", "fsdp2", False, False, False, 0.7, "seq-mean-token-mean"),
+    ("qwen3_moe", "fsdp2", True, True, True, 1.0, "token-mean"),
+    ("qwen3_moe", "fsdp2", True, False, False, 1.3, "seq-mean-token-sum"),
+]
+
+
+@pytest.mark.parametrize("family,strategy,remove_padding,grad_ckpt,dynamic,temperature,agg", CASES)
+def test_engine_matches_verl(
+    model_dirs, seed, family, strategy, remove_padding, grad_ckpt, dynamic, temperature, agg
+):
+    rng = random.Random(seed)
+    td, _ = _batch(rng, groups=4)
+    # veRL's fixed micro-batches must divide the batch; DualKV's hold whole groups of <= mbs rows
+    mbs = max(d for d in range(1, 6) if td.shape[0] % d == 0)
+    kw = dict(strategy=strategy, remove_padding=remove_padding, grad_ckpt=grad_ckpt,
+              dynamic=dynamic, max_tokens=80, micro_batch=mbs)  # fmt: skip
+    ref = _engine(FSDPEngineWithLMHead, model_dirs[family], "sdpa", **kw)
+    dkv = _engine(DualKVFSDPEngineWithLMHead, model_dirs[family], "dualkv", **kw)
+    assert dkv.dualkv and not getattr(ref, "dualkv", False)
+
+    # compute_log_prob: log-probs and entropy in veRL's layout
+    logp_ref, ent_ref, _ = _infer(ref, td, temperature)
+    logp, ent, out = _infer(dkv, td, temperature)
+    lens = td["attention_mask"].sum(1)
+    assert [t.numel() for t in out["model_output"]["log_probs"].unbind()] == lens.tolist()
+    mask = td["response_mask"].bool()
+    assert mask.sum() > 0
+    _close(logp * mask, logp_ref * mask, "log_probs")
+    _close(ent * mask, ent_ref * mask, "entropy")
+
+    # the policy update: old log-probs near the current ones, so some ratios clip and some not
+    td["old_log_probs"] = (logp_ref + 0.15 * torch.randn_like(logp_ref)) * mask
+    actor = _actor_config(strategy, dynamic, loss_agg_mode=agg, clip_ratio=0.1)
+    p_start = _params(ref)
+    loss_ref, g_ref, p_ref, _ = _train(ref, td, actor, temperature)
+    loss, g, p, out = _train(dkv, td, _actor_config(strategy, dynamic, loss_agg_mode=agg,
+                                                     clip_ratio=0.1), temperature)  # fmt: skip
+    assert abs(loss - loss_ref) <= 1e-5 + 1e-4 * abs(loss_ref), (loss, loss_ref)
+    assert g_ref.keys() == g.keys() and len(g) > 0
+    for name in g_ref:
+        scale = g_ref[name].abs().max().item()
+        _close(g[name], g_ref[name], f"grad {name}", rtol=1e-3, atol=2e-5 * max(scale, 1.0))
+    for name in p_ref:
+        _close(p[name], p_ref[name], f"param {name}", rtol=1e-4, atol=1e-5)
+    moved = [n for n in p_ref if (p_ref[n] - p_start[n]).abs().max() > 1e-4]
+    assert len(moved) == len(p_ref), "the step must move every parameter"
+
+
+def test_micro_batches_hold_whole_groups(model_dirs, seed):
+    rng = random.Random(seed)
+    # every multi-row group: N(P+R) >= 4 * 31 > budget, while P + sum R <= 40 + 5 * 8 <= budget
+    td, gid = _batch(rng, groups=7, n_range=(4, 5), p_range=(30, 40), r_range=(1, 8))
+    budget = 100
+    dkv = _engine(DualKVFSDPEngineWithLMHead, model_dirs["qwen3"], "dualkv", max_tokens=budget)
+    data = _prepare(td, use_dynamic_bsz=True, max_token_len_per_gpu=budget, temperature=1.0)
+    group, plen, rlen = prompt_groups(td["prompts"], td["attention_mask"])
+    # groups are exactly the rows' prompt groups (they were built from distinct random prompts)
+    pairs = set(zip(group.tolist(), gid.tolist(), strict=True))
+    assert len(pairs) == len(set(gid.tolist())) == len(set(group.tolist()))
+    micro, indices = dkv.prepare_dualkv_micro_batches(data)
+    assert len(micro) > 1
+    seen = sorted(i for idx in indices for i in idx)
+    assert seen == list(range(td.shape[0]))
+    for idx, mb in zip(indices, micro, strict=True):
+        assert mb.shape[0] == len(idx)
+        assert torch.equal(mb["prompts"], td["prompts"][idx])
+        members = set(group[idx].tolist())
+        for g in members:  # whole groups only
+            assert set((group == g).nonzero().flatten().tolist()) <= set(idx)
+        packed = sum(int(plen[(group == g).nonzero()[0]]) + int(rlen[group == g].sum())
+                     for g in members)  # fmt: skip
+        assert packed <= budget
+        if len(idx) > 1:  # the budget counted packed tokens, not the rows' N(P+R)
+            assert int((plen[idx] + rlen[idx]).sum()) > budget
+
+    # a group larger than the budget is refused, naming the setting
+    small = _prepare(td, use_dynamic_bsz=True, max_token_len_per_gpu=30, temperature=1.0)
+    with pytest.raises(DualKVVerlError, match="max_token_len_per_gpu"):
+        dkv.prepare_dualkv_micro_batches(small)
+
+    # fixed micro-batch size: whole groups of at most micro_batch_size_per_gpu rows (a larger
+    # group alone)
+    fixed = _prepare(td, use_dynamic_bsz=False, micro_batch_size_per_gpu=6, temperature=1.0)
+    micro, indices = dkv.prepare_dualkv_micro_batches(fixed)
+    for idx in indices:
+        members = set(group[idx].tolist())
+        assert sum(int((group == g).sum()) for g in members) == len(idx)
+        assert len(idx) <= 6 or len(members) == 1
+
+
+def _dp_rank(rank: int, world: int, port: int, groups: list[int], out_dir: str) -> None:
+    """One data-parallel rank: micro-batch its own batch with the engine's method."""
+    import types
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    td, _ = _batch(random.Random(100 + rank), groups=groups[rank], n_range=(2, 4))
+    data = _prepare(td, use_dynamic_bsz=True, max_token_len_per_gpu=60, temperature=1.0)
+    # the method needs only the data-parallel group of its engine
+    engine = types.SimpleNamespace(get_data_parallel_group=lambda: torch.distributed.group.WORLD)
+    micro, indices = DualKVFSDPEngineWithLMHead.prepare_dualkv_micro_batches(engine, data)
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(f"{len(micro)} {sum(len(i) for i in indices)} {td.shape[0]}")
+    torch.distributed.destroy_process_group()
+
+
+def test_micro_batch_count_agrees_across_dp_ranks(tmp_path):
+    """Ranks with different batches run the same number of micro-batches (FSDP needs it)."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    groups = [2, 6]
+    mp.start_processes(
+        _dp_rank, args=(2, port, groups, str(tmp_path)), nprocs=2, start_method="spawn"
+    )
+    counts = []
+    for rank in range(2):
+        n, rows, total = (int(x) for x in (tmp_path / f"rank{rank}.txt").read_text().split())
+        assert rows == total
+        counts.append(n)
+    assert counts[0] == counts[1] > 1
+
+
+def test_partition_groups():
+    # longest first onto the lightest bin: 5 -> A, 4 -> B, 3 -> B (4 < 5), 3 -> A (5 < 7)
+    assert partition_groups([5, 4, 3, 3], budget=8, num_bins=2, allow_oversized=False) == [
+        [0, 3],
+        [1, 2],
+    ]
+    assert partition_groups([5, 4, 3, 3], budget=7, num_bins=2, allow_oversized=False) is None
+    assert partition_groups([9, 1], budget=8, num_bins=2, allow_oversized=False) is None
+    assert partition_groups([9, 1], budget=8, num_bins=2, allow_oversized=True) == [[0], [1]]
+    assert partition_groups([1, 1], budget=8, num_bins=3, allow_oversized=False) is None
+
+
+def test_registry_and_switch(model_dirs):
+    # veRL's registry hands out the DualKV engine for its fsdp/fsdp2 language-model strategies
+    assert EngineRegistry.get_engine_cls("language_model", "fsdp2") is DualKVFSDPEngineWithLMHead
+    assert EngineRegistry.get_engine_cls("language_model", "fsdp") is DualKVFSDPEngineWithLMHead
+    # as veRL's TrainingWorker builds it (keywords), with the switch on
+    on = EngineRegistry.new(
+        model_type="language_model",
+        backend="fsdp2",
+        model_config=HFModelConfig(
+            path=model_dirs["qwen3"], load_tokenizer=False,
+            override_config={"attn_implementation": "dualkv"},
+        ),
+        engine_config=FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False),
+        optimizer_config=FSDPOptimizerConfig(lr=1e-3, total_training_steps=1),
+        checkpoint_config=CheckpointConfig(),
+    )  # fmt: skip
+    assert type(on) is DualKVFSDPEngineWithLMHead and on.dualkv
+    # without the switch it is veRL's engine: the rows path, no packing
+    plain = _engine(DualKVFSDPEngineWithLMHead, model_dirs["qwen3"], "sdpa")
+    assert not plain.dualkv
+    ref = _engine(FSDPEngineWithLMHead, model_dirs["qwen3"], "sdpa")
+    td, _ = _batch(random.Random(7), groups=2)
+    a, _, _ = _infer(plain, td)
+    b, _, _ = _infer(ref, td)
+    assert torch.equal(a, b)
+
+
+def test_plugin_entry_point():
+    """A fresh ``import verl`` loads dualkv's plugin: veRL's registry hands out DualKV's engine."""
+    import subprocess
+    import sys
+
+    code = (
+        "import verl\n"
+        "from verl.workers.engine import EngineRegistry\n"
+        "print(EngineRegistry.get_engine_cls('language_model', 'fsdp2').__name__)\n"
+    )
+    env = dict(os.environ, VERL_PLATFORM="nvidia", PYTHONWARNINGS="ignore")
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "DualKVFSDPEngineWithLMHead"
+
+
+def test_unsupported_settings_raise(model_dirs, seed):
+    path = model_dirs["qwen3"]
+    with pytest.raises(DualKVVerlError, match="pad_to_length"):
+        _engine(DualKVFSDPEngineWithLMHead, path, "dualkv", pad_to_length=True)
+    dkv = _engine(DualKVFSDPEngineWithLMHead, path, "dualkv")
+    td, _ = _batch(random.Random(seed), groups=2)
+    temps = torch.linspace(0.5, 1.5, td.shape[0])
+    with pytest.raises(DualKVVerlError, match="temperature"):
+        _infer(dkv, td, temperature=temps)
+    with pytest.raises(DualKVVerlError, match="calculate_sum_pi_squared"):
+        _infer(dkv, td, calculate_sum_pi_squared=True)
