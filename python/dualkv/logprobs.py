@@ -235,15 +235,39 @@ def response_logprobs(
         Differentiable w.r.t. ``hidden_states``, ``lm_head_weight`` and ``lm_head_bias``; the
         backward recomputes each chunk's logits instead of storing them.
     """
+    logp, ent = score_tokens(
+        hidden_states, lm_head_weight, lm_head_bias, packed.token_sources, packed.token_labels,
+        packed.total_tokens, temperature, logit_softcap, chunk_size, return_entropy,
+    )  # fmt: skip
+    out = packed.scatter_tokens(logp)
+    return (out, packed.scatter_tokens(ent)) if return_entropy else out
+
+
+def score_tokens(
+    hidden_states: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    lm_head_bias: torch.Tensor | None,
+    sources: torch.Tensor,
+    labels: torch.Tensor,
+    num_tokens: int,
+    temperature: float,
+    logit_softcap: float | None,
+    chunk_size: int | None,
+    return_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logp [M], entropy [M or 0])`` of ``labels`` predicted from the hidden states at
+    ``sources``: the checked arguments and one call of the chunked op (shared by
+    :func:`response_logprobs` and :func:`dualkv.parallel.response_logprobs`, whose
+    ``num_tokens`` is the rank's shard)."""
     if hidden_states.dim() == 3:
         if hidden_states.shape[0] != 1:
             raise ValueError(
                 f"hidden_states must be [1, T, H] or [T, H], got {tuple(hidden_states.shape)}"
             )
         hidden_states = hidden_states[0]
-    if hidden_states.dim() != 2 or hidden_states.shape[0] != packed.total_tokens:
+    if hidden_states.dim() != 2 or hidden_states.shape[0] != num_tokens:
         raise ValueError(
-            f"hidden_states must have {packed.total_tokens} packed tokens ([1, T, H] or [T, H]), "
+            f"hidden_states must have {num_tokens} packed tokens ([1, T, H] or [T, H]), "
             f"got {tuple(hidden_states.shape)}"
         )
     if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden_states.shape[1]:
@@ -253,21 +277,17 @@ def response_logprobs(
         )
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    vocab = lm_head_weight.shape[0]
-    per_token = max(vocab, 1) * hidden_states.element_size()
+    per_token = max(lm_head_weight.shape[0], 1) * hidden_states.element_size()
     chunk = int(chunk_size) if chunk_size is not None else max(16, _CHUNK_BYTES // per_token)
     if chunk < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    weight = lm_head_weight
-    if weight.dtype != hidden_states.dtype:
-        weight = weight.to(hidden_states.dtype)
+    weight = lm_head_weight.to(hidden_states.dtype)
     bias = lm_head_bias.to(hidden_states.dtype) if lm_head_bias is not None else None
     logp, _lse, ent = _chunked_logprobs(
-        hidden_states, weight, bias, packed.token_sources, packed.token_labels,
+        hidden_states, weight, bias, sources, labels,
         float(temperature), float(logit_softcap or 0.0), chunk, bool(return_entropy),
     )  # fmt: skip
-    out = packed.scatter_tokens(logp)
-    return (out, packed.scatter_tokens(ent)) if return_entropy else out
+    return logp, ent
 
 
 def logprobs_from_logits(

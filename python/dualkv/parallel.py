@@ -68,7 +68,7 @@ import torch.distributed as dist
 
 from .attention import attention
 from .layout import Layout
-from .logprobs import _CHUNK_BYTES, _chunked_logprobs
+from .logprobs import score_tokens
 from .packing import PackedBatch
 
 if TYPE_CHECKING:
@@ -438,33 +438,9 @@ def response_logprobs(
     one all-reduce of ``B * R_max`` values (two with entropy, in one call) sums the disjoint parts.
     A collective: every rank of the group must call it.
     """
-    if hidden_states.dim() == 3:
-        if hidden_states.shape[0] != 1:
-            raise ValueError(
-                f"hidden_states must be [1, S, H] or [S, H], got {tuple(hidden_states.shape)}"
-            )
-        hidden_states = hidden_states[0]
-    if hidden_states.dim() != 2 or hidden_states.shape[0] != batch.total_tokens:
-        raise ValueError(
-            f"hidden_states must have this rank's {batch.total_tokens} tokens ([1, S, H] or "
-            f"[S, H]), got {tuple(hidden_states.shape)}"
-        )
-    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden_states.shape[1]:
-        raise ValueError(
-            f"lm_head_weight must be [V, {hidden_states.shape[1]}], "
-            f"got {tuple(lm_head_weight.shape)}"
-        )
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    per_token = max(lm_head_weight.shape[0], 1) * hidden_states.element_size()
-    chunk = int(chunk_size) if chunk_size is not None else max(16, _CHUNK_BYTES // per_token)
-    if chunk < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    weight = lm_head_weight.to(hidden_states.dtype)
-    bias = lm_head_bias.to(hidden_states.dtype) if lm_head_bias is not None else None
-    logp, _lse, ent = _chunked_logprobs(
-        hidden_states, weight, bias, batch.token_sources, batch.token_labels,
-        float(temperature), float(logit_softcap or 0.0), chunk, bool(return_entropy),
+    logp, ent = score_tokens(
+        hidden_states, lm_head_weight, lm_head_bias, batch.token_sources, batch.token_labels,
+        batch.total_tokens, temperature, logit_softcap, chunk_size, return_entropy,
     )  # fmt: skip
     shape = batch.packed.response_mask.shape
     width = shape[0] * shape[1]
