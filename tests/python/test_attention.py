@@ -18,6 +18,12 @@ from oracle import dense_attention
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 SLACK = {torch.float64: 1e-10, torch.float32: 2e-6, torch.bfloat16: 1e-4, torch.float16: 1e-5}
+# Gradients: the FlashAttention-style backward forms dS = P * (dP - delta) with
+# delta = rowsum(dO * O), two float32 dot products of magnitude ~sqrt(D) whose difference can be
+# far smaller (one visible key: exactly dlse), so dq/dk carry ~eps * sqrt(D) absolute rounding
+# even where the plain autograd path cancels exactly (seed 2830012812, a one-token layout:
+# dq error 2.8e-6 at D = 128, plain 4.8e-8). The float32 slack of the gradients covers that.
+GRAD_SLACK = {**SLACK, torch.float32: 1e-5}
 
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -113,7 +119,8 @@ def run_case(
         ["out", "lse", "dq", "dk", "dv"], got, exact, plain, [2, 2, 3, 3, 3]
     ):
         assert g.shape == r.shape, f"{name}: shape {tuple(g.shape)} != {tuple(r.shape)}"
-        assert_close(name, g, r, p, factor, SLACK[dtype] * (1 if name == "lse" else magnitude))
+        slack = (GRAD_SLACK if name.startswith("d") else SLACK)[dtype]
+        assert_close(name, g, r, p, factor, slack * (1 if name == "lse" else magnitude))
 
 
 @pytest.mark.parametrize("device", DEVICES)
