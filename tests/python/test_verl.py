@@ -516,8 +516,9 @@ def _sp_rank(rank: int, world: int, port: int, dirs: list[str], seed: int) -> No
 
             td["old_log_probs"] = (logp_ref + 0.15 * torch.randn_like(logp_ref)) * mask
             torch.distributed.broadcast(td["old_log_probs"], src=0)  # the same batch on both
+            # (an entropy bonus: its gradient also crosses the ranks' log-prob sum)
             actor = _actor_config("fsdp2", case["dynamic"], loss_agg_mode=case["agg"],
-                                  clip_ratio=0.1)  # fmt: skip
+                                  clip_ratio=0.1, entropy_coeff=0.05)  # fmt: skip
             p_start = _params(sp)
             runs = {
                 "sp": _train(sp, td, actor, t, global_batch_size=b),
@@ -528,8 +529,12 @@ def _sp_rank(rank: int, world: int, port: int, dirs: list[str], seed: int) -> No
             assert g_sp and len(g_sp) == len(p_sp)
             for other in ("one", "veRL"):
                 loss_o, g_o, p_o, _ = runs[other]
-                assert abs(loss_sp - loss_o) <= 1e-5 + 1e-4 * abs(loss_o), (what, other,
-                                                                            loss_sp, loss_o)
+                assert abs(loss_sp - loss_o) <= 1e-5 + 1e-4 * abs(loss_o), (
+                    what,
+                    other,
+                    loss_sp,
+                    loss_o,
+                )
                 assert g_o.keys() == g_sp.keys()
                 for name in g_o:
                     scale = max(g_o[name].abs().max().item(), 1.0)
@@ -540,6 +545,12 @@ def _sp_rank(rank: int, world: int, port: int, dirs: list[str], seed: int) -> No
                            atol=1e-5)  # fmt: skip
             moved = [n for n in p_sp if (p_sp[n] - p_start[n]).abs().max() > 1e-4]
             assert len(moved) == len(p_sp), "the step must move every parameter"
+
+        # ranks of one sp group given different rows: refused on every rank, not sharded as one
+        other = _sp_batch(seed + 1000 * (rank + 1))
+        data = _prepare(other, use_dynamic_bsz=True, max_token_len_per_gpu=64, temperature=1.0)
+        with pytest.raises(DualKVVerlError, match="different batches"):
+            sp.prepare_dualkv_micro_batches(data)
     finally:
         torch.distributed.destroy_process_group()
 
@@ -548,6 +559,7 @@ def test_ulysses_sequence_parallel_matches_sp1(tmp_path, seed):
     """ulysses_sequence_parallel_size=2 on 2 gloo processes: log-probs, entropy (veRL's layout),
     loss, every gradient and the parameters after one step equal the sp=1 engines'."""
     import torch.multiprocessing as mp
+
     from hf_helpers import tiny_config, tiny_model
 
     dirs = []

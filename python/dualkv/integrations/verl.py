@@ -31,13 +31,30 @@ update run on packed groups:
   loss run unchanged. Positions that do not predict a response token (the prompt's, the last) are
   0: nothing in veRL's RL path reads them.
 
-Works with ``use_remove_padding`` on or off (the packed stream replaces both), dynamic batch size,
-gradient checkpointing, FSDP2 (tested on CPU against veRL's own engine) and FSDP1 (the same code;
-not tested: veRL's FSDP1 setup needs a GPU), one temperature per micro-batch. Anything that
-cannot be packed raises :class:`DualKVVerlError` naming the setting: Ulysses sequence
-parallelism, fused kernels, ``pad_to_length``, LoRA, multi-modal inputs or 3-D (mRoPE) position
-ids, top-k distillation, ``calculate_sum_pi_squared``, per-sample temperatures that differ,
-SFT-style loss masks over the whole sequence, empty prompts.
+Ulysses sequence parallelism (``ulysses_sequence_parallel_size = sp > 1``; veRL builds its
+``(dp, sp)`` device mesh and sp process group, and hands every rank of an sp group the same rows):
+every rank builds the same packed micro-batch (the budget is ``max_token_len_per_gpu * sp``
+packed tokens, as veRL's own Ulysses micro-batching), :func:`dualkv.parallel.shard_batch` gives it
+its token shard (``ceil(T / sp)`` tokens, the stream padded at its end), the decoder runs on the
+shard with Ulysses all-to-all attention (:func:`dualkv.parallel.ulysses_attention` on the global
+layout, KV heads replicated when ``num_key_value_heads < sp``), and
+:func:`dualkv.parallel.response_logprobs` scores each rank's predicting positions and sums the
+disjoint parts, so every rank returns the whole micro-batch's log-probs/entropy in veRL's layout.
+Its backward hands each rank ``sp`` times its share of the gradient (``grad_scale=sp``, as veRL's
+``gather_outputs_and_unpad`` does), which veRL's FSDP mesh over all ``dp * sp`` ranks then
+averages to the gradient of the ``dp`` batches. Tested on CPU (gloo, 2 processes): equal to the
+``sp = 1`` DualKV engine and to veRL's own SDPA engine. The heads must split:
+``num_attention_heads % sp == 0`` (else :class:`DualKVVerlError`); veRL itself requires
+``use_remove_padding=True`` and ``num_key_value_heads`` and ``sp`` dividing one another. Ranks of
+an sp group holding different rows are refused (one small all-reduce per batch checks it).
+
+Works with ``use_remove_padding`` on or off (the packed stream replaces both; on with Ulysses),
+dynamic batch size, gradient checkpointing, FSDP2 (tested on CPU against veRL's own engine) and
+FSDP1 (the same code; not tested: veRL's FSDP1 setup needs a GPU), one temperature per
+micro-batch. Anything that cannot be packed raises :class:`DualKVVerlError` naming the setting:
+fused kernels, ``pad_to_length``, LoRA, multi-modal inputs or 3-D (mRoPE) position ids, top-k
+distillation, ``calculate_sum_pi_squared``, per-sample temperatures that differ, SFT-style loss
+masks over the whole sequence, empty prompts, attention heads that ``sp`` does not divide.
 """
 
 from __future__ import annotations
