@@ -468,13 +468,19 @@ SP_CASES = [
 ]  # fmt: skip
 
 
+SP_BUDGET = 64  # max_token_len_per_gpu: sp=1 micro-batches of <= 64 packed tokens, sp=2 <= 128
+
+
 def _sp_batch(seed: int) -> TensorDict:
-    """A batch whose packed stream has an odd length (the second rank's shard ends in a pad)."""
+    """A batch whose packed stream has an odd length of more than one sp=1 budget and at most one
+    sp=2 budget: with dynamic batch size the sp=2 engine runs it as one micro-batch whose second
+    shard ends in a pad token, the sp=1 engines as several."""
     for attempt in range(100):
         td, _ = _batch(random.Random(seed + attempt), groups=3, n_range=(2, 4))
         group, plen, rlen = prompt_groups(td["prompts"], td["attention_mask"])
         firsts = [int((group == g).nonzero()[0]) for g in range(int(group.max()) + 1)]
-        if (int(plen[firsts].sum()) + int(rlen.sum())) % 2 == 1:
+        total = int(plen[firsts].sum()) + int(rlen.sum())
+        if total % 2 == 1 and SP_BUDGET < total <= 2 * SP_BUDGET:
             return td
     raise AssertionError("no odd-length batch drawn")
 
@@ -492,7 +498,7 @@ def _sp_rank(rank: int, world: int, port: int, dirs: list[str], seed: int) -> No
             td = _sp_batch(seed)
             b = td.shape[0]
             mbs = max(d for d in range(1, 6) if b % d == 0)
-            kw = dict(grad_ckpt=case["grad_ckpt"], dynamic=case["dynamic"], max_tokens=64,
+            kw = dict(grad_ckpt=case["grad_ckpt"], dynamic=case["dynamic"], max_tokens=SP_BUDGET,
                       micro_batch=mbs)  # fmt: skip
             sp = _engine(DualKVFSDPEngineWithLMHead, path, "dualkv",
                          ulysses_sequence_parallel_size=2, **kw)  # fmt: skip
@@ -501,6 +507,10 @@ def _sp_rank(rank: int, world: int, port: int, dirs: list[str], seed: int) -> No
             assert sp.dualkv and sp.get_data_parallel_size() == 1
             assert one.get_data_parallel_size() == 2
             what = f"rank {rank} case {case}"
+            if case["dynamic"]:  # one micro-batch of an odd length (see _sp_batch)
+                data = _prepare(td, use_dynamic_bsz=True, max_token_len_per_gpu=SP_BUDGET)
+                assert len(sp.prepare_dualkv_micro_batches(data)[0]) == 1
+                assert len(one.prepare_dualkv_micro_batches(data)[0]) > 1
 
             t = case["temperature"]
             logp_sp, ent_sp, out = _infer(sp, td, t)
@@ -548,7 +558,7 @@ def _sp_rank(rank: int, world: int, port: int, dirs: list[str], seed: int) -> No
 
         # ranks of one sp group given different rows: refused on every rank, not sharded as one
         other = _sp_batch(seed + 1000 * (rank + 1))
-        data = _prepare(other, use_dynamic_bsz=True, max_token_len_per_gpu=64, temperature=1.0)
+        data = _prepare(other, use_dynamic_bsz=True, max_token_len_per_gpu=SP_BUDGET)
         with pytest.raises(DualKVVerlError, match="different batches"):
             sp.prepare_dualkv_micro_batches(data)
     finally:
