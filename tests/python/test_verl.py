@@ -224,13 +224,20 @@ def _params(engine: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def _train(engine: Any, td: TensorDict, actor_config: Any, temperature: float = 1.0):
+def _train(
+    engine: Any,
+    td: TensorDict,
+    actor_config: Any,
+    temperature: float = 1.0,
+    global_batch_size: int | None = None,
+):
     cfg = engine.engine_config
     data = _prepare(
         td, temperature=temperature, calculate_entropy=True, compute_loss=True,
         use_remove_padding=cfg.use_remove_padding, use_dynamic_bsz=cfg.use_dynamic_bsz,
         max_token_len_per_gpu=cfg.max_token_len_per_gpu,
-        micro_batch_size_per_gpu=cfg.micro_batch_size_per_gpu, global_batch_size=td.shape[0],
+        micro_batch_size_per_gpu=cfg.micro_batch_size_per_gpu,
+        global_batch_size=td.shape[0] if global_batch_size is None else global_batch_size,
     )  # fmt: skip
     loss_fn = _loss(actor_config)
     with engine.train_mode():
@@ -450,3 +457,140 @@ def test_unsupported_settings_raise(model_dirs, seed):
         _infer(dkv, td, temperature=temps)
     with pytest.raises(DualKVVerlError, match="calculate_sum_pi_squared"):
         _infer(dkv, td, calculate_sum_pi_squared=True)
+
+
+# --- Ulysses sequence parallelism: 2 processes on gloo ----------------------------------------
+SP_CASES = [
+    # kv heads, tied embeddings, dynamic batch size, gradient checkpointing, temperature, loss
+    dict(hkv=2, tied=True, dynamic=True, grad_ckpt=True, temperature=1.0, agg="token-mean"),
+    dict(hkv=1, tied=False, dynamic=False, grad_ckpt=False, temperature=0.7,
+         agg="seq-mean-token-mean"),
+]  # fmt: skip
+
+
+SP_BUDGET = 64  # max_token_len_per_gpu: sp=1 micro-batches of <= 64 packed tokens, sp=2 <= 128
+
+
+def _sp_batch(seed: int) -> TensorDict:
+    """A batch whose packed stream has an odd length of more than one sp=1 budget and at most one
+    sp=2 budget: with dynamic batch size the sp=2 engine runs it as one micro-batch whose second
+    shard ends in a pad token, the sp=1 engines as several."""
+    for attempt in range(100):
+        td, _ = _batch(random.Random(seed + attempt), groups=3, n_range=(2, 4))
+        group, plen, rlen = prompt_groups(td["prompts"], td["attention_mask"])
+        firsts = [int((group == g).nonzero()[0]) for g in range(int(group.max()) + 1)]
+        total = int(plen[firsts].sum()) + int(rlen.sum())
+        if total % 2 == 1 and SP_BUDGET < total <= 2 * SP_BUDGET:
+            return td
+    raise AssertionError("no odd-length batch drawn")
+
+
+def _sp_rank(rank: int, world: int, port: int, dirs: list[str], seed: int) -> None:
+    """One rank of a 2-process group: DualKV with ulysses_sequence_parallel_size=2 (dp=1) against
+    DualKV and veRL's own SDPA engine with sp=1 (dp=2, both ranks holding the same batch, so
+    veRL's data-parallel mean is the single batch's gradient)."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for path, case in zip(dirs, SP_CASES, strict=True):
+            torch.manual_seed(seed)  # the batch's pad ids and advantages: the same on both ranks
+            td = _sp_batch(seed)
+            b = td.shape[0]
+            mbs = max(d for d in range(1, 6) if b % d == 0)
+            kw = dict(grad_ckpt=case["grad_ckpt"], dynamic=case["dynamic"], max_tokens=SP_BUDGET,
+                      micro_batch=mbs)  # fmt: skip
+            sp = _engine(DualKVFSDPEngineWithLMHead, path, "dualkv",
+                         ulysses_sequence_parallel_size=2, **kw)  # fmt: skip
+            one = _engine(DualKVFSDPEngineWithLMHead, path, "dualkv", **kw)
+            ref = _engine(FSDPEngineWithLMHead, path, "sdpa", **kw)
+            assert sp.dualkv and sp.get_data_parallel_size() == 1
+            assert one.get_data_parallel_size() == 2
+            what = f"rank {rank} case {case}"
+            if case["dynamic"]:  # one micro-batch of an odd length (see _sp_batch)
+                data = _prepare(td, use_dynamic_bsz=True, max_token_len_per_gpu=SP_BUDGET)
+                assert len(sp.prepare_dualkv_micro_batches(data)[0]) == 1
+                assert len(one.prepare_dualkv_micro_batches(data)[0]) > 1
+
+            t = case["temperature"]
+            logp_sp, ent_sp, out = _infer(sp, td, t)
+            logp_one, ent_one, _ = _infer(one, td, t)
+            logp_ref, ent_ref, _ = _infer(ref, td, t)
+            lens = td["attention_mask"].sum(1)
+            assert [x.numel() for x in out["model_output"]["log_probs"].unbind()] == lens.tolist()
+            mask = td["response_mask"].bool()
+            for name, got, want in (("log_probs", logp_sp, logp_one), ("entropy", ent_sp, ent_one),
+                                    ("log_probs (veRL)", logp_sp, logp_ref),
+                                    ("entropy (veRL)", ent_sp, ent_ref)):  # fmt: skip
+                _close(got * mask, want * mask, f"{what}: {name}")
+
+            td["old_log_probs"] = (logp_ref + 0.15 * torch.randn_like(logp_ref)) * mask
+            torch.distributed.broadcast(td["old_log_probs"], src=0)  # the same batch on both
+            # (an entropy bonus: its gradient also crosses the ranks' log-prob sum)
+            actor = _actor_config("fsdp2", case["dynamic"], loss_agg_mode=case["agg"],
+                                  clip_ratio=0.1, entropy_coeff=0.05)  # fmt: skip
+            p_start = _params(sp)
+            runs = {
+                "sp": _train(sp, td, actor, t, global_batch_size=b),
+                "one": _train(one, td, actor, t, global_batch_size=2 * b),
+                "veRL": _train(ref, td, actor, t, global_batch_size=2 * b),
+            }
+            loss_sp, g_sp, p_sp, _ = runs["sp"]
+            assert g_sp and len(g_sp) == len(p_sp)
+            for other in ("one", "veRL"):
+                loss_o, g_o, p_o, _ = runs[other]
+                assert abs(loss_sp - loss_o) <= 1e-5 + 1e-4 * abs(loss_o), (
+                    what,
+                    other,
+                    loss_sp,
+                    loss_o,
+                )
+                assert g_o.keys() == g_sp.keys()
+                for name in g_o:
+                    scale = max(g_o[name].abs().max().item(), 1.0)
+                    _close(g_sp[name], g_o[name], f"{what}: grad {name} vs {other}", rtol=1e-3,
+                           atol=2e-5 * scale)  # fmt: skip
+                for name in p_o:
+                    _close(p_sp[name], p_o[name], f"{what}: param {name} vs {other}", rtol=1e-4,
+                           atol=1e-5)  # fmt: skip
+            moved = [n for n in p_sp if (p_sp[n] - p_start[n]).abs().max() > 1e-4]
+            assert len(moved) == len(p_sp), "the step must move every parameter"
+
+        # ranks of one sp group given different rows: refused on every rank, not sharded as one
+        other = _sp_batch(seed + 1000 * (rank + 1))
+        data = _prepare(other, use_dynamic_bsz=True, max_token_len_per_gpu=SP_BUDGET)
+        with pytest.raises(DualKVVerlError, match="different batches"):
+            sp.prepare_dualkv_micro_batches(data)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_ulysses_sequence_parallel_matches_sp1(tmp_path, seed):
+    """ulysses_sequence_parallel_size=2 on 2 gloo processes: log-probs, entropy (veRL's layout),
+    loss, every gradient and the parameters after one step equal the sp=1 engines'."""
+    import torch.multiprocessing as mp
+
+    from hf_helpers import tiny_config, tiny_model
+
+    dirs = []
+    for i, case in enumerate(SP_CASES):
+        config = tiny_config("qwen3")
+        config.num_key_value_heads = case["hkv"]
+        config.tie_word_embeddings = case["tied"]
+        path = str(tmp_path / f"qwen3_{i}")
+        tiny_model("qwen3", torch.float32, seed=seed % 1000 + i, config=config).save_pretrained(
+            path
+        )
+        dirs.append(path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ["OMP_NUM_THREADS"] = "1"
+    mp.start_processes(_sp_rank, args=(2, port, dirs, seed), nprocs=2, start_method="spawn")
+
+
+def test_ulysses_heads_must_split(model_dirs):
+    """Heads that cannot be split over the sp ranks are refused, naming the setting."""
+    with pytest.raises(DualKVVerlError, match="ulysses_sequence_parallel_size=3"):
+        _engine(DualKVFSDPEngineWithLMHead, model_dirs["qwen3"], "dualkv",
+                ulysses_sequence_parallel_size=3)  # fmt: skip

@@ -31,13 +31,30 @@ update run on packed groups:
   loss run unchanged. Positions that do not predict a response token (the prompt's, the last) are
   0: nothing in veRL's RL path reads them.
 
-Works with ``use_remove_padding`` on or off (the packed stream replaces both), dynamic batch size,
-gradient checkpointing, FSDP2 (tested on CPU against veRL's own engine) and FSDP1 (the same code;
-not tested: veRL's FSDP1 setup needs a GPU), one temperature per micro-batch. Anything that
-cannot be packed raises :class:`DualKVVerlError` naming the setting: Ulysses sequence
-parallelism, fused kernels, ``pad_to_length``, LoRA, multi-modal inputs or 3-D (mRoPE) position
-ids, top-k distillation, ``calculate_sum_pi_squared``, per-sample temperatures that differ,
-SFT-style loss masks over the whole sequence, empty prompts.
+Ulysses sequence parallelism (``ulysses_sequence_parallel_size = sp > 1``; veRL builds its
+``(dp, sp)`` device mesh and sp process group, and hands every rank of an sp group the same rows):
+every rank builds the same packed micro-batch (the budget is ``max_token_len_per_gpu * sp``
+packed tokens, as veRL's own Ulysses micro-batching), :func:`dualkv.parallel.shard_batch` gives it
+its token shard (``ceil(T / sp)`` tokens, the stream padded at its end), the decoder runs on the
+shard with Ulysses all-to-all attention (:func:`dualkv.parallel.ulysses_attention` on the global
+layout, KV heads replicated when ``num_key_value_heads < sp``), and
+:func:`dualkv.parallel.response_logprobs` scores each rank's predicting positions and sums the
+disjoint parts, so every rank returns the whole micro-batch's log-probs/entropy in veRL's layout.
+Its backward hands each rank ``sp`` times its share of the gradient (``grad_scale=sp``, as veRL's
+``gather_outputs_and_unpad`` does), which veRL's FSDP mesh over all ``dp * sp`` ranks then
+averages to the gradient of the ``dp`` batches. Tested on CPU (gloo, 2 processes): equal to the
+``sp = 1`` DualKV engine and to veRL's own SDPA engine. The heads must split:
+``num_attention_heads % sp == 0`` (else :class:`DualKVVerlError`); veRL itself requires
+``use_remove_padding=True`` and ``num_key_value_heads`` and ``sp`` dividing one another. Ranks of
+an sp group holding different rows are refused (one small all-reduce per batch checks it).
+
+Works with ``use_remove_padding`` on or off (the packed stream replaces both; on with Ulysses),
+dynamic batch size, gradient checkpointing, FSDP2 (tested on CPU against veRL's own engine) and
+FSDP1 (the same code; not tested: veRL's FSDP1 setup needs a GPU), one temperature per
+micro-batch. Anything that cannot be packed raises :class:`DualKVVerlError` naming the setting:
+fused kernels, ``pad_to_length``, LoRA, multi-modal inputs or 3-D (mRoPE) position ids, top-k
+distillation, ``calculate_sum_pi_squared``, per-sample temperatures that differ, SFT-style loss
+masks over the whole sequence, empty prompts, attention heads that ``sp`` does not divide.
 """
 
 from __future__ import annotations
@@ -48,6 +65,7 @@ from typing import Any
 
 import torch
 
+from .. import parallel as _sp
 from ..logprobs import response_logprobs
 from ..packing import PackedBatch, pack_rows
 from . import transformers as _hf  # registers attn_implementation="dualkv"
@@ -79,6 +97,7 @@ SWITCH = "actor_rollout_ref.model.override_config.attn_implementation=dualkv"
 _PACKED_KW = "dualkv_packed"
 _TEMP_KW = "dualkv_temperature"
 _ENTROPY_KW = "dualkv_entropy"
+_GRAD_SCALE_KW = "dualkv_grad_scale"
 
 
 class DualKVVerlError(ValueError):
@@ -182,17 +201,28 @@ def _install_packed_forward(model: Any) -> None:
 
     def packed_head(
         hidden: torch.Tensor,
-        dualkv_packed: PackedBatch | None = None,
+        dualkv_packed: PackedBatch | _sp.ShardedBatch | None = None,
         dualkv_temperature: float = 1.0,
         dualkv_entropy: bool = False,
+        dualkv_grad_scale: float = 1.0,
     ) -> Any:
         if dualkv_packed is None:
             return head_forward(hidden)
-        out = response_logprobs(
-            hidden, head.weight, dualkv_packed, temperature=dualkv_temperature,
-            return_entropy=dualkv_entropy, lm_head_bias=getattr(head, "bias", None),
-            logit_softcap=softcap,
-        )  # fmt: skip
+        bias = getattr(head, "bias", None)
+        out: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+        if isinstance(dualkv_packed, _sp.ShardedBatch):
+            # Ulysses: this rank scores the tokens predicted from its shard; the ranks' disjoint
+            # parts are summed, so every rank holds the whole [B, R_max] (see dualkv.parallel)
+            out = _sp.response_logprobs(
+                hidden, head.weight, dualkv_packed, temperature=dualkv_temperature,
+                return_entropy=dualkv_entropy, lm_head_bias=bias, logit_softcap=softcap,
+                grad_scale=dualkv_grad_scale,
+            )  # fmt: skip
+        else:
+            out = response_logprobs(
+                hidden, head.weight, dualkv_packed, temperature=dualkv_temperature,
+                return_entropy=dualkv_entropy, lm_head_bias=bias, logit_softcap=softcap,
+            )  # fmt: skip
         # fresh tensors (not views) for FSDP2's output hooks
         return tuple(t.clone() for t in out) if isinstance(out, tuple) else (out.clone(),)
 
@@ -202,13 +232,37 @@ def _install_packed_forward(model: Any) -> None:
             return lm_forward(*args, **kwargs)
         temperature = kwargs.pop(_TEMP_KW, 1.0)
         entropy = bool(kwargs.pop(_ENTROPY_KW, False))
-        hidden = _hf.packed_hidden_states(model, packed)
+        grad_scale = float(kwargs.pop(_GRAD_SCALE_KW, 1.0))
+        if isinstance(packed, _sp.ShardedBatch):  # this rank's token shard (Ulysses)
+            out = _hf._decoder(model)(**packed.model_inputs())
+            hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        else:
+            hidden = _hf.packed_hidden_states(model, packed)
         return head(
-            hidden, dualkv_packed=packed, dualkv_temperature=temperature, dualkv_entropy=entropy
-        )
+            hidden, dualkv_packed=packed, dualkv_temperature=temperature, dualkv_entropy=entropy,
+            dualkv_grad_scale=grad_scale,
+        )  # fmt: skip
 
     head.forward = packed_head
     model.forward = packed_lm
+
+
+def _check_sequence_parallel(text_config: Any, sp: int) -> None:
+    """Refuse a model whose heads cannot be split over ``sp`` Ulysses ranks (naming the config)."""
+    hq = getattr(text_config, "num_attention_heads", None)
+    hkv = getattr(text_config, "num_key_value_heads", None) or hq
+    if not isinstance(hq, int) or not isinstance(hkv, int):
+        raise _unsupported(
+            "Ulysses sequence parallelism (ulysses_sequence_parallel_size="
+            f"{sp}) on a model config without num_attention_heads / num_key_value_heads"
+        )
+    try:
+        _sp.kv_replication(hq, hkv, sp)
+    except ValueError as exc:
+        raise DualKVVerlError(
+            f"DualKV engine: ulysses_sequence_parallel_size={sp} cannot split the model's "
+            f"attention heads (num_attention_heads={hq}, num_key_value_heads={hkv}): {exc}"
+        ) from exc
 
 
 # --- the engine ---------------------------------------------------------------------------------
@@ -225,11 +279,9 @@ class DualKVFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         impl = getattr(text_config, "_attn_implementation", None)
         self.dualkv = impl == ATTN_IMPLEMENTATION
         if self.dualkv:
-            if engine_config.ulysses_sequence_parallel_size > 1:
-                raise _unsupported(
-                    "Ulysses sequence parallelism (ulysses_sequence_parallel_size="
-                    f"{engine_config.ulysses_sequence_parallel_size})"
-                )
+            sp = engine_config.ulysses_sequence_parallel_size
+            if sp > 1:
+                _check_sequence_parallel(text_config, sp)
             if getattr(model_config, "use_fused_kernels", False):
                 raise _unsupported("use_fused_kernels=True")
             if getattr(engine_config, "pad_to_length", False):
@@ -268,10 +320,18 @@ class DualKVFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         for b, g in enumerate(group.tolist()):
             rows_of[g].append(b)
         use_dynamic_bsz = tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True)
+        sp = int(getattr(self, "ulysses_sequence_parallel_size", 1) or 1)
+        if sp > 1:
+            self._check_same_data_in_sp_group(data, plen, rlen)
         if use_dynamic_bsz:
-            budget = int(data["max_token_len_per_gpu"])
+            # as veRL: with Ulysses a micro-batch is split over the sp ranks, so it may hold sp
+            # times the per-GPU budget (each rank then holds ceil(T / sp) <= the budget tokens)
+            budget = int(data["max_token_len_per_gpu"]) * sp
             costs = [int(plen[r[0]]) + int(rlen[r].sum()) for r in rows_of]
-            name = "max_token_len_per_gpu"
+            name = (
+                "max_token_len_per_gpu" if sp == 1
+                else f"max_token_len_per_gpu * ulysses_sequence_parallel_size ({sp})"
+            )  # fmt: skip
         else:
             budget = int(data["micro_batch_size_per_gpu"])
             costs = [len(r) for r in rows_of]
@@ -304,6 +364,32 @@ class DualKVFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             count += 1
         indices = [sorted(b for g in groups for b in rows_of[g]) for groups in bins]
         return [tu.index_select_tensor_dict(data, idx) for idx in indices], indices
+
+    def _check_same_data_in_sp_group(
+        self, data: Any, plen: torch.Tensor, rlen: torch.Tensor
+    ) -> None:
+        """The ranks of a Ulysses group must hold the same rows (veRL dispatches them so); a
+        mismatch would shard different streams as one, so it is refused (one small all-reduce).
+        """
+        ids = data["input_ids"]
+        values = (ids.values() if ids.is_nested else ids).detach().reshape(-1)
+        values = values.to("cpu", torch.float64)
+        weights = torch.arange(1, values.numel() + 1, dtype=torch.float64)
+        fingerprint = torch.stack([
+            torch.tensor(float(plen.numel()), dtype=torch.float64),
+            plen.sum().to(torch.float64), rlen.sum().to(torch.float64), (values * weights).sum(),
+        ])  # fmt: skip
+        both = torch.cat([fingerprint, -fingerprint]).to(get_device_name())
+        torch.distributed.all_reduce(
+            both, op=torch.distributed.ReduceOp.MAX, group=self.ulysses_parallel_group
+        )
+        hi, lo = both[:4], -both[4:]
+        if not bool(torch.equal(hi, lo)):
+            raise DualKVVerlError(
+                "DualKV engine: the ranks of a Ulysses sequence-parallel group "
+                f"(ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size}) hold "
+                "different batches; every rank of the group must be given the same rows"
+            )
 
     def forward_backward_batch(
         self, data: Any, loss_function: Callable[..., Any], forward_only: bool = False
@@ -393,6 +479,15 @@ class DualKVFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         pos = torch.zeros(mask.shape, dtype=torch.int64, device=values.device)
         pos[real] = position_ids.values().to(torch.int64)
         packed = pack_rows(rows, mask, pw, None, position_ids=pos)
+        # Ulysses: every rank of the sp group built the same packed micro-batch; the model runs on
+        # this rank's token shard (veRL's flat FSDP mesh averages the gradients over the sp ranks
+        # too, so the backward hands each rank sp times its share, as veRL's Ulysses gather does)
+        sp_group = getattr(self, "ulysses_parallel_group", None)
+        model_batch: PackedBatch | _sp.ShardedBatch = packed
+        grad_scale = 1.0
+        if self.ulysses_sequence_parallel_size > 1:
+            model_batch = _sp.shard_batch(packed, sp_group)
+            grad_scale = float(self.ulysses_sequence_parallel_size)
 
         temperature = micro_batch["temperature"]
         if isinstance(temperature, torch.Tensor):
@@ -402,11 +497,12 @@ class DualKVFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             temperature = float(flat[0]) if flat.numel() else 1.0
         calculate_entropy = get(data=micro_batch, key="calculate_entropy", default=False)
         model_inputs = {
-            "input_ids": packed.input_ids,
-            "position_ids": packed.position_ids,
-            _PACKED_KW: packed,
+            "input_ids": model_batch.input_ids,
+            "position_ids": model_batch.position_ids,
+            _PACKED_KW: model_batch,
             _TEMP_KW: float(temperature),
             _ENTROPY_KW: bool(calculate_entropy),
+            _GRAD_SCALE_KW: grad_scale,
         }
         offsets = input_ids.offsets()
         row_start = offsets[:-1].to(values.device)
