@@ -617,8 +617,8 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, DqCfg<D>::MIN_BLOCKS)
 }
 
 template <typename T, int D>
-void launch_backward_sm80(const Params& p, bool deterministic_requested, cudaStream_t stream) {
-  const bool deterministic = !use_atomic_dq(deterministic_requested);
+void launch_backward_sm80(const Params& p, const KernelPolicy& policy, cudaStream_t stream) {
+  const bool deterministic = policy.dq_mode == 0;
   if (int64_t(p.T) * p.Hq == 0) return;
   launch_bwd_pre<T, D>(p, !deterministic, stream);
   using BC = BwdCfg<D>;

@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
 
 // False (nothing launched) when a tensor map cannot be encoded.
 template <typename T, int D>
-bool launch_dq_sm90_ws(const Params& p, cudaStream_t stream) {
+bool launch_dq_sm90_ws(const Params& p, const KernelPolicy& policy, cudaStream_t stream) {
   using C = DqWsCfg<D>;
   const int64_t grid = int64_t(p.nqt) * p.Hq;
   if (grid == 0) return true;
@@ -256,7 +256,7 @@ bool launch_dq_sm90_ws(const Params& p, cudaStream_t stream) {
     return false;
   }
   a.p = p;
-  a.pingpong = use_pingpong();
+  a.pingpong = policy.pingpong;
   auto kernel = p.softcap > 0.f ? dq_ws_kernel_sm90<T, D, true> : dq_ws_kernel_sm90<T, D, false>;
   launch_kernel(kernel, grid, C::THREADS, C::SMEM, stream, a,
                 "dualkv backward dq (sm90a, warp-specialised)");
