@@ -11,7 +11,7 @@
 #include "dualkv/error.h"
 #include "launch.h"
 #if DUALKV_HAS_SM90A
-#include "sm90_ws.h"
+#include "sm90/sm90_ws.h"
 #endif
 
 namespace dualkv::cuda {

@@ -4,7 +4,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "common.cuh"
+#include "collective/common.cuh"
 #include "policy.h"
 
 namespace dualkv::cuda::detail {

@@ -6,7 +6,7 @@
 #pragma once
 
 #include "launch.h"
-#include "sm90_common.cuh"
+#include "sm90/sm90_common.cuh"
 
 namespace dualkv::cuda::detail {
 

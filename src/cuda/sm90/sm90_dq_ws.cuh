@@ -8,7 +8,7 @@
 // issuing, so one's exp2/dS work overlaps the other's GEMMs (DUALKV_SM90_PINGPONG=0: off).
 #pragma once
 
-#include "sm90_fwd_ws.cuh"
+#include "sm90/sm90_fwd_ws.cuh"
 
 namespace dualkv::cuda::detail {
 

@@ -25,9 +25,9 @@
 
 #include <utility>
 
-#include "sm90_bwd.cuh"
-#include "sm90_dq_ws.cuh"
-#include "sm90_fwd_ws.cuh"
+#include "sm90/sm90_bwd.cuh"
+#include "sm90/sm90_dq_ws.cuh"
+#include "sm90/sm90_fwd_ws.cuh"
 
 namespace dualkv::cuda::detail {
 

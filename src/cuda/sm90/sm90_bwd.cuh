@@ -1,5 +1,6 @@
-// sm_90a backward: the sm_80 backward's schedule (preprocess; dK/dV over key blocks in a fixed
-// order; dQ over query blocks), with the matrix products on wgmma. Atomic-free and deterministic.
+// sm_90a backward: the sm_80 backward's schedule (preprocess, collective/bwd_preprocess.cuh; dK/dV
+// over key blocks in a fixed order; dQ over query blocks), with the matrix products on wgmma.
+// Atomic-free and deterministic.
 //   dkdv: one CTA per (128-key tile, kv head), two warpgroups of 64 keys. Per query block:
 //         S^T = K Q^T and dP^T = V dO^T (SS), then dV += P^T dO and dK += dS^T Q with P^T and dS^T
 //         from registers (RS, dO and Q MN-major). D = 256 splits the work differently (see
@@ -8,8 +9,9 @@
 //         blocks like the forward: S = Q K^T, dP = dO V^T (SS), dQ += dS K (RS, K MN-major).
 #pragma once
 
-#include "sm80_bwd.cuh"
-#include "sm90_common.cuh"
+#include "collective/bwd_preprocess.cuh"
+#include "collective/query_walk.cuh"
+#include "sm90/sm90_common.cuh"
 
 namespace dualkv::cuda::detail {
 

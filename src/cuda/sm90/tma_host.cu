@@ -6,7 +6,7 @@
 #include <atomic>
 #include <cstdio>
 
-#include "sm90_ws.h"
+#include "sm90/sm90_ws.h"
 
 namespace dualkv::cuda::detail {
 

@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-#include "common.cuh"
+#include "collective/common.cuh"
 #include "policy.h"
 
 struct CUtensorMap_st;

@@ -36,8 +36,8 @@
 #include <cuda.h>
 
 #include "launch.h"
-#include "sm90_common.cuh"
-#include "sm90_ws.h"
+#include "sm90/sm90_common.cuh"
+#include "sm90/sm90_ws.h"
 
 namespace dualkv::cuda::detail {
 
