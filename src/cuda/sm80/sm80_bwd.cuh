@@ -16,6 +16,8 @@
 //   The deterministic variant is the default in both modes (it measured faster, see below).
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 
 #include "collective/bwd_preprocess.cuh"
@@ -70,17 +72,29 @@ struct BwdCfg {
   static constexpr int DQ_SPLIT = WARPS / DQ_SLABS;
   static constexpr int DQC = D / DQ_SPLIT;  // dQ columns per warp
   static constexpr int PITCH = BM + 8;      // dS^T row pitch (elements), conflict-free
-  static constexpr int OFF_V = BN * D * 2;
-  static constexpr int OFF_Q = 2 * BN * D * 2;
-  static constexpr int OFF_DO = OFF_Q + 2 * BM * D * 2;
-  static constexpr int OFF_L = OFF_DO + 2 * BM * D * 2;  // lse2[2][BM], delta[2][BM]
-  static constexpr int OFF_DS = OFF_L + 4 * BM * 4;
   // D = 512: the DSPLIT warps of a slab split S^T's and dP^T's reduction dim too (each
   // D / DSPLIT columns) and add their partials through shared memory (sum_slab_partials) instead
   // of each computing them in full.
   static constexpr bool XCHG = D >= 512;
-  static constexpr int OFF_X = OFF_DS + BN * PITCH * 2;
-  static constexpr int SMEM = OFF_X + (XCHG ? WARPS * (BM / 8) * 2 * 32 * 16 : 0);
+  static constexpr int X_VECS = WARPS * (BM / 8) * 2 * 32;  // float4s of the exchange (XCHG)
+  // Shared memory; the OFF_* offsets come from here. x is last: without XCHG SMEM ends before it.
+  struct SharedStorage {
+    uint16_t k[BN * D];
+    uint16_t v[BN * D];
+    uint16_t q[2][BM * D];  // two stages
+    uint16_t dout[2][BM * D];
+    float lse2[2][BM];
+    float delta[2][BM];
+    uint16_t ds[BN * PITCH];  // dS^T [BN][PITCH]
+    float4 x[XCHG ? X_VECS : 1];
+  };
+  static constexpr int OFF_V = int(offsetof(SharedStorage, v));
+  static constexpr int OFF_Q = int(offsetof(SharedStorage, q));
+  static constexpr int OFF_DO = int(offsetof(SharedStorage, dout));
+  static constexpr int OFF_L = int(offsetof(SharedStorage, lse2));  // lse2[2][BM], delta[2][BM]
+  static constexpr int OFF_DS = int(offsetof(SharedStorage, ds));
+  static constexpr int OFF_X = int(offsetof(SharedStorage, x));
+  static constexpr int SMEM = OFF_X + (XCHG ? int(sizeof(SharedStorage::x)) : 0);
   static constexpr int MIN_BLOCKS = D >= 512 ? 1 : 2;  // D = 512: dK + dV are 128 registers
   static_assert(WARPS % DQ_SLABS == 0 && 2 * BM <= THREADS, "bad backward tile config");
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
@@ -339,8 +353,20 @@ struct DqCfg {
   // D = 512: the slab's warps split S's and dP's reduction dim too and add their partials
   // through shared memory (sum_slab_partials).
   static constexpr bool XCHG = D >= 512;
-  static constexpr int OFF_X = (2 * BM * D + 4 * BN * D) * 2;
-  static constexpr int SMEM = OFF_X + (XCHG ? WARPS * (BN / 8) * 2 * 32 * 16 : 0);
+  static constexpr int X_VECS = WARPS * (BN / 8) * 2 * 32;  // float4s of the exchange (XCHG)
+  // Shared memory; the OFF_* offsets come from here. x is last: without XCHG SMEM ends before it.
+  struct SharedStorage {
+    uint16_t q[BM * D];
+    uint16_t dout[BM * D];
+    uint16_t k[2][BN * D];  // two stages
+    uint16_t v[2][BN * D];
+    float4 x[XCHG ? X_VECS : 1];
+  };
+  static constexpr int OFF_DO = int(offsetof(SharedStorage, dout));
+  static constexpr int OFF_K = int(offsetof(SharedStorage, k));
+  static constexpr int OFF_V = int(offsetof(SharedStorage, v));
+  static constexpr int OFF_X = int(offsetof(SharedStorage, x));
+  static constexpr int SMEM = OFF_X + (XCHG ? int(sizeof(SharedStorage::x)) : 0);
   static constexpr int MIN_BLOCKS = D >= 512 ? 1 : 2;
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
@@ -352,8 +378,8 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, DqCfg<D>::MIN_BLOCKS)
   using Cfg = DqCfg<D>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, THREADS = Cfg::THREADS, DC = Cfg::DC;
   extern __shared__ __align__(128) unsigned char smem[];
-  const uint32_t sQ = smem_u32(smem), sdO = sQ + BM * D * 2;
-  const uint32_t sK0 = sdO + BM * D * 2, sV0 = sK0 + 2 * BN * D * 2;
+  const uint32_t sQ = smem_u32(smem), sdO = sQ + Cfg::OFF_DO;
+  const uint32_t sK0 = sQ + Cfg::OFF_K, sV0 = sQ + Cfg::OFF_V;
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const QueryTileCta<BM> cta(p);

@@ -9,6 +9,9 @@
 //         blocks like the forward: S = Q K^T, dP = dO V^T (SS), dQ += dS K (RS, K MN-major).
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+
 #include "collective/bwd_preprocess.cuh"
 #include "collective/query_walk.cuh"
 #include "sm90/sm90_common.cuh"
@@ -268,7 +271,19 @@ struct Dq90Cfg {
   static constexpr int THREADS = 256;
   static constexpr int Q_BYTES = BM * D * 2;
   static constexpr int KV_BYTES = BN * D * 2;
-  static constexpr int SMEM = 2 * Q_BYTES + 4 * KV_BYTES + 1024;
+  // Shared memory from the kernel's 1024-byte aligned base (the + 1024 of SMEM is the slack for
+  // that alignment); the OFF_* offsets come from here.
+  struct SharedStorage {
+    uint16_t q[BM * D];
+    uint16_t dout[BM * D];
+    uint16_t k[2][BN * D];  // two stages
+    uint16_t v[2][BN * D];
+  };
+  static_assert(sizeof(SharedStorage::q) == Q_BYTES && sizeof(SharedStorage::k[0]) == KV_BYTES);
+  static constexpr int OFF_DO = int(offsetof(SharedStorage, dout));
+  static constexpr int OFF_K = int(offsetof(SharedStorage, k));
+  static constexpr int OFF_V = int(offsetof(SharedStorage, v));
+  static constexpr int SMEM = int(sizeof(SharedStorage)) + 1024;
 };
 
 template <typename T, int D, bool kCap>
@@ -278,8 +293,8 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const __grid_constant__
   constexpr int BM = Cfg::BM, BN = Cfg::BN, THREADS = Cfg::THREADS;
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
-  const uint32_t sQ = base, sdO = base + Cfg::Q_BYTES;
-  const uint32_t sK0 = sdO + Cfg::Q_BYTES, sV0 = sK0 + 2 * Cfg::KV_BYTES;
+  const uint32_t sQ = base, sdO = base + Cfg::OFF_DO;
+  const uint32_t sK0 = base + Cfg::OFF_K, sV0 = base + Cfg::OFF_V;
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
   const QueryTileCta<kTileSize> cta(p);

@@ -8,6 +8,9 @@
 // issuing, so one's exp2/dS work overlaps the other's GEMMs (DUALKV_SM90_PINGPONG=0: off).
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+
 #include "sm90/sm90_fwd_ws.cuh"
 
 namespace dualkv::cuda::detail {
@@ -21,11 +24,21 @@ struct DqWsCfg {
   static constexpr int CONSUMERS = 256;
   static constexpr int Q_BYTES = BM * D * 2;
   static constexpr int KV_BYTES = BN * D * 2;
-  static constexpr int OFF_DO = Q_BYTES;
-  static constexpr int OFF_K = 2 * Q_BYTES;
-  static constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
-  static constexpr int OFF_BAR = OFF_V + STAGES * KV_BYTES;  // q, full[S], empty[S]
-  static constexpr int SMEM = OFF_BAR + 8 * (1 + 2 * STAGES) + 1024;
+  // Shared memory from the kernel's 1024-byte aligned base (the + 1024 of SMEM is the slack for
+  // that alignment); the tiles are 128B-swizzled (SW128), the OFF_* offsets come from here.
+  struct SharedStorage {
+    uint16_t q[BM * D];
+    uint16_t dout[BM * D];
+    uint16_t k[STAGES][BN * D];
+    uint16_t v[STAGES][BN * D];
+    uint64_t bar_q, full[STAGES], empty[STAGES];  // mbarriers
+  };
+  static_assert(sizeof(SharedStorage::q) == Q_BYTES && sizeof(SharedStorage::k[0]) == KV_BYTES);
+  static constexpr int OFF_DO = int(offsetof(SharedStorage, dout));
+  static constexpr int OFF_K = int(offsetof(SharedStorage, k));
+  static constexpr int OFF_V = int(offsetof(SharedStorage, v));
+  static constexpr int OFF_BAR = int(offsetof(SharedStorage, bar_q));
+  static constexpr int SMEM = int(sizeof(SharedStorage)) + 1024;
   static constexpr int PRODUCER_REGS = 40;
   static constexpr int CONSUMER_REGS = 232;
   // setmaxnreg moves registers within the CTA's pool (384 x 168 at this launch bound).
