@@ -11,7 +11,7 @@
 #include "dualkv/error.h"
 #include "launch.h"
 #if DUALKV_HAS_SM90A
-#include "sm90_ws.h"
+#include "sm90/sm90_ws.h"
 #endif
 
 namespace dualkv::cuda {
@@ -132,10 +132,9 @@ Params make_params(const Args& a) {
 }
 
 // The wgmma path: built for sm_90a, device of compute capability 9.x, not forced off.
-bool use_sm90() {
+bool sm90_device(bool force_sm80) {
 #if DUALKV_HAS_SM90A
-  const char* force = std::getenv("DUALKV_FORCE_SM80");
-  if (force && force[0] == '1') return false;
+  if (force_sm80) return false;
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) return false;
   static std::atomic<int> major_of[64];  // 0 = unknown
@@ -147,9 +146,31 @@ bool use_sm90() {
   }
   return major == 9;
 #else
+  (void)force_sm80;
   return false;
 #endif
 }
+
+}  // namespace
+
+// The only reader of the environment (the switches are documented in README.md and policy.h).
+KernelPolicy resolve_policy(bool deterministic) {
+  KernelPolicy pol;
+  const char* force = std::getenv("DUALKV_FORCE_SM80");
+  pol.sm90 = sm90_device(force && force[0] == '1');
+  const char* ws = std::getenv("DUALKV_SM90_WS");
+  pol.sm90_ws = !(ws && ws[0] == '0' && ws[1] == '\0');
+  const char* pp = std::getenv("DUALKV_SM90_PINGPONG");
+  pol.pingpong = !(pp && pp[0] == '0');
+  const char* dq = deterministic ? nullptr : std::getenv("DUALKV_ATOMIC_DQ");
+  pol.dq_mode = (!dq || dq[0] == '\0' || dq[1] != '\0') ? 0
+                : dq[0] == '1'                          ? 1
+                : dq[0] == '2'                          ? 2
+                                                        : 0;
+  return pol;
+}
+
+namespace {
 
 constexpr size_t align256(size_t n) { return (n + 255) & ~size_t(255); }
 
@@ -228,13 +249,14 @@ void attention_forward(const ForwardArgs& a, cudaStream_t stream) {
   Params p = make_params(a);
   p.out = a.out;
   p.lse = a.lse;
-  const bool sm90 = use_sm90();
+  const KernelPolicy pol = resolve_policy(false);
+  const bool sm90 = pol.sm90;
   dispatch(a.dtype, a.shape.head_dim, [&](auto t, auto d) {
     using T = decltype(t);
     constexpr int D = decltype(d)::value;
 #if DUALKV_HAS_SM90A
     // Warp-specialised FA3-style kernels first (false: a TMA map could not be encoded).
-    if (sm90 && sm90_ws_enabled() && launch_forward_sm90_ws<T, D>(p, stream)) return;
+    if (sm90 && pol.sm90_ws && launch_forward_sm90_ws<T, D>(p, pol, stream)) return;
     // Synchronous wgmma forward; at D = 64 the sm_80 one measured faster (2.02 vs 2.28 ms, H200).
     // D = 512 has no synchronous wgmma kernel: DUALKV_SM90_WS=0 runs the sm_80 one.
     if constexpr (D != 64 && D <= 256) {
@@ -279,21 +301,21 @@ void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t str
   p.dq_accum = reinterpret_cast<float*>(ws + 2 * align256(rows * sizeof(float)));
   // The fused atomic-dq variant (DUALKV_ATOMIC_DQ=1, non-deterministic) exists in the
   // warp-specialised and the sm_80 kernels (the synchronous wgmma path falls back to sm_80).
-  const bool sm90 = use_sm90();
-  const int dq_mode = atomic_dq_mode(a.deterministic);
-  const bool atomic_dq = dq_mode != 0;
+  const KernelPolicy pol = resolve_policy(a.deterministic);
+  const bool sm90 = pol.sm90;
+  const bool atomic_dq = pol.dq_mode != 0;
   dispatch(a.dtype, a.shape.head_dim, [&](auto t, auto d) {
     using T = decltype(t);
     constexpr int D = decltype(d)::value;
 #if DUALKV_HAS_SM90A
     if constexpr (D <= 256) {
-      if (sm90 && sm90_ws_enabled() && launch_backward_sm90_ws<T, D>(p, dq_mode, stream)) return;
+      if (sm90 && pol.sm90_ws && launch_backward_sm90_ws<T, D>(p, pol, stream)) return;
       if (sm90 && !atomic_dq) return launch_backward_sm90<T, D>(p, stream);
     }
 #endif
     // D = 512 on every GPU (no wgmma backward for it yet), or a GPU other than sm_90.
     (void)sm90, (void)atomic_dq;
-    launch_backward_sm80<T, D>(p, a.deterministic, stream);
+    launch_backward_sm80<T, D>(p, pol, stream);
   });
 }
 

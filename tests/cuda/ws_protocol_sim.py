@@ -1,6 +1,6 @@
 """Randomised model of the barrier protocols of the warp-specialised sm_90a kernels.
 
-src/cuda/sm90_fwd_ws.cuh, sm90_dq_ws.cuh and sm90_bwd_ws.cuh (dK/dV) hand K/V (or Q/dO) blocks
+src/cuda/sm90/sm90_fwd_ws.cuh, sm90_dq_ws.cuh and sm90_bwd_ws.cuh (dK/dV) hand K/V (or Q/dO) blocks
 from a producer to two consumer warpgroups through mbarrier rings; the forward and the dQ kernel
 also alternate the consumers' GEMM issue with two named barriers. This model replays each kernel's
 sequence of waits and arrivals (mbarrier phases and parities, copies landing asynchronously,

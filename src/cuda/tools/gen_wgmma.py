@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Generates src/cuda/wgmma_ops.cuh: inline-PTX wrappers of the sm_90a wgmma instructions the
+"""Generates src/cuda/sm90/wgmma_ops.cuh: inline-PTX wrappers of the sm_90a wgmma instructions the
 Hopper kernels use (f32 accumulators, bf16/fp16 inputs, N in {32, 64, 128, 256}), both operands
 in shared memory (SS) or A in registers (RS). Run: python3 src/cuda/tools/gen_wgmma.py"""
 
@@ -68,7 +68,7 @@ for ctype, ptype in TYPES:
         w("};")
         w("")
 w("}  // namespace dualkv::cuda::detail")
-path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "wgmma_ops.cuh")
+path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "sm90", "wgmma_ops.cuh")
 with open(path, "w") as f:
     f.write("\n".join(out) + "\n")
 print("wrote", os.path.normpath(path))

@@ -1,11 +1,13 @@
 // sm_80 backward (mma.sync m16n8k16, ldmatrix, cp.async). Runs on sm_80+.
 //
-//   1. bwd_pre: delta = rowsum(dO * O) - dlse and lse2 = lse * log2(e) into the workspace
-//      (and zeroes the fp32 dq accumulator in the default mode).
+//   1. bwd_pre (collective/bwd_preprocess.cuh): delta = rowsum(dO * O) - dlse and
+//      lse2 = lse * log2(e) into the workspace (and zeroes the fp32 dq accumulator in the default
+//      mode).
 //   2. dkdv: one CTA per (key block, kv head). It loops, in a fixed order, over every q head of
 //      the kv head's group and every query block that sees the key block (for a prompt key block:
 //      the prompt's own later queries, then each response's queries; for a response key block: its
-//      own later queries), accumulating dK and dV in registers: deterministic, no atomics.
+//      own later queries; the walk: collective/query_walk.cuh), accumulating dK and dV in
+//      registers: deterministic, no atomics.
 //      Each warp owns 16 keys (S^T = K Q^T lives in registers as the A operand of dV += P^T dO and
 //      dK += dS^T Q). Default mode: the same CTA also adds dS K into the fp32 dq accumulator
 //      with atomics (dS^T goes through shared memory), and 3. dq_convert scales and rounds it.
@@ -14,96 +16,17 @@
 //   The deterministic variant is the default in both modes (it measured faster, see below).
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 
+#include "collective/bwd_preprocess.cuh"
+#include "collective/query_walk.cuh"
 #include "launch.h"
 
 namespace dualkv::cuda::detail {
 
-// ---- 1. preprocess ------------------------------------------------------------------------------
-// EPT elements of a (token, head) row per thread (8, or D / 32 so that a row stays in one warp).
-template <int D>
-constexpr int kPreElems = D / 8 > 32 ? D / 32 : 8;
-
-template <typename T, int D>
-__global__ void __launch_bounds__(256)
-    bwd_pre_kernel(const __grid_constant__ Params p, bool zero_dq) {
-  constexpr int EPT = kPreElems<D>;
-  constexpr int TPR = D / EPT;  // threads per (token, head) row, <= 32
-  const int64_t rows = int64_t(p.T) * p.Hq;
-  const int64_t gt = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t row = gt / TPR;
-  const int c = int(gt % TPR) * EPT;
-  const bool valid = row < rows;
-  float acc = 0.f;
-  if (valid) {
-#pragma unroll
-    for (int v8 = 0; v8 < EPT / 8; ++v8) {
-      const int cc = c + 8 * v8;
-      const uint4 a = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.dout) + row * D + cc);
-      const uint4 b = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.o) + row * D + cc);
-      const uint32_t av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 x = unpack2<T>(av[i]), y = unpack2<T>(bv[i]);
-        acc = fmaf(x.x, y.x, fmaf(x.y, y.y, acc));
-      }
-      if (zero_dq) {
-        // Zeroes the accumulator (any layout: the threads cover all T * Hq * D elements).
-        float4* z = reinterpret_cast<float4*>(p.dq_accum + row * D + cc);
-        z[0] = make_float4(0.f, 0.f, 0.f, 0.f);
-        z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-    }
-  }
-#pragma unroll
-  for (int off = TPR / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  if (valid && c == 0) {
-    const int64_t t = row / p.Hq, h = row % p.Hq;
-    const int64_t i = h * p.T + t;
-    p.delta[i] = acc - (p.dlse ? p.dlse[i] : 0.f);
-    const float l = p.lse_in[i];
-    // A query with no visible key (lse = -inf) has P = 0 everywhere: lse2 = +inf gives that.
-    p.lse2[i] = l == -INFINITY ? INFINITY : l * kLog2e;
-  }
-}
-
-// dq = scale * dq_accum, from the accumulator's slab layout to dq's [T, Hq, D]; 8 elements per
-// thread.
-template <typename T, int D>
-__global__ void __launch_bounds__(256) dq_convert_kernel(const __grid_constant__ Params p) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t row = i / (D / 8);
-  if (row >= int64_t(p.T) * p.Hq) return;
-  const int c = int(i % (D / 8)) * 8;
-  const float4* acc =
-      reinterpret_cast<const float4*>(dq_accum_at<D>(p, row / p.Hq, int(row % p.Hq), c));
-  const float4 a = acc[0], b = acc[1];
-  uint4 r;
-  r.x = pack2<T>(a.x * p.scale, a.y * p.scale);
-  r.y = pack2<T>(a.z * p.scale, a.w * p.scale);
-  r.z = pack2<T>(b.x * p.scale, b.y * p.scale);
-  r.w = pack2<T>(b.z * p.scale, b.w * p.scale);
-  reinterpret_cast<uint4*>(static_cast<T*>(p.dq))[i] = r;
-}
-
-// The preprocess every backward path starts with (bwd_pre_kernel; zeroes dq_accum when `atomic`).
-template <typename T, int D>
-void launch_bwd_pre(const Params& p, bool atomic, cudaStream_t stream) {
-  const int64_t threads = int64_t(p.T) * p.Hq * (D / kPreElems<D>);
-  if (threads == 0) return;
-  bwd_pre_kernel<T, D><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(p, atomic);
-  check_launch("dualkv backward preprocess");
-}
-
-// Converts dq_accum into dq (after a kernel with fused atomic dQ).
-template <typename T, int D>
-void launch_dq_convert(const Params& p, cudaStream_t stream) {
-  const int64_t n8 = int64_t(p.T) * p.Hq * D / 8;
-  if (n8 == 0) return;
-  dq_convert_kernel<T, D><<<unsigned((n8 + 255) / 256), 256, 0, stream>>>(p);
-  check_launch("dualkv backward dq convert");
-}
+// ---- 1. preprocess: collective/bwd_preprocess.cuh (shared by every backward path) ----------
 
 // The DSPLIT warps of one slab (warps slab * DSPLIT + [0, DSPLIT)) have each computed a partial
 // sum of the same two fragment arrays (over their share of the reduction dim): afterwards every
@@ -149,74 +72,34 @@ struct BwdCfg {
   static constexpr int DQ_SPLIT = WARPS / DQ_SLABS;
   static constexpr int DQC = D / DQ_SPLIT;  // dQ columns per warp
   static constexpr int PITCH = BM + 8;      // dS^T row pitch (elements), conflict-free
-  static constexpr int OFF_V = BN * D * 2;
-  static constexpr int OFF_Q = 2 * BN * D * 2;
-  static constexpr int OFF_DO = OFF_Q + 2 * BM * D * 2;
-  static constexpr int OFF_L = OFF_DO + 2 * BM * D * 2;  // lse2[2][BM], delta[2][BM]
-  static constexpr int OFF_DS = OFF_L + 4 * BM * 4;
   // D = 512: the DSPLIT warps of a slab split S^T's and dP^T's reduction dim too (each
   // D / DSPLIT columns) and add their partials through shared memory (sum_slab_partials) instead
   // of each computing them in full.
   static constexpr bool XCHG = D >= 512;
-  static constexpr int OFF_X = OFF_DS + BN * PITCH * 2;
-  static constexpr int SMEM = OFF_X + (XCHG ? WARPS * (BM / 8) * 2 * 32 * 16 : 0);
+  static constexpr int X_VECS = WARPS * (BM / 8) * 2 * 32;  // float4s of the exchange (XCHG)
+  // Shared memory; the OFF_* offsets come from here. x is last: without XCHG SMEM ends before it.
+  struct SharedStorage {
+    uint16_t k[BN * D];
+    uint16_t v[BN * D];
+    uint16_t q[2][BM * D];  // two stages
+    uint16_t dout[2][BM * D];
+    float lse2[2][BM];
+    float delta[2][BM];
+    uint16_t ds[BN * PITCH];  // dS^T [BN][PITCH]
+    float4 x[XCHG ? X_VECS : 1];
+  };
+  static constexpr int OFF_V = int(offsetof(SharedStorage, v));
+  static constexpr int OFF_Q = int(offsetof(SharedStorage, q));
+  static constexpr int OFF_DO = int(offsetof(SharedStorage, dout));
+  static constexpr int OFF_L = int(offsetof(SharedStorage, lse2));  // lse2[2][BM], delta[2][BM]
+  static constexpr int OFF_DS = int(offsetof(SharedStorage, ds));
+  static constexpr int OFF_X = int(offsetof(SharedStorage, x));
+  static constexpr int SMEM = OFF_X + (XCHG ? int(sizeof(SharedStorage::x)) : 0);
   static constexpr int MIN_BLOCKS = D >= 512 ? 1 : 2;  // D = 512: dK + dV are 128 registers
   static_assert(WARPS % DQ_SLABS == 0 && 2 * BM <= THREADS, "bad backward tile config");
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
 static_assert(BwdCfg<512>::SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
-
-// Iteration state of the dkdv kernel: q head (within the kv head's group), query segment, block.
-struct QIter {
-  int hi, si, qb, qb_end;
-  Segment qs;
-  // The current block of BM queries: its first query's packed row and logical position, its size.
-  __device__ __forceinline__ int row(int BM) const { return qs.start + qb * BM; }
-  __device__ __forceinline__ int pos(int BM) const { return qs.pos0 + qb * BM; }
-  __device__ __forceinline__ int count(int BM) const { return min(BM, qs.len - qb * BM); }
-};
-
-template <int BM>
-__device__ __forceinline__ bool seek_query_region(const Params& p, const Segment& kseg, int ksi,
-                                                  int si, int pk_first, int pk_last, QIter& it) {
-  for (;; ++si) {
-    Segment s;
-    if (si == ksi) {
-      s = kseg;
-    } else {
-      // Other query regions only for a prompt key: the responses of its group, which follow it.
-      if (kseg.is_response() || si >= p.nseg) return false;
-      s = p.segs[si];
-      if (s.group != kseg.group) return false;
-    }
-    int b0, b1;
-    if (query_blocks<BM>(s, pk_first, pk_last, p.mask, &b0, &b1)) {
-      it.si = si;
-      it.qs = s;
-      it.qb = b0;
-      it.qb_end = b1;
-      return true;
-    }
-  }
-}
-
-// The fixed walk of a key tile's dK/dV CTA over query blocks of BM: for each q head of the GQA
-// group, the blocks of the keys' own segment, then (prompt keys) of each later segment of the
-// group that sees them. query_walk_begin starts it, query_walk_next steps it; false: past the end.
-template <int BM>
-__device__ __forceinline__ bool query_walk_begin(const Params& p, const Segment& kseg, int ksi,
-                                                 int pk_first, int pk_last, QIter& it) {
-  it.hi = 0;
-  return seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pk_last, it);
-}
-template <int BM>
-__device__ __forceinline__ bool query_walk_next(const Params& p, const Segment& kseg, int ksi,
-                                                int pk_first, int pk_last, QIter& it) {
-  if (++it.qb < it.qb_end) return true;
-  if (seek_query_region<BM>(p, kseg, ksi, it.si + 1, pk_first, pk_last, it)) return true;
-  if (++it.hi < p.group) return seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pk_last, it);
-  return false;
-}
 
 template <typename T, int D, bool kCap, bool kFuseDq>
 __global__ void __launch_bounds__(BwdCfg<D>::THREADS, BwdCfg<D>::MIN_BLOCKS)
@@ -470,8 +353,20 @@ struct DqCfg {
   // D = 512: the slab's warps split S's and dP's reduction dim too and add their partials
   // through shared memory (sum_slab_partials).
   static constexpr bool XCHG = D >= 512;
-  static constexpr int OFF_X = (2 * BM * D + 4 * BN * D) * 2;
-  static constexpr int SMEM = OFF_X + (XCHG ? WARPS * (BN / 8) * 2 * 32 * 16 : 0);
+  static constexpr int X_VECS = WARPS * (BN / 8) * 2 * 32;  // float4s of the exchange (XCHG)
+  // Shared memory; the OFF_* offsets come from here. x is last: without XCHG SMEM ends before it.
+  struct SharedStorage {
+    uint16_t q[BM * D];
+    uint16_t dout[BM * D];
+    uint16_t k[2][BN * D];  // two stages
+    uint16_t v[2][BN * D];
+    float4 x[XCHG ? X_VECS : 1];
+  };
+  static constexpr int OFF_DO = int(offsetof(SharedStorage, dout));
+  static constexpr int OFF_K = int(offsetof(SharedStorage, k));
+  static constexpr int OFF_V = int(offsetof(SharedStorage, v));
+  static constexpr int OFF_X = int(offsetof(SharedStorage, x));
+  static constexpr int SMEM = OFF_X + (XCHG ? int(sizeof(SharedStorage::x)) : 0);
   static constexpr int MIN_BLOCKS = D >= 512 ? 1 : 2;
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
@@ -483,8 +378,8 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, DqCfg<D>::MIN_BLOCKS)
   using Cfg = DqCfg<D>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, THREADS = Cfg::THREADS, DC = Cfg::DC;
   extern __shared__ __align__(128) unsigned char smem[];
-  const uint32_t sQ = smem_u32(smem), sdO = sQ + BM * D * 2;
-  const uint32_t sK0 = sdO + BM * D * 2, sV0 = sK0 + 2 * BN * D * 2;
+  const uint32_t sQ = smem_u32(smem), sdO = sQ + Cfg::OFF_DO;
+  const uint32_t sK0 = sQ + Cfg::OFF_K, sV0 = sQ + Cfg::OFF_V;
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const QueryTileCta<BM> cta(p);
@@ -617,8 +512,8 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, DqCfg<D>::MIN_BLOCKS)
 }
 
 template <typename T, int D>
-void launch_backward_sm80(const Params& p, bool deterministic_requested, cudaStream_t stream) {
-  const bool deterministic = !use_atomic_dq(deterministic_requested);
+void launch_backward_sm80(const Params& p, const KernelPolicy& policy, cudaStream_t stream) {
+  const bool deterministic = policy.dq_mode == 0;
   if (int64_t(p.T) * p.Hq == 0) return;
   launch_bwd_pre<T, D>(p, !deterministic, stream);
   using BC = BwdCfg<D>;

@@ -3,8 +3,8 @@
 // bodies are empty elsewhere) and selected at run time on compute capability 9.x.
 #pragma once
 
-#include "common.cuh"
-#include "wgmma_ops.cuh"
+#include "collective/common.cuh"
+#include "sm90/wgmma_ops.cuh"
 
 namespace dualkv::cuda::detail {
 

@@ -25,9 +25,9 @@
 
 #include <utility>
 
-#include "sm90_bwd.cuh"
-#include "sm90_dq_ws.cuh"
-#include "sm90_fwd_ws.cuh"
+#include "sm90/sm90_bwd.cuh"
+#include "sm90/sm90_dq_ws.cuh"
+#include "sm90/sm90_fwd_ws.cuh"
 
 namespace dualkv::cuda::detail {
 
@@ -470,16 +470,17 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
-// Preprocess, the warp-specialised dK/dV kernel, then the dQ pass or (dq_mode 1, 2: the kernel's
-// kDq) the conversion of the dQ the kernel added up. False (nothing launched) for D = 256 or when a
-// tensor map cannot be encoded. (D = 256 with this dQ pass behind the synchronous dK/dV kernel
-// measured no faster than the synchronous dQ pass: 12.57 vs 12.56-12.72 ms backward.)
+// Preprocess, the warp-specialised dK/dV kernel, then the dQ pass or (policy.dq_mode 1, 2: the
+// kernel's kDq) the conversion of the dQ the kernel added up. False (nothing launched) for D = 256
+// or when a tensor map cannot be encoded. (D = 256 with this dQ pass behind the synchronous dK/dV
+// kernel measured no faster than the synchronous dQ pass: 12.57 vs 12.56-12.72 ms backward.)
 template <typename T, int D>
-bool launch_backward_sm90_ws(const Params& p, int dq_mode, cudaStream_t stream) {
+bool launch_backward_sm90_ws(const Params& p, const KernelPolicy& policy, cudaStream_t stream) {
   if constexpr (D > 128) {
     return false;
   } else {
     using C = DkdvWsCfg<D>;
+    const int dq_mode = policy.dq_mode;
     const bool atomic_dq = dq_mode > 0;
     if (int64_t(p.T) * p.Hq == 0) return true;
     DkdvWsArgs a{};
@@ -512,7 +513,7 @@ bool launch_backward_sm90_ws(const Params& p, int dq_mode, cudaStream_t stream) 
       return true;
     }
     // The synchronous dQ pass only when its tensor maps cannot be encoded.
-    if (!launch_dq_sm90_ws<T, D>(p, stream)) launch_dq_sm90<T, D>(p, stream);
+    if (!launch_dq_sm90_ws<T, D>(p, policy, stream)) launch_dq_sm90<T, D>(p, stream);
     return true;
   }
 }

@@ -8,7 +8,10 @@
 // issuing, so one's exp2/dS work overlaps the other's GEMMs (DUALKV_SM90_PINGPONG=0: off).
 #pragma once
 
-#include "sm90_fwd_ws.cuh"
+#include <cstddef>
+#include <cstdint>
+
+#include "sm90/sm90_fwd_ws.cuh"
 
 namespace dualkv::cuda::detail {
 
@@ -21,11 +24,21 @@ struct DqWsCfg {
   static constexpr int CONSUMERS = 256;
   static constexpr int Q_BYTES = BM * D * 2;
   static constexpr int KV_BYTES = BN * D * 2;
-  static constexpr int OFF_DO = Q_BYTES;
-  static constexpr int OFF_K = 2 * Q_BYTES;
-  static constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
-  static constexpr int OFF_BAR = OFF_V + STAGES * KV_BYTES;  // q, full[S], empty[S]
-  static constexpr int SMEM = OFF_BAR + 8 * (1 + 2 * STAGES) + 1024;
+  // Shared memory from the kernel's 1024-byte aligned base (the + 1024 of SMEM is the slack for
+  // that alignment); the tiles are 128B-swizzled (SW128), the OFF_* offsets come from here.
+  struct SharedStorage {
+    uint16_t q[BM * D];
+    uint16_t dout[BM * D];
+    uint16_t k[STAGES][BN * D];
+    uint16_t v[STAGES][BN * D];
+    uint64_t bar_q, full[STAGES], empty[STAGES];  // mbarriers
+  };
+  static_assert(sizeof(SharedStorage::q) == Q_BYTES && sizeof(SharedStorage::k[0]) == KV_BYTES);
+  static constexpr int OFF_DO = int(offsetof(SharedStorage, dout));
+  static constexpr int OFF_K = int(offsetof(SharedStorage, k));
+  static constexpr int OFF_V = int(offsetof(SharedStorage, v));
+  static constexpr int OFF_BAR = int(offsetof(SharedStorage, bar_q));
+  static constexpr int SMEM = int(sizeof(SharedStorage)) + 1024;
   static constexpr int PRODUCER_REGS = 40;
   static constexpr int CONSUMER_REGS = 232;
   // setmaxnreg moves registers within the CTA's pool (384 x 168 at this launch bound).
@@ -244,7 +257,7 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
 
 // False (nothing launched) when a tensor map cannot be encoded.
 template <typename T, int D>
-bool launch_dq_sm90_ws(const Params& p, cudaStream_t stream) {
+bool launch_dq_sm90_ws(const Params& p, const KernelPolicy& policy, cudaStream_t stream) {
   using C = DqWsCfg<D>;
   const int64_t grid = int64_t(p.nqt) * p.Hq;
   if (grid == 0) return true;
@@ -256,7 +269,7 @@ bool launch_dq_sm90_ws(const Params& p, cudaStream_t stream) {
     return false;
   }
   a.p = p;
-  a.pingpong = use_pingpong();
+  a.pingpong = policy.pingpong;
   auto kernel = p.softcap > 0.f ? dq_ws_kernel_sm90<T, D, true> : dq_ws_kernel_sm90<T, D, false>;
   launch_kernel(kernel, grid, C::THREADS, C::SMEM, stream, a,
                 "dualkv backward dq (sm90a, warp-specialised)");

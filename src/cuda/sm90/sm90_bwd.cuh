@@ -1,5 +1,6 @@
-// sm_90a backward: the sm_80 backward's schedule (preprocess; dK/dV over key blocks in a fixed
-// order; dQ over query blocks), with the matrix products on wgmma. Atomic-free and deterministic.
+// sm_90a backward: the sm_80 backward's schedule (preprocess, collective/bwd_preprocess.cuh; dK/dV
+// over key blocks in a fixed order; dQ over query blocks), with the matrix products on wgmma.
+// Atomic-free and deterministic.
 //   dkdv: one CTA per (128-key tile, kv head), two warpgroups of 64 keys. Per query block:
 //         S^T = K Q^T and dP^T = V dO^T (SS), then dV += P^T dO and dK += dS^T Q with P^T and dS^T
 //         from registers (RS, dO and Q MN-major). D = 256 splits the work differently (see
@@ -8,8 +9,12 @@
 //         blocks like the forward: S = Q K^T, dP = dO V^T (SS), dQ += dS K (RS, K MN-major).
 #pragma once
 
-#include "sm80_bwd.cuh"
-#include "sm90_common.cuh"
+#include <cstddef>
+#include <cstdint>
+
+#include "collective/bwd_preprocess.cuh"
+#include "collective/query_walk.cuh"
+#include "sm90/sm90_common.cuh"
 
 namespace dualkv::cuda::detail {
 
@@ -266,7 +271,19 @@ struct Dq90Cfg {
   static constexpr int THREADS = 256;
   static constexpr int Q_BYTES = BM * D * 2;
   static constexpr int KV_BYTES = BN * D * 2;
-  static constexpr int SMEM = 2 * Q_BYTES + 4 * KV_BYTES + 1024;
+  // Shared memory from the kernel's 1024-byte aligned base (the + 1024 of SMEM is the slack for
+  // that alignment); the OFF_* offsets come from here.
+  struct SharedStorage {
+    uint16_t q[BM * D];
+    uint16_t dout[BM * D];
+    uint16_t k[2][BN * D];  // two stages
+    uint16_t v[2][BN * D];
+  };
+  static_assert(sizeof(SharedStorage::q) == Q_BYTES && sizeof(SharedStorage::k[0]) == KV_BYTES);
+  static constexpr int OFF_DO = int(offsetof(SharedStorage, dout));
+  static constexpr int OFF_K = int(offsetof(SharedStorage, k));
+  static constexpr int OFF_V = int(offsetof(SharedStorage, v));
+  static constexpr int SMEM = int(sizeof(SharedStorage)) + 1024;
 };
 
 template <typename T, int D, bool kCap>
@@ -276,8 +293,8 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const __grid_constant__
   constexpr int BM = Cfg::BM, BN = Cfg::BN, THREADS = Cfg::THREADS;
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
-  const uint32_t sQ = base, sdO = base + Cfg::Q_BYTES;
-  const uint32_t sK0 = sdO + Cfg::Q_BYTES, sV0 = sK0 + 2 * Cfg::KV_BYTES;
+  const uint32_t sQ = base, sdO = base + Cfg::OFF_DO;
+  const uint32_t sK0 = base + Cfg::OFF_K, sV0 = base + Cfg::OFF_V;
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
   const QueryTileCta<kTileSize> cta(p);

@@ -1,20 +1,14 @@
-// Host side of the warp-specialised sm_90a path: the env switch and TMA tensor-map encoding. The
+// Host side of the warp-specialised sm_90a path: TMA tensor-map encoding. The
 // driver's cuTensorMapEncodeTiled is fetched through the runtime (no libcuda link), once.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
 #include <atomic>
 #include <cstdio>
-#include <cstdlib>
 
-#include "sm90_ws.h"
+#include "sm90/sm90_ws.h"
 
 namespace dualkv::cuda::detail {
-
-bool sm90_ws_enabled() {
-  const char* e = std::getenv("DUALKV_SM90_WS");
-  return !(e && e[0] == '0' && e[1] == '\0');
-}
 
 void warn_ws_fallback(const char* why) {
   static std::atomic<bool> warned{false};

@@ -1,20 +1,19 @@
 // Warp-specialised sm_90a kernels (FlashAttention-3 style: TMA, producer warps, ping-pong): the
-// default path on Hopper. DUALKV_SM90_WS=0 selects the synchronous wgmma kernels instead
-// (sm90_fwd.cuh, sm90_bwd.cuh), which also run when a TMA tensor map cannot be encoded.
+// default path on Hopper. KernelPolicy::sm90_ws = false (DUALKV_SM90_WS=0) selects the synchronous
+// wgmma kernels instead (sm90_fwd.cuh, sm90_bwd.cuh), which also run when a TMA tensor map cannot
+// be encoded.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 
-#include "common.cuh"
+#include "collective/common.cuh"
+#include "policy.h"
 
 struct CUtensorMap_st;
 
 namespace dualkv::cuda::detail {
-
-// True unless DUALKV_SM90_WS=0 in the environment.
-bool sm90_ws_enabled();
 
 // Encodes a 3-D TMA map over a [T][H][D] 16-bit tensor (strides in elements, D contiguous):
 // box = 64 columns x 1 head x `rows` tokens, 128-byte swizzle (the SW128 tile layout of
@@ -28,12 +27,12 @@ void warn_ws_fallback(const char* why);
 // Warp-specialised TMA forward. Returns false (nothing launched) when a tensor map cannot be
 // encoded; the caller then runs the synchronous wgmma path.
 template <typename T, int D>
-bool launch_forward_sm90_ws(const Params& p, cudaStream_t stream);
+bool launch_forward_sm90_ws(const Params& p, const KernelPolicy& policy, cudaStream_t stream);
 
-// Backward: preprocess, the warp-specialised dK/dV and dQ kernels (D <= 128); with dq_mode 1 or
-// 2 (atomic_dq_mode) the dK/dV kernel also adds up dQ in fp32 (non-deterministic dQ). False
+// Backward: preprocess, the warp-specialised dK/dV and dQ kernels (D <= 128); with
+// policy.dq_mode 1 or 2 the dK/dV kernel also adds up dQ in fp32 (non-deterministic dQ). False
 // (nothing launched) for D = 256 or when a tensor map cannot be encoded.
 template <typename T, int D>
-bool launch_backward_sm90_ws(const Params& p, int dq_mode, cudaStream_t stream);
+bool launch_backward_sm90_ws(const Params& p, const KernelPolicy& policy, cudaStream_t stream);
 
 }  // namespace dualkv::cuda::detail

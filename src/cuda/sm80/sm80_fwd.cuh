@@ -8,6 +8,9 @@
 // that split O's columns (each computes the slab's S in full: 1.5x the matrix work of one warp).
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+
 #include "launch.h"
 
 namespace dualkv::cuda::detail {
@@ -26,7 +29,15 @@ struct FwdCfg {
   static constexpr int DC = D / DSPLIT;
   static constexpr int WARPS = BM / (16 * MT) * DSPLIT;
   static constexpr int THREADS = WARPS * 32;
-  static constexpr int SMEM = (BM * D + 4 * BN * D) * 2;
+  // Shared memory; the OFF_* offsets come from here.
+  struct SharedStorage {
+    uint16_t q[BM * D];
+    uint16_t k[2][BN * D];  // two stages
+    uint16_t v[2][BN * D];
+  };
+  static constexpr int OFF_K = int(offsetof(SharedStorage, k));
+  static constexpr int OFF_V = int(offsetof(SharedStorage, v));
+  static constexpr int SMEM = int(sizeof(SharedStorage));
   static constexpr int MIN_BLOCKS = D >= 256 ? 1 : 2;
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
@@ -39,8 +50,8 @@ __global__ void __launch_bounds__(FwdCfg<D>::THREADS, FwdCfg<D>::MIN_BLOCKS)
   constexpr int BM = Cfg::BM, BN = Cfg::BN, THREADS = Cfg::THREADS;
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t sQ = smem_u32(smem);
-  const uint32_t sK0 = sQ + BM * D * 2;
-  const uint32_t sV0 = sK0 + 2 * BN * D * 2;
+  const uint32_t sK0 = sQ + Cfg::OFF_K;
+  const uint32_t sV0 = sQ + Cfg::OFF_V;
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const QueryTileCta<BM> cta(p);

@@ -5,8 +5,11 @@
 // specialisation yet).
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+
 #include "launch.h"
-#include "sm90_common.cuh"
+#include "sm90/sm90_common.cuh"
 
 namespace dualkv::cuda::detail {
 
@@ -17,7 +20,17 @@ struct Fwd90Cfg {
   static constexpr int THREADS = 256;
   static constexpr int Q_BYTES = BM * D * 2;
   static constexpr int KV_BYTES = BN * D * 2;
-  static constexpr int SMEM = Q_BYTES + 4 * KV_BYTES + 1024;  // + alignment slack
+  // Shared memory from the kernel's 1024-byte aligned base (the + 1024 of SMEM is the slack for
+  // that alignment); the OFF_* offsets come from here.
+  struct SharedStorage {
+    uint16_t q[BM * D];
+    uint16_t k[2][BN * D];  // two stages
+    uint16_t v[2][BN * D];
+  };
+  static_assert(sizeof(SharedStorage::q) == Q_BYTES && sizeof(SharedStorage::k[0]) == KV_BYTES);
+  static constexpr int OFF_K = int(offsetof(SharedStorage, k));
+  static constexpr int OFF_V = int(offsetof(SharedStorage, v));
+  static constexpr int SMEM = int(sizeof(SharedStorage)) + 1024;
 };
 
 template <typename T, int D, bool kCap>
@@ -28,8 +41,8 @@ __global__ void __launch_bounds__(256, 1) fwd_kernel_sm90(const __grid_constant_
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
   const uint32_t sQ = base;
-  const uint32_t sK0 = sQ + Cfg::Q_BYTES;  // stage s: + s * KV_BYTES
-  const uint32_t sV0 = sK0 + 2 * Cfg::KV_BYTES;
+  const uint32_t sK0 = base + Cfg::OFF_K;  // stage s: + s * KV_BYTES
+  const uint32_t sV0 = base + Cfg::OFF_V;
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const int wg = warp >> 2;

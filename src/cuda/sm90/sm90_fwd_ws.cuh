@@ -36,8 +36,8 @@
 #include <cuda.h>
 
 #include "launch.h"
-#include "sm90_common.cuh"
-#include "sm90_ws.h"
+#include "sm90/sm90_common.cuh"
+#include "sm90/sm90_ws.h"
 
 namespace dualkv::cuda::detail {
 
@@ -474,7 +474,7 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
 }
 
 template <typename T, int D>
-bool launch_forward_sm90_ws(const Params& p, cudaStream_t stream) {
+bool launch_forward_sm90_ws(const Params& p, const KernelPolicy& policy, cudaStream_t stream) {
   using Cfg = FwdWsCfg<D>;
   const int64_t grid = int64_t(p.nqt) * (kTileSize / Cfg::BM) * p.Hq;
   if (grid == 0) return true;
@@ -486,7 +486,7 @@ bool launch_forward_sm90_ws(const Params& p, cudaStream_t stream) {
     return false;
   }
   a.p = p;
-  a.pingpong = use_pingpong();
+  a.pingpong = policy.pingpong;
   a.prescale = !(p.scale_log2 > 0.f);
   auto kernel = p.softcap > 0.f ? fwd_ws_kernel_sm90<T, D, true> : fwd_ws_kernel_sm90<T, D, false>;
   launch_kernel(kernel, grid, Cfg::THREADS, Cfg::SMEM, stream, a,

@@ -1,0 +1,33 @@
+// Run-time kernel options: read from the environment in one place (resolve_policy, api.cu), once
+// per entry-point call, and passed to the launchers; no launcher or kernel reads the environment.
+// Every switch is for A/B timing or cross-checking (unset = the fastest path; every path computes
+// the same function); README.md lists them.
+#pragma once
+
+namespace dualkv::cuda::detail {
+
+struct KernelPolicy {
+  // The wgmma paths: built for sm_90a, a device of compute capability 9.x, and not
+  // DUALKV_FORCE_SM80=1 (the sm_80 kernels on any GPU).
+  bool sm90 = false;
+  // The warp-specialised sm_90a kernels; DUALKV_SM90_WS=0 selects the synchronous wgmma ones.
+  bool sm90_ws = true;
+  // Ping-pong of the two consumer warpgroups in the warp-specialised forward and dQ kernels (they
+  // take turns issuing their GEMMs); DUALKV_SM90_PINGPONG=0 turns it off.
+  bool pingpong = true;
+  // dQ strategy: 0 (default) a separate dQ pass (7 matmul units per block pair, no atomics, every
+  // output bitwise reproducible); DUALKV_ATOMIC_DQ=1 (never with deterministic=true) the fused
+  // variant (5 units + fp32 atomics into dq_accum, then a conversion) where a kernel has it: the
+  // warp-specialised sm_90a dK/dV kernel (D <= 128) and the sm_80 one; DUALKV_ATOMIC_DQ=2 the
+  // sm_90a kernel hands its dQ blocks to reducer warps that add them with bulk async reductions
+  // (elsewhere 2 acts as 1). Neither beat the separate pass (H200, bf16, D=128, Hq=32, Hkv=8,
+  // N=16 P=8192 R=1024 backward: 19.3 ms separate, 19.5 ms mode 1, 19.2 ms mode 2, and the
+  // separate pass has since gained ping-pong: 18.3 ms; sm_80 47.8 vs 37.0 ms): A/B switches, see
+  // src/cuda/NOTES.md.
+  int dq_mode = 0;
+};
+
+// The policy for one call; deterministic = the call's `deterministic` (forces dq_mode 0).
+KernelPolicy resolve_policy(bool deterministic);
+
+}  // namespace dualkv::cuda::detail
