@@ -92,7 +92,14 @@ def test_packed_step_equals_rows_fp32(seed, family):
     assert pk.token_reduction > 1.0
     assert (lp_p[~pk.response_mask] == 0).all()
     torch.testing.assert_close(lp_p, lp_r, rtol=0, atol=5e-5)
-    torch.testing.assert_close(loss_p, loss_r, rtol=1e-5, atol=1e-6)
+    # the loss is one function of the log-probs on both paths (exactly: test_losses), so its
+    # difference is bounded by what the log-prob difference allows, |dL| <= max|A * ratio| *
+    # max|dlogp| (x1.5 for the exp's curvature); a fixed 1e-5 relative bound failed on seed
+    # 1980263268 (|dL| 2.2e-6 on a loss of 0.095, log-probs within their 5e-5)
+    ratio = torch.exp(lp_r.detach() - old) * pk.response_mask
+    dlp = (lp_p - lp_r).abs().max().item()
+    bound = (adv[:, None].abs() * ratio).max().item() * dlp * 1.5
+    assert (loss_p - loss_r).abs().item() <= bound + 1e-7, (float(loss_p), float(loss_r), bound)
     assert g_p.keys() == g_r.keys() and len(g_r) == len(list(model.parameters()))
     for name, gr in g_r.items():
         scale = gr.abs().max().item()
