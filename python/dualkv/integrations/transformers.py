@@ -297,18 +297,10 @@ def dualkv_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs
     return None
 
 
-_GUARDED: dict[tuple[str, Any], Any] = {}
-
-
+@functools.cache
 def _refuse_layout(name: str, function: Any) -> Any:
-    """``function`` (another attention implementation), raising if a dualkv layout reaches it."""
-    key = (name, function)
-    if key not in _GUARDED:
-        _GUARDED[key] = _guard(name, function)
-    return _GUARDED[key]
-
-
-def _guard(name: str, function: Any) -> Any:
+    """``function`` (another attention implementation), raising if a dualkv layout reaches it
+    (one wrapper per implementation, made on first use)."""
 
     @functools.wraps(function)
     def guarded(*args: Any, **kwargs: Any) -> Any:
@@ -321,7 +313,6 @@ def _guard(name: str, function: Any) -> Any:
             )
         return function(*args, **kwargs)
 
-    guarded._dualkv_guard = True  # type: ignore[attr-defined]
     return guarded
 
 

@@ -67,7 +67,7 @@ import torch
 
 from .. import parallel as _sp
 from ..logprobs import response_logprobs
-from ..packing import PackedBatch, pack_rows
+from ..packing import PackedBatch, _prompt_groups, pack_rows
 from . import transformers as _hf  # registers attn_implementation="dualkv"
 
 try:
@@ -130,12 +130,7 @@ def prompt_groups(
     mask = attention_mask.detach().to("cpu") != 0
     plen = mask[:, :pw].sum(1)
     rlen = mask[:, pw:].sum(1)
-    if prompts.shape[0] == 0:
-        return torch.zeros(0, dtype=torch.int64), plen, rlen
-    key = torch.where(mask[:, :pw], prompts.detach().to("cpu").to(torch.int64), -1)
-    _, inverse = torch.unique(key, dim=0, return_inverse=True)
-    first: dict[int, int] = {}
-    group = torch.tensor([first.setdefault(int(g), len(first)) for g in inverse.tolist()])
+    group = _prompt_groups(prompts.detach().to("cpu"), mask[:, :pw])
     return group, plen, rlen
 
 
