@@ -9,6 +9,15 @@ tokens, in veRL's no-padding layout. Two engines, built by veRL from the same sa
           ``use_remove_padding=True`` where flash-attn is installed; without flash-attn, SDPA on
           the padded rows (``use_remove_padding=False``: SDPA's flash kernel on [B, L] rows;
           packed SDPA would build a [T, T] mask); dynamic batch size counting N(P+R) row tokens;
+* verl with ``--baseline-attn dualkv_rows``: the same engine with ``use_remove_padding=True``
+          and a FlashAttention-class causal varlen kernel on the rows (DualKV's kernel with every
+          row its own group and no shared prompt: what flash-attn's varlen function computes),
+          the stand-in for veRL's flash_attention_2 default on a machine without flash-attn;
+          with ``--baseline-logprobs fused`` also a fused log-softmax + gather over all of a
+          micro-batch's logits (``torch.nn.functional.cross_entropy``), the stand-in for
+          flash-attn's Triton cross-entropy: without flash-attn veRL 0.9.1 computes the
+          log-probs with ``logprobs_from_logits_v2``, a Python loop over the logits' rows, which
+          in the remove-padding layout is one loop step per token;
 * dualkv  dualkv.integrations.verl's engine (``attn_implementation="dualkv"``): packed groups,
           dynamic batch size counting P+NR packed tokens.
 
@@ -98,6 +107,50 @@ def make_batch(g: int, n: int, p: int, r: int, vocab: int, seed: int) -> Any:
         batch_size=[b],
     )
     return left_right_2_no_padding(td)
+
+
+ROWS_ATTN = "dualkv_rows"  # the baseline's varlen attention on veRL's remove-padding rows
+_ROWS_LAYOUT: dict[str, Any] = {}
+
+
+def rows_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
+                   position_ids: torch.Tensor | None = None,
+                   **kwargs: Any) -> tuple[Any, None]:  # fmt: skip
+    """Causal attention within each row of a remove-padding stream ``[1, T]`` (rows start where
+    ``position_ids`` is 0), as flash-attn's varlen function: [1, H, T, D] -> [1, T, H, D]."""
+    import dualkv
+
+    if position_ids is None or query.shape[0] != 1:
+        raise ValueError(f"{ROWS_ATTN} needs veRL's remove-padding stream with position_ids")
+    pos = position_ids.reshape(-1)
+    cached = _ROWS_LAYOUT.get("key")
+    if cached is None or cached[0] is not pos or cached[1] != pos._version:
+        starts = (pos == 0).nonzero().flatten().tolist() + [pos.numel()]
+        lengths = [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)]
+        _ROWS_LAYOUT["key"] = (pos, pos._version)
+        _ROWS_LAYOUT["layout"] = dualkv.Layout(lengths, [[] for _ in lengths], device=query.device)
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    out = dualkv.attention(q, k, v, _ROWS_LAYOUT["layout"], softmax_scale=scaling)
+    assert isinstance(out, torch.Tensor)
+    return out.unsqueeze(0), None
+
+
+def fused_logprobs(logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True
+                   ) -> torch.Tensor:  # fmt: skip
+    """``log_softmax(logits)[labels]`` in one fused call (the ``--baseline-logprobs fused``
+    stand-in for flash-attn's cross-entropy kernel, which veRL uses where flash-attn exists)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = torch.nn.functional.cross_entropy(flat, labels.reshape(-1), reduction="none")
+    return -out.view(labels.shape)
+
+
+def register_rows_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ROWS_ATTN, rows_attention)
+    AttentionMaskInterface.register(ROWS_ATTN, lambda *a, **k: None)
 
 
 def build_engine(kind: str, path: str, args: argparse.Namespace) -> Any:
@@ -247,10 +300,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engines", default="dualkv,verl")
     ap.add_argument("--baseline-attn", default=None,
                     help="veRL engine's attention (default: flash_attention_2 if flash_attn "
-                         "imports, else sdpa)")  # fmt: skip
+                         f"imports, else sdpa; {ROWS_ATTN}: see above)")  # fmt: skip
     ap.add_argument("--baseline-remove-padding", type=int, default=None,
                     help="veRL engine's use_remove_padding (default: 1 with flash_attention_2, "
                          "else 0)")  # fmt: skip
+    ap.add_argument(
+        "--baseline-logprobs",
+        default="verl",
+        choices=("verl", "fused"),
+        help="veRL engine's log-probs: its own (verl) or one fused call (see above)",
+    )
     ap.add_argument("--strategy", default="fsdp2", choices=("fsdp", "fsdp2"))
     cap_help = "capacity probe: micro-batches up to this many groups (0: off)"
     ap.add_argument("--capacity-max-groups", type=int, default=16, help=cap_help)
@@ -268,8 +327,16 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             args.baseline_attn = "sdpa"
     if args.baseline_remove_padding is None:
-        args.baseline_remove_padding = int(args.baseline_attn == "flash_attention_2")
+        args.baseline_remove_padding = int(args.baseline_attn in ("flash_attention_2", ROWS_ATTN))
+    if args.baseline_attn == ROWS_ATTN:
+        if not args.baseline_remove_padding:
+            raise SystemExit(f"--baseline-attn {ROWS_ATTN} runs on remove-padding rows only")
+        register_rows_attention()
     args.baseline_remove_padding = bool(args.baseline_remove_padding)
+    if args.baseline_logprobs == "fused":
+        import verl.workers.engine.fsdp.transformer_impl as verl_impl
+
+        verl_impl.logprobs_from_logits = fused_logprobs  # the name the engine calls
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     import dualkv.integrations.verl as dkv_verl
@@ -287,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     head = (f"# veRL update step, preset {args.preset}, {args.strategy}, baseline attention "
             f"{args.baseline_attn} (use_remove_padding={args.baseline_remove_padding}), "
+            f"baseline log-probs {args.baseline_logprobs}, "
             f"{args.groups} groups per mini-batch, {where}")  # fmt: skip
     print(head, flush=True)
     records: list[dict[str, Any]] = []
