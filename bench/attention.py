@@ -1,14 +1,16 @@
 """Attention benchmark on the GPU: DualKV vs the ways a trainer runs shared-prompt attention today.
 
-For each layout (N responses of R tokens sharing a prompt of P tokens, one group) it times the
+For each layout (N responses of R tokens sharing a prompt of P tokens, one group; or the
+realistic micro-batch: several groups of different P, N and long-tailed R) it times the
 forward and forward+backward of
   dualkv      DualKV on the packed layout (P + N*R tokens)
   sdpa_cudnn  PyTorch SDPA, cuDNN backend, causal, on the N unshared rows of P + R tokens
+              (several groups: every group's rows, right-padded to the longest row)
   sdpa_fa2    PyTorch SDPA, FlashAttention-2 backend, same rows
   sdpa_mem    PyTorch SDPA, memory-efficient backend, same rows (the only one that takes D = 512)
   flex        FlexAttention on the packed layout with a shared-prefix block mask
   cudnn_3pass prompt causal + responses vs prompt + each response causal (cuDNN), merged by lse,
-              exact backward (merged out and lse fed to each pass's backward)
+              exact backward (merged out and lse fed to each pass's backward; one group only)
   mem_3pass   the same composition with PyTorch's memory-efficient attention ops (D = 512)
 and reports the median time (CUDA events) and useful TFLOP/s on the packed layout's FLOP count
 (dualkv.Layout.flops: 4*D*Hq*allowed pairs forward, 2.5x that backward).
@@ -16,6 +18,7 @@ and reports the median time (CUDA events) and useful TFLOP/s on the packed layou
     python bench/attention.py                 # all reference shapes, all methods
     python bench/attention.py --shapes 0 --methods dualkv,flex --out bench/out
     python bench/attention.py --shape 16,8192,1024,16,8,128   # a shape of your own (Qwen3-1.7B)
+    python bench/attention.py --multi 16,8,128                # the realistic micro-batch
 """
 
 from __future__ import annotations
@@ -32,14 +35,32 @@ import torch.nn.functional as F
 
 import dualkv
 
-# (N, P, R, Hq, Hkv, D): DESIGN.md's reference shapes.
+# (N, P, R, Hq, Hkv, D): DESIGN.md's reference shapes; N = 0: the realistic micro-batch
+# (`realistic_groups`) with those heads.
 SHAPES = [
     (16, 8192, 1024, 32, 8, 128),
     (32, 4096, 2048, 32, 8, 128),
     (8, 16384, 2048, 32, 8, 128),
     (16, 2048, 2048, 16, 16, 64),
     (16, 4096, 1024, 16, 8, 256),
+    (0, 0, 0, 32, 8, 128),
 ]
+Groups = list[tuple[int, list[int]]]  # (prompt length, response lengths) per group
+
+
+def realistic_groups(seed: int = 0) -> Groups:
+    """A GRPO micro-batch as a trainer packs it: 4 groups with prompts of 1K, 2.5K, 4K and 6K
+    tokens, 8-16 responses each, response lengths long-tailed (log-normal, median ~700, capped
+    at 4K, at least 16), fixed by the seed so every run times the same layout."""
+    g = torch.Generator().manual_seed(seed)
+    groups = []
+    for p in (1024, 2560, 4096, 6144):
+        n = int(torch.randint(8, 17, (), generator=g))
+        rs = torch.exp(6.5 + 0.9 * torch.randn(n, generator=g)).clamp(16, 4096)
+        groups.append((p, [int(x) for x in rs]))
+    return groups
+
+
 METHODS = ["dualkv", "sdpa_cudnn", "sdpa_fa2", "flex", "cudnn_3pass"]
 # Also available (not in the default list): sdpa_mem, mem_3pass.
 EXTRA_METHODS = ["sdpa_mem", "mem_3pass"]
@@ -61,11 +82,15 @@ def time_ms(fn: Callable[[], object], warmup: int, repeats: int) -> float:
 
 
 class Case:
-    """Packed and row-layout inputs of one shape (bf16, random)."""
+    """Packed and row-layout inputs of one layout (bf16, random): `groups` of (P, [R_1..R_N])."""
 
-    def __init__(self, n: int, p: int, r: int, hq: int, hkv: int, d: int) -> None:
-        self.n, self.p, self.r, self.hq, self.hkv, self.d = n, p, r, hq, hkv, d
-        self.layout = dualkv.Layout([p], [[r] * n], device="cuda")
+    def __init__(self, groups: Groups, hq: int, hkv: int, d: int) -> None:
+        self.groups, self.hq, self.hkv, self.d = groups, hq, hkv, d
+        # one group of equal responses: the shape the single-group methods (3-pass) take
+        (self.p, rs), *rest = groups
+        self.n, self.r = len(rs), rs[0] if rs else 0
+        self.single = not rest and all(x == self.r for x in rs)
+        self.layout = dualkv.Layout([p for p, _ in groups], [r for _, r in groups], device="cuda")
         T = self.layout.total_tokens
         g = torch.Generator(device="cuda").manual_seed(0)
         mk = lambda h: torch.randn(T, h, d, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
@@ -74,16 +99,28 @@ class Case:
         self.scale = 1.0 / math.sqrt(d)
         self.flops_fwd = self.layout.flops(d, hq)
         self.flops_bwd = self.layout.flops(d, hq, backward=True)
-        # Unshared rows [N, H, P + R, D] (the standard layout), K/V expanded for SDPA.
-        idx = torch.cat(
-            [torch.cat([torch.arange(p), p + i * r + torch.arange(r)]) for i in range(n)]
-        )
-        idx = idx.view(n, p + r).cuda()
-        rows = lambda t: t[idx].transpose(1, 2).contiguous()  # noqa: E731
-        self.rows_q = rows(self.q)
-        self.rows_k = rows(self.k.repeat_interleave(hq // hkv, 1))
-        self.rows_v = rows(self.v.repeat_interleave(hq // hkv, 1))
-        self.rows_dout = rows(self.dout)
+        # Unshared rows [rows, H, L, D] (the standard layout, right-padded to the longest row
+        # with token 0: causal attention never lets a real query see a padded key), K/V
+        # expanded for SDPA; `source`: the (row, position) each packed token is read back from.
+        rows, source, start = [], [], 0
+        for p, rs in groups:
+            prompt = torch.arange(start, start + p)
+            start += p
+            for i, r in enumerate(rs):
+                rows.append(torch.cat([prompt, torch.arange(start, start + r)]))
+                if i == 0:
+                    source += [(len(rows) - 1, j) for j in range(p)]
+                source += [(len(rows) - 1, p + j) for j in range(r)]
+                start += r
+        length = max(len(x) for x in rows)
+        idx = torch.stack([torch.cat([x, x.new_zeros(length - len(x))]) for x in rows]).cuda()
+        src = torch.tensor(source)
+        self.rows_source = (src[:, 0] * length + src[:, 1]).cuda()  # into [rows * L]
+        rows_of = lambda t: t[idx].transpose(1, 2).contiguous()  # noqa: E731
+        self.rows_q = rows_of(self.q)
+        self.rows_k = rows_of(self.k.repeat_interleave(hq // hkv, 1))
+        self.rows_v = rows_of(self.v.repeat_interleave(hq // hkv, 1))
+        self.rows_dout = rows_of(self.dout)
 
     def leaves(self, *ts: torch.Tensor) -> list[torch.Tensor]:
         return [t.detach().requires_grad_() for t in ts]
@@ -107,8 +144,8 @@ def run_sdpa(c: Case, backend: torch.nn.attention.SDPBackend) -> Runner:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     def packed_out() -> torch.Tensor:
-        rows = fwd().transpose(1, 2)  # [N, P + R, H, D]
-        return torch.cat([rows[0, : c.p], rows[:, c.p :].reshape(c.n * c.r, c.hq, c.d)])
+        rows = fwd().transpose(1, 2)  # [rows, L, H, D]
+        return rows.reshape(-1, c.hq, c.d)[c.rows_source]
 
     return fwd, lambda: torch.autograd.backward(fwd(), c.rows_dout), packed_out
 
@@ -117,12 +154,16 @@ def run_flex(c: Case) -> Runner:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     pos = c.layout.position_ids
-    # Segment id per token: 0 for the prompt, i + 1 for response i.
-    seg = torch.zeros_like(pos)
-    seg[c.p :] = torch.arange(c.n, device="cuda").repeat_interleave(c.r) + 1
+    # Per token: its group, and its segment (0 for the prompt, i + 1 for response i).
+    group, seg = [], []
+    for gi, (p, rs) in enumerate(c.groups):
+        group += [gi] * (p + sum(rs))
+        seg += [0] * p + [i + 1 for i, r in enumerate(rs) for _ in range(r)]
+    grp, seg_t = (torch.tensor(x, device="cuda") for x in (group, seg))
 
     def mask_mod(b, h, qi, ki):  # noqa: ANN001, ANN202
-        return ((seg[ki] == 0) | (seg[ki] == seg[qi])) & (pos[ki] <= pos[qi])
+        same = (grp[ki] == grp[qi]) & ((seg_t[ki] == 0) | (seg_t[ki] == seg_t[qi]))
+        return same & (pos[ki] <= pos[qi])
 
     T = c.layout.total_tokens
     block_mask = create_block_mask(mask_mod, 1, 1, T, T, device="cuda")
@@ -135,7 +176,9 @@ def run_flex(c: Case) -> Runner:
 
 def run_cudnn_3pass(c: Case, backend: str = "cudnn") -> Runner:
     """Three cuDNN (or memory-efficient, backend="mem") attention passes merged by lse; backward
-    feeds the merged out/lse to each pass's backward."""
+    feeds the merged out/lse to each pass's backward. One group of equal responses only."""
+    if not c.single:
+        raise NotImplementedError("the 3-pass composition is timed on one group of equal R")
     aten = torch.ops.aten
     n, p, r, h = c.n, c.p, c.r, c.hq
     expand = lambda t: t.repeat_interleave(c.hq // c.hkv, 1)  # noqa: E731
@@ -269,6 +312,14 @@ def main() -> None:
         metavar="N,P,R,Hq,Hkv,D",
         help="a shape of your own (repeatable); replaces --shapes",
     )
+    ap.add_argument(
+        "--multi",
+        action="append",
+        default=[],
+        metavar="Hq,Hkv,D",
+        help="the realistic micro-batch (realistic_groups) with these heads (repeatable); "
+        "replaces --shapes",
+    )
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=10)
@@ -279,10 +330,19 @@ def main() -> None:
     shapes = [tuple(int(x) for x in sh.split(",")) for sh in args.shape]
     if any(len(sh) != 6 for sh in shapes):
         ap.error("--shape takes six integers N,P,R,Hq,Hkv,D")
+    multi = [tuple(int(x) for x in sh.split(",")) for sh in args.multi]
+    if any(len(sh) != 3 for sh in multi):
+        ap.error("--multi takes three integers Hq,Hkv,D")
+    shapes += [(0, 0, 0, *sh) for sh in multi]
     shapes = shapes or [SHAPES[int(s)] for s in args.shapes.split(",")]
     for n, p, r, hq, hkv, d in shapes:
-        c = Case(n, p, r, hq, hkv, d)
+        groups = realistic_groups() if n == 0 else [(p, [r] * n)]
+        c = Case(groups, hq, hkv, d)
         shape = f"N={n} P={p} R={r} Hq={hq} Hkv={hkv} D={d}"
+        if n == 0:
+            shape = f"multi T={c.layout.total_tokens} Hq={hq} Hkv={hkv} D={d}"
+            per_group = [(p, len(rs), sum(rs), max(rs)) for p, rs in groups]
+            print(f"{shape}: (P, N, sum R, max R) per group {per_group}")
         reference = None  # DualKV's output when it runs first: every method must agree with it
         for m in methods:
             try:
