@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import torch
 
 from .losses import grpo_loss
-from .packing import pack_rows
+from .packing import pack_rows, rows_from_lists
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -65,22 +65,14 @@ def _random_batch(
 ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
     """Rows of ``groups`` prompts (lengths up to ``prompt_len``) with ``n`` responses each of
     uneven lengths (1..``response_len``), left/right padded as trainers lay them out."""
-    rows, masks, gids = [], [], []
-    for g in range(groups):
+    prompts: list[list[int]] = []
+    responses: list[list[list[int]]] = []
+    for _ in range(groups):
         p = int(torch.randint(max(prompt_len // 2, 1), prompt_len + 1, (1,), generator=gen))
-        prompt = torch.randint(0, vocab, (p,), generator=gen)
-        for _ in range(n):
-            r = int(torch.randint(1, response_len + 1, (1,), generator=gen))
-            resp = torch.randint(0, vocab, (r,), generator=gen)
-            ids = torch.zeros(prompt_len + response_len, dtype=torch.int64)
-            mask = torch.zeros_like(ids)
-            ids[prompt_len - p : prompt_len] = prompt
-            ids[prompt_len : prompt_len + r] = resp
-            mask[prompt_len - p : prompt_len + r] = 1
-            rows.append(ids)
-            masks.append(mask)
-            gids.append(g)
-    return torch.stack(rows), torch.stack(masks), prompt_len, torch.tensor(gids)
+        prompts.append(torch.randint(0, vocab, (p,), generator=gen).tolist())
+        lengths = [int(torch.randint(1, response_len + 1, (1,), generator=gen)) for _ in range(n)]
+        responses.append([torch.randint(0, vocab, (r,), generator=gen).tolist() for r in lengths])
+    return rows_from_lists(prompts, responses)
 
 
 def _loss_and_grads(
