@@ -36,22 +36,17 @@ from typing import Any
 
 import torch
 
+from dualkv.grpo_demo import PRESETS as DEMO_PRESETS
+
 PRESETS: dict[str, dict[str, Any]] = {
-    # a tiny Qwen3 (runs in seconds on CPU)
+    # a tiny Qwen3 (runs in seconds on CPU; smaller than the demo's "tiny")
     "tiny": dict(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
     ),
-    # Qwen3-0.6B's shape (random weights)
-    "qwen3-0.6b": dict(
-        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-    ),
-    # Qwen3-1.7B's shape (random weights)
-    "qwen3-1.7b": dict(
-        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-    ),
+    # Qwen3-0.6B's and Qwen3-1.7B's shapes (random weights): the demo's presets
+    "qwen3-0.6b": DEMO_PRESETS["0.6b"],
+    "qwen3-1.7b": DEMO_PRESETS["1.7b"],
 }  # fmt: skip
 
 PAD, EOS = 0, 1
