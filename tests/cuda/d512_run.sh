@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Head dim 512, one device call: the standalone CUDA tests (binary built on the dev machine with
 # DUALKV_CUDA_HEAD_DIMS=512, carried in .out/), sanitizers, the package built with D = 64 and 512
-# and its D = 512 GPU tests on the default and sm_80 paths, the benchmarks side by side, and ncu
-# kernel durations. The sdpa step needs the package (pytest step) installed first.
+# and its D = 512 GPU tests on the default, sm_80 and opt-in wgmma-backward paths, the benchmarks
+# side by side, and ncu kernel durations. The sdpa step needs the package (pytest step) installed
+# first.
 #   OUT=... bash tests/cuda/d512_run.sh [test] [sanitize] [pytest] [bench] [sdpa] [ncu] [d512bwd]
 # d512bwd: the opt-in wgmma D = 512 backward (DUALKV_SM90_D512_BWD=1, --path sm90-d512bwd: dK/dV
 # and dQ on wgmma; sm90-d512bwd-sm80dq: its dK/dV with the sm_80 dQ) alone: the matrix + race of
@@ -42,7 +43,7 @@ for s in "${steps[@]}"; do
     CMAKE_ARGS="-DDUALKV_CUDA=ON -DDUALKV_CUDA_HEAD_DIMS=64;512" CMAKE_BUILD_PARALLEL_LEVEL=16 \
       timeout 300 python3 -m pip install --no-build-isolation --no-deps -q . >"$OUT/build.log" 2>&1 ||
       { tail -30 "$OUT/build.log"; exit 1; }
-    for path in default DUALKV_FORCE_SM80=1; do
+    for path in default DUALKV_FORCE_SM80=1 DUALKV_SM90_D512_BWD=1; do
       echo "== pytest D = 512 ($path) =="
       envs=(); [ "$path" = default ] || envs=("$path")
       (cd /tmp && env "${envs[@]}" timeout 300 python3 -m pytest "$OLDPWD/tests/python" -q \
