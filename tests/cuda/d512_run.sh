@@ -100,6 +100,10 @@ for s in "${steps[@]}"; do
       echo "rc=$?"
       grep -E "^  [a-z_]|gpu__time_duration" "$OUT/d512bwd_ncu.log" | sed 's/(dualkv::[^)]*)//' |
         cut -c1-120
+      # The path must really have run the new kernels (an unread switch would test sm_80 twice).
+      for k in dkdv_ws512 dq_ws512; do
+        grep -q "$k" "$OUT/d512bwd_ncu.log" || { echo "FAIL: no $k kernel in the ncu log"; status=1; }
+      done
     fi ;;
   *) echo "unknown step $s"; status=1 ;;
   esac
