@@ -167,6 +167,11 @@ KernelPolicy resolve_policy(bool deterministic) {
                 : dq[0] == '1'                          ? 1
                 : dq[0] == '2'                          ? 2
                                                         : 0;
+  const char* d512 = std::getenv("DUALKV_SM90_D512_BWD");
+  pol.d512_bwd_ws = (!d512 || d512[0] == '\0' || d512[1] != '\0') ? 0
+                    : d512[0] == '1'                              ? 1
+                    : d512[0] == '2'                              ? 2
+                                                                  : 0;
   return pol;
 }
 
@@ -312,8 +317,14 @@ void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t str
       if (sm90 && pol.sm90_ws && launch_backward_sm90_ws<T, D>(p, pol, stream)) return;
       if (sm90 && !atomic_dq) return launch_backward_sm90<T, D>(p, stream);
     }
+    if constexpr (D == 512) {
+      // Opt-in (KernelPolicy::d512_bwd_ws); false: a TMA map could not be encoded (sm_80 runs).
+      if (sm90 && pol.d512_bwd_ws != 0 && !atomic_dq &&
+          launch_backward_sm90_d512<T>(p, pol, stream))
+        return;
+    }
 #endif
-    // D = 512 on every GPU (no wgmma backward for it yet), or a GPU other than sm_90.
+    // D = 512 by default on every GPU (its wgmma backward is opt-in), or a GPU other than sm_90.
     (void)sm90, (void)atomic_dq;
     launch_backward_sm80<T, D>(p, pol, stream);
   });

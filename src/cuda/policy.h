@@ -25,6 +25,11 @@ struct KernelPolicy {
   // separate pass has since gained ping-pong: 18.3 ms; sm_80 47.8 vs 37.0 ms): A/B switches, see
   // src/cuda/NOTES.md.
   int dq_mode = 0;
+  // D = 512 backward on sm_90a (sm90/sm90_bwd512_ws.cuh, 2-CTA clusters splitting the head dim;
+  // with dq_mode 0 only): DUALKV_SM90_D512_BWD=1 runs its wgmma dK/dV and dQ kernels, =2 its dK/dV
+  // kernel with the sm_80 dQ pass (A/B). 0 (unset) by default: compiled, not yet run on a GPU, so
+  // the sm_80 D = 512 backward stays the default until measured.
+  int d512_bwd_ws = 0;
 };
 
 // The policy for one call; deterministic = the call's `deterministic` (forces dq_mode 0).

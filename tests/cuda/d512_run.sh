@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Head dim 512, one device call: the standalone CUDA tests (binary built on the dev machine with
 # DUALKV_CUDA_HEAD_DIMS=512, carried in .out/), sanitizers, the package built with D = 64 and 512
-# and its D = 512 GPU tests on the default and sm_80 paths, the benchmarks side by side, and ncu
-# kernel durations. The sdpa step needs the package (pytest step) installed first.
-#   OUT=... bash tests/cuda/d512_run.sh [test] [sanitize] [pytest] [bench] [sdpa] [ncu]
+# and its D = 512 GPU tests on the default, sm_80 and opt-in wgmma-backward paths, the benchmarks
+# side by side, and ncu kernel durations. The sdpa step needs the package (pytest step) installed
+# first.
+#   OUT=... bash tests/cuda/d512_run.sh [test] [sanitize] [pytest] [bench] [sdpa] [ncu] [d512bwd]
+# d512bwd: the opt-in wgmma D = 512 backward (DUALKV_SM90_D512_BWD=1, --path sm90-d512bwd: dK/dV
+# and dQ on wgmma; sm90-d512bwd-sm80dq: its dK/dV with the sm_80 dQ) alone: the matrix + race of
+# both, memcheck, the backward timed against the default (sm_80) one, ncu kernel durations.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-.out/d512}"
@@ -21,7 +25,7 @@ for s in "${steps[@]}"; do
   case "$s" in
   test)
     echo "== standalone: D = 512 matrix, every path, race 20 =="
-    timeout 300 $BIN --race 20 >"$OUT/test.log" 2>&1; rc=$?
+    timeout 420 $BIN --race 20 >"$OUT/test.log" 2>&1; rc=$?
     grep -E "FAIL|error|note|reproduce" "$OUT/test.log" | head -20; tail -2 "$OUT/test.log"
     grep -q "kernels cannot run" "$OUT/test.log" && { echo "FAIL: fell back"; rc=1; }
     echo "rc=$rc"; [ $rc = 0 ] || status=1 ;;
@@ -39,7 +43,7 @@ for s in "${steps[@]}"; do
     CMAKE_ARGS="-DDUALKV_CUDA=ON -DDUALKV_CUDA_HEAD_DIMS=64;512" CMAKE_BUILD_PARALLEL_LEVEL=16 \
       timeout 300 python3 -m pip install --no-build-isolation --no-deps -q . >"$OUT/build.log" 2>&1 ||
       { tail -30 "$OUT/build.log"; exit 1; }
-    for path in default DUALKV_FORCE_SM80=1; do
+    for path in default DUALKV_FORCE_SM80=1 DUALKV_SM90_D512_BWD=1; do
       echo "== pytest D = 512 ($path) =="
       envs=(); [ "$path" = default ] || envs=("$path")
       (cd /tmp && env "${envs[@]}" timeout 300 python3 -m pytest "$OLDPWD/tests/python" -q \
@@ -65,6 +69,42 @@ for s in "${steps[@]}"; do
       -k "regex:fwd_ws|dkdv|dq_kernel|bwd_pre" $BIN --no-check --bench --bench-reps 1 \
       --path default >"$OUT/ncu.log" 2>&1
     echo "rc=$?"; grep -E "^  [a-z_]|gpu__time_duration" "$OUT/ncu.log" | sed 's/(dualkv::[^)]*)//' | cut -c1-120 ;;
+  d512bwd)
+    # A hang (timeout, rc 124) skips the rest of this step: every later part would hang too.
+    hung=0
+    for path in sm90-d512bwd sm90-d512bwd-sm80dq; do
+      [ $hung = 1 ] && break
+      echo "== standalone: D = 512 matrix + race 20, path $path =="
+      timeout 150 $BIN --race 20 --path $path >"$OUT/d512bwd_test_$path.log" 2>&1; rc=$?
+      grep -E "FAIL|error|note|reproduce" "$OUT/d512bwd_test_$path.log" | head -20
+      tail -2 "$OUT/d512bwd_test_$path.log"
+      grep -q "kernels cannot run" "$OUT/d512bwd_test_$path.log" && { echo "FAIL: fell back"; rc=1; }
+      echo "rc=$rc"; [ $rc = 0 ] || status=1; [ $rc = 124 ] && hung=1
+    done
+    if [ $hung = 0 ]; then
+      echo "== compute-sanitizer memcheck (--small, path sm90-d512bwd) =="
+      timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 $BIN --small --seed 1 \
+        --path sm90-d512bwd >"$OUT/d512bwd_memcheck.log" 2>&1; rc=$?
+      grep -E "ERROR SUMMARY|correctness" "$OUT/d512bwd_memcheck.log" | tail -2; echo "rc=$rc"
+      [ $rc = 0 ] || status=1
+      echo "== bench: default (sm_80 backward) vs sm90-d512bwd vs sm90-d512bwd-sm80dq =="
+      for path in default sm90-d512bwd sm90-d512bwd-sm80dq; do
+        timeout 100 $BIN --no-check --bench --bench-reps 5 --path $path \
+          >"$OUT/d512bwd_bench_$path.log" 2>&1
+        echo "rc=$?"; grep "^|" "$OUT/d512bwd_bench_$path.log" | grep -v "^|---" | tail -n +2
+      done
+      echo "== ncu kernel durations (first bench shape, path sm90-d512bwd) =="
+      timeout 100 ncu --clock-control none --metrics gpu__time_duration.sum --launch-count 8 \
+        -k "regex:fwd_ws|dkdv|dq_|bwd_pre" $BIN --no-check --bench --bench-reps 1 \
+        --path sm90-d512bwd >"$OUT/d512bwd_ncu.log" 2>&1
+      echo "rc=$?"
+      grep -E "^  [a-z_]|gpu__time_duration" "$OUT/d512bwd_ncu.log" | sed 's/(dualkv::[^)]*)//' |
+        cut -c1-120
+      # The path must really have run the new kernels (an unread switch would test sm_80 twice).
+      for k in dkdv_ws512 dq_ws512; do
+        grep -q "$k" "$OUT/d512bwd_ncu.log" || { echo "FAIL: no $k kernel in the ncu log"; status=1; }
+      done
+    fi ;;
   *) echo "unknown step $s"; status=1 ;;
   esac
 done

@@ -1,7 +1,8 @@
 // Standalone test and benchmark of the CUDA library (no torch).
 //
 //   dualkv_cuda_test [--seed S] [--quick] [--small] [--no-check] [--race N] [--random N]
-//                    [--bench] [--bench-reps N] [--path default|sm80|sm90-sync|sm90-nopp]
+//                    [--bench] [--bench-reps N]
+//                    [--path default|sm80|sm90-sync|sm90-nopp|sm90-d512bwd|sm90-d512bwd-sm80dq]
 //   (--small: the quick matrix and 3 race repeats, for compute-sanitizer; --path: that kernel
 //   path only; --random N: instead of the matrix, N rounds of its random-layout cases; a failed
 //   check prints where its largest error is, and the seed that reproduces the run)
@@ -19,7 +20,9 @@
 // Bench: CUDA events, warm-up, median of repeats, useful TFLOP/s (Layout::forward_flops).
 // Kernel paths, each checked and timed: the default (warp-specialised on sm_90), the sm_80 one
 // (DUALKV_FORCE_SM80=1), the synchronous wgmma one (DUALKV_SM90_WS=0) and the warp-specialised
-// one with ping-pong off (DUALKV_SM90_PINGPONG=0: forward and dQ kernels).
+// one with ping-pong off (DUALKV_SM90_PINGPONG=0: forward and dQ kernels), and for head dim 512
+// only the opt-in wgmma D = 512 backward (DUALKV_SM90_D512_BWD=1: 2-CTA cluster dK/dV and dQ
+// kernels; =2: that dK/dV kernel with the sm_80 dQ pass).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -159,24 +162,31 @@ Err max_error(size_t n, const std::vector<double>& ref, Get get) {
   return e;
 }
 
-// The kernel paths: name and the environment variable that selects it (none: the default).
+// The kernel paths: name, the environment variable that selects it (none: the default) and its
+// value, and the one head dim it applies to (0: all; elsewhere it would rerun the default).
 struct KernelPath {
   const char* name;
   const char* env;
+  const char* value;
+  int only_dim;
 };
-constexpr KernelPath kPaths[] = {{"default", nullptr},
-                                 {"sm80", "DUALKV_FORCE_SM80"},
-                                 {"sm90-sync", "DUALKV_SM90_WS"},
-                                 {"sm90-nopp", "DUALKV_SM90_PINGPONG"}};
+constexpr KernelPath kPaths[] = {{"default", nullptr, nullptr, 0},
+                                 {"sm80", "DUALKV_FORCE_SM80", "1", 0},
+                                 {"sm90-sync", "DUALKV_SM90_WS", "0", 0},
+                                 {"sm90-nopp", "DUALKV_SM90_PINGPONG", "0", 0},
+                                 {"sm90-d512bwd", "DUALKV_SM90_D512_BWD", "1", 512},
+                                 {"sm90-d512bwd-sm80dq", "DUALKV_SM90_D512_BWD", "2", 512}};
 std::string g_only_path;  // --path: run this one only
 
-bool path_selected(const KernelPath& k) { return g_only_path.empty() || g_only_path == k.name; }
+bool path_selected(const KernelPath& k, int head_dim) {
+  return (g_only_path.empty() || g_only_path == k.name) &&
+         (k.only_dim == 0 || k.only_dim == head_dim);
+}
 
 void select_path(const KernelPath& k) {
   for (const KernelPath& o : kPaths)
     if (o.env) unsetenv(o.env);
-  // DUALKV_FORCE_SM80 is switched on by "1"; the sm_90 switches are switched off by "0".
-  if (k.env) setenv(k.env, std::strcmp(k.env, "DUALKV_FORCE_SM80") == 0 ? "1" : "0", 1);
+  if (k.env) setenv(k.env, k.value, 1);
 }
 
 int g_failures = 0;
@@ -546,7 +556,7 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   const HostOut plain = run_plain(c, in, tb);
   GpuCase g(c, in, tb);
   for (int path = 0; path < int(std::size(kPaths)); ++path) {
-    if (!path_selected(kPaths[path])) continue;
+    if (!path_selected(kPaths[path], c.D)) continue;
     select_path(kPaths[path]);
     std::printf("  path %s\n", kPaths[path].name);
     g.forward(true);
@@ -630,7 +640,7 @@ void race_test(int reps, std::mt19937_64& rng) {
   // Each full (forward + backward) kernel path, default and deterministic mode.
   for (int mode = 0; mode < 2 * int(std::size(kPaths)); ++mode) {
     const int det = mode & 1;
-    if (!path_selected(kPaths[mode / 2])) continue;
+    if (!path_selected(kPaths[mode / 2], c.D)) continue;
     select_path(kPaths[mode / 2]);
     for (int r = 0; r < reps; ++r) {
       g.forward(r == 0);
@@ -840,7 +850,7 @@ void bench(int reps) {
     };
     // Every kernel path; the fused atomic-dq variant exists in the default and sm80 kernels.
     for (const KernelPath& kp : kPaths) {
-      if (!path_selected(kp)) continue;
+      if (!path_selected(kp, s.D)) continue;
       select_path(kp);
       const bool atomic_row =
           std::strcmp(kp.name, "sm80") == 0 || std::strcmp(kp.name, "default") == 0;
@@ -921,7 +931,9 @@ int main(int argc, char** argv) {
   if (!g_only_path.empty() &&
       std::none_of(std::begin(kPaths), std::end(kPaths),
                    [](const KernelPath& k) { return g_only_path == k.name; })) {
-    std::fprintf(stderr, "unknown --path %s (default, sm80, sm90-sync, sm90-nopp)\n",
+    std::fprintf(stderr,
+                 "unknown --path %s (default, sm80, sm90-sync, sm90-nopp, sm90-d512bwd, "
+                 "sm90-d512bwd-sm80dq)\n",
                  g_only_path.c_str());
     return 2;
   }

@@ -10,7 +10,9 @@ named barrier is left half-arrived. It does not run the kernels; keep it in step
 run_fwd_cluster models the D = 512 forward: two CTAs of a cluster, each producer multicasting
 half of every K/V block into both, empty barriers counting both CTAs' consumers (one arrival each
 remote), the consumers' per-block partial-S exchange, and the final cluster barrier (no CTA exits
-while its peer can still arrive on its barriers).
+while its peer can still arrive on its barriers). run_dkdv512 models the D = 512 dK/dV and dQ
+kernels (2-CTA clusters, partials pushed with st.async, exchange buffers reused for the slices, the
+xfree barrier); injected_bugs_caught checks that each of four injected errors is caught.
 
     python3 tests/cuda/ws_protocol_sim.py
 """
@@ -465,6 +467,159 @@ def run_dkdv(nblocks, S, rng, dq_mode=0):
     assert bar1.cnt == 0, "named barrier left half-arrived"
 
 
+def run_dkdv512(nblocks, S, rng, bug=None, dq=False):
+    """The D = 512 dK/dV kernel (sm90_bwd512_ws.cuh): two CTAs of a cluster, each with its own
+    producer ring (as run_dkdv), and per block and consumer warpgroup w: arm xfull[w] (local
+    arrive.expect_tx), wait the local xfree barrier (the peer's 8 warps, modelled as its 2
+    warpgroups, arrive after reading the previous block's slices), push the S^T and dP^T partials
+    to the peer's X[w] with st.async (two pieces landing asynchronously, completing the peer's
+    xfull[w]), wait the own xfull[w], read the peer's partials, write the slices into the own X[w],
+    named barrier 1 of both warpgroups, read both warpgroups' slices, arrive on the peer's xfree,
+    release the stage; at the end a cluster barrier of every thread of both CTAs.
+    dq: the D = 512 dQ kernel instead (same exchange; one producer thread, Q/dO once, K/V blocks,
+    no records: the consumers know the walk's length).
+    bug: None, or an injected protocol error that the checks must catch."""
+    C, L = 2, 1 if dq else 3
+    bKV = [MBar(1) for _ in range(C)]
+    full = [[MBar(1 if dq else 1 + L) for _ in range(S)] for _ in range(C)]
+    empty = [[MBar(2) for _ in range(S)] for _ in range(C)]
+    meta = [[None] * S for _ in range(C)]
+    slot = [[None] * S for _ in range(C)]
+    readers = [[set() for _ in range(S)] for _ in range(C)]
+    xfull = [[MBar(1) for _ in range(2)] for _ in range(C)]
+    xfree = [MBar(1 if bug == "xfree_one_warpgroup" else 2) for _ in range(C)]
+    # X[cta][w]: state "free" -> "partial" (pieces landing) -> "read" -> "slice" (being read)
+    xstate = [["free"] * 2 for _ in range(C)]
+    xblock = [[None] * 2 for _ in range(C)]
+    xparts = [[set() for _ in range(2)] for _ in range(C)]
+    xslice_readers = [[set() for _ in range(2)] for _ in range(C)]
+    bar1 = [Named(2) for _ in range(C)]
+    cluster = Named(C * (L + 2))
+    finished = [0] * C
+    exited = [False] * C
+    inflight = []
+
+    def finish(c):
+        finished[c] += 1
+        exited[c] = finished[c] == L + 2
+
+    def lane(c, ln):
+        if ln == 0:
+            bKV[c].expect_tx(1)
+            inflight.append(("tma", c, bKV[c], None, None))
+        it = 0
+        while True:
+            s = it % S
+            if dq and it == nblocks:
+                break
+            yield from wait(empty[c][s], ((it // S) & 1) ^ 1)
+            if it == nblocks:
+                if ln == 0:
+                    meta[c][s] = "end"
+                    full[c][s].arrive()
+                full[c][s].arrive()
+                break
+            if ln == 0:
+                assert not readers[c][s], "stage overwritten while read"
+                meta[c][s] = it
+                full[c][s].expect_tx(1)
+                inflight.append(("tma", c, full[c][s], s, it))
+            if not dq:
+                inflight.append(("cp", c, full[c][s], None, None))
+            it += 1
+            yield
+        if bug != "no_final_cluster_barrier":
+            yield from cluster.sync()
+        finish(c)
+
+    def consumer(c, w):
+        peer = 1 - c
+        yield from wait(bKV[c], 0)
+        it = 0
+        while True:
+            s = it % S
+            if dq and it == nblocks:
+                break
+            yield from wait(full[c][s], (it // S) & 1)
+            if not dq and meta[c][s] == "end":
+                break
+            assert (dq or meta[c][s] == it) and slot[c][s] == it, (meta[c][s], slot[c][s], it)
+            readers[c][s].add(w)
+            xfull[c][w].expect_tx(2)  # this block's phase: the arm + the peer's two pieces
+            yield  # S^T and dP^T partials issued
+            if bug != "no_xfree_wait":
+                par = it & 1 if bug == "xfree_parity" else (it & 1) ^ 1
+                yield from wait(xfree[c], par)
+            for piece in ("s", "dp"):
+                yield  # wgmma wait, then st.async of this partial to the peer's X[w]
+                inflight.append(("x", peer, w, piece, it))
+            yield from wait(xfull[c][w], it & 1)
+            assert xstate[c][w] == "partial" and xblock[c][w] == it, (xstate[c][w], it)
+            assert xparts[c][w] == {"s", "dp"}, "a partial read before it landed"
+            xstate[c][w] = "read"
+            yield  # P, dS
+            xstate[c][w] = "slice"
+            xslice_readers[c][w] = set()
+            yield from bar1[c].sync()
+            for v in (0, 1):
+                assert xstate[c][v] == "slice" and xblock[c][v] == it, (xstate[c][v], it)
+                xslice_readers[c][v].add(w)
+                yield
+                if xslice_readers[c][v] == {0, 1}:
+                    xstate[c][v] = "free"
+            assert not exited[peer], "arrival on an exited CTA's barrier"
+            xfree[peer].arrive()
+            yield  # dV, dK
+            readers[c][s].discard(w)
+            empty[c][s].arrive()
+            it += 1
+        if bug != "no_final_cluster_barrier":
+            yield from cluster.sync()
+        finish(c)
+
+    def land(x):
+        kind, c, a, b, v = x
+        assert not exited[c], "a write landing in an exited CTA"
+        if kind == "cp":
+            a.arrive()
+        elif kind == "tma":
+            if b is not None:
+                slot[c][b] = v
+            a.complete_tx(1)
+        else:  # st.async piece b of block v into X[a] of CTA c
+            if xstate[c][a] == "free":
+                xstate[c][a], xblock[c][a], xparts[c][a] = "partial", v, set()
+            assert xstate[c][a] == "partial" and xblock[c][a] == v, (
+                "exchange buffer overwritten while in use",
+                xstate[c][a],
+                xblock[c][a],
+                v,
+            )
+            xparts[c][a].add(b)
+            xfull[c][a].complete_tx(1)
+
+    ths = [lane(c, i) for c in range(C) for i in range(L)]
+    ths += [consumer(c, w) for c in range(C) for w in (0, 1)]
+    schedule(ths, inflight, land, rng, f"{'dq' if dq else 'dkdv'}512 ({bug})")
+    if bug != "no_final_cluster_barrier":
+        assert all(exited)
+    assert all(b.cnt == 0 for b in bar1) and cluster.cnt == 0, "barrier left half-arrived"
+
+
+def injected_bugs_caught(rng):
+    """Each injected error of the D = 512 dK/dV protocol must be caught by some schedule."""
+    for bug in ("no_xfree_wait", "xfree_one_warpgroup", "xfree_parity", "no_final_cluster_barrier"):
+        caught = False
+        for i in range(400):
+            try:
+                run_dkdv512(rng.randrange(1, 6), rng.choice([2, 3]), rng, bug, dq=i % 2 == 1)
+            except (AssertionError, RuntimeError):
+                caught = True
+                break
+        assert caught, f"injected bug {bug} was not caught"
+    return 4
+
+
 rng = random.Random(1)
 n = 0
 for _trial in range(3000):
@@ -475,5 +630,13 @@ for _trial in range(3000):
     run_dq(total, S, rng.random() < 0.7, rng)
     for dq_mode in (0, 1, 2):
         run_dkdv(total, S, rng, dq_mode)
+    run_dkdv512(total, S, rng)
+    run_dkdv512(total, S, rng, dq=True)
     n += 1
-print("ok", n, "random schedules each for fwd, fwd (2-CTA cluster), dq, dkdv (dq modes 0, 1, 2)")
+print(
+    "ok",
+    n,
+    "random schedules each for fwd, fwd (2-CTA cluster), dq, dkdv (dq modes 0, 1, 2), "
+    "dkdv and dq D = 512 (2-CTA clusters)",
+)
+print("ok", injected_bugs_caught(rng), "injected D = 512 dK/dV protocol errors caught")

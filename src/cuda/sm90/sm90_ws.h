@@ -35,4 +35,11 @@ bool launch_forward_sm90_ws(const Params& p, const KernelPolicy& policy, cudaStr
 template <typename T, int D>
 bool launch_backward_sm90_ws(const Params& p, const KernelPolicy& policy, cudaStream_t stream);
 
+// D = 512 backward with the wgmma dK/dV and dQ kernels of sm90_bwd512_ws.cuh (2-CTA clusters
+// splitting the head dim; KernelPolicy::d512_bwd_ws 2: the sm_80 dQ pass); only when
+// KernelPolicy::d512_bwd_ws != 0 (not the default yet).
+// False (nothing launched) when a tensor map cannot be encoded.
+template <typename T>
+bool launch_backward_sm90_d512(const Params& p, const KernelPolicy& policy, cudaStream_t stream);
+
 }  // namespace dualkv::cuda::detail
