@@ -25,7 +25,8 @@ struct KernelPolicy {
   // separate pass has since gained ping-pong: 18.3 ms; sm_80 47.8 vs 37.0 ms): A/B switches, see
   // src/cuda/NOTES.md. DUALKV_ATOMIC_DQ=3: mode 2 in FlashAttention-3's order (dK from registers,
   // retired within the block) with conflict-free dQ stores (dq_accum's swizzled layout);
-  // DUALKV_ATOMIC_DQ=4: mode 2's order with those stores (elsewhere 3 and 4 act as 1).
+  // DUALKV_ATOMIC_DQ=4: mode 2's order with those stores; DUALKV_ATOMIC_DQ=5: mode 3 with an
+  // L2 evict_last policy on the reductions (elsewhere 3-5 act as 1).
   int dq_mode = 0;
 };
 

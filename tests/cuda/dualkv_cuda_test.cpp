@@ -8,7 +8,7 @@
 //   check prints where its largest error is, and the seed that reproduces the run;
 //   --dq-modes: the DUALKV_ATOMIC_DQ values (comma-separated, 0 = the separate dQ pass) that the
 //   checks (besides the default and deterministic modes) and the bench (0 too) cover, default
-//   0,1,2,3,4; --shape: bench only these single-group shapes, with a 1-row reference)
+//   0,1,2,3,4,5; --shape: bench only these single-group shapes, with a 1-row reference)
 //
 // Correctness: random layouts over a case matrix; every output is compared with the CPU backend
 // run in float64 on the same (rounded) inputs (the reference), and the GPU's max error must be at
@@ -174,7 +174,7 @@ constexpr KernelPath kPaths[] = {{"default", nullptr},
                                  {"sm90-nopp", "DUALKV_SM90_PINGPONG"}};
 std::string g_only_path;  // --path: run this one only
 // --dq-modes: DUALKV_ATOMIC_DQ values covered (0: the separate dQ pass, the default).
-std::vector<int> g_dq_modes = {0, 1, 2, 3, 4};
+std::vector<int> g_dq_modes = {0, 1, 2, 3, 4, 5};
 // The fused ones (the checks run mode 0 as "default" anyway).
 std::vector<int> fused_dq_modes() {
   std::vector<int> m;
@@ -976,8 +976,7 @@ int main(int argc, char** argv) {
       }
     } else if (a == "--shape" && i + 1 < argc) {
       BenchShape s{};
-      if (std::sscanf(argv[++i], "%d,%d,%d,%d,%d,%d", &s.N, &s.P, &s.R, &s.Hq, &s.Hkv, &s.D) !=
-              6 ||
+      if (std::sscanf(argv[++i], "%d,%d,%d,%d,%d,%d", &s.N, &s.P, &s.R, &s.Hq, &s.Hkv, &s.D) != 6 ||
           s.N < 0 || s.P < 0 || s.R < 0 || s.Hq <= 0 || s.Hkv <= 0 || s.Hq % s.Hkv != 0) {
         std::fprintf(stderr, "--shape N,P,R,Hq,Hkv,D (Hkv divides Hq)\n");
         return 2;

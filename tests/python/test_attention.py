@@ -182,7 +182,7 @@ def test_head_dim_512_gpu(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["1", "2", "3", "4"])
+@pytest.mark.parametrize("mode", ["1", "2", "3", "4", "5"])
 @pytest.mark.parametrize("d", [64, 128, 256, 512])
 @pytest.mark.parametrize("window,softcap", [(None, 0.0), (37, 5.0)])
 def test_atomic_dq_modes(
@@ -194,7 +194,8 @@ def test_atomic_dq_modes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The fused dQ variants (DUALKV_ATOMIC_DQ=1: atomics; =2: reducer warps on sm_90a; =3:
-    the same in FlashAttention-3's order; =4: mode 2 with conflict-free dQ stores; experimental)
+    the same in FlashAttention-3's order; =4: mode 2 with conflict-free dQ stores; =5: mode 3
+    with an L2 hint on the reductions; experimental)
     compute the same gradients (non-deterministic dq, default mode only)."""
     monkeypatch.setenv("DUALKV_ATOMIC_DQ", mode)
     rng = random.Random(seed)

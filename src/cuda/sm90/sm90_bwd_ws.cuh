@@ -91,6 +91,21 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, ui
       "r"(src), "r"(bytes)
       : "memory");
 }
+// The same with an L2 cache policy (createpolicy_evict_last) for the destination lines.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes,
+                                                    uint64_t policy) {
+  asm volatile(
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.L2::cache_hint.add.f32 [%0], [%1], %2, "
+      "%3;" ::"l"(dst),
+      "r"(src), "r"(bytes), "l"(policy)
+      : "memory");
+}
+// An L2 policy that keeps the lines it is applied to ahead of normal ones when evicting.
+__device__ __forceinline__ uint64_t createpolicy_evict_last() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
 __device__ __forceinline__ void bulk_commit() {
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
@@ -112,11 +127,13 @@ __global__ void __launch_bounds__(384, 1)
   constexpr bool kFusedDq = kDq > 0;
   constexpr bool kHandoff = kDq >= 2;  // dQ blocks handed to reducer warps (bulk reductions)
   constexpr bool kSwz = kDq >= 3;      // ... in dq_accum's swizzled layout (conflict-free stores)
-  // kDq = 3, FA3's order: dK += dS^T Q from registers, retired within the block (after the dQ
-  // hand-off); otherwise (kDq = 1, 2, 4) from shared memory, retired by the next block's first
+  // kDq = 3, 5, FA3's order: dK += dS^T Q from registers, retired within the block (after the
+  // dQ hand-off); otherwise (kDq = 1, 2, 4) from shared memory, retired by the next block's first
   // wait (kDefer).
-  constexpr bool kRsDk = kDq == 3;
+  constexpr bool kRsDk = kDq == 3 || kDq == 5;
   constexpr bool kDefer = kFusedDq && !kRsDk;
+  // kDq = 5: mode 3 with the reductions' dq_accum lines kept in L2 (evict_last, as FA3 does).
+  constexpr bool kL2Hint = kDq == 5;
   using Cfg = DkdvWsCfg<D, kDq>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
   const Params& p = a.p;
@@ -231,12 +248,17 @@ __global__ void __launch_bounds__(384, 1)
         const uint32_t src = base + Cfg::OFF_DQ + uint32_t(c) * Cfg::DQ_BYTES;
         volatile int* dm = dq_meta(c);
         const int col0 = kSplitD ? c * 64 : 0;
+        const uint64_t l2pol = kL2Hint ? ws::createpolicy_evict_last() : 0;
         for (int it = 0; lane == 0; ++it) {
           ws::mbar_wait(dq_full(c), uint32_t(it) & 1u);
           if (dm[0] == 0) break;
           // The block's nq rows x 64 columns are contiguous in dq_accum's slab layout.
-          ws::bulk_reduce_add_f32(dq_accum_at<D, kSwz>(p, dm[1], dm[2], col0), src,
-                                  uint32_t(dm[3]) * 256);
+          float* dst = dq_accum_at<D, kSwz>(p, dm[1], dm[2], col0);
+          if constexpr (kL2Hint) {
+            ws::bulk_reduce_add_f32(dst, src, uint32_t(dm[3]) * 256, l2pol);
+          } else {
+            ws::bulk_reduce_add_f32(dst, src, uint32_t(dm[3]) * 256);
+          }
           ws::bulk_commit();
           ws::bulk_wait_read();
           ws::mbar_arrive(dq_empty(c));
@@ -446,8 +468,8 @@ __global__ void __launch_bounds__(384, 1)
           const int sw = kSwz ? (qs + qr) & 7 : 0;
 #pragma unroll
           for (int nd = 0; nd < 8; ++nd)
-            ws::st_shared_f32x2(dst + qr * 256 + ((nd ^ sw) * 8 + 2 * tq) * 4,
-                                dqa[nd * 4 + 2 * r], dqa[nd * 4 + 2 * r + 1]);
+            ws::st_shared_f32x2(dst + qr * 256 + ((nd ^ sw) * 8 + 2 * tq) * 4, dqa[nd * 4 + 2 * r],
+                                dqa[nd * 4 + 2 * r + 1]);
         }
         if ((tid & 127) == 0) {
           volatile int* dm = dq_meta(cw);
@@ -526,7 +548,8 @@ bool launch_backward_sm90_ws(const Params& p, const KernelPolicy& policy, cudaSt
             cap ? dkdv_ws_kernel_sm90<T, D, true, M> : dkdv_ws_kernel_sm90<T, D, false, M>,
             DkdvWsCfg<D, M>::SMEM);
       };
-      const auto [kernel, smem] = dq_mode == 4   ? pick(std::integral_constant<int, 4>{})
+      const auto [kernel, smem] = dq_mode == 5   ? pick(std::integral_constant<int, 5>{})
+                                  : dq_mode == 4 ? pick(std::integral_constant<int, 4>{})
                                   : dq_mode == 3 ? pick(std::integral_constant<int, 3>{})
                                   : dq_mode == 2 ? pick(std::integral_constant<int, 2>{})
                                   : dq_mode == 1 ? pick(std::integral_constant<int, 1>{})
