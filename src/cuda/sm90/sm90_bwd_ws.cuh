@@ -252,8 +252,10 @@ __global__ void __launch_bounds__(384, 1)
         for (int it = 0; lane == 0; ++it) {
           ws::mbar_wait(dq_full(c), uint32_t(it) & 1u);
           if (dm[0] == 0) break;
-          // The block's nq rows x 64 columns are contiguous in dq_accum's slab layout.
-          float* dst = dq_accum_at<D, kSwz>(p, dm[1], dm[2], col0);
+          // The block's nq rows x 64 columns are contiguous in dq_accum's slab layout, from the
+          // first row's start (the same in the swizzled layout: the image in shared memory
+          // already holds each row's columns permuted, kSwz).
+          float* dst = dq_accum_at<D>(p, dm[1], dm[2], col0);
           if constexpr (kL2Hint) {
             ws::bulk_reduce_add_f32(dst, src, uint32_t(dm[3]) * 256, l2pol);
           } else {
