@@ -235,9 +235,13 @@ __global__ void __launch_bounds__(384, 1)
         // query_walk_next, spelled out: as a call it changes this producer's machine code, which
         // has not been run on a GPU that way yet.
         if (++cur.qb < cur.qb_end) continue;
-        valid = seek_query_region<BM>(p, kseg, ksi, cur.si + 1, pk_first, pk_last, cur);
+        // kSwz: pk_last passed through an empty asm, so that nothing derived from it is kept
+        // live across the loop (ptxas hoisted its sign extension and spilled it at 24 registers).
+        int pkl = pk_last;
+        if constexpr (kSwz) asm volatile("" : "+r"(pkl));
+        valid = seek_query_region<BM>(p, kseg, ksi, cur.si + 1, pk_first, pkl, cur);
         if (!valid && ++cur.hi < p.group)
-          valid = seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pk_last, cur);
+          valid = seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pkl, cur);
       }
       cp_wait<0>();  // no lse/delta copy outlives its thread
     } else if (kHandoff && warp <= 2) {
