@@ -20,7 +20,12 @@
 // kDq = 2 (FA3-like; as fast as the separate pass, not faster): they hand it to shared memory and
 // lane 0 of producer warps 1-2 (one per consumer warpgroup) adds it with one bulk async reduction
 // (cp.reduce.async.bulk: the block is contiguous in dq_accum's slab layout), so the consumers never
-// wait on global atomics. D = 256 keeps the synchronous path (the accumulators would not fit).
+// wait on global atomics. kDq = 3: the same hand-off in FlashAttention-3's order (dK += dS^T Q
+// from the dS registers after dQ, retired at the end of the block) with conflict-free stores of
+// the dQ block (dq_accum's swizzled layout, dq_accum_at); kDq = 4: mode 2's order with those
+// stores; kDq = 5: mode 3 with an L2 evict_last policy on the reductions (src/cuda/NOTES.md,
+// "FlashAttention-3's fused backward against mode 2"). D = 256 keeps the synchronous path (the
+// accumulators would not fit).
 #pragma once
 
 #include <utility>
