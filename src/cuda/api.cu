@@ -163,10 +163,8 @@ KernelPolicy resolve_policy(bool deterministic) {
   const char* pp = std::getenv("DUALKV_SM90_PINGPONG");
   pol.pingpong = !(pp && pp[0] == '0');
   const char* dq = deterministic ? nullptr : std::getenv("DUALKV_ATOMIC_DQ");
-  pol.dq_mode = (!dq || dq[0] == '\0' || dq[1] != '\0') ? 0
-                : dq[0] == '1'                          ? 1
-                : dq[0] == '2'                          ? 2
-                                                        : 0;
+  // One digit 1-5 (policy.h); anything else is the default, 0.
+  pol.dq_mode = (!dq || dq[0] < '1' || dq[0] > '5' || dq[1] != '\0') ? 0 : dq[0] - '0';
   const char* d512 = std::getenv("DUALKV_SM90_D512_BWD");
   pol.d512_bwd_ws = (!d512 || d512[0] == '\0' || d512[1] != '\0') ? 0
                     : d512[0] == '1'                              ? 1

@@ -23,7 +23,10 @@ struct KernelPolicy {
   // (elsewhere 2 acts as 1). Neither beat the separate pass (H200, bf16, D=128, Hq=32, Hkv=8,
   // N=16 P=8192 R=1024 backward: 19.3 ms separate, 19.5 ms mode 1, 19.2 ms mode 2, and the
   // separate pass has since gained ping-pong: 18.3 ms; sm_80 47.8 vs 37.0 ms): A/B switches, see
-  // src/cuda/NOTES.md.
+  // src/cuda/NOTES.md. DUALKV_ATOMIC_DQ=3: mode 2 in FlashAttention-3's order (dK from registers,
+  // retired within the block) with conflict-free dQ stores (dq_accum's swizzled layout);
+  // DUALKV_ATOMIC_DQ=4: mode 2's order with those stores; DUALKV_ATOMIC_DQ=5: mode 3 with an
+  // L2 evict_last policy on the reductions (elsewhere 3-5 act as 1).
   int dq_mode = 0;
   // D = 512 backward on sm_90a (sm90/sm90_bwd512_ws.cuh, 2-CTA clusters splitting the head dim;
   // with dq_mode 0 only): DUALKV_SM90_D512_BWD=1 runs its wgmma dK/dV and dQ kernels, =2 its dK/dV

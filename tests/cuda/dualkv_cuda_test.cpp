@@ -3,9 +3,13 @@
 //   dualkv_cuda_test [--seed S] [--quick] [--small] [--no-check] [--race N] [--random N]
 //                    [--bench] [--bench-reps N]
 //                    [--path default|sm80|sm90-sync|sm90-nopp|sm90-d512bwd|sm90-d512bwd-sm80dq]
+//                    [--dq-modes LIST] [--shape N,P,R,Hq,Hkv,D]...
 //   (--small: the quick matrix and 3 race repeats, for compute-sanitizer; --path: that kernel
 //   path only; --random N: instead of the matrix, N rounds of its random-layout cases; a failed
-//   check prints where its largest error is, and the seed that reproduces the run)
+//   check prints where its largest error is, and the seed that reproduces the run;
+//   --dq-modes: the DUALKV_ATOMIC_DQ values (comma-separated, 0 = the separate dQ pass) that the
+//   checks (besides the default and deterministic modes) and the bench (0 too) cover, default
+//   0,1,2,3,4,5; --shape: bench only these single-group shapes, with a 1-row reference)
 //
 // Correctness: random layouts over a case matrix; every output is compared with the CPU backend
 // run in float64 on the same (rounded) inputs (the reference), and the GPU's max error must be at
@@ -177,6 +181,22 @@ constexpr KernelPath kPaths[] = {{"default", nullptr, nullptr, 0},
                                  {"sm90-d512bwd", "DUALKV_SM90_D512_BWD", "1", 512},
                                  {"sm90-d512bwd-sm80dq", "DUALKV_SM90_D512_BWD", "2", 512}};
 std::string g_only_path;  // --path: run this one only
+// --dq-modes: DUALKV_ATOMIC_DQ values covered (0: the separate dQ pass, the default).
+std::vector<int> g_dq_modes = {0, 1, 2, 3, 4, 5};
+// The fused ones (the checks run mode 0 as "default" anyway).
+std::vector<int> fused_dq_modes() {
+  std::vector<int> m;
+  for (int x : g_dq_modes)
+    if (x != 0) m.push_back(x);
+  return m;
+}
+void set_dq_mode(int m) {
+  if (m == 0) {
+    unsetenv("DUALKV_ATOMIC_DQ");
+  } else {
+    setenv("DUALKV_ATOMIC_DQ", std::to_string(m).c_str(), 1);
+  }
+}
 
 bool path_selected(const KernelPath& k, int head_dim) {
   return (g_only_path.empty() || g_only_path == k.name) &&
@@ -579,19 +599,21 @@ void run_case(const Case& c, std::mt19937_64& rng) {
       judge("lse", gl, cl, 2.0, 1e-5 * (1 + gl.max_ref));
     }
     std::vector<uint16_t> dq0, dk0, dv0;
-    // Modes: 0 default, 1 deterministic, 2 and 3 default with DUALKV_ATOMIC_DQ=1 and =2 (the
-    // fused atomic dq variants).
-    for (int det = 0; det < 4; ++det) {
-      if (det >= 2) setenv("DUALKV_ATOMIC_DQ", det == 2 ? "1" : "2", 1);
+    // Modes: 0 default, 1 deterministic, then the default mode with each fused dq variant of
+    // --dq-modes (DUALKV_ATOMIC_DQ=m; on paths without it the variant falls back, see policy.h).
+    const std::vector<int> fused = fused_dq_modes();
+    for (int det = 0; det < 2 + int(fused.size()); ++det) {
+      const int dqm = det >= 2 ? fused[size_t(det - 2)] : 0;
+      set_dq_mode(dqm);
       g.backward(det == 1, true);
-      if (det >= 2) unsetenv("DUALKV_ATOMIC_DQ");
+      set_dq_mode(0);
       const auto dq = download<uint16_t>(g.dq, g.nq);
       const auto dk = download<uint16_t>(g.dk, g.nk);
       const auto dv = download<uint16_t>(g.dv, g.nk);
-      std::printf("   backward (%s)\n", det == 1   ? "deterministic"
-                                        : det == 0 ? "default"
-                                        : det == 2 ? "DUALKV_ATOMIC_DQ=1"
-                                                   : "DUALKV_ATOMIC_DQ=2");
+      const std::string label = det == 1   ? std::string("deterministic")
+                                : det == 0 ? std::string("default")
+                                           : "DUALKV_ATOMIC_DQ=" + std::to_string(dqm);
+      std::printf("   backward (%s)\n", label.c_str());
       const Err a = err16(dq, ref.dq), b = err16(dk, ref.dk), d = err16(dv, ref.dv);
       // Slack: eps/16 of the largest magnitude, and at least 1e-5 (fp32 rounding of O(1) sums:
       // with window 1, dS = P (dO.v - dO.o) is exactly 0 in the reference; the GPU's two fp32 dot
@@ -657,6 +679,24 @@ void race_test(int reps, std::mt19937_64& rng) {
         if (dk != dk0 || dv != dv0) ++bad;
         if (det && dq != dq0) ++bad;
       }
+    }
+  }
+  // The fused dq variants (default path): dq is added up in a racy order, dk/dv are not.
+  if (path_selected(kPaths[0], c.D)) {
+    select_path(kPaths[0]);
+    for (int m : fused_dq_modes()) {
+      set_dq_mode(m);
+      std::vector<uint16_t> dk1, dv1;
+      for (int r = 0; r < reps; ++r) {
+        g.backward(false, r == 0);
+        auto dk = download<uint16_t>(g.dk, g.nk), dv = download<uint16_t>(g.dv, g.nk);
+        if (r == 0) {
+          dk1 = dk, dv1 = dv;
+        } else if (dk != dk1 || dv != dv1) {
+          ++bad;
+        }
+      }
+      set_dq_mode(0);
     }
   }
   select_path(kPaths[0]);
@@ -772,8 +812,10 @@ float median(std::vector<float> v) {
   return v[v.size() / 2];
 }
 
+std::vector<BenchShape> g_shapes;  // --shape: bench only these
+
 void bench(int reps) {
-  const BenchShape shapes[] = {
+  const BenchShape all_shapes[] = {
       {16, 8192, 1024, 32, 8, 128, "3-pass cuDNN 21.0 ms (481 TF/s), Flex 26.5 ms"},
       {32, 4096, 2048, 32, 8, 128, "3-pass cuDNN 45.3 ms (435 TF/s), Flex 69.2 ms"},
       {8, 16384, 2048, 32, 8, 128, "3-pass cuDNN 46.3 ms (520 TF/s), Flex 74.3 ms"},
@@ -783,9 +825,14 @@ void bench(int reps) {
       {16, 8192, 1024, 32, 4, 512, "SDPA mem-efficient on the N rows ~2.1 s (19-23 TF/s)"},
       {8, 16384, 2048, 32, 4, 512, "SDPA mem-efficient on the N rows"},
   };
+  std::vector<BenchShape> shapes = g_shapes;
+  if (shapes.empty()) shapes.assign(std::begin(all_shapes), std::end(all_shapes));
+  // Columns: the backward per mode of --dq-modes (0 = the separate dQ pass, the default).
+  const std::vector<int>& modes = g_dq_modes;
   struct Row {
     std::string name;
-    float fwd, bwd, bwd_atomic, bwd_atomic2;
+    float fwd;
+    std::vector<float> bwd;  // per mode (NaN: not run on this path)
     double ff, bf;
     const char* ref;
   };
@@ -861,36 +908,43 @@ void bench(int reps) {
       r.name = name;
       r.fwd = time([&] { cuda::attention_forward(f, nullptr); });
       b.deterministic = false;
-      r.bwd = time([&] { cuda::attention_backward(b, ws.p, nullptr); });
-      r.bwd_atomic = r.bwd_atomic2 = NAN;
-      if (atomic_row) {
-        setenv("DUALKV_ATOMIC_DQ", "1", 1);
-        r.bwd_atomic = time([&] { cuda::attention_backward(b, ws.p, nullptr); });
-        setenv("DUALKV_ATOMIC_DQ", "2", 1);
-        r.bwd_atomic2 = time([&] { cuda::attention_backward(b, ws.p, nullptr); });
-        unsetenv("DUALKV_ATOMIC_DQ");
+      std::string line;
+      for (int m : modes) {
+        float t = NAN;
+        if (m == 0 || atomic_row) {
+          set_dq_mode(m);
+          t = time([&] { cuda::attention_backward(b, ws.p, nullptr); });
+          set_dq_mode(0);
+        }
+        r.bwd.push_back(t);
+        char buf[64];
+        std::snprintf(buf, sizeof buf, ", bwd(dq mode %d) %.2f ms", m, t);
+        line += buf;
       }
       r.ff = L.forward_flops(s.D, s.Hq);
       r.bf = L.backward_flops(s.D, s.Hq);
       r.ref = s.ref;
       rows.push_back(r);
-      std::printf("bench %s: fwd %.2f ms, bwd %.2f ms, bwd(atomic dq 1/2) %.2f / %.2f ms\n", name,
-                  r.fwd, r.bwd, r.bwd_atomic, r.bwd_atomic2);
+      std::printf("bench %s: fwd %.2f ms%s\n", name, r.fwd, line.c_str());
       std::fflush(stdout);
     }
     select_path(kPaths[0]);
     CK(cudaEventDestroy(e0));
     CK(cudaEventDestroy(e1));
   }
-  std::printf(
-      "\n| layout | fwd ms (TF/s) | bwd ms (TF/s) | fwd+bwd ms (TF/s) | bwd ms, "
-      "DUALKV_ATOMIC_DQ=1 "
-      "/ 2 | DESIGN.md fwd+bwd reference |\n");
-  std::printf("|---|---|---|---|---|---|\n");
+  // One column per dq mode: bwd ms (TF/s) and fwd+bwd ms (TF/s).
+  std::printf("\n| layout | fwd ms (TF/s) |");
+  for (int m : modes) std::printf(" bwd, dq mode %d | fwd+bwd, dq mode %d |", m, m);
+  std::printf(" DESIGN.md fwd+bwd reference |\n|---|---|");
+  for (size_t i = 0; i < modes.size(); ++i) std::printf("---|---|");
+  std::printf("---|\n");
   for (const Row& r : rows) {
-    std::printf("| %s | %.2f (%.0f) | %.2f (%.0f) | %.2f (%.0f) | %.2f / %.2f | %s |\n",
-                r.name.c_str(), r.fwd, r.ff / r.fwd / 1e9, r.bwd, r.bf / r.bwd / 1e9, r.fwd + r.bwd,
-                (r.ff + r.bf) / (r.fwd + r.bwd) / 1e9, r.bwd_atomic, r.bwd_atomic2, r.ref);
+    std::printf("| %s | %.2f (%.0f) |", r.name.c_str(), r.fwd, r.ff / r.fwd / 1e9);
+    for (float t : r.bwd) {
+      std::printf(" %.2f (%.0f) | %.2f (%.0f) |", t, r.bf / t / 1e9, r.fwd + t,
+                  (r.ff + r.bf) / (r.fwd + t) / 1e9);
+    }
+    std::printf(" %s |\n", r.ref);
   }
 }
 
@@ -920,10 +974,30 @@ int main(int argc, char** argv) {
       g_only_path = argv[++i];
     else if (a == "--random" && i + 1 < argc)
       random_rounds = std::atoi(argv[++i]);
-    else {
+    else if (a == "--dq-modes" && i + 1 < argc) {
+      g_dq_modes.clear();
+      for (const char* c = argv[++i]; *c; ++c) {
+        if (*c >= '0' && *c <= '9') {
+          g_dq_modes.push_back(*c - '0');
+        } else if (*c != ',') {
+          std::fprintf(stderr, "--dq-modes: a comma-separated list of digits\n");
+          return 2;
+        }
+      }
+    } else if (a == "--shape" && i + 1 < argc) {
+      BenchShape s{};
+      if (std::sscanf(argv[++i], "%d,%d,%d,%d,%d,%d", &s.N, &s.P, &s.R, &s.Hq, &s.Hkv, &s.D) != 6 ||
+          s.N < 0 || s.P < 0 || s.R < 0 || s.Hq <= 0 || s.Hkv <= 0 || s.Hq % s.Hkv != 0) {
+        std::fprintf(stderr, "--shape N,P,R,Hq,Hkv,D (Hkv divides Hq)\n");
+        return 2;
+      }
+      s.ref = "-";
+      g_shapes.push_back(s);
+    } else {
       std::fprintf(stderr,
                    "usage: %s [--seed S] [--quick] [--small] [--no-check] [--race N] [--bench] "
-                   "[--bench-reps N] [--path NAME] [--random N]\n",
+                   "[--bench-reps N] [--path NAME] [--random N] [--dq-modes LIST] "
+                   "[--shape N,P,R,Hq,Hkv,D]...\n",
                    argv[0]);
       return 2;
     }

@@ -341,7 +341,12 @@ def run_dkdv(nblocks, S, rng, dq_mode=0):
     # wait, which then releases the stage (after the loop: a final wait and release).
     # 2: then the consumer hands its dQ block to its reducer warp (dq_full[c],
     # dq_empty[c], a record with an end marker); the reducer's bulk reads end at its
-    # wait_group.read.
+    # wait_group.read. 4: the same protocol (only the stores' layout differs).
+    # 3 and 5 (FA3's order): the dK product reads dS^T from registers and the stage; the consumer
+    # retires dQ (its reads of both dS halves), hands the dQ block over, then retires dK and
+    # releases the stage within the block (no deferred release).
+    handoff = dq_mode >= 2
+    defer = dq_mode in (1, 2, 4)  # 5: mode 3's protocol (an L2 hint on the reductions)
     L = 3
     bKV = MBar(1)
     full = [MBar(1 + L) for _ in range(S)]
@@ -428,23 +433,29 @@ def run_dkdv(nblocks, S, rng, dq_mode=0):
                 yield from bar1.sync()
                 assert ds_slot[b] == [it, it], (ds_slot[b], it)
                 ds_readers[b].add(cw)
-                dk_readers[b].add(cw)
+                if defer:
+                    dk_readers[b].add(cw)
                 yield  # the dQ wgmma reads both halves
                 ds_readers[b].discard(cw)
-                pending = (s, b)
+                if defer:
+                    pending = (s, b)
             else:
                 readers[s].discard(cw)
                 empty[s].arrive()
-            if dq_mode == 2:
+            if handoff:
                 yield from wait(dq_empty[cw], (it & 1) ^ 1)
                 assert not dq_reading[cw], "dQ buffer overwritten while reduced"
                 dq_buf[cw] = it
                 dq_meta[cw] = it
                 dq_full[cw].arrive()
+            if not defer and dq_mode:
+                yield  # dK (dS^T from registers) still reads the stage until the final wait
+                readers[s].discard(cw)
+                empty[s].arrive()
             it += 1
         if pending:
             release()
-        if dq_mode == 2:
+        if handoff:
             yield from wait(dq_empty[cw], (it & 1) ^ 1)
             dq_meta[cw] = "end"
             dq_full[cw].arrive()
@@ -459,10 +470,10 @@ def run_dkdv(nblocks, S, rng, dq_mode=0):
         bar.complete_tx(1)
 
     ths = [lane(i) for i in range(L)] + [consumer(0), consumer(1)]
-    if dq_mode == 2:
+    if handoff:
         ths += [reducer(0), reducer(1)]
     schedule(ths, inflight, land, rng, f"dkdv (dq_mode {dq_mode})")
-    if dq_mode == 2:
+    if handoff:
         assert reduced == [list(range(nblocks))] * 2, reduced
     assert bar1.cnt == 0, "named barrier left half-arrived"
 
@@ -628,7 +639,7 @@ for _trial in range(3000):
     run_fwd(total, S, rng.random() < 0.7, rng)
     run_fwd_cluster(total, S, rng)
     run_dq(total, S, rng.random() < 0.7, rng)
-    for dq_mode in (0, 1, 2):
+    for dq_mode in (0, 1, 2, 3, 5, 4):
         run_dkdv(total, S, rng, dq_mode)
     run_dkdv512(total, S, rng)
     run_dkdv512(total, S, rng, dq=True)
@@ -636,7 +647,7 @@ for _trial in range(3000):
 print(
     "ok",
     n,
-    "random schedules each for fwd, fwd (2-CTA cluster), dq, dkdv (dq modes 0, 1, 2), "
+    "random schedules each for fwd, fwd (2-CTA cluster), dq, dkdv (dq modes 0-5), "
     "dkdv and dq D = 512 (2-CTA clusters)",
 )
 print("ok", injected_bugs_caught(rng), "injected D = 512 dK/dV protocol errors caught")

@@ -20,7 +20,12 @@
 // kDq = 2 (FA3-like; as fast as the separate pass, not faster): they hand it to shared memory and
 // lane 0 of producer warps 1-2 (one per consumer warpgroup) adds it with one bulk async reduction
 // (cp.reduce.async.bulk: the block is contiguous in dq_accum's slab layout), so the consumers never
-// wait on global atomics. D = 256 keeps the synchronous path (the accumulators would not fit).
+// wait on global atomics. kDq = 3: the same hand-off in FlashAttention-3's order (dK += dS^T Q
+// from the dS registers after dQ, retired at the end of the block) with conflict-free stores of
+// the dQ block (dq_accum's swizzled layout, dq_accum_at); kDq = 4: mode 2's order with those
+// stores; kDq = 5: mode 3 with an L2 evict_last policy on the reductions (src/cuda/NOTES.md,
+// "FlashAttention-3's fused backward against mode 2"). D = 256 keeps the synchronous path (the
+// accumulators would not fit).
 #pragma once
 
 #include <utility>
@@ -45,11 +50,11 @@ struct DkdvWsCfg {
   static constexpr int OFF_DO = OFF_Q + STAGES * Q_BYTES;
   static constexpr int DS_BYTES = BN * BM * 2;              // dS^T [BN keys][BM queries]
   static constexpr int OFF_DS = OFF_DO + STAGES * Q_BYTES;  // kDq > 0: 2 buffers
-  static constexpr int DQ_BYTES = BM * 64 * 4;              // kDq = 2: fp32 [BM][64] per WG
+  static constexpr int DQ_BYTES = BM * 64 * 4;              // kDq >= 2: fp32 [BM][64] per WG
   static constexpr int OFF_DQ = OFF_DS + (kDq > 0 ? 2 * DS_BYTES : 0);
-  static constexpr int OFF_L = OFF_DQ + (kDq == 2 ? 2 * DQ_BYTES : 0);  // per stage: lse2, delta
+  static constexpr int OFF_L = OFF_DQ + (kDq >= 2 ? 2 * DQ_BYTES : 0);  // per stage: lse2, delta
   static constexpr int OFF_META = OFF_L + STAGES * 2 * BM * 4;          // per stage: int[4]
-  static constexpr int OFF_DQMETA = OFF_META + STAGES * 16;             // kDq = 2: per WG: int[4]
+  static constexpr int OFF_DQMETA = OFF_META + STAGES * 16;             // kDq >= 2: per WG: int[4]
   static constexpr int OFF_BAR =
       OFF_DQMETA + 2 * 16;  // kv, full[S], empty[S], dq_full[2], dq_empty[2]
   static constexpr int SMEM = OFF_BAR + 8 * (1 + 2 * STAGES + 4) + 1024;
@@ -91,6 +96,21 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, ui
       "r"(src), "r"(bytes)
       : "memory");
 }
+// The same with an L2 cache policy (createpolicy_evict_last) for the destination lines.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes,
+                                                    uint64_t policy) {
+  asm volatile(
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.L2::cache_hint.add.f32 [%0], [%1], %2, "
+      "%3;" ::"l"(dst),
+      "r"(src), "r"(bytes), "l"(policy)
+      : "memory");
+}
+// An L2 policy that keeps the lines it is applied to ahead of normal ones when evicting.
+__device__ __forceinline__ uint64_t createpolicy_evict_last() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
 __device__ __forceinline__ void bulk_commit() {
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
@@ -110,6 +130,15 @@ __global__ void __launch_bounds__(384, 1)
     dkdv_ws_kernel_sm90(const __grid_constant__ DkdvWsArgs a) {
 #if DUALKV_SM90_BODY
   constexpr bool kFusedDq = kDq > 0;
+  constexpr bool kHandoff = kDq >= 2;  // dQ blocks handed to reducer warps (bulk reductions)
+  constexpr bool kSwz = kDq >= 3;      // ... in dq_accum's swizzled layout (conflict-free stores)
+  // kDq = 3, 5, FA3's order: dK += dS^T Q from registers, retired within the block (after the
+  // dQ hand-off); otherwise (kDq = 1, 2, 4) from shared memory, retired by the next block's first
+  // wait (kDefer).
+  constexpr bool kRsDk = kDq == 3 || kDq == 5;
+  constexpr bool kDefer = kFusedDq && !kRsDk;
+  // kDq = 5: mode 3 with the reductions' dq_accum lines kept in L2 (evict_last, as FA3 does).
+  constexpr bool kL2Hint = kDq == 5;
   using Cfg = DkdvWsCfg<D, kDq>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
   const Params& p = a.p;
@@ -124,7 +153,7 @@ __global__ void __launch_bounds__(384, 1)
   auto meta = [&](int s) {
     return reinterpret_cast<volatile int*>(gbase + Cfg::OFF_META + 16 * s);
   };
-  // kDq = 2: consumer warpgroup c's dQ block is ready (128 arrivals) / free again (1 arrival),
+  // kDq >= 2: consumer warpgroup c's dQ block is ready (128 arrivals) / free again (1 arrival),
   // and its record {valid, first query token, q head, query count}.
   auto dq_full = [&](int c) { return bKV + 8u * (1 + 2 * S + c); };
   auto dq_empty = [&](int c) { return bKV + 8u * (3 + 2 * S + c); };
@@ -148,7 +177,7 @@ __global__ void __launch_bounds__(384, 1)
       ws::mbar_init(full(s), Cfg::FULL_COUNT);
       ws::mbar_init(empty(s), NC);
     }
-    if constexpr (kDq == 2) {
+    if constexpr (kHandoff) {
       for (int c = 0; c < 2; ++c) {
         ws::mbar_init(dq_full(c), NC / 2);
         ws::mbar_init(dq_empty(c), 1);
@@ -211,25 +240,36 @@ __global__ void __launch_bounds__(384, 1)
         // query_walk_next, spelled out: as a call it changes this producer's machine code, which
         // has not been run on a GPU that way yet.
         if (++cur.qb < cur.qb_end) continue;
-        valid = seek_query_region<BM>(p, kseg, ksi, cur.si + 1, pk_first, pk_last, cur);
+        // kSwz: pk_last passed through an empty asm, so that nothing derived from it is kept
+        // live across the loop (ptxas hoisted its sign extension and spilled it at 24 registers).
+        int pkl = pk_last;
+        if constexpr (kSwz) asm volatile("" : "+r"(pkl));
+        valid = seek_query_region<BM>(p, kseg, ksi, cur.si + 1, pk_first, pkl, cur);
         if (!valid && ++cur.hi < p.group)
-          valid = seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pk_last, cur);
+          valid = seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pkl, cur);
       }
       cp_wait<0>();  // no lse/delta copy outlives its thread
-    } else if (kDq == 2 && warp <= 2) {
-      if constexpr (kDq == 2) {
+    } else if (kHandoff && warp <= 2) {
+      if constexpr (kHandoff) {
         // ---- dQ reducers: lane 0 of warp 1 + c adds warpgroup c's blocks into dq_accum --------
         // (one lane: the bulk copies issue one lane at a time anyway, and 24 registers suffice)
         const int c = warp - 1;
         const uint32_t src = base + Cfg::OFF_DQ + uint32_t(c) * Cfg::DQ_BYTES;
         volatile int* dm = dq_meta(c);
         const int col0 = kSplitD ? c * 64 : 0;
+        const uint64_t l2pol = kL2Hint ? ws::createpolicy_evict_last() : 0;
         for (int it = 0; lane == 0; ++it) {
           ws::mbar_wait(dq_full(c), uint32_t(it) & 1u);
           if (dm[0] == 0) break;
-          // The block's nq rows x 64 columns are contiguous in dq_accum's slab layout.
-          ws::bulk_reduce_add_f32(dq_accum_at<D>(p, dm[1], dm[2], col0), src,
-                                  uint32_t(dm[3]) * 256);
+          // The block's nq rows x 64 columns are contiguous in dq_accum's slab layout, from the
+          // first row's start (the same in the swizzled layout: the image in shared memory
+          // already holds each row's columns permuted, kSwz).
+          float* dst = dq_accum_at<D>(p, dm[1], dm[2], col0);
+          if constexpr (kL2Hint) {
+            ws::bulk_reduce_add_f32(dst, src, uint32_t(dm[3]) * 256, l2pol);
+          } else {
+            ws::bulk_reduce_add_f32(dst, src, uint32_t(dm[3]) * 256);
+          }
           ws::bulk_commit();
           ws::bulk_wait_read();
           ws::mbar_arrive(dq_empty(c));
@@ -252,10 +292,10 @@ __global__ void __launch_bounds__(384, 1)
 
     ws::mbar_wait(bKV, 0);
     int it = 0;  // after the loop: the number of query blocks seen
-    // kFusedDq: the previous block's dK (still running at the top of this one) has read its stage
+    // kDefer: the previous block's dK (still running at the top of this one) has read its stage
     // once this block's first wait has returned (after the loop: once the final wait has).
     auto release_prev = [&]() {
-      if constexpr (kFusedDq) {
+      if constexpr (kDefer) {
         fence_regs(dk);
         if (it > 0) ws::mbar_arrive(empty((it + S - 1) % S));
       }
@@ -328,7 +368,7 @@ __global__ void __launch_bounds__(384, 1)
           }
         if constexpr (kFusedDq) stash_ds();
         fence_regs(pa);
-        if constexpr (!kFusedDq) fence_regs(da);  // fused: dK reads dS^T from shared memory
+        if constexpr (!kDefer) fence_regs(da);  // kDefer: dK reads dS^T from shared memory
         fence_regs(dv);
         fence_regs(dk);
         wg_fence();
@@ -369,7 +409,7 @@ __global__ void __launch_bounds__(384, 1)
           for (int c = 0; c < 4; ++c)
             da[kt][c] = pack2<T>(dp[8 * kt + 2 * c], dp[8 * kt + 2 * c + 1]);
         if constexpr (kFusedDq) {
-          stash_ds();  // dK reads dS^T from shared memory, after dQ (below)
+          stash_ds();  // for dQ (and with kDefer for dK: from shared memory), below
         } else {
           fence_regs(da);
           fence_regs(dk);
@@ -391,6 +431,7 @@ __global__ void __launch_bounds__(384, 1)
         const uint32_t a_tile = sDS + (kSplitD ? 0u : uint32_t(cw * 64 * 128));
         const uint32_t b_tile = sK + (kSplitD ? uint32_t(cw * BN * 128) : uint32_t(cw * 64 * 128));
         fence_regs(dk);
+        if constexpr (kRsDk) fence_regs(da);
         wg_fence();
 #pragma unroll
         for (int kt = 0; kt < DQ_KEYS / 16; ++kt) {
@@ -398,13 +439,21 @@ __global__ void __launch_bounds__(384, 1)
                                           desc_mnmajor<BN>(b_tile, kt * 16), kt > 0);
         }
         wg_commit();
-        // dK += dS^T Q with dS^T (this warpgroup's key rows) from shared memory, committed last:
-        // it runs on while dQ is handed over and is waited for by the next block's first wait,
-        // which then releases this block's stage (sQ).
+        if constexpr (kRsDk) {
+          // dK += dS^T Q with dS^T from registers, committed last: it runs on while dQ is
+          // handed over, and is retired at the end of this block (which then releases the stage).
 #pragma unroll
-        for (int kt = 0; kt < BM / 16; ++kt) {
-          Wgmma<T, D>::template ss<1>(dk, desc_kmajor<BN>(sDS, cw * 64, kt * 16),
-                                      desc_mnmajor<BM>(sQ, kt * 16), 1);
+          for (int kt = 0; kt < BM / 16; ++kt)
+            Wgmma<T, D>::template rs<1>(dk, da[kt], desc_mnmajor<BM>(sQ, kt * 16), 1);
+        } else {
+          // dK += dS^T Q with dS^T (this warpgroup's key rows) from shared memory, committed
+          // last: it runs on while dQ is handed over and is waited for by the next block's first
+          // wait, which then releases this block's stage (sQ).
+#pragma unroll
+          for (int kt = 0; kt < BM / 16; ++kt) {
+            Wgmma<T, D>::template ss<1>(dk, desc_kmajor<BN>(sDS, cw * 64, kt * 16),
+                                        desc_mnmajor<BM>(sQ, kt * 16), 1);
+          }
         }
         wg_commit();
         wg_wait<1>();  // dV and dQ done
@@ -418,7 +467,7 @@ __global__ void __launch_bounds__(384, 1)
         fence_regs(da);
         ws::mbar_arrive(empty(s));
       }
-      if constexpr (kDq == 2) {
+      if constexpr (kHandoff) {
         // Hand the block to this warpgroup's reducer warp once it has read the previous one.
         fence_regs(dqa);
         ws::mbar_wait(dq_empty(cw), (uint32_t(it) & 1u) ^ 1u);
@@ -426,9 +475,11 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int qr = (warp & 3) * 16 + g + 8 * r;
+          // kSwz: row qr is token qs + qr of dq_accum's swizzled layout (dq_accum_at).
+          const int sw = kSwz ? (qs + qr) & 7 : 0;
 #pragma unroll
           for (int nd = 0; nd < 8; ++nd)
-            ws::st_shared_f32x2(dst + qr * 256 + (nd * 8 + 2 * tq) * 4, dqa[nd * 4 + 2 * r],
+            ws::st_shared_f32x2(dst + qr * 256 + ((nd ^ sw) * 8 + 2 * tq) * 4, dqa[nd * 4 + 2 * r],
                                 dqa[nd * 4 + 2 * r + 1]);
         }
         if ((tid & 127) == 0) {
@@ -453,12 +504,18 @@ __global__ void __launch_bounds__(384, 1)
           }
         }
       }
+      if constexpr (kRsDk) {
+        wg_wait<0>();  // dK done: the stage (sQ) and dS^T's registers are free
+        fence_regs(dk);
+        fence_regs(da);
+        ws::mbar_arrive(empty(s));
+      }
     }
-    if constexpr (kFusedDq) {
+    if constexpr (kDefer) {
       wg_wait<0>();  // the last block's dK
       release_prev();
     }
-    if constexpr (kDq == 2) {
+    if constexpr (kHandoff) {
       // Tells this warpgroup's reducer that the walk has ended.
       ws::mbar_wait(dq_empty(cw), (uint32_t(it) & 1u) ^ 1u);
       if ((tid & 127) == 0) dq_meta(cw)[0] = 0;
@@ -502,14 +559,21 @@ bool launch_backward_sm90_ws(const Params& p, const KernelPolicy& policy, cudaSt
             cap ? dkdv_ws_kernel_sm90<T, D, true, M> : dkdv_ws_kernel_sm90<T, D, false, M>,
             DkdvWsCfg<D, M>::SMEM);
       };
-      const auto [kernel, smem] = dq_mode == 2   ? pick(std::integral_constant<int, 2>{})
+      const auto [kernel, smem] = dq_mode == 5   ? pick(std::integral_constant<int, 5>{})
+                                  : dq_mode == 4 ? pick(std::integral_constant<int, 4>{})
+                                  : dq_mode == 3 ? pick(std::integral_constant<int, 3>{})
+                                  : dq_mode == 2 ? pick(std::integral_constant<int, 2>{})
                                   : dq_mode == 1 ? pick(std::integral_constant<int, 1>{})
                                                  : pick(std::integral_constant<int, 0>{});
       launch_kernel(kernel, grid, C::THREADS, smem, stream, a,
                     "dualkv backward dk/dv (sm90a, warp-specialised)");
     }
     if (atomic_dq) {
-      launch_dq_convert<T, D>(p, stream);
+      if (dq_mode >= 3) {
+        launch_dq_convert<T, D, true>(p, stream);
+      } else {
+        launch_dq_convert<T, D>(p, stream);
+      }
       return true;
     }
     // The synchronous dQ pass only when its tensor maps cannot be encoded.
