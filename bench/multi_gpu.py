@@ -51,26 +51,32 @@ size, sp, dp, GPU, date, command). ``--summarize FILE`` (no launch) reads the JS
 at 1, 2, 4 GPUs and prints the scaling table: speed-up ``t1 / tK`` and strong-scaling efficiency
 ``t1 / (K tK)`` per path and shape.
 
-GPU machines (x2, x4): NVLink multicast must stay off (the device notes): the commands export
-``NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1`` and the script
-sets them too (before the process group exists) where they are missing::
+GPU machines (nvidia-h200-x2 / -x4; torchrun is ``python3 -m torch.distributed.run`` there):
+NVLink multicast must stay off (the device notes): export ``NCCL_NVLS_ENABLE=0
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1`` (the script also sets these three in
+its own environment before the process group exists)::
 
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-    torchrun --standalone --nproc-per-node 2 bench/multi_gpu.py --json $OUT/multi_gpu.jsonl
-    torchrun --standalone --nproc-per-node 1 bench/multi_gpu.py --parts qwen,gemma \\
-        --json $OUT/multi_gpu.jsonl                                    # the 1-GPU row
-    python bench/multi_gpu.py --summarize $OUT/multi_gpu.jsonl         # scaling table
+    R="python3 -m torch.distributed.run --standalone"
+    $R --nproc-per-node 4 bench/multi_gpu.py --json $OUT/multi_gpu.jsonl   # x4 (x2: 2)
+    $R --nproc-per-node 2 bench/multi_gpu.py --parts qwen,gemma --json $OUT/multi_gpu.jsonl
+    $R --nproc-per-node 1 bench/multi_gpu.py --parts qwen,gemma --json $OUT/multi_gpu.jsonl
+    python3 bench/multi_gpu.py --summarize $OUT/multi_gpu.jsonl           # scaling table
 
-(``bash scripts/gpu_check.sh build multigpu`` runs these.) CPU dry run (gloo, tiny shapes)::
+(``bash scripts/gpu_check.sh build multigpu`` builds the package and runs exactly these.) A part
+that fails is reported and the next one runs; a rank left waiting in a collective ends after
+``DUALKV_PG_TIMEOUT`` seconds (default 300). CPU
+dry run (gloo, tiny shapes)::
 
-    torchrun --standalone --nproc-per-node 2 bench/multi_gpu.py --device cpu --config tiny \\
-        --preset tiny --gemma-preset gemma4-tiny --layers 2 --gemma-layers 6 \\
-        --shapes 4,64,16 --gemma-shapes 4,64,16 --warmup 0 --repeats 1
+    torchrun --standalone --nproc-per-node 2 bench/multi_gpu.py --device cpu --preset tiny \
+        --gemma-preset gemma4-tiny --layers 2 --shapes 4,64,16 --gemma-shapes 4,64,16 \
+        --warmup 0 --repeats 1 --rows-tokens-per-gpu 80
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import datetime
@@ -83,6 +89,7 @@ import socket
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -174,7 +181,7 @@ def init(device_arg: str, dtype_arg: str | None, json_path: str | None) -> Ctx:
     if cuda:
         torch.cuda.set_device(device)
     backend = "nccl" if cuda else "gloo"
-    timeout = datetime.timedelta(seconds=int(os.environ.get("DUALKV_PG_TIMEOUT", "900")))
+    timeout = datetime.timedelta(seconds=int(os.environ.get("DUALKV_PG_TIMEOUT", "300")))
     kwargs: dict[str, Any] = {"timeout": timeout}
     if cuda:
         kwargs["device_id"] = device
@@ -937,26 +944,33 @@ def main(argv: list[str] | None = None) -> int:
     say(ctx, f"multi_gpu: world {ctx.world}, {ctx.gpu}, torch {torch.__version__}, seed "
         f"{args.seed}, parts {','.join(args.parts)}; "
         + " ".join(f"{k}={os.environ.get(k)}" for k in SAFE_ENV))  # fmt: skip
+    runs: dict[str, Callable[[], Any]] = {
+        "exact": lambda: part_exact(ctx, args),
+        "comm": lambda: part_comm(ctx, args),
+        "qwen": lambda: bench_model(ctx, args, "qwen", args.preset, args.layers, args.shapes,
+                                    [x for x in args.paths.split(",") if x]),
+        "gemma": lambda: bench_model(ctx, args, "gemma", args.gemma_preset, args.gemma_layers,
+                                     args.gemma_shapes,
+                                     [x for x in args.gemma_paths.split(",") if x]),
+    }  # fmt: skip
     ok = True
     try:
-        if "exact" in args.parts:
-            ok = part_exact(ctx, args)
-        if "comm" in args.parts:
-            part_comm(ctx, args)
-        if "qwen" in args.parts:
-            bench_model(ctx, args, "qwen", args.preset, args.layers, args.shapes,
-                        [x for x in args.paths.split(",") if x])  # fmt: skip
-        if "gemma" in args.parts:
-            bench_model(
-                ctx,
-                args,
-                "gemma",
-                args.gemma_preset,
-                args.gemma_layers,
-                args.gemma_shapes,
-                [x for x in args.gemma_paths.split(",") if x],
-            )
+        for part in args.parts:
+            # a failing part is reported and the next one runs (a failure on some ranks only
+            # leaves the others in a collective: the process group's timeout then ends them)
+            try:
+                ok = runs[part]() is not False and ok
+            except Exception as exc:
+                ok = False
+                print(f"rank {ctx.rank}: part {part} failed:\n{traceback.format_exc()}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+                emit(ctx, {"part": f"{part}-error", "error": f"{type(exc).__name__}: {exc}"})
+            if ctx.cuda:
+                torch.cuda.empty_cache()
     finally:
+        # every rank done before any closes its connections (gloo aborts a peer otherwise)
+        with contextlib.suppress(Exception):
+            dist.barrier()
         dist.destroy_process_group()
     return 0 if ok else 1
 
