@@ -524,8 +524,10 @@ def part_exact(ctx: Ctx, args: argparse.Namespace) -> bool:
     except NotImplementedError as e:  # a clear "not supported yet" from the package
         gemma_ok = False
         say(ctx, f"Gemma 4 under SP: not supported yet ({e})")
-    noise = "plain PyTorch rows (run dtype) vs float64" if not ctx.cuda else (
-        "plain PyTorch rows (bf16) vs float64 / SP=1 vs fp32 SDPA rows")  # fmt: skip
+    dt = str(ctx.dtype).removeprefix("torch.")
+    hi = "float32" if ctx.cuda else "float64"
+    noise = (f"attention: plain PyTorch rows in {dt} vs float64; model: SP = 1 vs the unshared "
+             f"rows with SDPA in {hi}")  # fmt: skip
     header = ["case", "quantity", "max abs diff", "max rel diff", f"noise ({noise})",
               "tolerance", "result"]  # fmt: skip
     say(ctx, *table(header, [c.row() for c in checks]))
@@ -537,7 +539,7 @@ def part_exact(ctx: Ctx, args: argparse.Namespace) -> bool:
                    "max_abs_diff": c.diff, "max_rel_diff": c.diff / c.scale if c.scale else 0.0,
                    "noise": c.noise, "tolerance": c.tol, "pass": c.ok})  # fmt: skip
     emit(ctx, {"part": "exact-summary", "sp": ctx.world, "pass": ok, "checks": len(checks),
-               "gemma_supported": gemma_ok})  # fmt: skip
+               "gemma_supported": gemma_ok, "seed": args.seed, "config": args.config})  # fmt: skip
     return ok
 
 
