@@ -74,13 +74,14 @@ for step in "${steps[@]}"; do
   multigpu)
     # issue 18 (bench/multi_gpu.py): exactness, per-layer all-to-alls, the Qwen3-8B-shaped and
     # Gemma-4-31B-shaped SP + FSDP2 steps on every GPU of the machine, then the steps on fewer
-    # GPUs (MULTIGPU_SCALING, default: 2 and 1 below the count) for the scaling table.
+    # GPUs (MULTIGPU_SCALING, default: 2 and 1 below the count; "" for none) for the scaling table.
     # NVLink multicast stays off (device notes): these three must be set on that machine.
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    # (MULTIGPU_NPROC overrides the GPU count, e.g. for a CPU dry run with MULTIGPU_ARGS="--device cpu ...")
     ngpu=${MULTIGPU_NPROC:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
     echo "== multi-GPU run (issue 18): $ngpu GPUs =="
     nvidia-smi topo -m >"$OUT/gpu_topology.txt" 2>&1 && head -8 "$OUT/gpu_topology.txt"
-    scaling=${MULTIGPU_SCALING:-$(for k in 2 1; do [ "$k" -lt "$ngpu" ] && echo $k; done)}
+    scaling=${MULTIGPU_SCALING-$(for k in 2 1; do [ "$k" -lt "$ngpu" ] && echo $k; done)}
     for k in $ngpu $scaling; do
       parts=exact,comm,qwen,gemma
       [ "$k" = "$ngpu" ] || parts=qwen,gemma
