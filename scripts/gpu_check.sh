@@ -2,7 +2,7 @@
 # The GPU machine's job, one call: build the package (CUDA library included) against the
 # machine's torch, run the GPU tests on each kernel path, the standalone CUDA tests and
 # sanitizers, then the benchmarks.
-# Logs and results go to $OUT. Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|model|trl]...
+# Logs and results go to $OUT. Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|model|trl|multigpu]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-.out/gpu}"
@@ -70,6 +70,29 @@ for step in "${steps[@]}"; do
       --dtype bfloat16 --steps 5 --prompts-per-step 2 --num-generations 16 --prompt-len 2048 \
       --max-completion-length 128 --grad-accum 2 --lr 1e-5 --gradient-checkpointing} \
       --json "$OUT/trl_grpo.json" 2>&1 | grep -v "^{" | tee "$OUT/trl_grpo.log" | tail -20 || status=1
+    ;;
+  multigpu)
+    # issue 18 (bench/multi_gpu.py): exactness, per-layer all-to-alls, the Qwen3-8B-shaped and
+    # Gemma-4-31B-shaped SP + FSDP2 steps on every GPU of the machine, then the steps on fewer
+    # GPUs (MULTIGPU_SCALING, default: 2 and 1 below the count; "" for none) for the scaling table.
+    # NVLink multicast stays off (device notes): these three must be set on that machine.
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    # (MULTIGPU_NPROC overrides the GPU count, e.g. for a CPU dry run with MULTIGPU_ARGS="--device cpu ...")
+    ngpu=${MULTIGPU_NPROC:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
+    echo "== multi-GPU run (issue 18): $ngpu GPUs =="
+    nvidia-smi topo -m >"$OUT/gpu_topology.txt" 2>&1 && head -8 "$OUT/gpu_topology.txt"
+    scaling=${MULTIGPU_SCALING-$(for k in 2 1; do [ "$k" -lt "$ngpu" ] && echo $k; done)}
+    for k in $ngpu $scaling; do
+      parts=exact,comm,qwen,gemma
+      [ "$k" = "$ngpu" ] || parts=qwen,gemma
+      # (torchrun; MULTIGPU_TIMEOUT seconds per launch, 0: none)
+      timeout "${MULTIGPU_TIMEOUT:-0}" python3 -m torch.distributed.run --standalone \
+        --nproc-per-node "$k" bench/multi_gpu.py --parts "$parts" ${MULTIGPU_ARGS:-} \
+        --json "$OUT/multi_gpu.jsonl" >"$OUT/multi_gpu_$k.log" 2>&1 || status=1
+      grep -E "^(exactness|\| Qwen3-|\| gemma4-)" "$OUT/multi_gpu_$k.log"
+      grep -E "FAIL|Error|error" "$OUT/multi_gpu_$k.log" | head -20
+    done
+    python3 bench/multi_gpu.py --summarize "$OUT/multi_gpu.jsonl" | tee "$OUT/multi_gpu_summary.md"
     ;;
   bench)
     echo "== benchmark =="
