@@ -14,7 +14,7 @@
 
 #include "collective/bwd_preprocess.cuh"
 #include "collective/query_walk.cuh"
-#include "sm90/sm90_common.cuh"
+#include "sm90/pipeline.cuh"
 
 namespace dualkv::cuda::detail {
 

@@ -154,8 +154,7 @@ __global__ void __launch_bounds__(384, 1)
         ws::mbar_init(dq_empty(c), 1);
       }
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    fence_proxy_async();
+    ws::mbar_init_fence();
   }
   __syncthreads();
 
@@ -176,8 +175,8 @@ __global__ void __launch_bounds__(384, 1)
       QIter cur;
       bool valid = query_walk_begin<BM>(p, kseg, ksi, pk_first, pk_last, cur);
       for (int it = 0;; ++it) {
-        const int s = it % S;
-        ws::mbar_wait(empty(s), (uint32_t(it / S) & 1u) ^ 1u);
+        const int s = Ring<S>::stage(it);
+        ws::mbar_wait(empty(s), Ring<S>::empty_parity(it));
         if (!valid) {
           if (lane == 0) {
             meta(s)[0] = 0;  // end of the walk
@@ -257,12 +256,12 @@ __global__ void __launch_bounds__(384, 1)
     auto release_prev = [&]() {
       if constexpr (kFusedDq) {
         fence_regs(dk);
-        if (it > 0) ws::mbar_arrive(empty((it + S - 1) % S));
+        if (it > 0) ws::mbar_arrive(empty(Ring<S>::stage(it + S - 1)));
       }
     };
     for (;; ++it) {
-      const int s = it % S;
-      ws::mbar_wait(full(s), uint32_t(it / S) & 1u);
+      const int s = Ring<S>::stage(it);
+      ws::mbar_wait(full(s), Ring<S>::full_parity(it));
       if (meta(s)[0] == 0) break;
       const int nq = meta(s)[1], pq_first = meta(s)[2];
       const int hq = hk * p.group + meta(s)[0] - 1, qs = meta(s)[3];

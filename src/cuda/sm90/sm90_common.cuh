@@ -31,16 +31,6 @@ __device__ __forceinline__ void wg_commit() {}
 template <int N>
 __device__ __forceinline__ void wg_wait() {}
 #endif
-// Named barriers (id 1..15; 0 is __syncthreads): n threads, a multiple of 32, meet at `id`;
-// bar_arrive counts without waiting (the producer side of a hand-off).
-namespace ws {
-__device__ __forceinline__ void bar_sync(int id, int n) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
-}
-__device__ __forceinline__ void bar_arrive(int id, int n) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
-}
-}  // namespace ws
 // Keeps the compiler from moving accesses of accumulator registers across wgmma waits/fences.
 template <int R>
 __device__ __forceinline__ void fence_regs(float (&d)[R]) {

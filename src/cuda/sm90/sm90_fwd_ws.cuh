@@ -36,7 +36,7 @@
 #include <cuda.h>
 
 #include "launch.h"
-#include "sm90/sm90_common.cuh"
+#include "sm90/pipeline.cuh"
 #include "sm90/sm90_ws.h"
 
 namespace dualkv::cuda::detail {
@@ -82,27 +82,6 @@ struct FwdWsArgs {
 namespace ws {
 
 #if DUALKV_SM90_BODY
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-// Blocks until the phase of parity `parity` has completed (a fresh barrier counts its phase of
-// parity 1 as completed, so a producer's first pass through the ring does not wait). No watchdog:
-// a clock64 timeout here made ptxas spill and serialise the wgmmas; the test scripts time out.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred P1;\nWAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-      "@!P1 bra WAIT;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
 __device__ __forceinline__ void tma_load3(uint32_t dst, const CUtensorMap* map, uint32_t bar,
                                           int c0, int c1, int c2) {
   asm volatile(
@@ -120,17 +99,6 @@ __device__ __forceinline__ void tma_load3_multicast(uint32_t dst, const CUtensor
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
       ".multicast::cluster [%0], [%1, {%3, %4, %5}], [%2], %6;" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "h"(cta_mask)
-      : "memory");
-}
-// Arrives on the barrier at offset `bar` of cluster CTA `cta`. A consumer's release of a stage
-// publishes no memory writes (its reads of the stage are wgmma operands, complete at its
-// wait_group), so the default (.release.cta) semantics suffice, as in CUTLASS's pipelines; a
-// .release.cluster arrive compiled to a MEMBAR.ALL.GPU per arrival.
-__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
-  asm volatile(
-      "{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\n"
-      "mbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n" ::"r"(bar),
-      "r"(cta)
       : "memory");
 }
 // All threads of all CTAs of the cluster meet (and see each other's earlier writes).
@@ -203,9 +171,7 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
       ws::mbar_init(empty_k(s), kEmptyCount);
       ws::mbar_init(empty_v(s), kEmptyCount);
     }
-    // Make the initialised barriers visible to the copy engine (async proxy).
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    fence_proxy_async();
+    ws::mbar_init_fence();
   }
   if constexpr (CLUSTER > 1) {
     ws::cluster_sync();  // the peer's barriers are initialised before any copy or arrival
@@ -224,22 +190,22 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
 #pragma unroll
       for (int c = 0; c < D / 64; ++c) ws::tma_load3(sQ + c * (BM * 128), &a.tq, bQ, c * 64, h, q0);
       for (int j = 0; j < total; ++j) {
-        const int s = j % S;
-        const uint32_t ph = uint32_t(j / S) & 1u;
+        const int s = Ring<S>::stage(j);
+        const uint32_t ph = Ring<S>::empty_parity(j);
         const int row = int(walk.at(j).row());
         if constexpr (CLUSTER > 1) {
           // This CTA's share of the column blocks, multicast to both; each CTA's full barrier
           // expects the whole block (half from each producer).
           constexpr int CB = D / 64 / CLUSTER;
           constexpr uint16_t kAll = (1u << CLUSTER) - 1u;
-          ws::mbar_wait(empty_k(s), ph ^ 1u);
+          ws::mbar_wait(empty_k(s), ph);
           ws::mbar_expect_tx(full_k(s), Cfg::KV_BYTES);
 #pragma unroll
           for (int c = int(rank) * CB; c < int(rank) * CB + CB; ++c) {
             ws::tma_load3_multicast(sK0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tk, full_k(s),
                                     c * 64, hk, row, kAll);
           }
-          ws::mbar_wait(empty_v(s), ph ^ 1u);
+          ws::mbar_wait(empty_v(s), ph);
           ws::mbar_expect_tx(full_v(s), Cfg::KV_BYTES);
 #pragma unroll
           for (int c = int(rank) * CB; c < int(rank) * CB + CB; ++c) {
@@ -247,14 +213,14 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
                                     c * 64, hk, row, kAll);
           }
         } else {
-          ws::mbar_wait(empty_k(s), ph ^ 1u);
+          ws::mbar_wait(empty_k(s), ph);
           ws::mbar_expect_tx(full_k(s), Cfg::KV_BYTES);
 #pragma unroll
           for (int c = 0; c < D / 64; ++c) {
             ws::tma_load3(sK0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tk, full_k(s), c * 64, hk,
                           row);
           }
-          ws::mbar_wait(empty_v(s), ph ^ 1u);
+          ws::mbar_wait(empty_v(s), ph);
           ws::mbar_expect_tx(full_v(s), Cfg::KV_BYTES);
 #pragma unroll
           for (int c = 0; c < D / 64; ++c) {
@@ -274,7 +240,7 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
     const int wrow = KSPLIT > 1 ? 0 : cw * 64, col0 = KSPLIT > 1 ? cw * DC : 0;
     const int g = lane >> 2, tq = lane & 3;
     const int row0 = wrow + (warp & 3) * 16 + g;  // rows row0, row0 + 8
-    const bool pp = KSPLIT == 1 && a.pingpong != 0;
+    const PingPong<NC> pp(KSPLIT == 1 && a.pingpong != 0, cw);
     const int row_base = CLUSTER > 1 ? q0 - wq0 : 0;  // first row's offset in the walk's rows
     // A consumer's release of a stage: every thread arrives, or (CLUSTER) one per warp, on the
     // barrier of each CTA of the cluster.
@@ -289,7 +255,6 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
         ws::mbar_arrive(bar);
       }
     };
-    const int my_bar = 1 + cw, other_bar = 2 - cw;
     const float sl = (kCap || a.prescale) ? 1.f : p.scale_log2;  // log2-domain factor of the scores
 
     constexpr int OR = DC / 2, SR = BN / 2;  // accumulator floats per thread
@@ -390,17 +355,16 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
       wg_commit();
     };
 
-    // Consumer 1 lets consumer 0 issue first; every turn ends by handing over to the other.
-    if (pp && cw == 1) ws::bar_arrive(other_bar, NC);
+    pp.start();
     ws::mbar_wait(bQ, 0);
 
     if (total > 0) {
       // Block 0: S only (O is still zero).
       ws::mbar_wait(full_k(0), 0);
-      if (pp) ws::bar_sync(my_bar, NC);
+      pp.begin_turn();
       wg_fence();
       issue_s(0);
-      if (pp) ws::bar_arrive(other_bar, NC);
+      pp.end_turn();
       wg_wait<0>();
       fence_regs(s);
       release(empty_k(0));
@@ -410,16 +374,16 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
       pack_p();
 
       for (int j = 1; j < total; ++j) {
-        const int st = j % S, pst = (j - 1) % S;
-        ws::mbar_wait(full_k(st), uint32_t(j / S) & 1u);
-        ws::mbar_wait(full_v(pst), uint32_t((j - 1) / S) & 1u);
-        if (pp) ws::bar_sync(my_bar, NC);
+        const int st = Ring<S>::stage(j), pst = Ring<S>::stage(j - 1);
+        ws::mbar_wait(full_k(st), Ring<S>::full_parity(j));
+        ws::mbar_wait(full_v(pst), Ring<S>::full_parity(j - 1));
+        pp.begin_turn();
         fence_regs(pa);
         fence_regs(o);
         wg_fence();
         issue_s(st);    // S_j = Q K_j^T
         issue_pv(pst);  // O += P_{j-1} V_{j-1}
-        if (pp) ws::bar_arrive(other_bar, NC);
+        pp.end_turn();
         wg_wait<1>();  // S_j done; P V still in flight
         fence_regs(s);
         release(empty_k(st));
@@ -450,20 +414,19 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
       }
 
       // Last block's P V.
-      const int lst = (total - 1) % S;
-      ws::mbar_wait(full_v(lst), uint32_t((total - 1) / S) & 1u);
-      if (pp) ws::bar_sync(my_bar, NC);
+      const int lst = Ring<S>::stage(total - 1);
+      ws::mbar_wait(full_v(lst), Ring<S>::full_parity(total - 1));
+      pp.begin_turn();
       fence_regs(pa);
       fence_regs(o);
       wg_fence();
       issue_pv(lst);
-      if (pp) ws::bar_arrive(other_bar, NC);
+      pp.end_turn();
       wg_wait<0>();
       fence_regs(o);
       fence_regs(pa);
     }
-    // Consumer 0 takes consumer 1's last hand-over, so no barrier is left half-arrived.
-    if (pp && cw == 0) ws::bar_sync(my_bar, NC);
+    pp.finish();
 
     store_out_rows<T, D, DC>(p, o, m_run, l_run, sl, q0, nq, h, row0, tq, col0,
                              KSPLIT == 1 || cw == 0);
