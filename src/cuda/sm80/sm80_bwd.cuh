@@ -22,6 +22,7 @@
 
 #include "collective/bwd_preprocess.cuh"
 #include "collective/query_walk.cuh"
+#include "collective/score_mod.cuh"
 #include "launch.h"
 
 namespace dualkv::cuda::detail {
@@ -231,15 +232,9 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, BwdCfg<D>::MIN_BLOCKS)
         const int qc = nt * 8 + 2 * tq + (e & 1);
         const int kr = kr0 + (e >> 1) * 8;
         float x, dcap = 1.f;
-        if constexpr (kCap) {
-          const float t = tanhf(s[nt][e] * p.cap_inv);
-          x = p.cap_log2 * t;
-          dcap = 1.f - t * t;
-        } else {
-          x = s[nt][e] * p.scale_log2;
-        }
+        x = score_log2<kCap>(p, s[nt][e], dcap);
         float pr = fast_exp2(x - lse_c[qc]);
-        if (msk && !(kr < nk && qc < nq && p.mask.allowed(pq_first + qc, pk_first + kr))) pr = 0.f;
+        if (msk && !DUALKV_VISIBLE_KQ(p.mask, kr, nk, pk_first, qc, nq, pq_first)) pr = 0.f;
         s[nt][e] = pr;
         dp[nt][e] = pr * (dp[nt][e] - del_c[qc]) * dcap;
       }
@@ -462,17 +457,11 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, DqCfg<D>::MIN_BLOCKS)
       for (int e = 0; e < 4; ++e) {
         const int i = e >> 1;
         float x, dcap = 1.f;
-        if constexpr (kCap) {
-          const float t = tanhf(s[nt][e] * p.cap_inv);
-          x = p.cap_log2 * t;
-          dcap = 1.f - t * t;
-        } else {
-          x = s[nt][e] * p.scale_log2;
-        }
+        x = score_log2<kCap>(p, s[nt][e], dcap);
         float pr = fast_exp2(x - lse2[i]);
         if (msk) {
           const int kr = kb.off + nt * 8 + 2 * tq + (e & 1);
-          if (!(kr < kb.R.len && p.mask.allowed(pq_first + row0 + 8 * i, kb.R.pos0 + kr))) pr = 0.f;
+          if (!DUALKV_VISIBLE(p.mask, kb, pq_first + row0 + 8 * i, kr)) pr = 0.f;
         }
         dp[nt][e] = pr * (dp[nt][e] - del[i]) * dcap;
       }

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "collective/score_mod.cuh"
 #include "launch.h"
 
 namespace dualkv::cuda::detail {
@@ -132,16 +133,11 @@ __global__ void __launch_bounds__(FwdCfg<D>::THREADS, FwdCfg<D>::MIN_BLOCKS)
       for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          float x;
-          if constexpr (kCap) {
-            x = p.cap_log2 * tanhf(s[m][nt][e] * p.cap_inv);
-          } else {
-            x = s[m][nt][e] * p.scale_log2;
-          }
+          float x = score_log2<kCap>(p, s[m][nt][e]);
           if (msk) {
             const int pq = pq_first + wrow + 16 * m + g + (e >> 1) * 8;
             const int kr = kb.off + nt * 8 + 2 * tq + (e & 1);
-            if (!(kr < kb.R.len && p.mask.allowed(pq, kb.R.pos0 + kr))) x = -INFINITY;
+            if (!DUALKV_VISIBLE(p.mask, kb, pq, kr)) x = -INFINITY;
           }
           s[m][nt][e] = x;
         }

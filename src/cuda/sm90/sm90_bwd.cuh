@@ -14,6 +14,7 @@
 
 #include "collective/bwd_preprocess.cuh"
 #include "collective/query_walk.cuh"
+#include "collective/score_mod.cuh"
 #include "sm90/pipeline.cuh"
 
 namespace dualkv::cuda::detail {
@@ -135,15 +136,9 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
       const int kr = kr0 + (e >> 1) * 8;
       float x;
       *dcap = 1.f;
-      if constexpr (kCap) {
-        const float t = tanhf(sv * p.cap_inv);
-        x = p.cap_log2 * t;
-        *dcap = 1.f - t * t;
-      } else {
-        x = sv * p.scale_log2;
-      }
+      x = score_log2<kCap>(p, sv, *dcap);
       float pr = fast_exp2(x - lse_c[qc]);
-      if (msk && !(kr < nk && qc < nq && p.mask.allowed(pq_first + qc, pk_first + kr))) pr = 0.f;
+      if (msk && !DUALKV_VISIBLE_KQ(p.mask, kr, nk, pk_first, qc, nq, pq_first)) pr = 0.f;
       return pr;
     };
     auto delta_of = [&](int i, int q_off = 0) {
@@ -351,17 +346,11 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const __grid_constant__
     for (int i = 0; i < SR; ++i) {
       const int nt = i >> 2, e = i & 3, r = e >> 1;
       float x, dcap = 1.f;
-      if constexpr (kCap) {
-        const float t = tanhf(s[i] * p.cap_inv);
-        x = p.cap_log2 * t;
-        dcap = 1.f - t * t;
-      } else {
-        x = s[i] * p.scale_log2;
-      }
+      x = score_log2<kCap>(p, s[i], dcap);
       float pr = fast_exp2(x - lse2[r]);
       if (msk) {
         const int kr = kb.off + nt * 8 + 2 * tq + (e & 1);
-        if (!(kr < kb.R.len && p.mask.allowed(pq_first + row0 + 8 * r, kb.R.pos0 + kr))) pr = 0.f;
+        if (!DUALKV_VISIBLE(p.mask, kb, pq_first + row0 + 8 * r, kr)) pr = 0.f;
       }
       dp[i] = pr * (dp[i] - del[r]) * dcap;
     }

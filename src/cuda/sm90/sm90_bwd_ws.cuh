@@ -284,7 +284,7 @@ __global__ void __launch_bounds__(384, 1)
         const int qc = nt * 8 + 2 * tq + (e & 1);
         const int kr = kr0 + (e >> 1) * 8;
         float pr = fast_exp2(x - lse_c[qc]);
-        if (msk && !(kr < nk && qc < nq && p.mask.allowed(pq_first + qc, pk_first + kr))) pr = 0.f;
+        if (msk && !DUALKV_VISIBLE_KQ(p.mask, kr, nk, pk_first, qc, nq, pq_first)) pr = 0.f;
         return pr;
       };
       auto dsc = [&](int i, float pr, float dcap) {
@@ -318,9 +318,9 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
             for (int u = 0; u < 2; ++u) {
               const int i = 8 * kt + 2 * c + u;
-              const float t = tanhf(sc[i] * p.cap_inv);
-              pr[u] = prob(i, p.cap_log2 * t);
-              ds[u] = dsc(i, pr[u], 1.f - t * t);
+              const float t = softcap_tanh(p, sc[i]);
+              pr[u] = prob(i, softcap_logit(p, t));
+              ds[u] = dsc(i, pr[u], softcap_dfactor(t));
             }
             pa[kt][c] = pack2<T>(pr[0], pr[1]);
             da[kt][c] = pack2<T>(ds[0], ds[1]);
@@ -345,7 +345,7 @@ __global__ void __launch_bounds__(384, 1)
         fence_regs(sc);
         release_prev();
 #pragma unroll
-        for (int i = 0; i < SR; ++i) sc[i] = prob(i, sc[i] * p.scale_log2);
+        for (int i = 0; i < SR; ++i) sc[i] = prob(i, score_log2<false>(p, sc[i]));
 #pragma unroll
         for (int kt = 0; kt < BM / 16; ++kt)
 #pragma unroll

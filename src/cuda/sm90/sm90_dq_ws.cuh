@@ -156,18 +156,13 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
 #pragma unroll
       for (int i = 0; i < SR; ++i) {
         const int nt = i >> 2, e = i & 3, r = e >> 1;
-        float x;
-        if constexpr (kCap) {
-          const float t = tanhf(sc[i] * p.cap_inv);
-          x = p.cap_log2 * t;
-          dcap[i] = 1.f - t * t;
-        } else {
-          x = sc[i] * p.scale_log2;
-        }
+        float x, dc;
+        x = score_log2<kCap>(p, sc[i], dc);
+        if constexpr (kCap) dcap[i] = dc;
         float pr = fast_exp2(x - lse2[r]);
         if (msk) {
           const int kr = kb.off + nt * 8 + 2 * tq + (e & 1);
-          if (!(kr < kb.R.len && p.mask.allowed(pq_first + row0 + 8 * r, kb.R.pos0 + kr))) pr = 0.f;
+          if (!DUALKV_VISIBLE(p.mask, kb, pq_first + row0 + 8 * r, kr)) pr = 0.f;
         }
         sc[i] = pr;
       }

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "collective/score_mod.cuh"
 #include "launch.h"
 #include "sm90/sm90_common.cuh"
 
@@ -95,15 +96,11 @@ __global__ void __launch_bounds__(256, 1) fwd_kernel_sm90(const __grid_constant_
     for (int i = 0; i < SR; ++i) {
       const int nt = i >> 2, e = i & 3;
       float x;
-      if constexpr (kCap) {
-        x = p.cap_log2 * tanhf(s[i] * p.cap_inv);
-      } else {
-        x = s[i] * p.scale_log2;
-      }
+      x = score_log2<kCap>(p, s[i]);
       if (msk) {
         const int pq = pq_first + row0 + (e >> 1) * 8;
         const int kr = kb.off + nt * 8 + 2 * tq + (e & 1);
-        if (!(kr < kb.R.len && p.mask.allowed(pq, kb.R.pos0 + kr))) x = -INFINITY;
+        if (!DUALKV_VISIBLE(p.mask, kb, pq, kr)) x = -INFINITY;
       }
       s[i] = x;
     }

@@ -35,6 +35,7 @@
 
 #include <cuda.h>
 
+#include "collective/score_mod.cuh"
 #include "launch.h"
 #include "sm90/pipeline.cuh"
 #include "sm90/sm90_ws.h"
@@ -290,14 +291,9 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
     auto softmax = [&](int j, float (&corr)[2]) {
       const auto kb = walk.at(j);
       const bool msk = walk.masked(kb, wnq, CLUSTER > 1 ? kTileSize : BM, p.mask);
-      if constexpr (kCap) {
+      if (kCap || a.prescale) {
 #pragma unroll
-        for (int i = 0; i < SR; ++i) s[i] = p.cap_log2 * tanhf(s[i] * p.cap_inv);
-      } else {
-        if (a.prescale) {
-#pragma unroll
-          for (int i = 0; i < SR; ++i) s[i] *= p.scale_log2;
-        }
+        for (int i = 0; i < SR; ++i) s[i] = score_log2<kCap>(p, s[i]);
       }
       if (msk) {
 #pragma unroll
@@ -305,7 +301,7 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
           const int nt = i >> 2, e = i & 3;
           const int pq = pq_first + row_base + row0 + (e >> 1) * 8;
           const int kr = kb.off + nt * 8 + 2 * tq + (e & 1);
-          if (!(kr < kb.R.len && p.mask.allowed(pq, kb.R.pos0 + kr))) s[i] = -INFINITY;
+          if (!DUALKV_VISIBLE(p.mask, kb, pq, kr)) s[i] = -INFINITY;
         }
       }
 #pragma unroll
