@@ -21,6 +21,7 @@
 #include <cstdlib>
 
 #include "collective/bwd_preprocess.cuh"
+#include "collective/epilogue.cuh"
 #include "collective/query_walk.cuh"
 #include "collective/score_mod.cuh"
 #include "launch.h"
@@ -317,21 +318,7 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, BwdCfg<D>::MIN_BLOCKS)
   cp_wait<0>();
 
   // dK = scale * sum dS^T Q, dV = sum P^T dO; key rows < nk.
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int kr = kr0 + 8 * i;
-    if (kr < nk) {
-      const int64_t off = (int64_t(k0 + kr) * p.Hkv + hk) * D + dbase + 2 * tq;
-      T* dkg = static_cast<T*>(p.dk) + off;
-      T* dvg = static_cast<T*>(p.dv) + off;
-#pragma unroll
-      for (int nd = 0; nd < DC / 8; ++nd) {
-        *reinterpret_cast<uint32_t*>(dkg + nd * 8) =
-            pack2<T>(dk[nd][2 * i] * p.scale, dk[nd][2 * i + 1] * p.scale);
-        *reinterpret_cast<uint32_t*>(dvg + nd * 8) = pack2<T>(dv[nd][2 * i], dv[nd][2 * i + 1]);
-      }
-    }
-  }
+  store_dkdv_rows<T, D, DC>(p, dk, dv, k0, nk, hk, kr0, dbase, tq);
 }
 
 // ---- 3'. deterministic dQ over query blocks -----------------------------------------------------

@@ -229,19 +229,7 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
     }
     pp.finish();
 
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = row0 + 8 * r;
-      if (row < nq) {
-        T* dst = static_cast<T*>(p.dq) + (int64_t(q0 + row) * p.Hq + h) * D + 2 * tq;
-#pragma unroll
-        for (int nd = 0; nd < D / 8; ++nd) {
-          *reinterpret_cast<uint32_t*>(dst + nd * 8) =
-              pack2<T>(total > 0 ? acc[nd * 4 + 2 * r] * p.scale : 0.f,
-                       total > 0 ? acc[nd * 4 + 2 * r + 1] * p.scale : 0.f);
-        }
-      }
-    }
+    store_dq_rows<T, D, D>(p, acc, q0, nq, h, row0, 0, tq, total > 0);
   }
 #endif
 }
