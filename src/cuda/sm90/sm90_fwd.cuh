@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "collective/online_softmax.cuh"
 #include "collective/score_mod.cuh"
 #include "launch.h"
 #include "sm90/sm90_common.cuh"
@@ -106,28 +107,8 @@ __global__ void __launch_bounds__(256, 1) fwd_kernel_sm90(const __grid_constant_
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float mx = m_run[r];
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt)
-        mx = fmaxf(mx, fmaxf(s[nt * 4 + 2 * r], s[nt * 4 + 2 * r + 1]));
-      mx = quad_max(mx);
-      const float mu = mx == -INFINITY ? 0.f : mx;
-      const float corr = fast_exp2(m_run[r] - mu);
-      m_run[r] = mx;
-      l_run[r] *= corr;
-#pragma unroll
-      for (int nd = 0; nd < D / 8; ++nd) {
-        o[nd * 4 + 2 * r] *= corr;
-        o[nd * 4 + 2 * r + 1] *= corr;
-      }
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
-        const float p0 = fast_exp2(s[nt * 4 + 2 * r] - mu),
-                    p1 = fast_exp2(s[nt * 4 + 2 * r + 1] - mu);
-        s[nt * 4 + 2 * r] = p0;
-        s[nt * 4 + 2 * r + 1] = p1;
-        l_run[r] += p0 + p1;
-      }
+      online_softmax_row<BN / 8, false>(s, r, m_run[r], l_run[r], 1.f,
+                                        [&](float corr) { rescale_o_row<D / 8>(o, r, corr); });
     }
 
     // O += P V (P from registers, V MN-major).

@@ -35,6 +35,7 @@
 
 #include <cuda.h>
 
+#include "collective/online_softmax.cuh"
 #include "collective/score_mod.cuh"
 #include "launch.h"
 #include "sm90/pipeline.cuh"
@@ -306,28 +307,9 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float mx = m_run[r];
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt)
-          mx = fmaxf(mx, fmaxf(s[nt * 4 + 2 * r], s[nt * 4 + 2 * r + 1]));
-        mx = quad_max(mx);
-        const float mu =
-            (mx == -INFINITY ? 0.f : mx) * sl;         // scaled max; 0 while the row saw nothing
-        corr[r] = fast_exp2(fmaf(m_run[r], sl, -mu));  // m_run = -inf -> 0
-        if constexpr (KSPLIT > 1) {
-          if (mx == m_run[r]) corr[r] = 1.f;  // exactly: the rescale may then be skipped
-        }
-        m_run[r] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt) {
-          const float p0 = fast_exp2(fmaf(s[nt * 4 + 2 * r], sl, -mu));
-          const float p1 = fast_exp2(fmaf(s[nt * 4 + 2 * r + 1], sl, -mu));
-          s[nt * 4 + 2 * r] = p0;
-          s[nt * 4 + 2 * r + 1] = p1;
-          sum += p0 + p1;
-        }
-        l_run[r] = l_run[r] * corr[r] + sum;
+        // O is rescaled by the caller, after the P V wait.
+        corr[r] = online_softmax_row<BN / 8, true, (KSPLIT > 1)>(s, r, m_run[r], l_run[r], sl,
+                                                                 [](float) {});
       }
     };
     auto pack_p = [&]() {
@@ -398,13 +380,7 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
         if constexpr (KSPLIT > 1) rescale = __any_sync(~0u, corr[0] != 1.f || corr[1] != 1.f);
         if (rescale) {
 #pragma unroll
-          for (int r = 0; r < 2; ++r) {
-#pragma unroll
-            for (int nd = 0; nd < DC / 8; ++nd) {
-              o[nd * 4 + 2 * r] *= corr[r];
-              o[nd * 4 + 2 * r + 1] *= corr[r];
-            }
-          }
+          for (int r = 0; r < 2; ++r) rescale_o_row<DC / 8>(o, r, corr[r]);
         }
         pack_p();
       }
