@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "collective/bwd_preprocess.cuh"
 #include "collective/query_walk.cuh"
@@ -35,14 +36,38 @@ struct Dkdv90Cfg {
   static constexpr int THREADS = 256;
   static constexpr int K_BYTES = BN * D * 2;
   static constexpr int Q_BYTES = BM * D * 2;
-  static constexpr int OFF_V = K_BYTES;
-  static constexpr int OFF_Q = 2 * K_BYTES;
-  static constexpr int OFF_DO = OFF_Q + 2 * Q_BYTES;
-  // kSplitD exchange buffers, 128 threads x (P fragments 64 B, dS fragments 64 B).
-  static constexpr int OFF_XPA = OFF_DO + 2 * Q_BYTES;
-  static constexpr int OFF_XDA = OFF_XPA + (kSplitD ? 128 * 64 : 0);
-  static constexpr int OFF_L = OFF_XDA + (kSplitD ? 128 * 64 : 0);  // lse2[2][BM], delta[2][BM]
-  static constexpr int SMEM = OFF_L + 4 * BM * 4 + 1024;
+  // Shared memory from the kernel's 1024-byte aligned base (the + 1024 of SMEM is the slack for
+  // that alignment); the OFF_* offsets come from here. kSplitD puts the exchange buffers between
+  // the tiles and the row statistics: 128 threads x (P^T fragments 64 B, dS^T fragments 64 B).
+  struct Tiles {
+    uint16_t k[BN * D];
+    uint16_t v[BN * D];
+    uint16_t q[2][BM * D];  // two stages
+    uint16_t dout[2][BM * D];
+  };
+  struct RowStats {
+    float lse2[2][BM];
+    float delta[2][BM];
+  };
+  struct SplitStorage {
+    Tiles t;
+    uint4 xpa[BM / 16][128];
+    uint4 xda[BM / 16][128];
+    RowStats l;
+  };
+  struct PlainStorage {
+    Tiles t;
+    RowStats l;
+  };
+  using SharedStorage = std::conditional_t<kSplitD, SplitStorage, PlainStorage>;
+  static_assert(sizeof(Tiles::k) == K_BYTES && sizeof(Tiles::q[0]) == Q_BYTES);
+  static constexpr int OFF_V = int(offsetof(Tiles, v));
+  static constexpr int OFF_Q = int(offsetof(Tiles, q));
+  static constexpr int OFF_DO = int(offsetof(Tiles, dout));
+  static constexpr int OFF_XPA = int(offsetof(SplitStorage, xpa));  // kSplitD only
+  static constexpr int OFF_XDA = int(offsetof(SplitStorage, xda));
+  static constexpr int OFF_L = int(offsetof(SharedStorage, l));  // lse2[2][BM], delta[2][BM]
+  static constexpr int SMEM = OFF_L + int(sizeof(RowStats)) + 1024;
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
   static_assert(DW % 64 == 0, "a warpgroup's dK/dV columns are whole SW128 column blocks");
 };

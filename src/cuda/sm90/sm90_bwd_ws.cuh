@@ -23,6 +23,9 @@
 // wait on global atomics. D = 256 keeps the synchronous path (the accumulators would not fit).
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #include "sm90/sm90_bwd.cuh"
@@ -40,19 +43,52 @@ struct DkdvWsCfg {
   static constexpr int CONSUMERS = 256;
   static constexpr int K_BYTES = BN * D * 2;
   static constexpr int Q_BYTES = BM * D * 2;
-  static constexpr int OFF_V = K_BYTES;
-  static constexpr int OFF_Q = 2 * K_BYTES;
-  static constexpr int OFF_DO = OFF_Q + STAGES * Q_BYTES;
-  static constexpr int DS_BYTES = BN * BM * 2;              // dS^T [BN keys][BM queries]
-  static constexpr int OFF_DS = OFF_DO + STAGES * Q_BYTES;  // kDq > 0: 2 buffers
-  static constexpr int DQ_BYTES = BM * 64 * 4;              // kDq = 2: fp32 [BM][64] per WG
-  static constexpr int OFF_DQ = OFF_DS + (kDq > 0 ? 2 * DS_BYTES : 0);
-  static constexpr int OFF_L = OFF_DQ + (kDq == 2 ? 2 * DQ_BYTES : 0);  // per stage: lse2, delta
-  static constexpr int OFF_META = OFF_L + STAGES * 2 * BM * 4;          // per stage: int[4]
-  static constexpr int OFF_DQMETA = OFF_META + STAGES * 16;             // kDq = 2: per WG: int[4]
-  static constexpr int OFF_BAR =
-      OFF_DQMETA + 2 * 16;  // kv, full[S], empty[S], dq_full[2], dq_empty[2]
-  static constexpr int SMEM = OFF_BAR + 8 * (1 + 2 * STAGES + 4) + 1024;
+  static constexpr int DS_BYTES = BN * BM * 2;  // dS^T [BN keys][BM queries]
+  static constexpr int DQ_BYTES = BM * 64 * 4;  // kDq = 2: fp32 [BM][64] per WG
+  // Shared memory from the kernel's 1024-byte aligned base (the + 1024 of SMEM is the slack for
+  // that alignment); the OFF_* offsets come from here. Between the tiles and the tail: kDq > 0
+  // the two dS^T buffers, kDq = 2 also the two warpgroups' dQ blocks.
+  struct Tiles {
+    uint16_t k[BN * D];
+    uint16_t v[BN * D];
+    uint16_t q[STAGES][BM * D];
+    uint16_t dout[STAGES][BM * D];
+  };
+  struct Tail {
+    float l[STAGES][2 * BM];           // per stage: lse2, delta
+    int meta[STAGES][4];               // per stage: the query block's record
+    int dq_meta[2][4];                 // kDq = 2: per warpgroup
+    uint64_t bar[1 + 2 * STAGES + 4];  // kv, full[S], empty[S], dq_full[2], dq_empty[2]
+  };
+  struct Storage0 {
+    Tiles t;
+    Tail x;
+  };
+  struct Storage1 {
+    Tiles t;
+    uint16_t ds[2][BN * BM];
+    Tail x;
+  };
+  struct Storage2 {
+    Tiles t;
+    uint16_t ds[2][BN * BM];
+    float dq[2][BM * 64];
+    Tail x;
+  };
+  using SharedStorage =
+      std::conditional_t<kDq == 0, Storage0, std::conditional_t<kDq == 1, Storage1, Storage2>>;
+  static_assert(sizeof(Tiles::k) == K_BYTES && sizeof(Tiles::q[0]) == Q_BYTES &&
+                sizeof(Storage2::ds[0]) == DS_BYTES && sizeof(Storage2::dq[0]) == DQ_BYTES);
+  static constexpr int OFF_V = int(offsetof(Tiles, v));
+  static constexpr int OFF_Q = int(offsetof(Tiles, q));
+  static constexpr int OFF_DO = int(offsetof(Tiles, dout));
+  static constexpr int OFF_DS = int(sizeof(Tiles));           // kDq > 0
+  static constexpr int OFF_DQ = int(offsetof(Storage2, dq));  // kDq = 2
+  static constexpr int OFF_L = int(offsetof(SharedStorage, x) + offsetof(Tail, l));
+  static constexpr int OFF_META = int(offsetof(SharedStorage, x) + offsetof(Tail, meta));
+  static constexpr int OFF_DQMETA = int(offsetof(SharedStorage, x) + offsetof(Tail, dq_meta));
+  static constexpr int OFF_BAR = int(offsetof(SharedStorage, x) + offsetof(Tail, bar));
+  static constexpr int SMEM = int(sizeof(SharedStorage)) + 1024;
   // Full barrier: the elected lane's arrive.expect_tx + the producer warp's 32 cp.async arrivals.
   static constexpr int FULL_COUNT = 1 + 32;
   static constexpr int PRODUCER_REGS = 24;

@@ -35,6 +35,10 @@
 
 #include <cuda.h>
 
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
 #include "collective/online_softmax.cuh"
 #include "collective/score_mod.cuh"
 #include "launch.h"
@@ -56,14 +60,34 @@ struct FwdWsCfg {
   static constexpr int CONSUMERS = 256;
   static constexpr int Q_BYTES = BM * D * 2;
   static constexpr int KV_BYTES = BN * D * 2;
-  static constexpr int OFF_K = Q_BYTES;
-  static constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
-  // KSPLIT > 1: the partial-S exchange, [2 block parities][KSPLIT][BN / 8][128 threads] float4.
-  static constexpr int OFF_X = OFF_V + STAGES * KV_BYTES;
-  static constexpr int X_BYTES = KSPLIT > 1 ? 2 * KSPLIT * 64 * BN * 4 : 0;
-  // mbarriers: q, full_k[S], full_v[S], empty_k[S], empty_v[S]
-  static constexpr int OFF_BAR = OFF_X + X_BYTES;
-  static constexpr int SMEM = OFF_BAR + 8 * (1 + 4 * STAGES) + 1024;  // + alignment slack
+  // Shared memory from the kernel's 1024-byte aligned base (the + 1024 of SMEM is the slack for
+  // that alignment); the OFF_* offsets come from here. KSPLIT > 1 puts the partial-S exchange,
+  // [2 block parities][KSPLIT][BN / 8][128 threads] float4, between the tiles and the barriers.
+  struct Tiles {
+    uint16_t q[BM * D];
+    uint16_t k[STAGES][BN * D];
+    uint16_t v[STAGES][BN * D];
+  };
+  struct Barriers {  // mbarriers
+    uint64_t q, full_k[STAGES], full_v[STAGES], empty_k[STAGES], empty_v[STAGES];
+  };
+  struct SplitStorage {
+    Tiles t;
+    float4 x[2][KSPLIT][BN / 8][128];
+    Barriers bar;
+  };
+  struct PlainStorage {
+    Tiles t;
+    Barriers bar;
+  };
+  using SharedStorage = std::conditional_t<(KSPLIT > 1), SplitStorage, PlainStorage>;
+  static_assert(sizeof(Tiles::q) == Q_BYTES && sizeof(Tiles::k[0]) == KV_BYTES);
+  static constexpr int OFF_K = int(offsetof(Tiles, k));
+  static constexpr int OFF_V = int(offsetof(Tiles, v));
+  static constexpr int OFF_X = int(offsetof(SplitStorage, x));  // KSPLIT > 1 only
+  static constexpr int OFF_BAR = int(offsetof(SharedStorage, bar));
+  // Ends at the barriers (sizeof(SplitStorage) would round up to float4 alignment).
+  static constexpr int SMEM = OFF_BAR + int(sizeof(Barriers)) + 1024;
   // setmaxnreg: 40 + 2 x 232 = 504 registers per thread slot of the three warpgroups (<= 512).
   static constexpr int PRODUCER_REGS = 40;
   static constexpr int CONSUMER_REGS = 232;
