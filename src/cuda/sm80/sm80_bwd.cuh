@@ -21,7 +21,9 @@
 #include <cstdlib>
 
 #include "collective/bwd_preprocess.cuh"
+#include "collective/epilogue.cuh"
 #include "collective/query_walk.cuh"
+#include "collective/score_mod.cuh"
 #include "launch.h"
 
 namespace dualkv::cuda::detail {
@@ -231,15 +233,9 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, BwdCfg<D>::MIN_BLOCKS)
         const int qc = nt * 8 + 2 * tq + (e & 1);
         const int kr = kr0 + (e >> 1) * 8;
         float x, dcap = 1.f;
-        if constexpr (kCap) {
-          const float t = tanhf(s[nt][e] * p.cap_inv);
-          x = p.cap_log2 * t;
-          dcap = 1.f - t * t;
-        } else {
-          x = s[nt][e] * p.scale_log2;
-        }
+        x = score_log2<kCap>(p, s[nt][e], dcap);
         float pr = fast_exp2(x - lse_c[qc]);
-        if (msk && !(kr < nk && qc < nq && p.mask.allowed(pq_first + qc, pk_first + kr))) pr = 0.f;
+        if (msk && !DUALKV_VISIBLE_KQ(p.mask, kr, nk, pk_first, qc, nq, pq_first)) pr = 0.f;
         s[nt][e] = pr;
         dp[nt][e] = pr * (dp[nt][e] - del_c[qc]) * dcap;
       }
@@ -322,21 +318,7 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, BwdCfg<D>::MIN_BLOCKS)
   cp_wait<0>();
 
   // dK = scale * sum dS^T Q, dV = sum P^T dO; key rows < nk.
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int kr = kr0 + 8 * i;
-    if (kr < nk) {
-      const int64_t off = (int64_t(k0 + kr) * p.Hkv + hk) * D + dbase + 2 * tq;
-      T* dkg = static_cast<T*>(p.dk) + off;
-      T* dvg = static_cast<T*>(p.dv) + off;
-#pragma unroll
-      for (int nd = 0; nd < DC / 8; ++nd) {
-        *reinterpret_cast<uint32_t*>(dkg + nd * 8) =
-            pack2<T>(dk[nd][2 * i] * p.scale, dk[nd][2 * i + 1] * p.scale);
-        *reinterpret_cast<uint32_t*>(dvg + nd * 8) = pack2<T>(dv[nd][2 * i], dv[nd][2 * i + 1]);
-      }
-    }
-  }
+  store_dkdv_rows<T, D, DC>(p, dk, dv, k0, nk, hk, kr0, dbase, tq);
 }
 
 // ---- 3'. deterministic dQ over query blocks -----------------------------------------------------
@@ -462,17 +444,11 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, DqCfg<D>::MIN_BLOCKS)
       for (int e = 0; e < 4; ++e) {
         const int i = e >> 1;
         float x, dcap = 1.f;
-        if constexpr (kCap) {
-          const float t = tanhf(s[nt][e] * p.cap_inv);
-          x = p.cap_log2 * t;
-          dcap = 1.f - t * t;
-        } else {
-          x = s[nt][e] * p.scale_log2;
-        }
+        x = score_log2<kCap>(p, s[nt][e], dcap);
         float pr = fast_exp2(x - lse2[i]);
         if (msk) {
           const int kr = kb.off + nt * 8 + 2 * tq + (e & 1);
-          if (!(kr < kb.R.len && p.mask.allowed(pq_first + row0 + 8 * i, kb.R.pos0 + kr))) pr = 0.f;
+          if (!DUALKV_VISIBLE(p.mask, kb, pq_first + row0 + 8 * i, kr)) pr = 0.f;
         }
         dp[nt][e] = pr * (dp[nt][e] - del[i]) * dcap;
       }

@@ -11,6 +11,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "collective/online_softmax.cuh"
+#include "collective/score_mod.cuh"
 #include "launch.h"
 
 namespace dualkv::cuda::detail {
@@ -132,16 +134,11 @@ __global__ void __launch_bounds__(FwdCfg<D>::THREADS, FwdCfg<D>::MIN_BLOCKS)
       for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          float x;
-          if constexpr (kCap) {
-            x = p.cap_log2 * tanhf(s[m][nt][e] * p.cap_inv);
-          } else {
-            x = s[m][nt][e] * p.scale_log2;
-          }
+          float x = score_log2<kCap>(p, s[m][nt][e]);
           if (msk) {
             const int pq = pq_first + wrow + 16 * m + g + (e >> 1) * 8;
             const int kr = kb.off + nt * 8 + 2 * tq + (e & 1);
-            if (!(kr < kb.R.len && p.mask.allowed(pq, kb.R.pos0 + kr))) x = -INFINITY;
+            if (!DUALKV_VISIBLE(p.mask, kb, pq, kr)) x = -INFINITY;
           }
           s[m][nt][e] = x;
         }
@@ -153,26 +150,9 @@ __global__ void __launch_bounds__(FwdCfg<D>::THREADS, FwdCfg<D>::MIN_BLOCKS)
     for (int m = 0; m < MT; ++m) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        float mx = m_run[m][i];
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt)
-          mx = fmaxf(mx, fmaxf(s[m][nt][2 * i], s[m][nt][2 * i + 1]));
-        mx = quad_max(mx);
-        const float mu = mx == -INFINITY ? 0.f : mx;
-        const float corr = fast_exp2(m_run[m][i] - mu);
-        m_run[m][i] = mx;
-        l_run[m][i] *= corr;
-#pragma unroll
-        for (int nd = 0; nd < DC / 8; ++nd) {
-          o[m][nd][2 * i] *= corr;
-          o[m][nd][2 * i + 1] *= corr;
-        }
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt) {
-          s[m][nt][2 * i] = fast_exp2(s[m][nt][2 * i] - mu);
-          s[m][nt][2 * i + 1] = fast_exp2(s[m][nt][2 * i + 1] - mu);
-          l_run[m][i] += s[m][nt][2 * i] + s[m][nt][2 * i + 1];
-        }
+        online_softmax_row<BN / 8, false>(s[m], i, m_run[m][i], l_run[m][i], 1.f, [&](float corr) {
+          rescale_o_row<DC / 8>(o[m], i, corr);
+        });
       }
     }
 

@@ -11,10 +11,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "collective/bwd_preprocess.cuh"
 #include "collective/query_walk.cuh"
-#include "sm90/sm90_common.cuh"
+#include "collective/score_mod.cuh"
+#include "sm90/pipeline.cuh"
 
 namespace dualkv::cuda::detail {
 
@@ -34,14 +36,38 @@ struct Dkdv90Cfg {
   static constexpr int THREADS = 256;
   static constexpr int K_BYTES = BN * D * 2;
   static constexpr int Q_BYTES = BM * D * 2;
-  static constexpr int OFF_V = K_BYTES;
-  static constexpr int OFF_Q = 2 * K_BYTES;
-  static constexpr int OFF_DO = OFF_Q + 2 * Q_BYTES;
-  // kSplitD exchange buffers, 128 threads x (P fragments 64 B, dS fragments 64 B).
-  static constexpr int OFF_XPA = OFF_DO + 2 * Q_BYTES;
-  static constexpr int OFF_XDA = OFF_XPA + (kSplitD ? 128 * 64 : 0);
-  static constexpr int OFF_L = OFF_XDA + (kSplitD ? 128 * 64 : 0);  // lse2[2][BM], delta[2][BM]
-  static constexpr int SMEM = OFF_L + 4 * BM * 4 + 1024;
+  // Shared memory from the kernel's 1024-byte aligned base (the + 1024 of SMEM is the slack for
+  // that alignment); the OFF_* offsets come from here. kSplitD puts the exchange buffers between
+  // the tiles and the row statistics: 128 threads x (P^T fragments 64 B, dS^T fragments 64 B).
+  struct Tiles {
+    uint16_t k[BN * D];
+    uint16_t v[BN * D];
+    uint16_t q[2][BM * D];  // two stages
+    uint16_t dout[2][BM * D];
+  };
+  struct RowStats {
+    float lse2[2][BM];
+    float delta[2][BM];
+  };
+  struct SplitStorage {
+    Tiles t;
+    uint4 xpa[BM / 16][128];
+    uint4 xda[BM / 16][128];
+    RowStats l;
+  };
+  struct PlainStorage {
+    Tiles t;
+    RowStats l;
+  };
+  using SharedStorage = std::conditional_t<kSplitD, SplitStorage, PlainStorage>;
+  static_assert(sizeof(Tiles::k) == K_BYTES && sizeof(Tiles::q[0]) == Q_BYTES);
+  static constexpr int OFF_V = int(offsetof(Tiles, v));
+  static constexpr int OFF_Q = int(offsetof(Tiles, q));
+  static constexpr int OFF_DO = int(offsetof(Tiles, dout));
+  static constexpr int OFF_XPA = int(offsetof(SplitStorage, xpa));  // kSplitD only
+  static constexpr int OFF_XDA = int(offsetof(SplitStorage, xda));
+  static constexpr int OFF_L = int(offsetof(SharedStorage, l));  // lse2[2][BM], delta[2][BM]
+  static constexpr int SMEM = OFF_L + int(sizeof(RowStats)) + 1024;
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
   static_assert(DW % 64 == 0, "a warpgroup's dK/dV columns are whole SW128 column blocks");
 };
@@ -135,15 +161,9 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
       const int kr = kr0 + (e >> 1) * 8;
       float x;
       *dcap = 1.f;
-      if constexpr (kCap) {
-        const float t = tanhf(sv * p.cap_inv);
-        x = p.cap_log2 * t;
-        *dcap = 1.f - t * t;
-      } else {
-        x = sv * p.scale_log2;
-      }
+      x = score_log2<kCap>(p, sv, *dcap);
       float pr = fast_exp2(x - lse_c[qc]);
-      if (msk && !(kr < nk && qc < nq && p.mask.allowed(pq_first + qc, pk_first + kr))) pr = 0.f;
+      if (msk && !DUALKV_VISIBLE_KQ(p.mask, kr, nk, pk_first, qc, nq, pq_first)) pr = 0.f;
       return pr;
     };
     auto delta_of = [&](int i, int q_off = 0) {
@@ -351,17 +371,11 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const __grid_constant__
     for (int i = 0; i < SR; ++i) {
       const int nt = i >> 2, e = i & 3, r = e >> 1;
       float x, dcap = 1.f;
-      if constexpr (kCap) {
-        const float t = tanhf(s[i] * p.cap_inv);
-        x = p.cap_log2 * t;
-        dcap = 1.f - t * t;
-      } else {
-        x = s[i] * p.scale_log2;
-      }
+      x = score_log2<kCap>(p, s[i], dcap);
       float pr = fast_exp2(x - lse2[r]);
       if (msk) {
         const int kr = kb.off + nt * 8 + 2 * tq + (e & 1);
-        if (!(kr < kb.R.len && p.mask.allowed(pq_first + row0 + 8 * r, kb.R.pos0 + kr))) pr = 0.f;
+        if (!DUALKV_VISIBLE(p.mask, kb, pq_first + row0 + 8 * r, kr)) pr = 0.f;
       }
       dp[i] = pr * (dp[i] - del[r]) * dcap;
     }
@@ -384,18 +398,7 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const __grid_constant__
   }
   cp_wait<0>();
 
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = row0 + 8 * r;
-    if (row < nq) {
-      T* dst = static_cast<T*>(p.dq) + (int64_t(q0 + row) * p.Hq + h) * D + 2 * tq;
-#pragma unroll
-      for (int nd = 0; nd < D / 8; ++nd) {
-        *reinterpret_cast<uint32_t*>(dst + nd * 8) =
-            pack2<T>(acc[nd * 4 + 2 * r] * p.scale, acc[nd * 4 + 2 * r + 1] * p.scale);
-      }
-    }
-  }
+  store_dq_rows<T, D, D>(p, acc, q0, nq, h, row0, 0, tq);
 #endif
 }
 

@@ -28,6 +28,9 @@
 // accumulators would not fit).
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #include "sm90/sm90_bwd.cuh"
@@ -45,19 +48,52 @@ struct DkdvWsCfg {
   static constexpr int CONSUMERS = 256;
   static constexpr int K_BYTES = BN * D * 2;
   static constexpr int Q_BYTES = BM * D * 2;
-  static constexpr int OFF_V = K_BYTES;
-  static constexpr int OFF_Q = 2 * K_BYTES;
-  static constexpr int OFF_DO = OFF_Q + STAGES * Q_BYTES;
-  static constexpr int DS_BYTES = BN * BM * 2;              // dS^T [BN keys][BM queries]
-  static constexpr int OFF_DS = OFF_DO + STAGES * Q_BYTES;  // kDq > 0: 2 buffers
-  static constexpr int DQ_BYTES = BM * 64 * 4;              // kDq >= 2: fp32 [BM][64] per WG
-  static constexpr int OFF_DQ = OFF_DS + (kDq > 0 ? 2 * DS_BYTES : 0);
-  static constexpr int OFF_L = OFF_DQ + (kDq >= 2 ? 2 * DQ_BYTES : 0);  // per stage: lse2, delta
-  static constexpr int OFF_META = OFF_L + STAGES * 2 * BM * 4;          // per stage: int[4]
-  static constexpr int OFF_DQMETA = OFF_META + STAGES * 16;             // kDq >= 2: per WG: int[4]
-  static constexpr int OFF_BAR =
-      OFF_DQMETA + 2 * 16;  // kv, full[S], empty[S], dq_full[2], dq_empty[2]
-  static constexpr int SMEM = OFF_BAR + 8 * (1 + 2 * STAGES + 4) + 1024;
+  static constexpr int DS_BYTES = BN * BM * 2;  // dS^T [BN keys][BM queries]
+  static constexpr int DQ_BYTES = BM * 64 * 4;  // kDq >= 2: fp32 [BM][64] per WG
+  // Shared memory from the kernel's 1024-byte aligned base (the + 1024 of SMEM is the slack for
+  // that alignment); the OFF_* offsets come from here. Between the tiles and the tail: kDq > 0
+  // the two dS^T buffers, kDq >= 2 also the two warpgroups' dQ blocks.
+  struct Tiles {
+    uint16_t k[BN * D];
+    uint16_t v[BN * D];
+    uint16_t q[STAGES][BM * D];
+    uint16_t dout[STAGES][BM * D];
+  };
+  struct Tail {
+    float l[STAGES][2 * BM];           // per stage: lse2, delta
+    int meta[STAGES][4];               // per stage: the query block's record
+    int dq_meta[2][4];                 // kDq >= 2: per warpgroup
+    uint64_t bar[1 + 2 * STAGES + 4];  // kv, full[S], empty[S], dq_full[2], dq_empty[2]
+  };
+  struct Storage0 {
+    Tiles t;
+    Tail x;
+  };
+  struct Storage1 {
+    Tiles t;
+    uint16_t ds[2][BN * BM];
+    Tail x;
+  };
+  struct Storage2 {
+    Tiles t;
+    uint16_t ds[2][BN * BM];
+    float dq[2][BM * 64];
+    Tail x;
+  };
+  using SharedStorage =
+      std::conditional_t<kDq == 0, Storage0, std::conditional_t<kDq == 1, Storage1, Storage2>>;
+  static_assert(sizeof(Tiles::k) == K_BYTES && sizeof(Tiles::q[0]) == Q_BYTES &&
+                sizeof(Storage2::ds[0]) == DS_BYTES && sizeof(Storage2::dq[0]) == DQ_BYTES);
+  static constexpr int OFF_V = int(offsetof(Tiles, v));
+  static constexpr int OFF_Q = int(offsetof(Tiles, q));
+  static constexpr int OFF_DO = int(offsetof(Tiles, dout));
+  static constexpr int OFF_DS = int(sizeof(Tiles));           // kDq > 0
+  static constexpr int OFF_DQ = int(offsetof(Storage2, dq));  // kDq >= 2
+  static constexpr int OFF_L = int(offsetof(SharedStorage, x) + offsetof(Tail, l));
+  static constexpr int OFF_META = int(offsetof(SharedStorage, x) + offsetof(Tail, meta));
+  static constexpr int OFF_DQMETA = int(offsetof(SharedStorage, x) + offsetof(Tail, dq_meta));
+  static constexpr int OFF_BAR = int(offsetof(SharedStorage, x) + offsetof(Tail, bar));
+  static constexpr int SMEM = int(sizeof(SharedStorage)) + 1024;
   // Full barrier: the elected lane's arrive.expect_tx + the producer warp's 32 cp.async arrivals.
   static constexpr int FULL_COUNT = 1 + 32;
   static constexpr int PRODUCER_REGS = 24;
@@ -183,8 +219,7 @@ __global__ void __launch_bounds__(384, 1)
         ws::mbar_init(dq_empty(c), 1);
       }
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    fence_proxy_async();
+    ws::mbar_init_fence();
   }
   __syncthreads();
 
@@ -205,8 +240,8 @@ __global__ void __launch_bounds__(384, 1)
       QIter cur;
       bool valid = query_walk_begin<BM>(p, kseg, ksi, pk_first, pk_last, cur);
       for (int it = 0;; ++it) {
-        const int s = it % S;
-        ws::mbar_wait(empty(s), (uint32_t(it / S) & 1u) ^ 1u);
+        const int s = Ring<S>::stage(it);
+        ws::mbar_wait(empty(s), Ring<S>::empty_parity(it));
         if (!valid) {
           if (lane == 0) {
             meta(s)[0] = 0;  // end of the walk
@@ -297,12 +332,12 @@ __global__ void __launch_bounds__(384, 1)
     auto release_prev = [&]() {
       if constexpr (kDefer) {
         fence_regs(dk);
-        if (it > 0) ws::mbar_arrive(empty((it + S - 1) % S));
+        if (it > 0) ws::mbar_arrive(empty(Ring<S>::stage(it + S - 1)));
       }
     };
     for (;; ++it) {
-      const int s = it % S;
-      ws::mbar_wait(full(s), uint32_t(it / S) & 1u);
+      const int s = Ring<S>::stage(it);
+      ws::mbar_wait(full(s), Ring<S>::full_parity(it));
       if (meta(s)[0] == 0) break;
       const int nq = meta(s)[1], pq_first = meta(s)[2];
       const int hq = hk * p.group + meta(s)[0] - 1, qs = meta(s)[3];
@@ -325,7 +360,7 @@ __global__ void __launch_bounds__(384, 1)
         const int qc = nt * 8 + 2 * tq + (e & 1);
         const int kr = kr0 + (e >> 1) * 8;
         float pr = fast_exp2(x - lse_c[qc]);
-        if (msk && !(kr < nk && qc < nq && p.mask.allowed(pq_first + qc, pk_first + kr))) pr = 0.f;
+        if (msk && !DUALKV_VISIBLE_KQ(p.mask, kr, nk, pk_first, qc, nq, pq_first)) pr = 0.f;
         return pr;
       };
       auto dsc = [&](int i, float pr, float dcap) {
@@ -359,9 +394,9 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
             for (int u = 0; u < 2; ++u) {
               const int i = 8 * kt + 2 * c + u;
-              const float t = tanhf(sc[i] * p.cap_inv);
-              pr[u] = prob(i, p.cap_log2 * t);
-              ds[u] = dsc(i, pr[u], 1.f - t * t);
+              const float t = softcap_tanh(p, sc[i]);
+              pr[u] = prob(i, softcap_logit(p, t));
+              ds[u] = dsc(i, pr[u], softcap_dfactor(t));
             }
             pa[kt][c] = pack2<T>(pr[0], pr[1]);
             da[kt][c] = pack2<T>(ds[0], ds[1]);
@@ -386,7 +421,7 @@ __global__ void __launch_bounds__(384, 1)
         fence_regs(sc);
         release_prev();
 #pragma unroll
-        for (int i = 0; i < SR; ++i) sc[i] = prob(i, sc[i] * p.scale_log2);
+        for (int i = 0; i < SR; ++i) sc[i] = prob(i, score_log2<false>(p, sc[i]));
 #pragma unroll
         for (int kt = 0; kt < BM / 16; ++kt)
 #pragma unroll

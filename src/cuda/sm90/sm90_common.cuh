@@ -4,6 +4,7 @@
 #pragma once
 
 #include "collective/common.cuh"
+#include "collective/epilogue.cuh"
 #include "sm90/wgmma_ops.cuh"
 
 namespace dualkv::cuda::detail {
@@ -31,16 +32,6 @@ __device__ __forceinline__ void wg_commit() {}
 template <int N>
 __device__ __forceinline__ void wg_wait() {}
 #endif
-// Named barriers (id 1..15; 0 is __syncthreads): n threads, a multiple of 32, meet at `id`;
-// bar_arrive counts without waiting (the producer side of a hand-off).
-namespace ws {
-__device__ __forceinline__ void bar_sync(int id, int n) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
-}
-__device__ __forceinline__ void bar_arrive(int id, int n) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
-}
-}  // namespace ws
 // Keeps the compiler from moving accesses of accumulator registers across wgmma waits/fences.
 template <int R>
 __device__ __forceinline__ void fence_regs(float (&d)[R]) {
@@ -121,62 +112,6 @@ template <typename T, int N, int D, int A_ROWS, int B_ROWS, int NACC>
 __device__ __forceinline__ void wgmma_rows(float (&acc)[NACC], uint32_t sA, int a_row0, uint32_t sB,
                                            int b_row0) {
   wgmma_rows_cols<T, N, D, A_ROWS, B_ROWS>(acc, sA, a_row0, sB, b_row0, 0);
-}
-
-// Epilogues of the wgmma accumulators (m64nN fragments: element nd * 4 + 2 * r + {0, 1} of a
-// thread holds row g + 8 r, columns nd * 8 + 2 * tq + {0, 1}).
-
-// A warpgroup's output rows row0 and row0 + 8 (queries q0 + row, of nq, q head h): O over the
-// softmax sum to out, and lse = ln(sum) + the row max (m_run * m_scale, in log2 units) to lse.
-// W < D: the accumulator holds the W columns from col0 (and `with_lse` says whether this
-// warpgroup writes lse).
-template <typename T, int D, int W = D>
-__device__ __forceinline__ void store_out_rows(const Params& p, const float (&o)[W / 2],
-                                               const float (&m_run)[2], const float (&l_run)[2],
-                                               float m_scale, int q0, int nq, int h, int row0,
-                                               int tq, int col0 = 0, bool with_lse = true) {
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float l = quad_sum(l_run[r]);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const int row = row0 + 8 * r;
-    if (row < nq) {
-      T* og = static_cast<T*>(p.out) + (int64_t(q0 + row) * p.Hq + h) * D + col0;
-#pragma unroll
-      for (int nd = 0; nd < W / 8; ++nd) {
-        *reinterpret_cast<uint32_t*>(og + nd * 8 + 2 * tq) =
-            pack2<T>(o[nd * 4 + 2 * r] * inv, o[nd * 4 + 2 * r + 1] * inv);
-      }
-      if (tq == 0 && with_lse) {
-        p.lse[int64_t(h) * p.T + q0 + row] =
-            l > 0.f ? (m_run[r] * m_scale + log2f(l)) * kLn2 : -INFINITY;
-      }
-    }
-  }
-}
-
-// A warpgroup's dK and dV rows kr0 and kr0 + 8 (keys k0 + kr, of nk, kv head hk), their W columns
-// from col0: dK takes the softmax scale.
-template <typename T, int D, int W>
-__device__ __forceinline__ void store_dkdv_rows(const Params& p, const float (&dk)[W / 2],
-                                                const float (&dv)[W / 2], int k0, int nk, int hk,
-                                                int kr0, int col0, int tq) {
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int kr = kr0 + 8 * r;
-    if (kr < nk) {
-      const int64_t off = (int64_t(k0 + kr) * p.Hkv + hk) * D + col0 + 2 * tq;
-      T* dkg = static_cast<T*>(p.dk) + off;
-      T* dvg = static_cast<T*>(p.dv) + off;
-#pragma unroll
-      for (int nd = 0; nd < W / 8; ++nd) {
-        *reinterpret_cast<uint32_t*>(dkg + nd * 8) =
-            pack2<T>(dk[nd * 4 + 2 * r] * p.scale, dk[nd * 4 + 2 * r + 1] * p.scale);
-        *reinterpret_cast<uint32_t*>(dvg + nd * 8) =
-            pack2<T>(dv[nd * 4 + 2 * r], dv[nd * 4 + 2 * r + 1]);
-      }
-    }
-  }
 }
 
 }  // namespace dualkv::cuda::detail

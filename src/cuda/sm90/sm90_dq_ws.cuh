@@ -81,8 +81,7 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
       ws::mbar_init(full(s), 1);
       ws::mbar_init(empty(s), NC);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    fence_proxy_async();
+    ws::mbar_init_fence();
   }
   __syncthreads();
 
@@ -99,9 +98,9 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
         ws::tma_load3(sdO + c * (BM * 128), &a.tdo, bQ, c * 64, h, q0);
       }
       for (int j = 0; j < total; ++j) {
-        const int s = j % S;
+        const int s = Ring<S>::stage(j);
         const int row = int(walk.at(j).row());
-        ws::mbar_wait(empty(s), (uint32_t(j / S) & 1u) ^ 1u);
+        ws::mbar_wait(empty(s), Ring<S>::empty_parity(j));
         ws::mbar_expect_tx(full(s), 2 * Cfg::KV_BYTES);
 #pragma unroll
         for (int c = 0; c < D / 64; ++c) {
@@ -123,8 +122,7 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
     float sc[SR], dp[SR];
     uint32_t da[BN / 16][4];
 
-    const bool pp = a.pingpong != 0;
-    const int my_bar = 1 + cw, other_bar = 2 - cw;
+    const PingPong<NC> pp(a.pingpong != 0, cw);
     // dQ += dS_j K_j (dS_j in da, K_j in stage st); the first product overwrites acc: a zero fill
     // before the loop would be a non-wgmma definition of an accumulator in flight across the back
     // edge (ptxas then serialises every wgmma).
@@ -150,7 +148,7 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
       wg_wait<1>();
       fence_regs(sc);
       fence_regs(da);  // dQ_{j-1} read them: keep them untouched until here
-      if (j > 0) ws::mbar_arrive(empty((j - 1) % S));  // dQ_{j-1} has read K_{j-1}
+      if (j > 0) ws::mbar_arrive(empty(Ring<S>::stage(j - 1)));  // dQ_{j-1} has read K_{j-1}
 
       const auto kb = walk.at(j);
       const bool msk = walk.masked(kb, nq, BM, p.mask);
@@ -158,18 +156,13 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
 #pragma unroll
       for (int i = 0; i < SR; ++i) {
         const int nt = i >> 2, e = i & 3, r = e >> 1;
-        float x;
-        if constexpr (kCap) {
-          const float t = tanhf(sc[i] * p.cap_inv);
-          x = p.cap_log2 * t;
-          dcap[i] = 1.f - t * t;
-        } else {
-          x = sc[i] * p.scale_log2;
-        }
+        float x, dc;
+        x = score_log2<kCap>(p, sc[i], dc);
+        if constexpr (kCap) dcap[i] = dc;
         float pr = fast_exp2(x - lse2[r]);
         if (msk) {
           const int kr = kb.off + nt * 8 + 2 * tq + (e & 1);
-          if (!(kr < kb.R.len && p.mask.allowed(pq_first + row0 + 8 * r, kb.R.pos0 + kr))) pr = 0.f;
+          if (!DUALKV_VISIBLE(p.mask, kb, pq_first + row0 + 8 * r, kr)) pr = 0.f;
         }
         sc[i] = pr;
       }
@@ -200,57 +193,43 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
       fence_regs(da);
     };
 
-    // Consumer 1 lets consumer 0 issue first; every turn ends by handing over to the other.
     // Turns: (S_0, dP_0), (dQ_0, S_1, dP_1), ..., (dQ_{total-1}). The first turn is peeled so
     // that no wgmma sits behind a branch (ptxas would serialise them all, C7520).
-    if (pp && cw == 1) ws::bar_arrive(other_bar, NC);
+    pp.start();
     ws::mbar_wait(bQ, 0);
     if (total > 0) {
       ws::mbar_wait(full(0), 0);
-      if (pp) ws::bar_sync(my_bar, NC);
+      pp.begin_turn();
       wg_fence();
       issue_sdp(0);
-      if (pp) ws::bar_arrive(other_bar, NC);
+      pp.end_turn();
       process(0);
       for (int j = 1; j < total; ++j) {
-        const int st = j % S;
-        ws::mbar_wait(full(st), uint32_t(j / S) & 1u);
-        if (pp) ws::bar_sync(my_bar, NC);
+        const int st = Ring<S>::stage(j);
+        ws::mbar_wait(full(st), Ring<S>::full_parity(j));
+        pp.begin_turn();
         fence_regs(da);
         fence_regs(acc);
         wg_fence();
-        issue_dq(j - 1, (j - 1) % S);
+        issue_dq(j - 1, Ring<S>::stage(j - 1));
         issue_sdp(st);
-        if (pp) ws::bar_arrive(other_bar, NC);
+        pp.end_turn();
         process(j);
       }
       // The last block's dQ product: one more turn.
-      if (pp) ws::bar_sync(my_bar, NC);
+      pp.begin_turn();
       fence_regs(da);
       fence_regs(acc);
       wg_fence();
-      issue_dq(total - 1, (total - 1) % S);
-      if (pp) ws::bar_arrive(other_bar, NC);
+      issue_dq(total - 1, Ring<S>::stage(total - 1));
+      pp.end_turn();
       wg_wait<0>();
       fence_regs(acc);
       fence_regs(da);
     }
-    // Consumer 0 takes consumer 1's last hand-over, so no barrier is left half-arrived.
-    if (pp && cw == 0) ws::bar_sync(my_bar, NC);
+    pp.finish();
 
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = row0 + 8 * r;
-      if (row < nq) {
-        T* dst = static_cast<T*>(p.dq) + (int64_t(q0 + row) * p.Hq + h) * D + 2 * tq;
-#pragma unroll
-        for (int nd = 0; nd < D / 8; ++nd) {
-          *reinterpret_cast<uint32_t*>(dst + nd * 8) =
-              pack2<T>(total > 0 ? acc[nd * 4 + 2 * r] * p.scale : 0.f,
-                       total > 0 ? acc[nd * 4 + 2 * r + 1] * p.scale : 0.f);
-        }
-      }
-    }
+    store_dq_rows<T, D, D>(p, acc, q0, nq, h, row0, 0, tq, total > 0);
   }
 #endif
 }

@@ -8,6 +8,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "collective/online_softmax.cuh"
+#include "collective/score_mod.cuh"
 #include "launch.h"
 #include "sm90/sm90_common.cuh"
 
@@ -95,42 +97,18 @@ __global__ void __launch_bounds__(256, 1) fwd_kernel_sm90(const __grid_constant_
     for (int i = 0; i < SR; ++i) {
       const int nt = i >> 2, e = i & 3;
       float x;
-      if constexpr (kCap) {
-        x = p.cap_log2 * tanhf(s[i] * p.cap_inv);
-      } else {
-        x = s[i] * p.scale_log2;
-      }
+      x = score_log2<kCap>(p, s[i]);
       if (msk) {
         const int pq = pq_first + row0 + (e >> 1) * 8;
         const int kr = kb.off + nt * 8 + 2 * tq + (e & 1);
-        if (!(kr < kb.R.len && p.mask.allowed(pq, kb.R.pos0 + kr))) x = -INFINITY;
+        if (!DUALKV_VISIBLE(p.mask, kb, pq, kr)) x = -INFINITY;
       }
       s[i] = x;
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float mx = m_run[r];
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt)
-        mx = fmaxf(mx, fmaxf(s[nt * 4 + 2 * r], s[nt * 4 + 2 * r + 1]));
-      mx = quad_max(mx);
-      const float mu = mx == -INFINITY ? 0.f : mx;
-      const float corr = fast_exp2(m_run[r] - mu);
-      m_run[r] = mx;
-      l_run[r] *= corr;
-#pragma unroll
-      for (int nd = 0; nd < D / 8; ++nd) {
-        o[nd * 4 + 2 * r] *= corr;
-        o[nd * 4 + 2 * r + 1] *= corr;
-      }
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
-        const float p0 = fast_exp2(s[nt * 4 + 2 * r] - mu),
-                    p1 = fast_exp2(s[nt * 4 + 2 * r + 1] - mu);
-        s[nt * 4 + 2 * r] = p0;
-        s[nt * 4 + 2 * r + 1] = p1;
-        l_run[r] += p0 + p1;
-      }
+      online_softmax_row<BN / 8, false>(s, r, m_run[r], l_run[r], 1.f,
+                                        [&](float corr) { rescale_o_row<D / 8>(o, r, corr); });
     }
 
     // O += P V (P from registers, V MN-major).

@@ -35,8 +35,14 @@
 
 #include <cuda.h>
 
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "collective/online_softmax.cuh"
+#include "collective/score_mod.cuh"
 #include "launch.h"
-#include "sm90/sm90_common.cuh"
+#include "sm90/pipeline.cuh"
 #include "sm90/sm90_ws.h"
 
 namespace dualkv::cuda::detail {
@@ -54,14 +60,34 @@ struct FwdWsCfg {
   static constexpr int CONSUMERS = 256;
   static constexpr int Q_BYTES = BM * D * 2;
   static constexpr int KV_BYTES = BN * D * 2;
-  static constexpr int OFF_K = Q_BYTES;
-  static constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
-  // KSPLIT > 1: the partial-S exchange, [2 block parities][KSPLIT][BN / 8][128 threads] float4.
-  static constexpr int OFF_X = OFF_V + STAGES * KV_BYTES;
-  static constexpr int X_BYTES = KSPLIT > 1 ? 2 * KSPLIT * 64 * BN * 4 : 0;
-  // mbarriers: q, full_k[S], full_v[S], empty_k[S], empty_v[S]
-  static constexpr int OFF_BAR = OFF_X + X_BYTES;
-  static constexpr int SMEM = OFF_BAR + 8 * (1 + 4 * STAGES) + 1024;  // + alignment slack
+  // Shared memory from the kernel's 1024-byte aligned base (the + 1024 of SMEM is the slack for
+  // that alignment); the OFF_* offsets come from here. KSPLIT > 1 puts the partial-S exchange,
+  // [2 block parities][KSPLIT][BN / 8][128 threads] float4, between the tiles and the barriers.
+  struct Tiles {
+    uint16_t q[BM * D];
+    uint16_t k[STAGES][BN * D];
+    uint16_t v[STAGES][BN * D];
+  };
+  struct Barriers {  // mbarriers
+    uint64_t q, full_k[STAGES], full_v[STAGES], empty_k[STAGES], empty_v[STAGES];
+  };
+  struct SplitStorage {
+    Tiles t;
+    float4 x[2][KSPLIT][BN / 8][128];
+    Barriers bar;
+  };
+  struct PlainStorage {
+    Tiles t;
+    Barriers bar;
+  };
+  using SharedStorage = std::conditional_t<(KSPLIT > 1), SplitStorage, PlainStorage>;
+  static_assert(sizeof(Tiles::q) == Q_BYTES && sizeof(Tiles::k[0]) == KV_BYTES);
+  static constexpr int OFF_K = int(offsetof(Tiles, k));
+  static constexpr int OFF_V = int(offsetof(Tiles, v));
+  static constexpr int OFF_X = int(offsetof(SplitStorage, x));  // KSPLIT > 1 only
+  static constexpr int OFF_BAR = int(offsetof(SharedStorage, bar));
+  // Ends at the barriers (sizeof(SplitStorage) would round up to float4 alignment).
+  static constexpr int SMEM = OFF_BAR + int(sizeof(Barriers)) + 1024;
   // setmaxnreg: 40 + 2 x 232 = 504 registers per thread slot of the three warpgroups (<= 512).
   static constexpr int PRODUCER_REGS = 40;
   static constexpr int CONSUMER_REGS = 232;
@@ -82,27 +108,6 @@ struct FwdWsArgs {
 namespace ws {
 
 #if DUALKV_SM90_BODY
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-// Blocks until the phase of parity `parity` has completed (a fresh barrier counts its phase of
-// parity 1 as completed, so a producer's first pass through the ring does not wait). No watchdog:
-// a clock64 timeout here made ptxas spill and serialise the wgmmas; the test scripts time out.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred P1;\nWAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-      "@!P1 bra WAIT;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
 __device__ __forceinline__ void tma_load3(uint32_t dst, const CUtensorMap* map, uint32_t bar,
                                           int c0, int c1, int c2) {
   asm volatile(
@@ -120,17 +125,6 @@ __device__ __forceinline__ void tma_load3_multicast(uint32_t dst, const CUtensor
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
       ".multicast::cluster [%0], [%1, {%3, %4, %5}], [%2], %6;" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "h"(cta_mask)
-      : "memory");
-}
-// Arrives on the barrier at offset `bar` of cluster CTA `cta`. A consumer's release of a stage
-// publishes no memory writes (its reads of the stage are wgmma operands, complete at its
-// wait_group), so the default (.release.cta) semantics suffice, as in CUTLASS's pipelines; a
-// .release.cluster arrive compiled to a MEMBAR.ALL.GPU per arrival.
-__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
-  asm volatile(
-      "{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\n"
-      "mbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n" ::"r"(bar),
-      "r"(cta)
       : "memory");
 }
 // All threads of all CTAs of the cluster meet (and see each other's earlier writes).
@@ -203,9 +197,7 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
       ws::mbar_init(empty_k(s), kEmptyCount);
       ws::mbar_init(empty_v(s), kEmptyCount);
     }
-    // Make the initialised barriers visible to the copy engine (async proxy).
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    fence_proxy_async();
+    ws::mbar_init_fence();
   }
   if constexpr (CLUSTER > 1) {
     ws::cluster_sync();  // the peer's barriers are initialised before any copy or arrival
@@ -224,22 +216,22 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
 #pragma unroll
       for (int c = 0; c < D / 64; ++c) ws::tma_load3(sQ + c * (BM * 128), &a.tq, bQ, c * 64, h, q0);
       for (int j = 0; j < total; ++j) {
-        const int s = j % S;
-        const uint32_t ph = uint32_t(j / S) & 1u;
+        const int s = Ring<S>::stage(j);
+        const uint32_t ph = Ring<S>::empty_parity(j);
         const int row = int(walk.at(j).row());
         if constexpr (CLUSTER > 1) {
           // This CTA's share of the column blocks, multicast to both; each CTA's full barrier
           // expects the whole block (half from each producer).
           constexpr int CB = D / 64 / CLUSTER;
           constexpr uint16_t kAll = (1u << CLUSTER) - 1u;
-          ws::mbar_wait(empty_k(s), ph ^ 1u);
+          ws::mbar_wait(empty_k(s), ph);
           ws::mbar_expect_tx(full_k(s), Cfg::KV_BYTES);
 #pragma unroll
           for (int c = int(rank) * CB; c < int(rank) * CB + CB; ++c) {
             ws::tma_load3_multicast(sK0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tk, full_k(s),
                                     c * 64, hk, row, kAll);
           }
-          ws::mbar_wait(empty_v(s), ph ^ 1u);
+          ws::mbar_wait(empty_v(s), ph);
           ws::mbar_expect_tx(full_v(s), Cfg::KV_BYTES);
 #pragma unroll
           for (int c = int(rank) * CB; c < int(rank) * CB + CB; ++c) {
@@ -247,14 +239,14 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
                                     c * 64, hk, row, kAll);
           }
         } else {
-          ws::mbar_wait(empty_k(s), ph ^ 1u);
+          ws::mbar_wait(empty_k(s), ph);
           ws::mbar_expect_tx(full_k(s), Cfg::KV_BYTES);
 #pragma unroll
           for (int c = 0; c < D / 64; ++c) {
             ws::tma_load3(sK0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tk, full_k(s), c * 64, hk,
                           row);
           }
-          ws::mbar_wait(empty_v(s), ph ^ 1u);
+          ws::mbar_wait(empty_v(s), ph);
           ws::mbar_expect_tx(full_v(s), Cfg::KV_BYTES);
 #pragma unroll
           for (int c = 0; c < D / 64; ++c) {
@@ -274,7 +266,7 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
     const int wrow = KSPLIT > 1 ? 0 : cw * 64, col0 = KSPLIT > 1 ? cw * DC : 0;
     const int g = lane >> 2, tq = lane & 3;
     const int row0 = wrow + (warp & 3) * 16 + g;  // rows row0, row0 + 8
-    const bool pp = KSPLIT == 1 && a.pingpong != 0;
+    const PingPong<NC> pp(KSPLIT == 1 && a.pingpong != 0, cw);
     const int row_base = CLUSTER > 1 ? q0 - wq0 : 0;  // first row's offset in the walk's rows
     // A consumer's release of a stage: every thread arrives, or (CLUSTER) one per warp, on the
     // barrier of each CTA of the cluster.
@@ -289,7 +281,6 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
         ws::mbar_arrive(bar);
       }
     };
-    const int my_bar = 1 + cw, other_bar = 2 - cw;
     const float sl = (kCap || a.prescale) ? 1.f : p.scale_log2;  // log2-domain factor of the scores
 
     constexpr int OR = DC / 2, SR = BN / 2;  // accumulator floats per thread
@@ -325,14 +316,9 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
     auto softmax = [&](int j, float (&corr)[2]) {
       const auto kb = walk.at(j);
       const bool msk = walk.masked(kb, wnq, CLUSTER > 1 ? kTileSize : BM, p.mask);
-      if constexpr (kCap) {
+      if (kCap || a.prescale) {
 #pragma unroll
-        for (int i = 0; i < SR; ++i) s[i] = p.cap_log2 * tanhf(s[i] * p.cap_inv);
-      } else {
-        if (a.prescale) {
-#pragma unroll
-          for (int i = 0; i < SR; ++i) s[i] *= p.scale_log2;
-        }
+        for (int i = 0; i < SR; ++i) s[i] = score_log2<kCap>(p, s[i]);
       }
       if (msk) {
 #pragma unroll
@@ -340,33 +326,14 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
           const int nt = i >> 2, e = i & 3;
           const int pq = pq_first + row_base + row0 + (e >> 1) * 8;
           const int kr = kb.off + nt * 8 + 2 * tq + (e & 1);
-          if (!(kr < kb.R.len && p.mask.allowed(pq, kb.R.pos0 + kr))) s[i] = -INFINITY;
+          if (!DUALKV_VISIBLE(p.mask, kb, pq, kr)) s[i] = -INFINITY;
         }
       }
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float mx = m_run[r];
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt)
-          mx = fmaxf(mx, fmaxf(s[nt * 4 + 2 * r], s[nt * 4 + 2 * r + 1]));
-        mx = quad_max(mx);
-        const float mu =
-            (mx == -INFINITY ? 0.f : mx) * sl;         // scaled max; 0 while the row saw nothing
-        corr[r] = fast_exp2(fmaf(m_run[r], sl, -mu));  // m_run = -inf -> 0
-        if constexpr (KSPLIT > 1) {
-          if (mx == m_run[r]) corr[r] = 1.f;  // exactly: the rescale may then be skipped
-        }
-        m_run[r] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt) {
-          const float p0 = fast_exp2(fmaf(s[nt * 4 + 2 * r], sl, -mu));
-          const float p1 = fast_exp2(fmaf(s[nt * 4 + 2 * r + 1], sl, -mu));
-          s[nt * 4 + 2 * r] = p0;
-          s[nt * 4 + 2 * r + 1] = p1;
-          sum += p0 + p1;
-        }
-        l_run[r] = l_run[r] * corr[r] + sum;
+        // O is rescaled by the caller, after the P V wait.
+        corr[r] = online_softmax_row<BN / 8, true, (KSPLIT > 1)>(s, r, m_run[r], l_run[r], sl,
+                                                                 [](float) {});
       }
     };
     auto pack_p = [&]() {
@@ -390,17 +357,16 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
       wg_commit();
     };
 
-    // Consumer 1 lets consumer 0 issue first; every turn ends by handing over to the other.
-    if (pp && cw == 1) ws::bar_arrive(other_bar, NC);
+    pp.start();
     ws::mbar_wait(bQ, 0);
 
     if (total > 0) {
       // Block 0: S only (O is still zero).
       ws::mbar_wait(full_k(0), 0);
-      if (pp) ws::bar_sync(my_bar, NC);
+      pp.begin_turn();
       wg_fence();
       issue_s(0);
-      if (pp) ws::bar_arrive(other_bar, NC);
+      pp.end_turn();
       wg_wait<0>();
       fence_regs(s);
       release(empty_k(0));
@@ -410,16 +376,16 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
       pack_p();
 
       for (int j = 1; j < total; ++j) {
-        const int st = j % S, pst = (j - 1) % S;
-        ws::mbar_wait(full_k(st), uint32_t(j / S) & 1u);
-        ws::mbar_wait(full_v(pst), uint32_t((j - 1) / S) & 1u);
-        if (pp) ws::bar_sync(my_bar, NC);
+        const int st = Ring<S>::stage(j), pst = Ring<S>::stage(j - 1);
+        ws::mbar_wait(full_k(st), Ring<S>::full_parity(j));
+        ws::mbar_wait(full_v(pst), Ring<S>::full_parity(j - 1));
+        pp.begin_turn();
         fence_regs(pa);
         fence_regs(o);
         wg_fence();
         issue_s(st);    // S_j = Q K_j^T
         issue_pv(pst);  // O += P_{j-1} V_{j-1}
-        if (pp) ws::bar_arrive(other_bar, NC);
+        pp.end_turn();
         wg_wait<1>();  // S_j done; P V still in flight
         fence_regs(s);
         release(empty_k(st));
@@ -438,32 +404,25 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
         if constexpr (KSPLIT > 1) rescale = __any_sync(~0u, corr[0] != 1.f || corr[1] != 1.f);
         if (rescale) {
 #pragma unroll
-          for (int r = 0; r < 2; ++r) {
-#pragma unroll
-            for (int nd = 0; nd < DC / 8; ++nd) {
-              o[nd * 4 + 2 * r] *= corr[r];
-              o[nd * 4 + 2 * r + 1] *= corr[r];
-            }
-          }
+          for (int r = 0; r < 2; ++r) rescale_o_row<DC / 8>(o, r, corr[r]);
         }
         pack_p();
       }
 
       // Last block's P V.
-      const int lst = (total - 1) % S;
-      ws::mbar_wait(full_v(lst), uint32_t((total - 1) / S) & 1u);
-      if (pp) ws::bar_sync(my_bar, NC);
+      const int lst = Ring<S>::stage(total - 1);
+      ws::mbar_wait(full_v(lst), Ring<S>::full_parity(total - 1));
+      pp.begin_turn();
       fence_regs(pa);
       fence_regs(o);
       wg_fence();
       issue_pv(lst);
-      if (pp) ws::bar_arrive(other_bar, NC);
+      pp.end_turn();
       wg_wait<0>();
       fence_regs(o);
       fence_regs(pa);
     }
-    // Consumer 0 takes consumer 1's last hand-over, so no barrier is left half-arrived.
-    if (pp && cw == 0) ws::bar_sync(my_bar, NC);
+    pp.finish();
 
     store_out_rows<T, D, DC>(p, o, m_run, l_run, sl, q0, nq, h, row0, tq, col0,
                              KSPLIT == 1 || cw == 0);

@@ -1,0 +1,77 @@
+// The online softmax of the forward kernels: per block of scores and per row of a thread's
+// fragment, the new running max, the factor corr that rescales the running sum and O, the
+// unnormalised probabilities (in place of the scores) and the running sum (log2 domain, exp2).
+// The row's NT n-tiles hold elements 4 nt + 2 r + {0, 1} (collective/fragment.cuh); the four
+// lanes of a quad share a row (quad_max). A row that has seen no visible key keeps max -inf and
+// uses 0 in its exponents, so its probabilities are exactly 0 and corr = exp2(-inf) = 0.
+#pragma once
+
+#include "collective/common.cuh"
+#include "collective/fragment.cuh"
+
+namespace dualkv::cuda::detail {
+
+// O *= corr on row r of a thread's O fragment (ND n-tiles).
+template <int ND, class Frag>
+__device__ __forceinline__ void rescale_o_row(Frag& o, int r, float corr) {
+#pragma unroll
+  for (int nd = 0; nd < ND; ++nd) {
+    frag_at(o, nd * 4 + 2 * r) *= corr;
+    frag_at(o, nd * 4 + 2 * r + 1) *= corr;
+  }
+}
+
+// One online-softmax step of row r over a block's NT n-tiles of scores s; returns corr.
+//   kFold = false (sm_80, synchronous sm_90a): the scores are log2-domain logits already
+//     (score_log2); l = l * corr, rescale_o(corr) runs, then l += each n-tile's p0 + p1.
+//   kFold = true (warp-specialised sm_90a): the logits are s * sl (sl = scale * log2(e) folded into
+//     one FFMA per element, or 1 after a pre-scale); l = l * corr + the block's sum; rescale_o
+//     still runs right after corr (the warp-specialised kernel passes a no-op and rescales O after
+//     its P V wait). kExactKeep: corr = 1 exactly when the row max did not move (lets a caller
+//     skip the rescale).
+template <int NT, bool kFold, bool kExactKeep = false, class Frag, class RescaleO>
+__device__ __forceinline__ float online_softmax_row(Frag& s, int r, float& m_run, float& l_run,
+                                                    float sl, RescaleO&& rescale_o) {
+  float mx = m_run;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+    mx = fmaxf(mx, fmaxf(frag_at(s, nt * 4 + 2 * r), frag_at(s, nt * 4 + 2 * r + 1)));
+  mx = quad_max(mx);
+  if constexpr (!kFold) {
+    const float mu = mx == -INFINITY ? 0.f : mx;
+    const float corr = fast_exp2(m_run - mu);
+    m_run = mx;
+    l_run *= corr;
+    rescale_o(corr);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const float p0 = fast_exp2(frag_at(s, nt * 4 + 2 * r) - mu),
+                  p1 = fast_exp2(frag_at(s, nt * 4 + 2 * r + 1) - mu);
+      frag_at(s, nt * 4 + 2 * r) = p0;
+      frag_at(s, nt * 4 + 2 * r + 1) = p1;
+      l_run += p0 + p1;
+    }
+    return corr;
+  } else {
+    const float mu = (mx == -INFINITY ? 0.f : mx) * sl;  // scaled max; 0 while the row saw nothing
+    float corr = fast_exp2(fmaf(m_run, sl, -mu));        // m_run = -inf -> 0
+    if constexpr (kExactKeep) {
+      if (mx == m_run) corr = 1.f;  // exactly: the rescale may then be skipped
+    }
+    m_run = mx;
+    rescale_o(corr);
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const float p0 = fast_exp2(fmaf(frag_at(s, nt * 4 + 2 * r), sl, -mu));
+      const float p1 = fast_exp2(fmaf(frag_at(s, nt * 4 + 2 * r + 1), sl, -mu));
+      frag_at(s, nt * 4 + 2 * r) = p0;
+      frag_at(s, nt * 4 + 2 * r + 1) = p1;
+      sum += p0 + p1;
+    }
+    l_run = l_run * corr + sum;
+    return corr;
+  }
+}
+
+}  // namespace dualkv::cuda::detail
