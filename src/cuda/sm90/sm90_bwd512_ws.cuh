@@ -27,7 +27,10 @@
 // masked (P = 0, dS = 0), as in the other warp-specialised kernels.
 #pragma once
 
+#include "collective/epilogue.cuh"
+#include "collective/score_mod.cuh"
 #include "sm80/sm80_bwd.cuh"
+#include "sm90/pipeline.cuh"
 #include "sm90/sm90_bwd_ws.cuh"
 
 namespace dualkv::cuda::detail {
@@ -88,15 +91,6 @@ __device__ __forceinline__ void st_async_f32x4(uint32_t raddr, float a, float b,
       "f"(a), "f"(b), "f"(c), "f"(d), "r"(rbar)
       : "memory");
 }
-// mbar_wait with acquire at cluster scope: what a remote CTA's st.async wrote is visible after it.
-__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred P1;\nWAIT:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P1, [%0], %1;\n"
-      "@!P1 bra WAIT;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
 #endif
 }  // namespace ws
 
@@ -146,8 +140,7 @@ __global__ void __launch_bounds__(384, 1)
     ws::mbar_init(xfull(0), 1);  // the local arrive.expect_tx; the peer's bytes complete it
     ws::mbar_init(xfull(1), 1);
     ws::mbar_init(xfree, NC / 32);  // one arrival per consumer warp of the peer
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    fence_proxy_async();
+    ws::mbar_init_fence();
   }
   ws::cluster_sync();  // the peer's barriers are initialised before any st.async or arrival
 
@@ -168,8 +161,8 @@ __global__ void __launch_bounds__(384, 1)
       QIter cur;
       bool valid = query_walk_begin<BM>(p, kseg, ksi, pk_first, pk_last, cur);
       for (int it = 0;; ++it) {
-        const int s = it % S;
-        ws::mbar_wait(empty(s), (uint32_t(it / S) & 1u) ^ 1u);
+        const int s = Ring<S>::stage(it);
+        ws::mbar_wait(empty(s), Ring<S>::empty_parity(it));
         if (!valid) {
           if (lane == 0) {
             meta(s)[0] = 0;  // end of the walk
@@ -233,8 +226,8 @@ __global__ void __launch_bounds__(384, 1)
 
     ws::mbar_wait(bKV, 0);
     for (int it = 0;; ++it) {
-      const int s = it % S;
-      ws::mbar_wait(full(s), uint32_t(it / S) & 1u);
+      const int s = Ring<S>::stage(it);
+      ws::mbar_wait(full(s), Ring<S>::full_parity(it));
       if (meta(s)[0] == 0) break;
       const int nq = meta(s)[1], pq_first = meta(s)[2];
       const bool msk =
@@ -279,16 +272,10 @@ __global__ void __launch_bounds__(384, 1)
         const int nt = i >> 2, e = i & 3;
         const int qc = q_off + nt * 8 + 2 * tq + (e & 1);
         const int kr = kr0 + (e >> 1) * 8;
-        float x, dcap = 1.f;
-        if constexpr (kCap) {
-          const float th = tanhf(sc[i] * p.cap_inv);
-          x = p.cap_log2 * th;
-          dcap = 1.f - th * th;
-        } else {
-          x = sc[i] * p.scale_log2;
-        }
+        float dcap;
+        const float x = score_log2<kCap>(p, sc[i], dcap);
         float pr = fast_exp2(x - lse_c[qc]);
-        if (msk && !(kr < nk && qc < nq && p.mask.allowed(pq_first + qc, pk_first + kr))) pr = 0.f;
+        if (msk && !DUALKV_VISIBLE_KQ(p.mask, kr, nk, pk_first, qc, nq, pq_first)) pr = 0.f;
         sc[i] = pr;
         dp[i] = pr * (dp[i] - del_c[qc]) * dcap;
       }
@@ -431,8 +418,7 @@ __global__ void __launch_bounds__(384, 1)
     ws::mbar_init(xfull(0), 1);
     ws::mbar_init(xfull(1), 1);
     ws::mbar_init(xfree, NC / 32);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    fence_proxy_async();
+    ws::mbar_init_fence();
   }
   ws::cluster_sync();
 
@@ -449,9 +435,9 @@ __global__ void __launch_bounds__(384, 1)
         ws::tma_load3(sdO + c * (BM * 128), &a.tdo, bQ, cb0 + c * 64, h, q0);
       }
       for (int j = 0; j < total; ++j) {
-        const int s = j % S;
+        const int s = Ring<S>::stage(j);
         const int row = int(walk.at(j).row());
-        ws::mbar_wait(empty(s), (uint32_t(j / S) & 1u) ^ 1u);
+        ws::mbar_wait(empty(s), Ring<S>::empty_parity(j));
         ws::mbar_expect_tx(full(s), 2 * Cfg::KV_BYTES);
 #pragma unroll
         for (int c = 0; c < DH / 64; ++c) {
@@ -484,8 +470,8 @@ __global__ void __launch_bounds__(384, 1)
 
     ws::mbar_wait(bQ, 0);
     for (int j = 0; j < total; ++j) {
-      const int s = j % S;
-      ws::mbar_wait(full(s), uint32_t(j / S) & 1u);
+      const int s = Ring<S>::stage(j);
+      ws::mbar_wait(full(s), Ring<S>::full_parity(j));
       const uint32_t sK = sK0 + s * Cfg::KV_BYTES, sV = sV0 + s * Cfg::KV_BYTES;
       if (t == 0) ws::mbar_expect_tx(xfull(cw), Cfg::X_BYTES);
 
@@ -520,18 +506,12 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
       for (int i = 0; i < HR; ++i) {
         const int nt = i >> 2, e = i & 3, r = e >> 1;
-        float x, dcap = 1.f;
-        if constexpr (kCap) {
-          const float th = tanhf(sc[i] * p.cap_inv);
-          x = p.cap_log2 * th;
-          dcap = 1.f - th * th;
-        } else {
-          x = sc[i] * p.scale_log2;
-        }
+        float dcap;
+        const float x = score_log2<kCap>(p, sc[i], dcap);
         float pr = fast_exp2(x - lse2[r]);
         if (msk) {
           const int kr = kb.off + k_off + nt * 8 + 2 * tq + (e & 1);
-          if (!(kr < kb.R.len && p.mask.allowed(pq_first + row0 + 8 * r, kb.R.pos0 + kr))) pr = 0.f;
+          if (!DUALKV_VISIBLE(p.mask, kb, pq_first + row0 + 8 * r, kr)) pr = 0.f;
         }
         dp[i] = pr * (dp[i] - del[r]) * dcap;
       }
@@ -568,19 +548,7 @@ __global__ void __launch_bounds__(384, 1)
       fence_regs(da);
       ws::mbar_arrive(empty(s));
     }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = row0 + 8 * r;
-      if (row < nq) {
-        T* dst = static_cast<T*>(p.dq) + (int64_t(q0 + row) * p.Hq + h) * Cfg::D + cb0 + cw * DW +
-                 2 * tq;
-#pragma unroll
-        for (int nd = 0; nd < DW / 8; ++nd) {
-          *reinterpret_cast<uint32_t*>(dst + nd * 8) =
-              pack2<T>(acc[nd * 4 + 2 * r] * p.scale, acc[nd * 4 + 2 * r + 1] * p.scale);
-        }
-      }
-    }
+    store_dq_rows<T, Cfg::D, DW>(p, acc, q0, nq, h, row0, cb0 + cw * DW, tq);
   }
   ws::cluster_sync();
 #endif
