@@ -256,11 +256,7 @@ __global__ void __launch_bounds__(384, 1)
         ws::prefetch_tmap(&a.tq);
         ws::prefetch_tmap(&a.tdo);
         ws::mbar_expect_tx(bKV, 2 * Cfg::K_BYTES);
-#pragma unroll
-        for (int c = 0; c < DH / 64; ++c) {
-          ws::tma_load3(sK + c * (BN * 128), &a.tk, bKV, cb0 + c * 64, hk, k0);
-          ws::tma_load3(sV + c * (BN * 128), &a.tv, bKV, cb0 + c * 64, hk, k0);
-        }
+        ws::tma_load3_pair<DH / 64, BN>(sK, &a.tk, sV, &a.tv, bKV, cb0, hk, k0);
       }
       QIter cur;
       bool valid = query_walk_begin<BM>(p, kseg, ksi, pk_first, pk_last, cur);
@@ -285,13 +281,8 @@ __global__ void __launch_bounds__(384, 1)
           meta(s)[2] = cur.pos(BM);
           meta(s)[3] = qs;
           ws::mbar_expect_tx(full, 2 * Cfg::Q_BYTES);
-#pragma unroll
-          for (int c = 0; c < DH / 64; ++c) {
-            ws::tma_load3(sQ0 + s * Cfg::Q_BYTES + c * (BM * 128), &a.tq, full, cb0 + c * 64, h,
-                          qs);
-            ws::tma_load3(sdO0 + s * Cfg::Q_BYTES + c * (BM * 128), &a.tdo, full, cb0 + c * 64, h,
-                          qs);
-          }
+          ws::tma_load3_pair<DH / 64, BM>(sQ0 + s * Cfg::Q_BYTES, &a.tq, sdO0 + s * Cfg::Q_BYTES,
+                                          &a.tdo, full, cb0, h, qs);
         }
 #pragma unroll
         for (int i = lane; i < 2 * BM; i += 32) {
@@ -460,24 +451,15 @@ __global__ void __launch_bounds__(384, 1)
       ws::prefetch_tmap(&a.tk);
       ws::prefetch_tmap(&a.tv);
       ws::mbar_expect_tx(bQ, 2 * Cfg::Q_BYTES);
-#pragma unroll
-      for (int c = 0; c < DH / 64; ++c) {
-        ws::tma_load3(sQ + c * (BM * 128), &a.tq, bQ, cb0 + c * 64, h, q0);
-        ws::tma_load3(sdO + c * (BM * 128), &a.tdo, bQ, cb0 + c * 64, h, q0);
-      }
+      ws::tma_load3_pair<DH / 64, BM>(sQ, &a.tq, sdO, &a.tdo, bQ, cb0, h, q0);
       for (int j = 0; j < total; ++j) {
         const int s = Ring<S>::stage(j);
         const uint32_t full = bars.full(s);
         const int row = int(walk.at(j).row());
         ws::mbar_wait(bars.empty(s), Ring<S>::empty_parity(j));
         ws::mbar_expect_tx(full, 2 * Cfg::KV_BYTES);
-#pragma unroll
-        for (int c = 0; c < DH / 64; ++c) {
-          ws::tma_load3(sK0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tk, full, cb0 + c * 64, hk,
-                        row);
-          ws::tma_load3(sV0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tv, full, cb0 + c * 64, hk,
-                        row);
-        }
+        ws::tma_load3_pair<DH / 64, BN>(sK0 + s * Cfg::KV_BYTES, &a.tk, sV0 + s * Cfg::KV_BYTES,
+                                        &a.tv, full, cb0, hk, row);
       }
     }
   } else {
@@ -559,14 +541,7 @@ bool launch_backward_sm90_d512(const Params& p, const KernelPolicy& policy, cuda
   constexpr int D = C::D;
   if (int64_t(p.T) * p.Hq == 0) return true;
   DkdvWsArgs a{};
-  if (!encode_tmap_thd(&a.tq, p.q, p.T, p.Hq, D, p.q_tok, p.q_head, C::BM) ||
-      !encode_tmap_thd(&a.tdo, p.dout, p.T, p.Hq, D, int64_t(p.Hq) * D, D, C::BM) ||
-      !encode_tmap_thd(&a.tk, p.k, p.T, p.Hkv, D, p.k_tok, p.k_head, C::BN) ||
-      !encode_tmap_thd(&a.tv, p.v, p.T, p.Hkv, D, p.v_tok, p.v_head, C::BN)) {
-    warn_ws_fallback("cuTensorMapEncodeTiled failed or is unavailable");
-    return false;
-  }
-  a.p = p;
+  if (!make_bwd_ws_args(a, p, D, C::BM, C::BN)) return false;
   launch_bwd_pre<T, D>(p, false, stream);
   const bool cap = p.softcap > 0.f;
   const int64_t grid = int64_t(p.nkt) * (kTileSize / C::BN) * p.Hkv * C::CLUSTER;

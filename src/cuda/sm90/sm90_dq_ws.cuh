@@ -92,21 +92,14 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
       ws::prefetch_tmap(&a.tk);
       ws::prefetch_tmap(&a.tv);
       ws::mbar_expect_tx(bQ, 2 * Cfg::Q_BYTES);
-#pragma unroll
-      for (int c = 0; c < D / 64; ++c) {
-        ws::tma_load3(sQ + c * (BM * 128), &a.tq, bQ, c * 64, h, q0);
-        ws::tma_load3(sdO + c * (BM * 128), &a.tdo, bQ, c * 64, h, q0);
-      }
+      ws::tma_load3_pair<D / 64, BM>(sQ, &a.tq, sdO, &a.tdo, bQ, 0, h, q0);
       for (int j = 0; j < total; ++j) {
         const int s = Ring<S>::stage(j);
         const int row = int(walk.at(j).row());
         ws::mbar_wait(empty(s), Ring<S>::empty_parity(j));
         ws::mbar_expect_tx(full(s), 2 * Cfg::KV_BYTES);
-#pragma unroll
-        for (int c = 0; c < D / 64; ++c) {
-          ws::tma_load3(sK0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tk, full(s), c * 64, hk, row);
-          ws::tma_load3(sV0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tv, full(s), c * 64, hk, row);
-        }
+        ws::tma_load3_pair<D / 64, BN>(sK0 + s * Cfg::KV_BYTES, &a.tk, sV0 + s * Cfg::KV_BYTES,
+                                       &a.tv, full(s), 0, hk, row);
       }
     }
   } else {
