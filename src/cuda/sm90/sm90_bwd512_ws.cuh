@@ -235,14 +235,11 @@ __global__ void __launch_bounds__(384, 1)
   // blockIdx.x = ((tile * 2 + half) * Hkv + kv head) * 2 + rank: the two CTAs of a cluster share
   // every index but the rank, so they agree on validity and on the query walk.
   const uint32_t rank = blockIdx.x & 1u, peer = rank ^ 1u;
-  const int idx = int(blockIdx.x >> 1);
-  const int hk = idx % p.Hkv, rest = idx / p.Hkv;
-  const Tile tile = p.ktiles[rest / 2];
-  const int k0 = tile.begin + (rest % 2) * BN;
-  if (k0 >= tile.end) return;  // both CTAs of the cluster, before any cluster barrier
-  const int nk = min(BN, tile.end - k0), ksi = tile.segment;
-  const Segment kseg = p.segs[ksi];
-  const int pk_first = kseg.pos0 + (k0 - kseg.start), pk_last = pk_first + nk - 1;
+  const KeyTileCta<BN> cta(p, blockIdx.x >> 1);
+  if (!cta.valid) return;  // both CTAs of the cluster, before any cluster barrier
+  const int hk = cta.hk, k0 = cta.k0, nk = cta.nk, ksi = cta.ksi;
+  const int pk_first = cta.pk_first, pk_last = cta.pk_last;
+  const Segment& kseg = cta.kseg;
   const int cb0 = int(rank) * DH;  // this CTA's first column
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
@@ -429,13 +426,10 @@ __global__ void __launch_bounds__(384, 1)
 
   // blockIdx.x = ((tile * 2 + half) * Hq + q head) * 2 + rank (see dkdv_ws512_kernel_sm90).
   const uint32_t rank = blockIdx.x & 1u, peer = rank ^ 1u;
-  const int idx = int(blockIdx.x >> 1);
-  const int h = idx % p.Hq, rest = idx / p.Hq;
-  const Tile tile = p.qtiles[rest / 2];
-  const int q0 = tile.begin + (rest % 2) * BM;
-  if (q0 >= tile.end) return;  // both CTAs of the cluster, before any cluster barrier
-  const int nq = min(BM, tile.end - q0), hk = h / p.group;
-  const Segment seg = p.segs[tile.segment];
+  const QueryTileCta<BM> cta(p, blockIdx.x >> 1);
+  if (!cta.valid) return;  // both CTAs of the cluster, before any cluster barrier
+  const int h = cta.h, hk = cta.hk, q0 = cta.q0, nq = cta.nq;
+  const Segment& seg = cta.seg;
   const int cb0 = int(rank) * DH;
 
   const KeyBlockWalk<BN> walk(seg, q0, nq, p.mask);
