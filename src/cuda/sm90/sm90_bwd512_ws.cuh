@@ -442,19 +442,9 @@ __global__ void __launch_bounds__(384, 1)
     // ---- producer: one thread, this CTA's column half ----------------------------------------
     ws::reg_dealloc<Cfg::PRODUCER_REGS>();
     if (tid == 0) {
-      ws::prefetch_tmap(&a.tk);
-      ws::prefetch_tmap(&a.tv);
-      ws::mbar_expect_tx(bQ, 2 * Cfg::Q_BYTES);
-      ws::tma_load3_pair<DH / 64, BM>(sQ, &a.tq, sdO, &a.tdo, bQ, cb0, h, q0);
-      for (int j = 0; j < total; ++j) {
-        const int s = Ring<S>::stage(j);
-        const uint32_t full = bars.full(s);
-        const int row = int(walk.at(j).row());
-        ws::mbar_wait(bars.empty(s), Ring<S>::empty_parity(j));
-        ws::mbar_expect_tx(full, 2 * Cfg::KV_BYTES);
-        ws::tma_load3_pair<DH / 64, BN>(sK0 + s * Cfg::KV_BYTES, &a.tk, sV0 + s * Cfg::KV_BYTES,
-                                        &a.tv, full, cb0, hk, row);
-      }
+      dq_producer_thread<BM, BN, S, DH / 64>(
+          a, walk, total, h, hk, q0, cb0, sQ, sdO, bQ, sK0, sV0,
+          [&](int s) { return bars.full(s); }, [&](int s) { return bars.empty(s); });
     }
   } else {
     // ---- consumers ---------------------------------------------------------------------------
