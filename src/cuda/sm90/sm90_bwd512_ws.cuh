@@ -27,6 +27,9 @@
 // masked (P = 0, dS = 0), as in the other warp-specialised kernels.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+
 #include "collective/epilogue.cuh"
 #include "collective/score_mod.cuh"
 #include "sm80/sm80_bwd.cuh"
@@ -65,14 +68,27 @@ struct DkdvWs512Cfg : Ws512Cfg {
   static constexpr int HQ = HP;                // queries of a warpgroup's S^T / dP^T
   static constexpr int K_BYTES = BN * DH * 2;  // one CTA's half of K (and of V)
   static constexpr int Q_BYTES = BM * DH * 2;  // its half of a Q (and dO) block
-  static constexpr int OFF_V = K_BYTES;
-  static constexpr int OFF_Q = 2 * K_BYTES;
-  static constexpr int OFF_DO = OFF_Q + STAGES * Q_BYTES;
-  static constexpr int OFF_X = OFF_DO + STAGES * Q_BYTES;
-  static constexpr int OFF_L = OFF_X + 2 * X_BYTES;             // per stage: lse2[BM], delta[BM]
-  static constexpr int OFF_META = OFF_L + STAGES * 2 * BM * 4;  // per stage: int[4]
-  static constexpr int OFF_BAR = OFF_META + STAGES * 16;
-  static constexpr int SMEM = OFF_BAR + 8 * NBARS + 1024;  // + alignment slack
+  // Shared memory from the kernel's 1024-byte aligned base (SMEM adds the slack for that
+  // alignment); the OFF_* offsets come from here.
+  struct SharedStorage {
+    uint16_t k[BN * DH];
+    uint16_t v[BN * DH];
+    uint16_t q[STAGES][BM * DH];
+    uint16_t dout[STAGES][BM * DH];
+    float x[2][X_BYTES / 4];  // X[w] per consumer warpgroup
+    float l[STAGES][2 * BM];  // per stage: lse2[BM], delta[BM]
+    int meta[STAGES][4];      // per stage: the query block's record
+    uint64_t bar[NBARS];
+  };
+  static_assert(sizeof(SharedStorage::k) == K_BYTES && sizeof(SharedStorage::q[0]) == Q_BYTES);
+  static constexpr int OFF_V = int(offsetof(SharedStorage, v));
+  static constexpr int OFF_Q = int(offsetof(SharedStorage, q));
+  static constexpr int OFF_DO = int(offsetof(SharedStorage, dout));
+  static constexpr int OFF_X = int(offsetof(SharedStorage, x));
+  static constexpr int OFF_L = int(offsetof(SharedStorage, l));
+  static constexpr int OFF_META = int(offsetof(SharedStorage, meta));
+  static constexpr int OFF_BAR = int(offsetof(SharedStorage, bar));
+  static constexpr int SMEM = int(sizeof(SharedStorage)) + 1024;
   static constexpr int FULL_COUNT = 1 + 32;  // the elected lane's expect_tx + 32 cp.async arrivals
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
   static_assert(SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
@@ -397,12 +413,21 @@ struct DqWs512Cfg : Ws512Cfg {
   static constexpr int HK = HP;                 // keys of a warpgroup's S / dP
   static constexpr int Q_BYTES = BM * DH * 2;   // one CTA's half of Q (and of dO)
   static constexpr int KV_BYTES = BN * DH * 2;  // its half of a K (and V) block
-  static constexpr int OFF_DO = Q_BYTES;
-  static constexpr int OFF_K = 2 * Q_BYTES;
-  static constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
-  static constexpr int OFF_X = OFF_V + STAGES * KV_BYTES;
-  static constexpr int OFF_BAR = OFF_X + 2 * X_BYTES;
-  static constexpr int SMEM = OFF_BAR + 8 * NBARS + 1024;
+  struct SharedStorage {  // from the 1024-byte aligned base, as DkdvWs512Cfg's
+    uint16_t q[BM * DH];
+    uint16_t dout[BM * DH];
+    uint16_t k[STAGES][BN * DH];
+    uint16_t v[STAGES][BN * DH];
+    float x[2][X_BYTES / 4];  // X[w] per consumer warpgroup
+    uint64_t bar[NBARS];
+  };
+  static_assert(sizeof(SharedStorage::q) == Q_BYTES && sizeof(SharedStorage::k[0]) == KV_BYTES);
+  static constexpr int OFF_DO = int(offsetof(SharedStorage, dout));
+  static constexpr int OFF_K = int(offsetof(SharedStorage, k));
+  static constexpr int OFF_V = int(offsetof(SharedStorage, v));
+  static constexpr int OFF_X = int(offsetof(SharedStorage, x));
+  static constexpr int OFF_BAR = int(offsetof(SharedStorage, bar));
+  static constexpr int SMEM = int(sizeof(SharedStorage)) + 1024;
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
   static_assert(SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
   static_assert(X_VECS >= HK / 16, "the dS slices reuse the exchange buffer");
