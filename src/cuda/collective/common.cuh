@@ -289,7 +289,8 @@ __device__ __forceinline__ void load_row_stats(const Params& p, int h, int q0, i
   }
 }
 
-// The rows one CTA of a tile kernel owns: blockIdx.x = (tile * SPLIT + part) * heads + head
+// The rows one CTA of a tile kernel owns: index (blockIdx.x; in the D = 512 backward's 2-CTA
+// clusters, which split the head dim, blockIdx.x / 2) = (tile * SPLIT + part) * heads + head
 // (kPartInner: (tile * heads + head) * SPLIT + part, so that a tile's parts are neighbours, as a
 // thread-block cluster needs), each 128-token tile cut into SPLIT parts of B rows. `valid` is
 // false for a part that lies past its tile's end (only possible with SPLIT > 1); begin is then the
@@ -300,16 +301,16 @@ struct TilePart {
   int head, begin, count, segment, tile_begin, tile_end;
   bool valid;
 
-  __device__ __forceinline__ TilePart(const Tile* tiles, int heads) {
+  __device__ __forceinline__ TilePart(const Tile* tiles, int heads, unsigned index = blockIdx.x) {
     int tile_index, part;
     if constexpr (kPartInner) {
-      part = int(blockIdx.x % unsigned(SPLIT));
-      const int rest = int(blockIdx.x / unsigned(SPLIT));
+      part = int(index % unsigned(SPLIT));
+      const int rest = int(index / unsigned(SPLIT));
       head = rest % heads;
       tile_index = rest / heads;
     } else {
-      head = int(blockIdx.x % unsigned(heads));
-      const int rest = int(blockIdx.x / unsigned(heads));
+      head = int(index % unsigned(heads));
+      const int rest = int(index / unsigned(heads));
       tile_index = rest / SPLIT;
       part = rest % SPLIT;
     }
@@ -334,8 +335,8 @@ struct QueryTileCta {
   Segment seg;
   bool valid;
 
-  __device__ __forceinline__ explicit QueryTileCta(const Params& p) {
-    const TilePart<B> part(p.qtiles, p.Hq);
+  __device__ __forceinline__ explicit QueryTileCta(const Params& p, unsigned index = blockIdx.x) {
+    const TilePart<B> part(p.qtiles, p.Hq, index);
     h = part.head, q0 = part.begin, nq = part.count, valid = part.valid;
     if (!valid) return;
     seg = p.segs[part.segment];
@@ -351,8 +352,8 @@ struct KeyTileCta {
   Segment kseg;
   bool valid;
 
-  __device__ __forceinline__ explicit KeyTileCta(const Params& p) {
-    const TilePart<B> part(p.ktiles, p.Hkv);
+  __device__ __forceinline__ explicit KeyTileCta(const Params& p, unsigned index = blockIdx.x) {
+    const TilePart<B> part(p.ktiles, p.Hkv, index);
     hk = part.head, k0 = part.begin, nk = part.count, valid = part.valid;
     if (!valid) return;
     ksi = part.segment;

@@ -54,13 +54,22 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 // Blocks until the phase of parity `parity` has completed (a fresh barrier counts its phase of
 // parity 1 as completed, so a producer's first pass through the ring does not wait). No watchdog:
 // a clock64 timeout here made ptxas spill and serialise the wgmmas; the test scripts time out.
+// SEM: the try_wait's semantics qualifier ("": the default, acquire at CTA scope).
+#define DUALKV_MBAR_WAIT(SEM, bar, parity) \
+  asm volatile(                            \
+      "{\n.reg .pred P1;\nWAIT:\n"         \
+      "mbarrier.try_wait.parity" SEM       \
+      ".shared::cta.b64 P1, [%0], %1;\n"   \
+      "@!P1 bra WAIT;\n}\n" ::"r"(bar),    \
+      "r"(parity)                          \
+      : "memory")
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred P1;\nWAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-      "@!P1 bra WAIT;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
+  DUALKV_MBAR_WAIT("", bar, parity);
+}
+// The same wait with acquire at cluster scope: what a remote CTA wrote with st.async (completing
+// on this barrier) is visible after it (the D = 512 backward's exchange).
+__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
+  DUALKV_MBAR_WAIT(".acquire.cluster", bar, parity);
 }
 // Arrives on the barrier at offset `bar` of cluster CTA `cta`. A consumer's release of a stage
 // publishes no memory writes (its reads of the stage are wgmma operands, complete at its

@@ -200,12 +200,8 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
       fence_regs(dv);
       fence_regs(dk);
       wg_fence();
-#pragma unroll
-      for (int kt = 0; kt < BM / 16; ++kt)
-        Wgmma<T, D>::template rs<1>(dv, pa[kt], desc_mnmajor<BM>(sdO, kt * 16), 1);
-#pragma unroll
-      for (int kt = 0; kt < BM / 16; ++kt)
-        Wgmma<T, D>::template rs<1>(dk, da[kt], desc_mnmajor<BM>(sQ, kt * 16), 1);
+      wgmma_rs_acc<T, D, BM>(dv, pa, sdO);
+      wgmma_rs_acc<T, D, BM>(dk, da, sQ);
       wg_commit();
     } else {
       const int t = tid & 127;
@@ -258,14 +254,10 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
       fence_regs(pa);
       fence_regs(dv);
       wg_fence();
-#pragma unroll
-      for (int kt = 0; kt < BM / 16; ++kt)
-        Wgmma<T, DW>::template rs<1>(dv, pa[kt], desc_mnmajor<BM>(sdO + half, kt * 16), 1);
+      wgmma_rs_acc<T, DW, BM>(dv, pa, sdO + half);
       fence_regs(da);
       fence_regs(dk);
-#pragma unroll
-      for (int kt = 0; kt < BM / 16; ++kt)
-        Wgmma<T, DW>::template rs<1>(dk, da[kt], desc_mnmajor<BM>(sQ + half, kt * 16), 1);
+      wgmma_rs_acc<T, DW, BM>(dk, da, sQ + half);
       wg_commit();
     }
     wg_wait<0>();
@@ -387,9 +379,7 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const __grid_constant__
     fence_regs(da);
     fence_regs(acc);
     wg_fence();
-#pragma unroll
-    for (int kt = 0; kt < BN / 16; ++kt)
-      Wgmma<T, D>::template rs<1>(acc, da[kt], desc_mnmajor<BN>(sK, kt * 16), 1);
+    wgmma_rs_acc<T, D, BN>(acc, da, sK);
     wg_commit();
     wg_wait<0>();
     fence_regs(acc);

@@ -27,46 +27,74 @@
 // masked (P = 0, dS = 0), as in the other warp-specialised kernels.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+
+#include "collective/epilogue.cuh"
+#include "collective/score_mod.cuh"
 #include "sm80/sm80_bwd.cuh"
+#include "sm90/pipeline.cuh"
 #include "sm90/sm90_bwd_ws.cuh"
 
 namespace dualkv::cuda::detail {
 
-struct DkdvWs512Cfg {
+// What the two D = 512 kernels share: the split of the head dim over a 2-CTA cluster, blocks of
+// 64 rows on both sides, the 2-stage ring, the warp roles and register split, and the exchange
+// buffer X[w] of each consumer warpgroup (its HP = 32 rows of the S / dP partials: S^T and dP^T
+// for dK/dV, S and dP for dQ).
+struct Ws512Cfg {
   static constexpr int D = 512;
   static constexpr int CLUSTER = 2;       // CTAs splitting the head dim
   static constexpr int DH = D / CLUSTER;  // 256 columns per CTA
-  static constexpr int DW = DH / 2;       // 128 dK/dV columns per consumer warpgroup
-  static constexpr int BN = 64;           // keys per CTA (and per cluster)
-  static constexpr int BM = 64;           // queries per block
-  static constexpr int HQ = BM / 2;       // queries of a warpgroup's S^T / dP^T
-  static constexpr int HR = HQ / 2;       // their fragment floats per thread
+  static constexpr int DW = DH / 2;       // 128 output columns per consumer warpgroup
+  static constexpr int BN = 64;           // keys per CTA or per block
+  static constexpr int BM = 64;           // queries per block or per CTA
+  static constexpr int HP = 32;           // rows of a warpgroup's partial products
+  static constexpr int HR = HP / 2;       // their fragment floats per thread
   static constexpr int STAGES = 2;
   static constexpr int THREADS = 384;  // warpgroup 0 produces, 1 and 2 consume
   static constexpr int CONSUMERS = 256;
-  static constexpr int K_BYTES = BN * DH * 2;        // one CTA's half of K (and of V)
-  static constexpr int Q_BYTES = BM * DH * 2;        // its half of a Q (and dO) block
-  static constexpr int X_VECS = 2 * HR / 4;          // float4s per thread: S^T, dP^T partials
+  static constexpr int X_VECS = 2 * HR / 4;          // float4s per thread: the two partials
   static constexpr int X_BYTES = X_VECS * 128 * 16;  // per consumer warpgroup
-  static constexpr int OFF_V = K_BYTES;
-  static constexpr int OFF_Q = 2 * K_BYTES;
-  static constexpr int OFF_DO = OFF_Q + STAGES * Q_BYTES;
-  static constexpr int OFF_X = OFF_DO + STAGES * Q_BYTES;
-  static constexpr int OFF_L = OFF_X + 2 * X_BYTES;             // per stage: lse2[BM], delta[BM]
-  static constexpr int OFF_META = OFF_L + STAGES * 2 * BM * 4;  // per stage: int[4]
-  static constexpr int OFF_BAR = OFF_META + STAGES * 16;  // kv, full[S], empty[S], xfull[2], xfree
+  // The barriers at OFF_BAR: the resident tiles', full[S], empty[S], xfull[2], xfree.
   static constexpr int NBARS = 1 + 2 * STAGES + 3;
-  static constexpr int SMEM = OFF_BAR + 8 * NBARS + 1024;  // + alignment slack
-  static constexpr int FULL_COUNT = 1 + 32;  // the elected lane's expect_tx + 32 cp.async arrivals
   static constexpr int PRODUCER_REGS = 40;
   static constexpr int CONSUMER_REGS = 232;
   static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "register pool of one CTA");
+  static_assert(DW % 64 == 0 && DH % 64 == 0, "whole SW128 column blocks");
+};
+
+struct DkdvWs512Cfg : Ws512Cfg {
+  static constexpr int HQ = HP;                // queries of a warpgroup's S^T / dP^T
+  static constexpr int K_BYTES = BN * DH * 2;  // one CTA's half of K (and of V)
+  static constexpr int Q_BYTES = BM * DH * 2;  // its half of a Q (and dO) block
+  // Shared memory from the kernel's 1024-byte aligned base (SMEM adds the slack for that
+  // alignment); the OFF_* offsets come from here.
+  struct SharedStorage {
+    uint16_t k[BN * DH];
+    uint16_t v[BN * DH];
+    uint16_t q[STAGES][BM * DH];
+    uint16_t dout[STAGES][BM * DH];
+    float x[2][X_BYTES / 4];  // X[w] per consumer warpgroup
+    float l[STAGES][2 * BM];  // per stage: lse2[BM], delta[BM]
+    int meta[STAGES][4];      // per stage: the query block's record
+    uint64_t bar[NBARS];
+  };
+  static_assert(sizeof(SharedStorage::k) == K_BYTES && sizeof(SharedStorage::q[0]) == Q_BYTES);
+  static constexpr int OFF_V = int(offsetof(SharedStorage, v));
+  static constexpr int OFF_Q = int(offsetof(SharedStorage, q));
+  static constexpr int OFF_DO = int(offsetof(SharedStorage, dout));
+  static constexpr int OFF_X = int(offsetof(SharedStorage, x));
+  static constexpr int OFF_L = int(offsetof(SharedStorage, l));
+  static constexpr int OFF_META = int(offsetof(SharedStorage, meta));
+  static constexpr int OFF_BAR = int(offsetof(SharedStorage, bar));
+  static constexpr int SMEM = int(sizeof(SharedStorage)) + 1024;
+  static constexpr int FULL_COUNT = 1 + 32;  // the elected lane's expect_tx + 32 cp.async arrivals
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
   static_assert(SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
   // The slices (2 x 2 x 16-query A fragments of 16 bytes per thread) fit in X[w] at words the
   // thread itself has read.
   static_assert(X_VECS >= 2 * (HQ / 16), "slices reuse the exchange buffer");
-  static_assert(DW % 64 == 0 && DH % 64 == 0, "whole SW128 column blocks");
 };
 
 namespace ws {
@@ -88,17 +116,118 @@ __device__ __forceinline__ void st_async_f32x4(uint32_t raddr, float a, float b,
       "f"(a), "f"(b), "f"(c), "f"(d), "r"(rbar)
       : "memory");
 }
-// mbar_wait with acquire at cluster scope: what a remote CTA's st.async wrote is visible after it.
-__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred P1;\nWAIT:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P1, [%0], %1;\n"
-      "@!P1 bra WAIT;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
 #endif
 }  // namespace ws
+
+#if DUALKV_SM90_BODY
+// The barriers of a D = 512 CTA (Ws512Cfg::NBARS from `b0`): b0 itself for the resident tiles,
+// the ring's full[S] / empty[S], xfull[w] (the peer's partials for warpgroup w have arrived: the
+// local arrive.expect_tx plus the peer's bytes) and xfree (the peer's 8 consumer warps have read
+// their slices, so its X may be refilled).
+struct Ws512Bars {
+  static constexpr int S = Ws512Cfg::STAGES;
+  uint32_t b0;
+  __device__ __forceinline__ uint32_t full(int s) const { return b0 + 8u * (1 + s); }
+  __device__ __forceinline__ uint32_t empty(int s) const { return b0 + 8u * (1 + S + s); }
+  __device__ __forceinline__ uint32_t xfull(int w) const { return b0 + 8u * (1 + 2 * S + w); }
+  __device__ __forceinline__ uint32_t xfree() const { return b0 + 8u * (3 + 2 * S); }
+  // Thread 0 initialises them (full: `full_count` arrivals), then the cluster synchronises: the
+  // peer's barriers are initialised before any st.async or remote arrival.
+  __device__ __forceinline__ void init(int tid, uint32_t full_count) const {
+    constexpr uint32_t NC = Ws512Cfg::CONSUMERS;
+    if (tid == 0) {
+      ws::mbar_init(b0, 1);
+#pragma unroll
+      for (int s = 0; s < S; ++s) {
+        ws::mbar_init(full(s), full_count);
+        ws::mbar_init(empty(s), NC);
+      }
+      ws::mbar_init(xfull(0), 1);  // the local arrive.expect_tx; the peer's bytes complete it
+      ws::mbar_init(xfull(1), 1);
+      ws::mbar_init(xfree(), NC / 32);  // one arrival per consumer warp of the peer
+      ws::mbar_init_fence();
+    }
+    ws::cluster_sync();
+  }
+};
+
+// Consumer warpgroup cw's side of the exchange with the same warpgroup of the peer CTA, through
+// X[cw] at `off_x` (X_BYTES each): [X_VECS][128 threads] 16-byte words, first the two float4
+// partials (written by the peer with st.async), then this warpgroup's uint4 slices (each thread
+// overwrites only words it has read itself).
+struct Ws512Exchange {
+  using Cfg = Ws512Cfg;
+  static constexpr int V = Cfg::HR / 4;  // float4s of one partial
+  unsigned char* gx;                     // X[0] (generic address)
+  float4* mine;                          // this thread's first word of X[cw]
+  uint32_t peer_x;                       // the same word of the peer's X[cw]
+  uint32_t xfull, xfull_peer, xfree, peer;
+  int t;
+  __device__ __forceinline__ Ws512Exchange(unsigned char* gbase, uint32_t base, int off_x,
+                                           const Ws512Bars& bars, int cw, int t_, uint32_t peer_)
+      : gx(gbase + off_x),
+        mine(reinterpret_cast<float4*>(gbase + off_x + cw * Cfg::X_BYTES) + t_),
+        peer_x(ws::mapa_shared(base + uint32_t(off_x + cw * Cfg::X_BYTES + t_ * 16), peer_)),
+        xfull(bars.xfull(cw)),
+        xfull_peer(ws::mapa_shared(bars.xfull(cw), peer_)),
+        xfree(bars.xfree()),
+        peer(peer_),
+        t(t_) {}
+  // Before the block's products: this block's phase of xfull[cw] completes on this arrival plus
+  // the peer's X_BYTES.
+  __device__ __forceinline__ void expect() const {
+    if (t == 0) ws::mbar_expect_tx(xfull, Cfg::X_BYTES);
+  }
+  __device__ __forceinline__ void send(const float (&v)[Cfg::HR], int w0) const {
+#pragma unroll
+    for (int i = 0; i < V; ++i)
+      ws::st_async_f32x4(peer_x + uint32_t((w0 + i) * 128 * 16), v[4 * i], v[4 * i + 1],
+                         v[4 * i + 2], v[4 * i + 3], xfull_peer);
+  }
+  // Block j's two products in flight (a, then b; two commit groups): each is sent to the peer as
+  // it completes, once the peer's X[cw] is free (its 8 consumer warps have read the previous
+  // block's slices); then the peer's partials of this block are added (IEEE addition commutes,
+  // so both CTAs hold bitwise the same sums).
+  __device__ __forceinline__ void swap_add(float (&a)[Cfg::HR], float (&b)[Cfg::HR], int j) const {
+    ws::mbar_wait(xfree, (uint32_t(j) & 1u) ^ 1u);
+    wg_wait<1>();  // a done, b in flight
+    fence_regs(a);
+    send(a, 0);
+    wg_wait<0>();
+    fence_regs(b);
+    send(b, V);
+    ws::mbar_wait_cluster(xfull, uint32_t(j) & 1u);
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      const float4 x = mine[i * 128], y = mine[(V + i) * 128];
+      a[4 * i] += x.x, a[4 * i + 1] += x.y, a[4 * i + 2] += x.z, a[4 * i + 3] += x.w;
+      b[4 * i] += y.x, b[4 * i + 1] += y.y, b[4 * i + 2] += y.z, b[4 * i + 3] += y.w;
+    }
+  }
+  // Word w of this thread's X[cw] <- the 16-row slice kl of v (an A fragment, packed to T).
+  template <typename T>
+  __device__ __forceinline__ void put_slice(int w, const float (&v)[Cfg::HR], int kl) const {
+    uint32_t q[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) q[c] = pack2<T>(v[8 * kl + 2 * c], v[8 * kl + 2 * c + 1]);
+    reinterpret_cast<uint4*>(mine)[w * 128] = make_uint4(q[0], q[1], q[2], q[3]);
+  }
+  // The A fragment in word w of this thread's place in warpgroup cw2's X (after the named barrier
+  // of both warpgroups).
+  __device__ __forceinline__ void get_slice(int cw2, int w, uint32_t (&f)[4]) const {
+    const uint4 u = (reinterpret_cast<const uint4*>(gx + cw2 * Cfg::X_BYTES) + t)[w * 128];
+    f[0] = u.x, f[1] = u.y, f[2] = u.z, f[3] = u.w;
+  }
+  // Both warpgroups' X of this CTA may be refilled by the peer once every warp is here (the proxy
+  // fence orders this thread's slice writes before the peer's st.async overwrites, in case those
+  // count as async-proxy writes).
+  __device__ __forceinline__ void release(int lane) const {
+    fence_proxy_async();
+    __syncwarp();
+    if (lane == 0) ws::mbar_arrive_cluster(xfree, peer);  // maps xfree into the peer itself
+  }
+};
+#endif
 
 template <typename T, bool kCap>
 __global__ void __launch_bounds__(384, 1)
@@ -113,11 +242,8 @@ __global__ void __launch_bounds__(384, 1)
   unsigned char* gbase = smem + (base - smem_u32(smem));
   const uint32_t sK = base, sV = base + Cfg::OFF_V;
   const uint32_t sQ0 = base + Cfg::OFF_Q, sdO0 = base + Cfg::OFF_DO, sL0 = base + Cfg::OFF_L;
-  const uint32_t bKV = base + Cfg::OFF_BAR;
-  auto full = [&](int s) { return bKV + 8u * (1 + s); };
-  auto empty = [&](int s) { return bKV + 8u * (1 + S + s); };
-  auto xfull = [&](int w) { return bKV + 8u * (1 + 2 * S + w); };
-  const uint32_t xfree = bKV + 8u * (3 + 2 * S);
+  const Ws512Bars bars{base + Cfg::OFF_BAR};
+  const uint32_t bKV = bars.b0;
   auto meta = [&](int s) {
     return reinterpret_cast<volatile int*>(gbase + Cfg::OFF_META + 16 * s);
   };
@@ -125,31 +251,15 @@ __global__ void __launch_bounds__(384, 1)
   // blockIdx.x = ((tile * 2 + half) * Hkv + kv head) * 2 + rank: the two CTAs of a cluster share
   // every index but the rank, so they agree on validity and on the query walk.
   const uint32_t rank = blockIdx.x & 1u, peer = rank ^ 1u;
-  const int idx = int(blockIdx.x >> 1);
-  const int hk = idx % p.Hkv, rest = idx / p.Hkv;
-  const Tile tile = p.ktiles[rest / 2];
-  const int k0 = tile.begin + (rest % 2) * BN;
-  if (k0 >= tile.end) return;  // both CTAs of the cluster, before any cluster barrier
-  const int nk = min(BN, tile.end - k0), ksi = tile.segment;
-  const Segment kseg = p.segs[ksi];
-  const int pk_first = kseg.pos0 + (k0 - kseg.start), pk_last = pk_first + nk - 1;
+  const KeyTileCta<BN> cta(p, blockIdx.x >> 1);
+  if (!cta.valid) return;  // both CTAs of the cluster, before any cluster barrier
+  const int hk = cta.hk, k0 = cta.k0, nk = cta.nk, ksi = cta.ksi;
+  const int pk_first = cta.pk_first, pk_last = cta.pk_last;
+  const Segment& kseg = cta.kseg;
   const int cb0 = int(rank) * DH;  // this CTA's first column
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
-  if (tid == 0) {
-    ws::mbar_init(bKV, 1);
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-      ws::mbar_init(full(s), Cfg::FULL_COUNT);
-      ws::mbar_init(empty(s), NC);
-    }
-    ws::mbar_init(xfull(0), 1);  // the local arrive.expect_tx; the peer's bytes complete it
-    ws::mbar_init(xfull(1), 1);
-    ws::mbar_init(xfree, NC / 32);  // one arrival per consumer warp of the peer
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    fence_proxy_async();
-  }
-  ws::cluster_sync();  // the peer's barriers are initialised before any st.async or arrival
+  bars.init(tid, Cfg::FULL_COUNT);
 
   if (warp < 4) {
     // ---- producer: warp 0 walks the query blocks (this CTA's column half) --------------------
@@ -159,23 +269,20 @@ __global__ void __launch_bounds__(384, 1)
         ws::prefetch_tmap(&a.tq);
         ws::prefetch_tmap(&a.tdo);
         ws::mbar_expect_tx(bKV, 2 * Cfg::K_BYTES);
-#pragma unroll
-        for (int c = 0; c < DH / 64; ++c) {
-          ws::tma_load3(sK + c * (BN * 128), &a.tk, bKV, cb0 + c * 64, hk, k0);
-          ws::tma_load3(sV + c * (BN * 128), &a.tv, bKV, cb0 + c * 64, hk, k0);
-        }
+        ws::tma_load3_pair<DH / 64, BN>(sK, &a.tk, sV, &a.tv, bKV, cb0, hk, k0);
       }
       QIter cur;
       bool valid = query_walk_begin<BM>(p, kseg, ksi, pk_first, pk_last, cur);
       for (int it = 0;; ++it) {
-        const int s = it % S;
-        ws::mbar_wait(empty(s), (uint32_t(it / S) & 1u) ^ 1u);
+        const int s = Ring<S>::stage(it);
+        const uint32_t full = bars.full(s);
+        ws::mbar_wait(bars.empty(s), Ring<S>::empty_parity(it));
         if (!valid) {
           if (lane == 0) {
             meta(s)[0] = 0;  // end of the walk
-            ws::mbar_arrive(full(s));
+            ws::mbar_arrive(full);
           }
-          ws::mbar_arrive(full(s));
+          ws::mbar_arrive(full);
           break;
         }
         const int h = hk * p.group + cur.hi;
@@ -186,14 +293,9 @@ __global__ void __launch_bounds__(384, 1)
           meta(s)[1] = nq;
           meta(s)[2] = cur.pos(BM);
           meta(s)[3] = qs;
-          ws::mbar_expect_tx(full(s), 2 * Cfg::Q_BYTES);
-#pragma unroll
-          for (int c = 0; c < DH / 64; ++c) {
-            ws::tma_load3(sQ0 + s * Cfg::Q_BYTES + c * (BM * 128), &a.tq, full(s), cb0 + c * 64, h,
-                          qs);
-            ws::tma_load3(sdO0 + s * Cfg::Q_BYTES + c * (BM * 128), &a.tdo, full(s), cb0 + c * 64,
-                          h, qs);
-          }
+          ws::mbar_expect_tx(full, 2 * Cfg::Q_BYTES);
+          ws::tma_load3_pair<DH / 64, BM>(sQ0 + s * Cfg::Q_BYTES, &a.tq, sdO0 + s * Cfg::Q_BYTES,
+                                          &a.tdo, full, cb0, h, qs);
         }
 #pragma unroll
         for (int i = lane; i < 2 * BM; i += 32) {
@@ -201,7 +303,7 @@ __global__ void __launch_bounds__(384, 1)
           const float* src = (i < BM ? p.lse2 : p.delta) + int64_t(h) * p.T + qs + (r < nq ? r : 0);
           cp_async4(sL0 + (s * 2 * BM + i) * 4, src, r < nq);
         }
-        ws::cp_async_mbar_arrive(full(s));
+        ws::cp_async_mbar_arrive(full);
         // query_walk_next, spelled out (as dkdv_ws_kernel_sm90: the call made the producer spill
         // at 24 registers).
         if (++cur.qb < cur.qb_end) continue;
@@ -224,17 +326,13 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
     for (int i = 0; i < AR; ++i) dk[i] = dv[i] = 0.f;
     const float* lse_s = reinterpret_cast<const float*>(gbase + Cfg::OFF_L);
-    // X[w]: [X_VECS][128 threads] 16-byte words (float4 partials, then uint4 slices).
-    float4* xmine = reinterpret_cast<float4*>(gbase + Cfg::OFF_X + cw * Cfg::X_BYTES) + t;
-    const uint32_t xpeer =
-        ws::mapa_shared(base + Cfg::OFF_X + uint32_t(cw * Cfg::X_BYTES + t * 16), peer);
-    const uint32_t xfull_peer = ws::mapa_shared(xfull(cw), peer);
+    const Ws512Exchange x(gbase, base, Cfg::OFF_X, bars, cw, t, peer);
     const uint32_t half = uint32_t(cw * DW / 64) * (BM * 128);  // this warpgroup's column blocks
 
     ws::mbar_wait(bKV, 0);
     for (int it = 0;; ++it) {
-      const int s = it % S;
-      ws::mbar_wait(full(s), uint32_t(it / S) & 1u);
+      const int s = Ring<S>::stage(it);
+      ws::mbar_wait(bars.full(s), Ring<S>::full_parity(it));
       if (meta(s)[0] == 0) break;
       const int nq = meta(s)[1], pq_first = meta(s)[2];
       const bool msk =
@@ -242,8 +340,7 @@ __global__ void __launch_bounds__(384, 1)
       const uint32_t sQ = sQ0 + s * Cfg::Q_BYTES, sdO = sdO0 + s * Cfg::Q_BYTES;
       const float* lse_c = lse_s + s * 2 * BM;
       const float* del_c = lse_c + BM;
-      // This block's phase of xfull[cw] completes on this arrival plus the peer's X_BYTES.
-      if (t == 0) ws::mbar_expect_tx(xfull(cw), Cfg::X_BYTES);
+      x.expect();
 
       float sc[HR], dp[HR];
       wg_fence();
@@ -251,95 +348,50 @@ __global__ void __launch_bounds__(384, 1)
       wg_commit();
       wgmma_rows_cols<T, HQ, DH, BN, BM>(dp, sV, 0, sdO, q_off, 0);
       wg_commit();
-      // The peer's X[cw] is free once its 8 consumer warps have read the previous block's slices.
-      ws::mbar_wait(xfree, (uint32_t(it) & 1u) ^ 1u);
-      wg_wait<1>();  // S^T partial done, dP^T partial in flight
-      fence_regs(sc);
-#pragma unroll
-      for (int i = 0; i < HR / 4; ++i)
-        ws::st_async_f32x4(xpeer + uint32_t(i * 128 * 16), sc[4 * i], sc[4 * i + 1], sc[4 * i + 2],
-                           sc[4 * i + 3], xfull_peer);
-      wg_wait<0>();
-      fence_regs(dp);
-#pragma unroll
-      for (int i = 0; i < HR / 4; ++i)
-        ws::st_async_f32x4(xpeer + uint32_t((HR / 4 + i) * 128 * 16), dp[4 * i], dp[4 * i + 1],
-                           dp[4 * i + 2], dp[4 * i + 3], xfull_peer);
-      // The peer's partials of this block.
-      ws::mbar_wait_cluster(xfull(cw), uint32_t(it) & 1u);
-#pragma unroll
-      for (int i = 0; i < HR / 4; ++i) {
-        const float4 x = xmine[i * 128], y = xmine[(HR / 4 + i) * 128];
-        sc[4 * i] += x.x, sc[4 * i + 1] += x.y, sc[4 * i + 2] += x.z, sc[4 * i + 3] += x.w;
-        dp[4 * i] += y.x, dp[4 * i + 1] += y.y, dp[4 * i + 2] += y.z, dp[4 * i + 3] += y.w;
-      }
+      x.swap_add(sc, dp, it);  // S^T and dP^T of the whole head dim
       // P (and dsoftcap) and dS of this warpgroup's queries, as dkdv_kernel_sm90's kSplitD.
 #pragma unroll
       for (int i = 0; i < HR; ++i) {
         const int nt = i >> 2, e = i & 3;
         const int qc = q_off + nt * 8 + 2 * tq + (e & 1);
         const int kr = kr0 + (e >> 1) * 8;
-        float x, dcap = 1.f;
-        if constexpr (kCap) {
-          const float th = tanhf(sc[i] * p.cap_inv);
-          x = p.cap_log2 * th;
-          dcap = 1.f - th * th;
-        } else {
-          x = sc[i] * p.scale_log2;
-        }
-        float pr = fast_exp2(x - lse_c[qc]);
-        if (msk && !(kr < nk && qc < nq && p.mask.allowed(pq_first + qc, pk_first + kr))) pr = 0.f;
+        float dcap;
+        const float xl = score_log2<kCap>(p, sc[i], dcap);
+        float pr = fast_exp2(xl - lse_c[qc]);
+        if (msk && !DUALKV_VISIBLE_KQ(p.mask, kr, nk, pk_first, qc, nq, pq_first)) pr = 0.f;
         sc[i] = pr;
         dp[i] = pr * (dp[i] - del_c[qc]) * dcap;
       }
-      // This warpgroup's two 16-query slices of P^T and dS^T into X[cw] (words this thread has
-      // just read), then all four of each back.
-      uint4* xs = reinterpret_cast<uint4*>(xmine);
+      // This warpgroup's two 16-query slices of P^T (words 0, 1) and dS^T (words 2, 3) into
+      // X[cw], then all four of each back.
 #pragma unroll
       for (int kl = 0; kl < HQ / 16; ++kl) {
-        uint32_t pw[4], dw[4];
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          pw[c] = pack2<T>(sc[8 * kl + 2 * c], sc[8 * kl + 2 * c + 1]);
-          dw[c] = pack2<T>(dp[8 * kl + 2 * c], dp[8 * kl + 2 * c + 1]);
-        }
-        xs[kl * 128] = make_uint4(pw[0], pw[1], pw[2], pw[3]);
-        xs[(HQ / 16 + kl) * 128] = make_uint4(dw[0], dw[1], dw[2], dw[3]);
+        x.put_slice<T>(kl, sc, kl);
+        x.put_slice<T>(HQ / 16 + kl, dp, kl);
       }
       ws::bar_sync(1, NC);
       uint32_t pa[BM / 16][4], da[BM / 16][4];
 #pragma unroll
       for (int kt = 0; kt < BM / 16; ++kt) {
         const int w = kt / (HQ / 16), kl = kt % (HQ / 16);
-        const uint4* xw = reinterpret_cast<const uint4*>(gbase + Cfg::OFF_X + w * Cfg::X_BYTES) + t;
-        const uint4 v = xw[kl * 128], u = xw[(HQ / 16 + kl) * 128];
-        pa[kt][0] = v.x, pa[kt][1] = v.y, pa[kt][2] = v.z, pa[kt][3] = v.w;
-        da[kt][0] = u.x, da[kt][1] = u.y, da[kt][2] = u.z, da[kt][3] = u.w;
+        x.get_slice(w, kl, pa[kt]);
+        x.get_slice(w, HQ / 16 + kl, da[kt]);
       }
-      // Both warpgroups' X of this CTA may be refilled by the peer once every warp is here (the
-      // proxy fence orders this thread's slice writes before the peer's st.async overwrites, in
-      // case those count as async-proxy writes).
-      fence_proxy_async();
-      __syncwarp();
-      if (lane == 0) ws::mbar_arrive_cluster(xfree, peer);  // maps xfree into the peer itself
+      x.release(lane);
       fence_regs(pa);
       fence_regs(da);
       fence_regs(dv);
       fence_regs(dk);
       wg_fence();
-#pragma unroll
-      for (int kt = 0; kt < BM / 16; ++kt)
-        Wgmma<T, DW>::template rs<1>(dv, pa[kt], desc_mnmajor<BM>(sdO + half, kt * 16), 1);
-#pragma unroll
-      for (int kt = 0; kt < BM / 16; ++kt)
-        Wgmma<T, DW>::template rs<1>(dk, da[kt], desc_mnmajor<BM>(sQ + half, kt * 16), 1);
+      wgmma_rs_acc<T, DW, BM>(dv, pa, sdO + half);
+      wgmma_rs_acc<T, DW, BM>(dk, da, sQ + half);
       wg_commit();
       wg_wait<0>();
       fence_regs(dv);
       fence_regs(dk);
       fence_regs(pa);
       fence_regs(da);
-      ws::mbar_arrive(empty(s));
+      ws::mbar_arrive(bars.empty(s));
     }
     store_dkdv_rows<T, Cfg::D, DW>(p, dk, dv, k0, nk, hk, kr0, cb0 + cw * DW, tq);
   }
@@ -353,35 +405,29 @@ __global__ void __launch_bounds__(384, 1)
 // block of the key walk (KeyBlockWalk over the CTA's 64 queries, as the forward), and owning those
 // columns of dQ. Consumer warpgroup w: the partial S and dP of the block's keys 32w..32w+31 over
 // the CTA's columns (m64n32k16 SS), exchanged with the peer exactly as in the dK/dV kernel
-// (st.async into X[w], xfull / xfree), then P, dS of its 32 keys, its two 16-key slices of dS (A
-// fragments) into X[w], named barrier, all four back, and dQ += dS K on its 128 columns
-// (m64n128k16 RS). Same accumulation order in every run (the walk is fixed): deterministic.
-struct DqWs512Cfg {
-  static constexpr int D = 512;
-  static constexpr int CLUSTER = 2;
-  static constexpr int DH = D / CLUSTER;  // 256 columns per CTA
-  static constexpr int DW = DH / 2;       // 128 dQ columns per consumer warpgroup
-  static constexpr int BM = 64;           // queries per CTA (and per cluster)
-  static constexpr int BN = 64;           // keys per block
-  static constexpr int HK = BN / 2;       // keys of a warpgroup's S / dP
-  static constexpr int HR = HK / 2;       // their fragment floats per thread
-  static constexpr int STAGES = 2;
-  static constexpr int THREADS = 384;
-  static constexpr int CONSUMERS = 256;
+// (Ws512Exchange: st.async into X[w], xfull / xfree), then P, dS of its 32 keys, its two 16-key
+// slices of dS (A fragments) into X[w], named barrier, all four back, and dQ += dS K on its 128
+// columns (m64n128k16 RS). Same accumulation order in every run (the walk is fixed):
+// deterministic.
+struct DqWs512Cfg : Ws512Cfg {
+  static constexpr int HK = HP;                 // keys of a warpgroup's S / dP
   static constexpr int Q_BYTES = BM * DH * 2;   // one CTA's half of Q (and of dO)
   static constexpr int KV_BYTES = BN * DH * 2;  // its half of a K (and V) block
-  static constexpr int X_VECS = 2 * HR / 4;
-  static constexpr int X_BYTES = X_VECS * 128 * 16;
-  static constexpr int OFF_DO = Q_BYTES;
-  static constexpr int OFF_K = 2 * Q_BYTES;
-  static constexpr int OFF_V = OFF_K + STAGES * KV_BYTES;
-  static constexpr int OFF_X = OFF_V + STAGES * KV_BYTES;
-  static constexpr int OFF_BAR = OFF_X + 2 * X_BYTES;  // q, full[S], empty[S], xfull[2], xfree
-  static constexpr int NBARS = 1 + 2 * STAGES + 3;
-  static constexpr int SMEM = OFF_BAR + 8 * NBARS + 1024;
-  static constexpr int PRODUCER_REGS = 40;
-  static constexpr int CONSUMER_REGS = 232;
-  static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "register pool of one CTA");
+  struct SharedStorage {  // from the 1024-byte aligned base, as DkdvWs512Cfg's
+    uint16_t q[BM * DH];
+    uint16_t dout[BM * DH];
+    uint16_t k[STAGES][BN * DH];
+    uint16_t v[STAGES][BN * DH];
+    float x[2][X_BYTES / 4];  // X[w] per consumer warpgroup
+    uint64_t bar[NBARS];
+  };
+  static_assert(sizeof(SharedStorage::q) == Q_BYTES && sizeof(SharedStorage::k[0]) == KV_BYTES);
+  static constexpr int OFF_DO = int(offsetof(SharedStorage, dout));
+  static constexpr int OFF_K = int(offsetof(SharedStorage, k));
+  static constexpr int OFF_V = int(offsetof(SharedStorage, v));
+  static constexpr int OFF_X = int(offsetof(SharedStorage, x));
+  static constexpr int OFF_BAR = int(offsetof(SharedStorage, bar));
+  static constexpr int SMEM = int(sizeof(SharedStorage)) + 1024;
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
   static_assert(SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
   static_assert(X_VECS >= HK / 16, "the dS slices reuse the exchange buffer");
@@ -400,67 +446,30 @@ __global__ void __launch_bounds__(384, 1)
   unsigned char* gbase = smem + (base - smem_u32(smem));
   const uint32_t sQ = base, sdO = base + Cfg::OFF_DO, sK0 = base + Cfg::OFF_K,
                  sV0 = base + Cfg::OFF_V;
-  const uint32_t bQ = base + Cfg::OFF_BAR;
-  auto full = [&](int s) { return bQ + 8u * (1 + s); };
-  auto empty = [&](int s) { return bQ + 8u * (1 + S + s); };
-  auto xfull = [&](int w) { return bQ + 8u * (1 + 2 * S + w); };
-  const uint32_t xfree = bQ + 8u * (3 + 2 * S);
+  const Ws512Bars bars{base + Cfg::OFF_BAR};
+  const uint32_t bQ = bars.b0;
 
   // blockIdx.x = ((tile * 2 + half) * Hq + q head) * 2 + rank (see dkdv_ws512_kernel_sm90).
   const uint32_t rank = blockIdx.x & 1u, peer = rank ^ 1u;
-  const int idx = int(blockIdx.x >> 1);
-  const int h = idx % p.Hq, rest = idx / p.Hq;
-  const Tile tile = p.qtiles[rest / 2];
-  const int q0 = tile.begin + (rest % 2) * BM;
-  if (q0 >= tile.end) return;  // both CTAs of the cluster, before any cluster barrier
-  const int nq = min(BM, tile.end - q0), hk = h / p.group;
-  const Segment seg = p.segs[tile.segment];
+  const QueryTileCta<BM> cta(p, blockIdx.x >> 1);
+  if (!cta.valid) return;  // both CTAs of the cluster, before any cluster barrier
+  const int h = cta.h, hk = cta.hk, q0 = cta.q0, nq = cta.nq;
+  const Segment& seg = cta.seg;
   const int cb0 = int(rank) * DH;
 
   const KeyBlockWalk<BN> walk(seg, q0, nq, p.mask);
   const int total = walk.total, pq_first = walk.pq_first;
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
-  if (tid == 0) {
-    ws::mbar_init(bQ, 1);
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-      ws::mbar_init(full(s), 1);
-      ws::mbar_init(empty(s), NC);
-    }
-    ws::mbar_init(xfull(0), 1);
-    ws::mbar_init(xfull(1), 1);
-    ws::mbar_init(xfree, NC / 32);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    fence_proxy_async();
-  }
-  ws::cluster_sync();
+  bars.init(tid, 1);
 
   if (warp < 4) {
     // ---- producer: one thread, this CTA's column half ----------------------------------------
     ws::reg_dealloc<Cfg::PRODUCER_REGS>();
     if (tid == 0) {
-      ws::prefetch_tmap(&a.tk);
-      ws::prefetch_tmap(&a.tv);
-      ws::mbar_expect_tx(bQ, 2 * Cfg::Q_BYTES);
-#pragma unroll
-      for (int c = 0; c < DH / 64; ++c) {
-        ws::tma_load3(sQ + c * (BM * 128), &a.tq, bQ, cb0 + c * 64, h, q0);
-        ws::tma_load3(sdO + c * (BM * 128), &a.tdo, bQ, cb0 + c * 64, h, q0);
-      }
-      for (int j = 0; j < total; ++j) {
-        const int s = j % S;
-        const int row = int(walk.at(j).row());
-        ws::mbar_wait(empty(s), (uint32_t(j / S) & 1u) ^ 1u);
-        ws::mbar_expect_tx(full(s), 2 * Cfg::KV_BYTES);
-#pragma unroll
-        for (int c = 0; c < DH / 64; ++c) {
-          ws::tma_load3(sK0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tk, full(s), cb0 + c * 64, hk,
-                        row);
-          ws::tma_load3(sV0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tv, full(s), cb0 + c * 64, hk,
-                        row);
-        }
-      }
+      dq_producer_thread<BM, BN, S, DH / 64>(
+          a, walk, total, h, hk, q0, cb0, sQ, sdO, bQ, sK0, sV0,
+          [&](int s) { return bars.full(s); }, [&](int s) { return bars.empty(s); });
     }
   } else {
     // ---- consumers ---------------------------------------------------------------------------
@@ -476,18 +485,15 @@ __global__ void __launch_bounds__(384, 1)
     float acc[AR];
 #pragma unroll
     for (int i = 0; i < AR; ++i) acc[i] = 0.f;
-    float4* xmine = reinterpret_cast<float4*>(gbase + Cfg::OFF_X + cw * Cfg::X_BYTES) + t;
-    const uint32_t xpeer =
-        ws::mapa_shared(base + Cfg::OFF_X + uint32_t(cw * Cfg::X_BYTES + t * 16), peer);
-    const uint32_t xfull_peer = ws::mapa_shared(xfull(cw), peer);
+    const Ws512Exchange x(gbase, base, Cfg::OFF_X, bars, cw, t, peer);
     const uint32_t half = uint32_t(cw * DW / 64) * (BN * 128);  // this warpgroup's column blocks
 
     ws::mbar_wait(bQ, 0);
     for (int j = 0; j < total; ++j) {
-      const int s = j % S;
-      ws::mbar_wait(full(s), uint32_t(j / S) & 1u);
+      const int s = Ring<S>::stage(j);
+      ws::mbar_wait(bars.full(s), Ring<S>::full_parity(j));
       const uint32_t sK = sK0 + s * Cfg::KV_BYTES, sV = sV0 + s * Cfg::KV_BYTES;
-      if (t == 0) ws::mbar_expect_tx(xfull(cw), Cfg::X_BYTES);
+      x.expect();
 
       float sc[HR], dp[HR];
       wg_fence();
@@ -495,92 +501,40 @@ __global__ void __launch_bounds__(384, 1)
       wg_commit();
       wgmma_rows_cols<T, HK, DH, BM, BN>(dp, sdO, 0, sV, k_off, 0);
       wg_commit();
-      ws::mbar_wait(xfree, (uint32_t(j) & 1u) ^ 1u);
-      wg_wait<1>();
-      fence_regs(sc);
-#pragma unroll
-      for (int i = 0; i < HR / 4; ++i)
-        ws::st_async_f32x4(xpeer + uint32_t(i * 128 * 16), sc[4 * i], sc[4 * i + 1], sc[4 * i + 2],
-                           sc[4 * i + 3], xfull_peer);
-      wg_wait<0>();
-      fence_regs(dp);
-#pragma unroll
-      for (int i = 0; i < HR / 4; ++i)
-        ws::st_async_f32x4(xpeer + uint32_t((HR / 4 + i) * 128 * 16), dp[4 * i], dp[4 * i + 1],
-                           dp[4 * i + 2], dp[4 * i + 3], xfull_peer);
-      ws::mbar_wait_cluster(xfull(cw), uint32_t(j) & 1u);
-#pragma unroll
-      for (int i = 0; i < HR / 4; ++i) {
-        const float4 x = xmine[i * 128], y = xmine[(HR / 4 + i) * 128];
-        sc[4 * i] += x.x, sc[4 * i + 1] += x.y, sc[4 * i + 2] += x.z, sc[4 * i + 3] += x.w;
-        dp[4 * i] += y.x, dp[4 * i + 1] += y.y, dp[4 * i + 2] += y.z, dp[4 * i + 3] += y.w;
-      }
+      x.swap_add(sc, dp, j);  // S and dP of the whole head dim
       const auto kb = walk.at(j);
       const bool msk = walk.masked(kb, nq, BM, p.mask);
 #pragma unroll
       for (int i = 0; i < HR; ++i) {
         const int nt = i >> 2, e = i & 3, r = e >> 1;
-        float x, dcap = 1.f;
-        if constexpr (kCap) {
-          const float th = tanhf(sc[i] * p.cap_inv);
-          x = p.cap_log2 * th;
-          dcap = 1.f - th * th;
-        } else {
-          x = sc[i] * p.scale_log2;
-        }
-        float pr = fast_exp2(x - lse2[r]);
+        float dcap;
+        const float xl = score_log2<kCap>(p, sc[i], dcap);
+        float pr = fast_exp2(xl - lse2[r]);
         if (msk) {
           const int kr = kb.off + k_off + nt * 8 + 2 * tq + (e & 1);
-          if (!(kr < kb.R.len && p.mask.allowed(pq_first + row0 + 8 * r, kb.R.pos0 + kr))) pr = 0.f;
+          if (!DUALKV_VISIBLE(p.mask, kb, pq_first + row0 + 8 * r, kr)) pr = 0.f;
         }
         dp[i] = pr * (dp[i] - del[r]) * dcap;
       }
       // This warpgroup's two 16-key slices of dS into X[cw], then all four back.
-      uint4* xs = reinterpret_cast<uint4*>(xmine);
 #pragma unroll
-      for (int kl = 0; kl < HK / 16; ++kl) {
-        uint32_t dw[4];
-#pragma unroll
-        for (int c = 0; c < 4; ++c) dw[c] = pack2<T>(dp[8 * kl + 2 * c], dp[8 * kl + 2 * c + 1]);
-        xs[kl * 128] = make_uint4(dw[0], dw[1], dw[2], dw[3]);
-      }
+      for (int kl = 0; kl < HK / 16; ++kl) x.put_slice<T>(kl, dp, kl);
       ws::bar_sync(1, NC);
       uint32_t da[BN / 16][4];
 #pragma unroll
-      for (int kt = 0; kt < BN / 16; ++kt) {
-        const int w = kt / (HK / 16), kl = kt % (HK / 16);
-        const uint4 u =
-            (reinterpret_cast<const uint4*>(gbase + Cfg::OFF_X + w * Cfg::X_BYTES) + t)[kl * 128];
-        da[kt][0] = u.x, da[kt][1] = u.y, da[kt][2] = u.z, da[kt][3] = u.w;
-      }
-      fence_proxy_async();
-      __syncwarp();
-      if (lane == 0) ws::mbar_arrive_cluster(xfree, peer);
+      for (int kt = 0; kt < BN / 16; ++kt) x.get_slice(kt / (HK / 16), kt % (HK / 16), da[kt]);
+      x.release(lane);
       fence_regs(da);
       fence_regs(acc);
       wg_fence();
-#pragma unroll
-      for (int kt = 0; kt < BN / 16; ++kt)
-        Wgmma<T, DW>::template rs<1>(acc, da[kt], desc_mnmajor<BN>(sK + half, kt * 16), 1);
+      wgmma_rs_acc<T, DW, BN>(acc, da, sK + half);
       wg_commit();
       wg_wait<0>();
       fence_regs(acc);
       fence_regs(da);
-      ws::mbar_arrive(empty(s));
+      ws::mbar_arrive(bars.empty(s));
     }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = row0 + 8 * r;
-      if (row < nq) {
-        T* dst = static_cast<T*>(p.dq) + (int64_t(q0 + row) * p.Hq + h) * Cfg::D + cb0 + cw * DW +
-                 2 * tq;
-#pragma unroll
-        for (int nd = 0; nd < DW / 8; ++nd) {
-          *reinterpret_cast<uint32_t*>(dst + nd * 8) =
-              pack2<T>(acc[nd * 4 + 2 * r] * p.scale, acc[nd * 4 + 2 * r + 1] * p.scale);
-        }
-      }
-    }
+    store_dq_rows<T, Cfg::D, DW>(p, acc, q0, nq, h, row0, cb0 + cw * DW, tq);
   }
   ws::cluster_sync();
 #endif
@@ -596,14 +550,7 @@ bool launch_backward_sm90_d512(const Params& p, const KernelPolicy& policy, cuda
   constexpr int D = C::D;
   if (int64_t(p.T) * p.Hq == 0) return true;
   DkdvWsArgs a{};
-  if (!encode_tmap_thd(&a.tq, p.q, p.T, p.Hq, D, p.q_tok, p.q_head, C::BM) ||
-      !encode_tmap_thd(&a.tdo, p.dout, p.T, p.Hq, D, int64_t(p.Hq) * D, D, C::BM) ||
-      !encode_tmap_thd(&a.tk, p.k, p.T, p.Hkv, D, p.k_tok, p.k_head, C::BN) ||
-      !encode_tmap_thd(&a.tv, p.v, p.T, p.Hkv, D, p.v_tok, p.v_head, C::BN)) {
-    warn_ws_fallback("cuTensorMapEncodeTiled failed or is unavailable");
-    return false;
-  }
-  a.p = p;
+  if (!make_bwd_ws_args(a, p, D, C::BM, C::BN)) return false;
   launch_bwd_pre<T, D>(p, false, stream);
   const bool cap = p.softcap > 0.f;
   const int64_t grid = int64_t(p.nkt) * (kTileSize / C::BN) * p.Hkv * C::CLUSTER;

@@ -231,11 +231,7 @@ __global__ void __launch_bounds__(384, 1)
         ws::prefetch_tmap(&a.tq);
         ws::prefetch_tmap(&a.tdo);
         ws::mbar_expect_tx(bKV, 2 * Cfg::K_BYTES);
-#pragma unroll
-        for (int c = 0; c < D / 64; ++c) {
-          ws::tma_load3(sK + c * (BN * 128), &a.tk, bKV, c * 64, hk, k0);
-          ws::tma_load3(sV + c * (BN * 128), &a.tv, bKV, c * 64, hk, k0);
-        }
+        ws::tma_load3_pair<D / 64, BN>(sK, &a.tk, sV, &a.tv, bKV, 0, hk, k0);
       }
       QIter cur;
       bool valid = query_walk_begin<BM>(p, kseg, ksi, pk_first, pk_last, cur);
@@ -259,11 +255,8 @@ __global__ void __launch_bounds__(384, 1)
           meta(s)[2] = cur.pos(BM);
           meta(s)[3] = qs;
           ws::mbar_expect_tx(full(s), 2 * Cfg::Q_BYTES);
-#pragma unroll
-          for (int c = 0; c < D / 64; ++c) {
-            ws::tma_load3(sQ0 + s * Cfg::Q_BYTES + c * (BM * 128), &a.tq, full(s), c * 64, h, qs);
-            ws::tma_load3(sdO0 + s * Cfg::Q_BYTES + c * (BM * 128), &a.tdo, full(s), c * 64, h, qs);
-          }
+          ws::tma_load3_pair<D / 64, BM>(sQ0 + s * Cfg::Q_BYTES, &a.tq, sdO0 + s * Cfg::Q_BYTES,
+                                         &a.tdo, full(s), 0, h, qs);
         }
 #pragma unroll
         for (int i = lane; i < 2 * BM; i += 32) {
@@ -562,6 +555,20 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
+// The backward kernels' arguments: p, and the tensor maps of Q and dO (boxes of bm rows) and of K
+// and V (bn rows), d columns each. False, with the fallback warning, when a map cannot be encoded.
+inline bool make_bwd_ws_args(DkdvWsArgs& a, const Params& p, int d, int bm, int bn) {
+  if (!encode_tmap_thd(&a.tq, p.q, p.T, p.Hq, d, p.q_tok, p.q_head, bm) ||
+      !encode_tmap_thd(&a.tdo, p.dout, p.T, p.Hq, d, int64_t(p.Hq) * d, d, bm) ||
+      !encode_tmap_thd(&a.tk, p.k, p.T, p.Hkv, d, p.k_tok, p.k_head, bn) ||
+      !encode_tmap_thd(&a.tv, p.v, p.T, p.Hkv, d, p.v_tok, p.v_head, bn)) {
+    warn_ws_fallback("cuTensorMapEncodeTiled failed or is unavailable");
+    return false;
+  }
+  a.p = p;
+  return true;
+}
+
 // Preprocess, the warp-specialised dK/dV kernel, then the dQ pass or (policy.dq_mode 1, 2: the
 // kernel's kDq) the conversion of the dQ the kernel added up. False (nothing launched) for D = 256
 // or when a tensor map cannot be encoded. (D = 256 with this dQ pass behind the synchronous dK/dV
@@ -576,14 +583,7 @@ bool launch_backward_sm90_ws(const Params& p, const KernelPolicy& policy, cudaSt
     const bool atomic_dq = dq_mode > 0;
     if (int64_t(p.T) * p.Hq == 0) return true;
     DkdvWsArgs a{};
-    if (!encode_tmap_thd(&a.tq, p.q, p.T, p.Hq, D, p.q_tok, p.q_head, C::BM) ||
-        !encode_tmap_thd(&a.tdo, p.dout, p.T, p.Hq, D, int64_t(p.Hq) * D, D, C::BM) ||
-        !encode_tmap_thd(&a.tk, p.k, p.T, p.Hkv, D, p.k_tok, p.k_head, C::BN) ||
-        !encode_tmap_thd(&a.tv, p.v, p.T, p.Hkv, D, p.v_tok, p.v_head, C::BN)) {
-      warn_ws_fallback("cuTensorMapEncodeTiled failed or is unavailable");
-      return false;
-    }
-    a.p = p;
+    if (!make_bwd_ws_args(a, p, D, C::BM, C::BN)) return false;
     launch_bwd_pre<T, D>(p, atomic_dq, stream);
     const bool cap = p.softcap > 0.f;
     const int64_t grid = int64_t(p.nkt) * p.Hkv;

@@ -114,4 +114,15 @@ __device__ __forceinline__ void wgmma_rows(float (&acc)[NACC], uint32_t sA, int 
   wgmma_rows_cols<T, N, D, A_ROWS, B_ROWS>(acc, sA, a_row0, sB, b_row0, 0);
 }
 
+// acc (+)= A B: A the KT m16k16 register fragments (the reduction dim, 16 KT), B the MN-major
+// SW128 tile of ROWS rows at sB (its first N columns): KT accumulating RS wgmmas, issued but not
+// committed.
+template <typename T, int N, int ROWS, int KT>
+__device__ __forceinline__ void wgmma_rs_acc(float (&acc)[N / 2], const uint32_t (&a)[KT][4],
+                                             uint32_t sB) {
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt)
+    Wgmma<T, N>::template rs<1>(acc, a[kt], desc_mnmajor<ROWS>(sB, kt * 16), 1);
+}
+
 }  // namespace dualkv::cuda::detail

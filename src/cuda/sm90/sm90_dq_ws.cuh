@@ -52,6 +52,31 @@ struct DqWsArgs {
   int pingpong;
 };
 
+#if DUALKV_SM90_BODY
+// The producer thread of the dQ kernels (dq_ws_kernel_sm90, and per CTA of its cluster the D = 512
+// one: NB column blocks of 64 from col0): Q and dO of the CTA's queries once on bQ, then K and V
+// of each key block of the walk through the S-stage ring.
+template <int BM, int BN, int S, int NB, class Args, class Walk, class Full, class Empty>
+__device__ __forceinline__ void dq_producer_thread(const Args& a, const Walk& walk, int total,
+                                                   int h, int hk, int q0, int col0, uint32_t sQ,
+                                                   uint32_t sdO, uint32_t bQ, uint32_t sK0,
+                                                   uint32_t sV0, Full full, Empty empty) {
+  constexpr int Q_BYTES = BM * NB * 128, KV_BYTES = BN * NB * 128;
+  ws::prefetch_tmap(&a.tk);
+  ws::prefetch_tmap(&a.tv);
+  ws::mbar_expect_tx(bQ, 2 * Q_BYTES);
+  ws::tma_load3_pair<NB, BM>(sQ, &a.tq, sdO, &a.tdo, bQ, col0, h, q0);
+  for (int j = 0; j < total; ++j) {
+    const int s = Ring<S>::stage(j);
+    const int row = int(walk.at(j).row());
+    ws::mbar_wait(empty(s), Ring<S>::empty_parity(j));
+    ws::mbar_expect_tx(full(s), 2 * KV_BYTES);
+    ws::tma_load3_pair<NB, BN>(sK0 + s * KV_BYTES, &a.tk, sV0 + s * KV_BYTES, &a.tv, full(s), col0,
+                               hk, row);
+  }
+}
+#endif
+
 template <typename T, int D, bool kCap>
 __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constant__ DqWsArgs a) {
 #if DUALKV_SM90_BODY
@@ -89,25 +114,8 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
     // ---- producer warpgroup: one thread issues every copy ------------------------------------
     ws::reg_dealloc<Cfg::PRODUCER_REGS>();
     if (tid == 0) {
-      ws::prefetch_tmap(&a.tk);
-      ws::prefetch_tmap(&a.tv);
-      ws::mbar_expect_tx(bQ, 2 * Cfg::Q_BYTES);
-#pragma unroll
-      for (int c = 0; c < D / 64; ++c) {
-        ws::tma_load3(sQ + c * (BM * 128), &a.tq, bQ, c * 64, h, q0);
-        ws::tma_load3(sdO + c * (BM * 128), &a.tdo, bQ, c * 64, h, q0);
-      }
-      for (int j = 0; j < total; ++j) {
-        const int s = Ring<S>::stage(j);
-        const int row = int(walk.at(j).row());
-        ws::mbar_wait(empty(s), Ring<S>::empty_parity(j));
-        ws::mbar_expect_tx(full(s), 2 * Cfg::KV_BYTES);
-#pragma unroll
-        for (int c = 0; c < D / 64; ++c) {
-          ws::tma_load3(sK0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tk, full(s), c * 64, hk, row);
-          ws::tma_load3(sV0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tv, full(s), c * 64, hk, row);
-        }
-      }
+      dq_producer_thread<BM, BN, S, D / 64>(a, walk, total, h, hk, q0, 0, sQ, sdO, bQ, sK0, sV0,
+                                            full, empty);
     }
   } else {
     // ---- consumer warpgroups -----------------------------------------------------------------

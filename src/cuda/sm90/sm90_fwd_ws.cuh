@@ -116,6 +116,19 @@ __device__ __forceinline__ void tma_load3(uint32_t dst, const CUtensorMap* map, 
       "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
 }
+// The NB column blocks of 64 from column col0 (coordinates {col, c1, c2}) of two tiles that
+// complete on the same barrier: map_a's into dst_a, map_b's into dst_b (SW128 blocks of ROWS x 128
+// bytes), one block of each in turn.
+template <int NB, int ROWS>
+__device__ __forceinline__ void tma_load3_pair(uint32_t dst_a, const CUtensorMap* map_a,
+                                               uint32_t dst_b, const CUtensorMap* map_b,
+                                               uint32_t bar, int col0, int c1, int c2) {
+#pragma unroll
+  for (int c = 0; c < NB; ++c) {
+    tma_load3(dst_a + c * (ROWS * 128), map_a, bar, col0 + c * 64, c1, c2);
+    tma_load3(dst_b + c * (ROWS * 128), map_b, bar, col0 + c * 64, c1, c2);
+  }
+}
 // The same copy delivered to the same shared-memory offsets of every CTA of the cluster in
 // `cta_mask` (and completing on the barrier at the same offset in each).
 __device__ __forceinline__ void tma_load3_multicast(uint32_t dst, const CUtensorMap* map,
