@@ -238,6 +238,11 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
     return out + ["| " + " | ".join(r) + " |" for r in rows]
 
 
+def section(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A blank line and the markdown table of ``rows``; nothing when there are none."""
+    return ["", *table(header, rows)] if rows else []
+
+
 # --- part 1: exactness --------------------------------------------------------------------------
 UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8,
                  torch.float16: 2.0**-11}  # fmt: skip
@@ -818,9 +823,7 @@ def summarize(path: str) -> list[str]:
             if w in other:
                 vs.append([f"{model} ({layers} layers)", f"{n}, {p}, {r}", str(w),
                            f"{other[w]['time_s'] / x['time_s']:.2f}x"])  # fmt: skip
-    if vs:
-        out += ["", *table(["model", "N, P, R", "GPUs", "DualKV SP vs veRL-style Ulysses rows"],
-                           vs)]  # fmt: skip
+    out += section(["model", "N, P, R", "GPUs", "DualKV SP vs veRL-style Ulysses rows"], vs)
     # per-layer all-to-alls: measured vs the formula, and their share of the packed step
     comm = {(r["layer"], r["T"], r["world"]): r for r in recs if r.get("part") == "comm"}
     crow = []
@@ -828,23 +831,8 @@ def summarize(path: str) -> list[str]:
         crow.append([layer, str(t), str(w), _mb(c["formula_bytes"]), _mb(c["sent_bytes"]),
                      f"{1e3 * c['fwd_s']:.2f} ms", f"{1e3 * c['bwd_s']:.2f} ms",
                      f"{c['fwd_GBps']:.3g} GB/s"])  # fmt: skip
-    if crow:
-        out += [
-            "",
-            *table(
-                [
-                    "layer",
-                    "T",
-                    "GPUs",
-                    "formula bytes / rank / direction",
-                    "sent (shapes)",
-                    "forward",
-                    "backward",
-                    "send rate",
-                ],
-                crow,
-            ),
-        ]
+    out += section(["layer", "T", "GPUs", "formula bytes / rank / direction", "sent (shapes)",
+                     "forward", "backward", "send rate"], crow)  # fmt: skip
     share = []
     for (model, layers, n, p, r, pth), by_world in keys.items():
         for w, x in sorted(by_world.items()):
@@ -856,21 +844,9 @@ def summarize(path: str) -> list[str]:
             share.append([f"{model} ({layers} layers)", f"{n}, {p}, {r}", str(w),
                           f"{1e3 * est:.1f} ms", f"{x['time_s']:.3f} s",
                           f"{100 * est / x['time_s']:.1f}%"])  # fmt: skip
-    if share:
-        out += [
-            "",
-            *table(
-                [
-                    "model",
-                    "N, P, R",
-                    "GPUs",
-                    "all-to-alls per step (layers x (2 fwd + bwd), measured alone)",
-                    "step time",
-                    "share",
-                ],
-                share,
-            ),
-        ]
+    out += section(["model", "N, P, R", "GPUs",
+                     "all-to-alls per step (layers x (2 fwd + bwd), measured alone)", "step time",
+                     "share"], share)  # fmt: skip
     exact = [r for r in recs if r.get("part") == "exact-summary"]
     for r in exact:
         out.append(f"\nexactness at SP = {r['sp']} ({r['gpu']}, {r['dtype']}): "
