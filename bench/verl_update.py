@@ -123,12 +123,14 @@ def rows_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: t
 
     if position_ids is None or query.shape[0] != 1:
         raise ValueError(f"{ROWS_ATTN} needs veRL's remove-padding stream with position_ids")
-    pos = position_ids.reshape(-1)
+    # The model hands every layer the same position_ids tensor: its rows are found (one host
+    # synchronisation) once per forward, not once per layer.
     cached = _ROWS_LAYOUT.get("key")
-    if cached is None or cached[0] is not pos or cached[1] != pos._version:
+    if cached is None or cached[0] is not position_ids or cached[1] != position_ids._version:
+        pos = position_ids.reshape(-1)
         starts = (pos == 0).nonzero().flatten().tolist() + [pos.numel()]
         lengths = [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)]
-        _ROWS_LAYOUT["key"] = (pos, pos._version)
+        _ROWS_LAYOUT["key"] = (position_ids, position_ids._version)
         _ROWS_LAYOUT["layout"] = dualkv.Layout(lengths, [[] for _ in lengths], device=query.device)
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
     out = dualkv.attention(q, k, v, _ROWS_LAYOUT["layout"], softmax_scale=scaling)
