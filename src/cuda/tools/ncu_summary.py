@@ -88,6 +88,9 @@ def source_summary(rows: list[list[str]], top: int = 30) -> None:
     if len(rows) < 2:
         print("source page: no data")
         return
+    # ncu prints one "Kernel Name", <name> line above the source page's header.
+    if rows[0] and rows[0][0].strip() == "Kernel Name":
+        rows = rows[1:]
     head = rows[0]
     src = next((i for i, h in enumerate(head) if h.strip() == "Source"), None)
     addr = next((i for i, h in enumerate(head) if "Address" in h), None)
