@@ -55,4 +55,18 @@ __device__ __forceinline__ float score_log2(const Params& p, float s, float& dca
 #define DUALKV_VISIBLE_KQ(m, kr, nk, pk_first, qc, nq, pq_first) \
   ((kr) < (nk) && (qc) < (nq) && (m).allowed((pq_first) + (qc), (pk_first) + (kr)))
 
+// The fragment mask over a whole fragment of N elements: apply(i) (e.g. s[i] = -inf, or
+// p[i] = ds[i] = 0) for every element i that visible(i) rejects, behind one uniform branch on
+// the block's `masked`. Kernels run it after the fragment's exponentials, never inside their
+// loop: with the test inside, ptxas branched per element (in the dK/dV kernel those branches and
+// their instruction-fetch stalls were ~10% of the consumers' issue slots).
+template <int N, typename Visible, typename Apply>
+__device__ __forceinline__ void mask_fragment(bool masked, Visible&& visible, Apply&& apply) {
+  if (masked) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+      if (!visible(i)) apply(i);
+  }
+}
+
 }  // namespace dualkv::cuda::detail

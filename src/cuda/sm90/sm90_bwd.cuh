@@ -156,15 +156,16 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
     // P of element i of an m64n64 S^T fragment (before dsoftcap); *dcap = dsoftcap.
     // (q_off: the fragment's first query column, kSplitD's warpgroup 1 holds queries 32..63.)
     auto prob = [&](int i, float sv, float* dcap, int q_off = 0) {
-      const int nt = i >> 2, e = i & 3;
-      const int qc = q_off + nt * 8 + 2 * tq + (e & 1);
-      const int kr = kr0 + (e >> 1) * 8;
-      float x;
+      const int qc = q_off + (i >> 2) * 8 + 2 * tq + (i & 1);
       *dcap = 1.f;
-      x = score_log2<kCap>(p, sv, *dcap);
-      float pr = fast_exp2(x - lse_c[qc]);
-      if (msk && !DUALKV_VISIBLE_KQ(p.mask, kr, nk, pk_first, qc, nq, pq_first)) pr = 0.f;
-      return pr;
+      const float x = score_log2<kCap>(p, sv, *dcap);
+      return fast_exp2(x - lse_c[qc]);
+    };
+    // Element i of a fragment whose first query column is q_off: visible or masked.
+    auto visible = [&](int i, int q_off = 0) {
+      const int qc = q_off + (i >> 2) * 8 + 2 * tq + (i & 1);
+      const int kr = kr0 + ((i >> 1) & 1) * 8;
+      return DUALKV_VISIBLE_KQ(p.mask, kr, nk, pk_first, qc, nq, pq_first);
     };
     auto delta_of = [&](int i, int q_off = 0) {
       return del_c[q_off + (i >> 2) * 8 + 2 * tq + (i & 1)];
@@ -187,6 +188,7 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
         s[i] = pr;
         dp[i] = pr * (dp[i] - delta_of(i)) * dcap;
       }
+      mask_fragment<SR>(msk, visible, [&](int i) { s[i] = dp[i] = 0.f; });
 #pragma unroll
       for (int kt = 0; kt < BM / 16; ++kt) {
 #pragma unroll
@@ -226,6 +228,7 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
         s[i] = prob(i, s[i], &dcap, q_off);
         if constexpr (kCap) dc[i] = dcap;
       }
+      mask_fragment<HR>(msk, [&](int i) { return visible(i, q_off); }, [&](int i) { s[i] = 0.f; });
       wg_wait<0>();
       fence_regs(dp);
 #pragma unroll
@@ -361,16 +364,18 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const __grid_constant__
     const bool msk = walk.masked(kb, nq, BM, p.mask);
 #pragma unroll
     for (int i = 0; i < SR; ++i) {
-      const int nt = i >> 2, e = i & 3, r = e >> 1;
+      const int r = (i >> 1) & 1;
       float x, dcap = 1.f;
       x = score_log2<kCap>(p, s[i], dcap);
-      float pr = fast_exp2(x - lse2[r]);
-      if (msk) {
-        const int kr = kb.off + nt * 8 + 2 * tq + (e & 1);
-        if (!DUALKV_VISIBLE(p.mask, kb, pq_first + row0 + 8 * r, kr)) pr = 0.f;
-      }
-      dp[i] = pr * (dp[i] - del[r]) * dcap;
+      dp[i] = fast_exp2(x - lse2[r]) * (dp[i] - del[r]) * dcap;
     }
+    mask_fragment<SR>(
+        msk,
+        [&](int i) {
+          const int kr = kb.off + (i >> 2) * 8 + 2 * tq + (i & 1);
+          return DUALKV_VISIBLE(p.mask, kb, pq_first + row0 + 8 * ((i >> 1) & 1), kr);
+        },
+        [&](int i) { dp[i] = 0.f; });
     uint32_t da[BN / 16][4];
 #pragma unroll
     for (int kt = 0; kt < BN / 16; ++kt)

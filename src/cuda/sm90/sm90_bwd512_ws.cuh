@@ -352,16 +352,21 @@ __global__ void __launch_bounds__(384, 1)
       // P (and dsoftcap) and dS of this warpgroup's queries, as dkdv_kernel_sm90's kSplitD.
 #pragma unroll
       for (int i = 0; i < HR; ++i) {
-        const int nt = i >> 2, e = i & 3;
-        const int qc = q_off + nt * 8 + 2 * tq + (e & 1);
-        const int kr = kr0 + (e >> 1) * 8;
+        const int qc = q_off + (i >> 2) * 8 + 2 * tq + (i & 1);
         float dcap;
         const float xl = score_log2<kCap>(p, sc[i], dcap);
-        float pr = fast_exp2(xl - lse_c[qc]);
-        if (msk && !DUALKV_VISIBLE_KQ(p.mask, kr, nk, pk_first, qc, nq, pq_first)) pr = 0.f;
+        const float pr = fast_exp2(xl - lse_c[qc]);
         sc[i] = pr;
         dp[i] = pr * (dp[i] - del_c[qc]) * dcap;
       }
+      mask_fragment<HR>(
+          msk,
+          [&](int i) {
+            const int qc = q_off + (i >> 2) * 8 + 2 * tq + (i & 1);
+            const int kr = kr0 + ((i >> 1) & 1) * 8;
+            return DUALKV_VISIBLE_KQ(p.mask, kr, nk, pk_first, qc, nq, pq_first);
+          },
+          [&](int i) { sc[i] = dp[i] = 0.f; });
       // This warpgroup's two 16-query slices of P^T (words 0, 1) and dS^T (words 2, 3) into
       // X[cw], then all four of each back.
 #pragma unroll
@@ -506,16 +511,18 @@ __global__ void __launch_bounds__(384, 1)
       const bool msk = walk.masked(kb, nq, BM, p.mask);
 #pragma unroll
       for (int i = 0; i < HR; ++i) {
-        const int nt = i >> 2, e = i & 3, r = e >> 1;
+        const int r = (i >> 1) & 1;
         float dcap;
         const float xl = score_log2<kCap>(p, sc[i], dcap);
-        float pr = fast_exp2(xl - lse2[r]);
-        if (msk) {
-          const int kr = kb.off + k_off + nt * 8 + 2 * tq + (e & 1);
-          if (!DUALKV_VISIBLE(p.mask, kb, pq_first + row0 + 8 * r, kr)) pr = 0.f;
-        }
-        dp[i] = pr * (dp[i] - del[r]) * dcap;
+        dp[i] = fast_exp2(xl - lse2[r]) * (dp[i] - del[r]) * dcap;
       }
+      mask_fragment<HR>(
+          msk,
+          [&](int i) {
+            const int kr = kb.off + k_off + (i >> 2) * 8 + 2 * tq + (i & 1);
+            return DUALKV_VISIBLE(p.mask, kb, pq_first + row0 + 8 * ((i >> 1) & 1), kr);
+          },
+          [&](int i) { dp[i] = 0.f; });
       // This warpgroup's two 16-key slices of dS into X[cw], then all four back.
 #pragma unroll
       for (int kl = 0; kl < HK / 16; ++kl) x.put_slice<T>(kl, dp, kl);

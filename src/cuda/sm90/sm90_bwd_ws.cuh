@@ -348,13 +348,17 @@ __global__ void __launch_bounds__(384, 1)
       wg_commit();
 
       uint32_t pa[BM / 16][4], da[BM / 16][4];
-      auto prob = [&](int i, float x) {
-        const int nt = i >> 2, e = i & 3;
-        const int qc = nt * 8 + 2 * tq + (e & 1);
-        const int kr = kr0 + (e >> 1) * 8;
-        float pr = fast_exp2(x - lse_c[qc]);
-        if (msk && !DUALKV_VISIBLE_KQ(p.mask, kr, nk, pk_first, qc, nq, pq_first)) pr = 0.f;
-        return pr;
+      // Element i of an S^T fragment: key row kr0 + kr_of(i), query column qc_of(i).
+      auto qc_of = [&](int i) { return (i >> 2) * 8 + 2 * tq + (i & 1); };
+      auto kr_of = [&](int i) { return kr0 + ((i >> 1) & 1) * 8; };
+      auto visible = [&](int i) {
+        return DUALKV_VISIBLE_KQ(p.mask, kr_of(i), nk, pk_first, qc_of(i), nq, pq_first);
+      };
+      auto prob = [&](int i, float x) { return fast_exp2(x - lse_c[qc_of(i)]); };
+      // The softcap path masks inside its fused loop (it keeps few registers live there).
+      auto prob_masked = [&](int i, float x) {
+        const float pr = prob(i, x);
+        return msk && !visible(i) ? 0.f : pr;
       };
       auto dsc = [&](int i, float pr, float dcap) {
         const int qc = (i >> 2) * 8 + 2 * tq + (i & 1);
@@ -388,7 +392,7 @@ __global__ void __launch_bounds__(384, 1)
             for (int u = 0; u < 2; ++u) {
               const int i = 8 * kt + 2 * c + u;
               const float t = softcap_tanh(p, sc[i]);
-              pr[u] = prob(i, softcap_logit(p, t));
+              pr[u] = prob_masked(i, softcap_logit(p, t));
               ds[u] = dsc(i, pr[u], softcap_dfactor(t));
             }
             pa[kt][c] = pack2<T>(pr[0], pr[1]);
@@ -410,11 +414,18 @@ __global__ void __launch_bounds__(384, 1)
         }
         wg_commit();
       } else {
+        // This thread's lse2 columns, read while S^T is in flight (after the wait the exponentials
+        // stalled on these reads).
+        float lse_r[SR / 2];
+#pragma unroll
+        for (int j = 0; j < SR / 2; ++j) lse_r[j] = lse_c[qc_of(2 * (j & ~1) + (j & 1))];
         wg_wait<1>();  // S^T done, dP^T in flight
         fence_regs(sc);
         release_prev();
 #pragma unroll
-        for (int i = 0; i < SR; ++i) sc[i] = prob(i, score_log2<false>(p, sc[i]));
+        for (int i = 0; i < SR; ++i)
+          sc[i] = fast_exp2(score_log2<false>(p, sc[i]) - lse_r[((i >> 2) << 1) | (i & 1)]);
+        mask_fragment<SR>(msk, visible, [&](int i) { sc[i] = 0.f; });
 #pragma unroll
         for (int kt = 0; kt < BM / 16; ++kt)
 #pragma unroll

@@ -163,17 +163,19 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
       float dcap[kCap ? SR : 1];
 #pragma unroll
       for (int i = 0; i < SR; ++i) {
-        const int nt = i >> 2, e = i & 3, r = e >> 1;
+        const int r = (i >> 1) & 1;
         float x, dc;
         x = score_log2<kCap>(p, sc[i], dc);
         if constexpr (kCap) dcap[i] = dc;
-        float pr = fast_exp2(x - lse2[r]);
-        if (msk) {
-          const int kr = kb.off + nt * 8 + 2 * tq + (e & 1);
-          if (!DUALKV_VISIBLE(p.mask, kb, pq_first + row0 + 8 * r, kr)) pr = 0.f;
-        }
-        sc[i] = pr;
+        sc[i] = fast_exp2(x - lse2[r]);
       }
+      mask_fragment<SR>(
+          msk,
+          [&](int i) {
+            const int kr = kb.off + (i >> 2) * 8 + 2 * tq + (i & 1);
+            return DUALKV_VISIBLE(p.mask, kb, pq_first + row0 + 8 * ((i >> 1) & 1), kr);
+          },
+          [&](int i) { sc[i] = 0.f; });
       // Keep the exp2s ahead of the wait (ptxas hoists the wait over straight-line code); the
       // branch is never taken (probabilities are >= 0 or NaN).
       fence_regs(sc);
