@@ -127,13 +127,15 @@ for s in "${steps[@]}"; do
         --path default,sm90-d512fwd2 "${SHAPES[@]}" >"$OUT/fwd2_bench.log" 2>&1
       echo "rc=$?"; grep "^|" "$OUT/fwd2_bench.log" | grep -v "^|---" | tail -n +2 | cut -d"|" -f2-3
       echo "== ncu forward kernel durations (both shapes, default then sm90-d512fwd2) =="
-      timeout 50 ncu --clock-control none --metrics gpu__time_duration.sum \
+      timeout 50 ncu --clock-control none \
+        --metrics gpu__time_duration.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
         -k "regex:fwd_ws|fwd_d512" $BIN --no-check --bench --bench-reps 1 --dq-modes 0 \
         --path default,sm90-d512fwd2 "${SHAPES[@]}" >"$OUT/fwd2_ncu.log" 2>&1
       echo "rc=$?"
-      # kernel, grid, duration
+      # kernel, grid, duration, tensor pipe active (% of peak)
       awk '/^  void /{n=$2; sub(/<.*/,"",n); g=$0; sub(/.*\) \(/,"(",g); sub(/\)x.*/,")",g)}
-        /gpu__time_duration/{print n, g, $(NF-1), $NF}' "$OUT/fwd2_ncu.log"
+        /gpu__time_duration/{d=$(NF-1) " " $NF}
+        /pipe_tensor_op_hmma/{print n, g, d, "tensor " $NF "%"}' "$OUT/fwd2_ncu.log"
       # The path must really have run the new kernel (an unread switch would time the default).
       grep -q "fwd_d512_cluster" "$OUT/fwd2_ncu.log" ||
         { echo "FAIL: no fwd_d512_cluster kernel in the ncu log"; status=1; }
