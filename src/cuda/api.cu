@@ -170,6 +170,8 @@ KernelPolicy resolve_policy(bool deterministic) {
                     : d512[0] == '1'                              ? 1
                     : d512[0] == '2'                              ? 2
                                                                   : 0;
+  const char* f512 = std::getenv("DUALKV_SM90_D512_FWD");
+  pol.d512_fwd = (f512 && f512[0] == '2' && f512[1] == '\0') ? 2 : 0;
   return pol;
 }
 
@@ -258,6 +260,11 @@ void attention_forward(const ForwardArgs& a, cudaStream_t stream) {
     using T = decltype(t);
     constexpr int D = decltype(d)::value;
 #if DUALKV_HAS_SM90A
+    // Opt-in D = 512 cluster forward (KernelPolicy::d512_fwd; false: a TMA map failed).
+    if constexpr (D == 512) {
+      if (sm90 && pol.sm90_ws && pol.d512_fwd == 2 && launch_forward_sm90_d512c<T>(p, pol, stream))
+        return;
+    }
     // Warp-specialised FA3-style kernels first (false: a TMA map could not be encoded).
     if (sm90 && pol.sm90_ws && launch_forward_sm90_ws<T, D>(p, pol, stream)) return;
     // Synchronous wgmma forward; at D = 64 the sm_80 one measured faster (2.02 vs 2.28 ms, H200).

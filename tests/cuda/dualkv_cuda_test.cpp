@@ -2,11 +2,12 @@
 //
 //   dualkv_cuda_test [--seed S] [--quick] [--small] [--no-check] [--race N] [--random N]
 //                    [--bench] [--bench-reps N]
-//                    [--path default|sm80|sm90-sync|sm90-nopp|sm90-d512bwd|sm90-d512bwd-sm80dq]
+//                    [--path default|sm80|sm90-sync|sm90-nopp|sm90-d512bwd|sm90-d512bwd-sm80dq|
+//                            sm90-d512fwd2]
 //                    [--dq-modes LIST] [--shape N,P,R,Hq,Hkv,D]...
-//   (--small: the quick matrix and 3 race repeats, for compute-sanitizer; --path: that kernel
-//   path only; --random N: instead of the matrix, N rounds of its random-layout cases; a failed
-//   check prints where its largest error is, and the seed that reproduces the run;
+//   (--small: the quick matrix and 3 race repeats, for compute-sanitizer; --path: those kernel
+//   paths only (comma-separated); --random N: instead of the matrix, N rounds of its random-layout
+//   cases; a failed check prints where its largest error is, and the seed that reproduces the run;
 //   --dq-modes: the DUALKV_ATOMIC_DQ values (comma-separated, 0 = the separate dQ pass) that the
 //   checks (besides the default and deterministic modes) and the bench (0 too) cover, default
 //   0,1,2,3,4,5; --shape: bench only these single-group shapes, with a 1-row reference)
@@ -26,7 +27,8 @@
 // (DUALKV_FORCE_SM80=1), the synchronous wgmma one (DUALKV_SM90_WS=0) and the warp-specialised
 // one with ping-pong off (DUALKV_SM90_PINGPONG=0: forward and dQ kernels), and for head dim 512
 // only the opt-in wgmma D = 512 backward (DUALKV_SM90_D512_BWD=1: 2-CTA cluster dK/dV and dQ
-// kernels; =2: that dK/dV kernel with the sm_80 dQ pass).
+// kernels; =2: that dK/dV kernel with the sm_80 dQ pass) and the opt-in 2-CTA cluster forward
+// (sm90-d512fwd2: DUALKV_SM90_D512_FWD=2).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -179,8 +181,13 @@ constexpr KernelPath kPaths[] = {{"default", nullptr, nullptr, 0},
                                  {"sm90-sync", "DUALKV_SM90_WS", "0", 0},
                                  {"sm90-nopp", "DUALKV_SM90_PINGPONG", "0", 0},
                                  {"sm90-d512bwd", "DUALKV_SM90_D512_BWD", "1", 512},
-                                 {"sm90-d512bwd-sm80dq", "DUALKV_SM90_D512_BWD", "2", 512}};
-std::string g_only_path;  // --path: run this one only
+                                 {"sm90-d512bwd-sm80dq", "DUALKV_SM90_D512_BWD", "2", 512},
+                                 {"sm90-d512fwd2", "DUALKV_SM90_D512_FWD", "2", 512}};
+// --path: run these only (a comma-separated list of names; empty: every path).
+std::vector<std::string> g_only_paths;
+bool path_listed(const char* name) {
+  return std::find(g_only_paths.begin(), g_only_paths.end(), name) != g_only_paths.end();
+}
 // --dq-modes: DUALKV_ATOMIC_DQ values covered (0: the separate dQ pass, the default).
 std::vector<int> g_dq_modes = {0, 1, 2, 3, 4, 5};
 // The fused ones (the checks run mode 0 as "default" anyway).
@@ -199,7 +206,7 @@ void set_dq_mode(int m) {
 }
 
 bool path_selected(const KernelPath& k, int head_dim) {
-  return (g_only_path.empty() || g_only_path == k.name) &&
+  return (g_only_paths.empty() || path_listed(k.name)) &&
          (k.only_dim == 0 || k.only_dim == head_dim);
 }
 
@@ -651,6 +658,12 @@ void race_test(int reps, std::mt19937_64& rng) {
   if (!cuda::supports(c.dt, c.D)) c.D = 64;
   if (!cuda::supports(c.dt, c.D)) c.D = 256;
   if (!cuda::supports(c.dt, c.D)) c.D = 512;
+  // --path naming only head-dim-512 paths: race those (at D = 128 they would not run).
+  const bool only512 =
+      !g_only_paths.empty() && std::all_of(std::begin(kPaths), std::end(kPaths), [](const auto& k) {
+        return !path_listed(k.name) || k.only_dim == 512;
+      });
+  if (only512 && cuda::supports(c.dt, 512)) c.D = 512;
   const Layout L(c.P, c.R);
   const Tables tb = make_tables(L);
   const Inputs in = make_inputs(c, L.total_tokens(), rng);
@@ -971,7 +984,11 @@ int main(int argc, char** argv) {
     else if (a == "--bench-reps" && i + 1 < argc)
       bench_reps = std::atoi(argv[++i]);
     else if (a == "--path" && i + 1 < argc)
-      g_only_path = argv[++i];
+      for (std::string rest = argv[++i]; !rest.empty();) {
+        const size_t comma = rest.find(',');
+        g_only_paths.push_back(rest.substr(0, comma));
+        rest = comma == std::string::npos ? std::string() : rest.substr(comma + 1);
+      }
     else if (a == "--random" && i + 1 < argc)
       random_rounds = std::atoi(argv[++i]);
     else if (a == "--dq-modes" && i + 1 < argc) {
@@ -996,20 +1013,21 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: %s [--seed S] [--quick] [--small] [--no-check] [--race N] [--bench] "
-                   "[--bench-reps N] [--path NAME] [--random N] [--dq-modes LIST] "
+                   "[--bench-reps N] [--path NAME[,NAME...]] [--random N] [--dq-modes LIST] "
                    "[--shape N,P,R,Hq,Hkv,D]...\n",
                    argv[0]);
       return 2;
     }
   }
-  if (!g_only_path.empty() &&
-      std::none_of(std::begin(kPaths), std::end(kPaths),
-                   [](const KernelPath& k) { return g_only_path == k.name; })) {
-    std::fprintf(stderr,
-                 "unknown --path %s (default, sm80, sm90-sync, sm90-nopp, sm90-d512bwd, "
-                 "sm90-d512bwd-sm80dq)\n",
-                 g_only_path.c_str());
-    return 2;
+  for (const std::string& name : g_only_paths) {
+    if (std::none_of(std::begin(kPaths), std::end(kPaths),
+                     [&](const KernelPath& k) { return name == k.name; })) {
+      std::fprintf(stderr,
+                   "unknown --path %s (default, sm80, sm90-sync, sm90-nopp, sm90-d512bwd, "
+                   "sm90-d512bwd-sm80dq, sm90-d512fwd2; or a comma-separated list)\n",
+                   name.c_str());
+      return 2;
+    }
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));

@@ -13,6 +13,9 @@ remote), the consumers' per-block partial-S exchange, and the final cluster barr
 while its peer can still arrive on its barriers). run_dkdv512 models the D = 512 dK/dV and dQ
 kernels (2-CTA clusters, partials pushed with st.async, exchange buffers reused for the slices, the
 xfree barrier); injected_bugs_caught checks that each of four injected errors is caught.
+run_fwd512c models the opt-in D = 512 cluster forward (split head dim, partial S pushed with
+st.async per block and warpgroup, xfree[w] of 4 warp arrivals, ping-pong); fwd512c_bugs_caught
+injects six errors into it.
 
     python3 tests/cuda/ws_protocol_sim.py
 """
@@ -631,6 +634,182 @@ def injected_bugs_caught(rng):
     return 4
 
 
+def run_fwd512c(total, S, rng, pp=True, bug=None):
+    """The opt-in D = 512 cluster forward (sm90_fwd512_cluster.cuh): two CTAs of a cluster, each
+    with its own producer ring (its half of Q once, then its half of every K/V block, local full /
+    empty barriers as run_fwd), two consumer warpgroups on different rows with ping-pong, and per
+    block and warpgroup w the exchange of the partial S with warpgroup w of the peer: arm xfull[w]
+    (local arrive.expect_tx), wait the local xfree[w] (parity of the previous block), push the
+    partial with st.async into the peer's X[w] (landing asynchronously, completing the peer's
+    xfull[w]), wait the own xfull[w], then each of the 4 warps reads X[w] and arrives on the peer's
+    xfree[w] (count 4); at the end a cluster barrier of every thread of both CTAs.
+    bug: None, or an injected protocol error that the checks must catch."""
+    C, W = 2, 4  # CTAs, warps per consumer warpgroup
+    bQ = [MBar(1) for _ in range(C)]
+    fk = [[MBar(1) for _ in range(S)] for _ in range(C)]
+    fv = [[MBar(1) for _ in range(S)] for _ in range(C)]
+    ek = [[MBar(2) for _ in range(S)] for _ in range(C)]
+    ev = [[MBar(2) for _ in range(S)] for _ in range(C)]
+    slotk = [[None] * S for _ in range(C)]
+    slotv = [[None] * S for _ in range(C)]
+    readers_k = [[set() for _ in range(S)] for _ in range(C)]
+    readers_v = [[set() for _ in range(S)] for _ in range(C)]
+    bars = [{1: Named(2), 2: Named(2)} for _ in range(C)]
+    xfull = [[MBar(1) for _ in range(2)] for _ in range(C)]
+    nfree = 1 if bug == "xfree_count_one" else W
+    xfree = [[MBar(nfree) for _ in range(2)] for _ in range(C)]
+    # X[cta][w]: "free" -> "partial" (landed, block xblock) -> read by the 4 warps -> "free"
+    xstate = [["free"] * 2 for _ in range(C)]
+    xblock = [[None] * 2 for _ in range(C)]
+    xread = [[set() for _ in range(2)] for _ in range(C)]
+    cluster = Named(C * 3)  # per CTA: the producer and the two consumer warpgroups
+    finished = [0] * C
+    exited = [False] * C
+    inflight = []  # (kind, cta, bar, slot, value)
+
+    def finish(c):
+        finished[c] += 1
+        exited[c] = finished[c] == 3
+
+    def producer(c):
+        bQ[c].expect_tx(1)
+        inflight.append(("q", c, bQ[c], None, None))
+        for j in range(total):
+            st, ph = j % S, (j // S) & 1
+            yield from wait(ek[c][st], ph ^ 1)
+            assert not readers_k[c][st], "K overwritten while read"
+            fk[c][st].expect_tx(1)
+            inflight.append(("k", c, fk[c][st], st, j))
+            yield from wait(ev[c][st], ph ^ 1)
+            assert not readers_v[c][st], "V overwritten while read"
+            fv[c][st].expect_tx(1)
+            inflight.append(("v", c, fv[c][st], st, j))
+        if bug != "no_final_cluster_barrier":
+            yield from cluster.sync()
+        finish(c)
+
+    def exchange(c, w, j):
+        peer = 1 - c
+        if bug != "no_arm":
+            xfull[c][w].expect_tx(1)
+        if bug != "no_xfree_wait":
+            par = j & 1 if bug == "xfree_parity" else (j & 1) ^ 1
+            yield from wait(xfree[c][w], par)
+        if bug == "wait_before_send":  # both CTAs wait for the other's partial first
+            yield from wait(xfull[c][w], j & 1)
+        assert not exited[peer], "st.async into an exited CTA"
+        inflight.append(("x", peer, w, None, j))
+        yield from wait(xfull[c][w], j & 1)
+        assert xstate[c][w] == "partial" and xblock[c][w] == j, (xstate[c][w], xblock[c][w], j)
+        for k in range(W):  # each warp reads its words, then arrives on the peer's xfree[w]
+            yield
+            xread[c][w].add(k)
+            if len(xread[c][w]) == W:
+                xstate[c][w], xread[c][w] = "free", set()
+            assert not exited[peer], "arrival on an exited CTA's barrier"
+            xfree[peer][w].arrive()
+
+    def consumer(c, w):
+        my, other = bars[c][1 + w], bars[c][2 - w]
+        if pp and w == 1:
+            other.arrive()
+        yield from wait(bQ[c], 0)
+        if total > 0:
+            yield from wait(fk[c][0], 0)
+            assert slotk[c][0] == 0
+            if pp:
+                yield from my.sync()
+            readers_k[c][0].add(w)
+            if pp:
+                other.arrive()
+            yield
+            readers_k[c][0].discard(w)
+            ek[c][0].arrive()
+            yield from exchange(c, w, 0)
+            for j in range(1, total):
+                st, pst = j % S, (j - 1) % S
+                yield from wait(fk[c][st], (j // S) & 1)
+                yield from wait(fv[c][pst], ((j - 1) // S) & 1)
+                assert slotk[c][st] == j and slotv[c][pst] == j - 1, (slotk[c], slotv[c], j)
+                if pp:
+                    yield from my.sync()
+                readers_k[c][st].add(w)
+                readers_v[c][pst].add(w)
+                if pp:
+                    other.arrive()
+                yield  # S_j done (wait_group 1)
+                readers_k[c][st].discard(w)
+                ek[c][st].arrive()
+                yield from exchange(c, w, j)
+                yield  # softmax; then wait_group 0 (P V of block j - 1 done)
+                readers_v[c][pst].discard(w)
+                ev[c][pst].arrive()
+            lst = (total - 1) % S
+            yield from wait(fv[c][lst], ((total - 1) // S) & 1)
+            assert slotv[c][lst] == total - 1
+            if pp:
+                yield from my.sync()
+            readers_v[c][lst].add(w)
+            if pp:
+                other.arrive()
+            yield
+            readers_v[c][lst].discard(w)
+        if pp and w == 0:
+            yield from my.sync()
+        if bug != "no_final_cluster_barrier":
+            yield from cluster.sync()
+        finish(c)
+
+    def land(x):
+        kind, c, a, st, v = x
+        assert not exited[c], "a write landing in an exited CTA"
+        if kind == "x":  # the peer's partial of block v into X[a] of CTA c
+            assert xstate[c][a] == "free" and not xread[c][a], (
+                "exchange buffer overwritten while in use",
+                xstate[c][a],
+                xblock[c][a],
+                v,
+            )
+            xstate[c][a], xblock[c][a] = "partial", v
+            xfull[c][a].complete_tx(1)
+            return
+        if kind == "k":
+            slotk[c][st] = v
+        if kind == "v":
+            slotv[c][st] = v
+        a.complete_tx(1)
+
+    ths = [producer(c) for c in range(C)] + [consumer(c, w) for c in range(C) for w in (0, 1)]
+    schedule(ths, inflight, land, rng, f"fwd512 cluster ({bug})")
+    if bug != "no_final_cluster_barrier":
+        assert all(exited)
+    for c in range(C):
+        assert all(b.cnt == 0 for b in bars[c].values()), "named barrier left half-arrived"
+    assert cluster.cnt == 0, "cluster barrier left half-arrived"
+
+
+def fwd512c_bugs_caught(rng):
+    """Each injected error of the D = 512 cluster forward's exchange must be caught."""
+    bugs = (
+        "no_xfree_wait",
+        "xfree_count_one",
+        "xfree_parity",
+        "wait_before_send",
+        "no_arm",
+        "no_final_cluster_barrier",
+    )
+    for bug in bugs:
+        caught = False
+        for _ in range(400):
+            try:
+                run_fwd512c(rng.randrange(1, 7), rng.choice([2, 3]), rng, rng.random() < 0.7, bug)
+            except (AssertionError, RuntimeError):
+                caught = True
+                break
+        assert caught, f"injected bug {bug} was not caught"
+    return len(bugs)
+
+
 rng = random.Random(1)
 n = 0
 for _trial in range(3000):
@@ -643,11 +822,13 @@ for _trial in range(3000):
         run_dkdv(total, S, rng, dq_mode)
     run_dkdv512(total, S, rng)
     run_dkdv512(total, S, rng, dq=True)
+    run_fwd512c(total, S, rng, rng.random() < 0.8)
     n += 1
 print(
     "ok",
     n,
     "random schedules each for fwd, fwd (2-CTA cluster), dq, dkdv (dq modes 0-5), "
-    "dkdv and dq D = 512 (2-CTA clusters)",
+    "dkdv and dq D = 512 (2-CTA clusters), fwd D = 512 (2-CTA cluster, split D)",
 )
 print("ok", injected_bugs_caught(rng), "injected D = 512 dK/dV protocol errors caught")
+print("ok", fwd512c_bugs_caught(rng), "injected D = 512 cluster forward exchange errors caught")

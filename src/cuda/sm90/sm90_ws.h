@@ -42,4 +42,10 @@ bool launch_backward_sm90_ws(const Params& p, const KernelPolicy& policy, cudaSt
 template <typename T>
 bool launch_backward_sm90_d512(const Params& p, const KernelPolicy& policy, cudaStream_t stream);
 
+// D = 512 forward of sm90_fwd512_cluster.cuh (2-CTA clusters splitting the head dim); only when
+// KernelPolicy::d512_fwd == 2 (not the default yet). False (nothing launched) when a tensor map
+// cannot be encoded.
+template <typename T>
+bool launch_forward_sm90_d512c(const Params& p, const KernelPolicy& policy, cudaStream_t stream);
+
 }  // namespace dualkv::cuda::detail
