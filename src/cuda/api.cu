@@ -171,7 +171,7 @@ KernelPolicy resolve_policy(bool deterministic) {
                     : d512[0] == '2'                              ? 2
                                                                   : 0;
   const char* f512 = std::getenv("DUALKV_SM90_D512_FWD");
-  pol.d512_fwd = (f512 && f512[0] == '2' && f512[1] == '\0') ? 2 : 0;
+  pol.d512_fwd = (f512 && f512[0] == '0' && f512[1] == '\0') ? 0 : 2;
   return pol;
 }
 
@@ -260,7 +260,7 @@ void attention_forward(const ForwardArgs& a, cudaStream_t stream) {
     using T = decltype(t);
     constexpr int D = decltype(d)::value;
 #if DUALKV_HAS_SM90A
-    // Opt-in D = 512 cluster forward (KernelPolicy::d512_fwd; false: a TMA map failed).
+    // D = 512: the cluster forward (KernelPolicy::d512_fwd; false: a TMA map failed).
     if constexpr (D == 512) {
       if (sm90 && pol.sm90_ws && pol.d512_fwd == 2 && launch_forward_sm90_d512c<T>(p, pol, stream))
         return;

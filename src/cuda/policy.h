@@ -33,10 +33,11 @@ struct KernelPolicy {
   // kernel with the sm_80 dQ pass (A/B). 0 (unset) by default: compiled, not yet run on a GPU, so
   // the sm_80 D = 512 backward stays the default until measured.
   int d512_bwd_ws = 0;
-  // D = 512 forward on sm_90a: DUALKV_SM90_D512_FWD=2 runs sm90/sm90_fwd512_cluster.cuh (2-CTA
-  // clusters splitting the head dim, partial S over distributed shared memory, BN = 64,
-  // ping-pong); 0 (unset): fwd_ws_kernel_sm90's KSPLIT = 2 kernel, until the new one is measured.
-  int d512_fwd = 0;
+  // D = 512 forward on sm_90a: 2 (default) sm90/sm90_fwd512_cluster.cuh (2-CTA clusters
+  // splitting the head dim, partial S over distributed shared memory, BN = 64, ping-pong; H200:
+  // 25.7 vs 29.0 ms at (16, 8192, 1024)); DUALKV_SM90_D512_FWD=0 fwd_ws_kernel_sm90's single-CTA
+  // KSPLIT = 2 kernel (A/B).
+  int d512_fwd = 2;
 };
 
 // The policy for one call; deterministic = the call's `deterministic` (forces dq_mode 0).

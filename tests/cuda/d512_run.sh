@@ -8,9 +8,10 @@
 # d512bwd: the opt-in wgmma D = 512 backward (DUALKV_SM90_D512_BWD=1, --path sm90-d512bwd: dK/dV
 # and dQ on wgmma; sm90-d512bwd-sm80dq: its dK/dV with the sm_80 dQ) alone: the matrix + race of
 # both, memcheck, the backward timed against the default (sm_80) one, ncu kernel durations.
-# fwd2: the opt-in D = 512 cluster forward (DUALKV_SM90_D512_FWD=2, --path sm90-d512fwd2): its
-# matrix + race 20, memcheck on --small, the forward timed side by side with the default one at
-# both shapes (one process), ncu kernel durations of both; 4 files, under 4 minutes.
+# fwd2: the D = 512 cluster forward (the default; DUALKV_SM90_D512_FWD=0, --path sm90-d512fwd-1cta,
+# is the single-CTA one): its matrix + race 20, memcheck on --small, the forward timed side by
+# side with the single-CTA one at both shapes (one process), ncu kernel durations of both; 4
+# files, under 4 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-.out/d512}"
@@ -110,33 +111,33 @@ for s in "${steps[@]}"; do
     fi ;;
   fwd2)
     # A hang (timeout, rc 124) in the matrix skips the rest of this step.
-    echo "== standalone: D = 512 matrix + race 20, path sm90-d512fwd2 =="
-    timeout 100 $BIN --race 20 --dq-modes 0 --path sm90-d512fwd2 >"$OUT/fwd2_test.log" 2>&1; rc=$?
+    echo "== standalone: D = 512 matrix + race 20, path default (the cluster forward) =="
+    timeout 100 $BIN --race 20 --dq-modes 0 --path default >"$OUT/fwd2_test.log" 2>&1; rc=$?
     grep -E "FAIL|error|note|reproduce" "$OUT/fwd2_test.log" | grep -v "expected error" | head -20
     tail -2 "$OUT/fwd2_test.log"
     grep -q "kernels cannot run" "$OUT/fwd2_test.log" && { echo "FAIL: fell back"; rc=1; }
     echo "rc=$rc"; [ $rc = 0 ] || status=1
     if [ $rc != 124 ]; then
-      echo "== compute-sanitizer memcheck (--small, path sm90-d512fwd2) =="
+      echo "== compute-sanitizer memcheck (--small, path default) =="
       timeout 50 compute-sanitizer --tool memcheck --error-exitcode 9 $BIN --small --seed 1 \
-        --dq-modes 0 --path sm90-d512fwd2 >"$OUT/fwd2_memcheck.log" 2>&1; rc=$?
+        --dq-modes 0 --path default >"$OUT/fwd2_memcheck.log" 2>&1; rc=$?
       grep -E "ERROR SUMMARY|correctness" "$OUT/fwd2_memcheck.log" | tail -2; echo "rc=$rc"
       [ $rc = 0 ] || status=1
-      echo "== bench: forward, default vs sm90-d512fwd2 (one process; bwd = the default one) =="
+      echo "== bench: forward, the cluster forward (default) vs the single-CTA one (one process; bwd = the default one) =="
       timeout 40 $BIN --no-check --bench --bench-reps 5 --dq-modes 0 \
-        --path default,sm90-d512fwd2 "${SHAPES[@]}" >"$OUT/fwd2_bench.log" 2>&1
+        --path default,sm90-d512fwd-1cta "${SHAPES[@]}" >"$OUT/fwd2_bench.log" 2>&1
       echo "rc=$?"; grep "^|" "$OUT/fwd2_bench.log" | grep -v "^|---" | tail -n +2 | cut -d"|" -f2-3
-      echo "== ncu forward kernel durations (both shapes, default then sm90-d512fwd2) =="
+      echo "== ncu forward kernel durations (both shapes, cluster then single-CTA) =="
       timeout 50 ncu --clock-control none \
         --metrics gpu__time_duration.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
         -k "regex:fwd_ws|fwd_d512" $BIN --no-check --bench --bench-reps 1 --dq-modes 0 \
-        --path default,sm90-d512fwd2 "${SHAPES[@]}" >"$OUT/fwd2_ncu.log" 2>&1
+        --path default,sm90-d512fwd-1cta "${SHAPES[@]}" >"$OUT/fwd2_ncu.log" 2>&1
       echo "rc=$?"
       # kernel, grid, duration, tensor pipe active (% of peak)
       awk '/^  void /{n=$2; sub(/<.*/,"",n); g=$0; sub(/.*\) \(/,"(",g); sub(/\)x.*/,")",g)}
         /gpu__time_duration/{d=$(NF-1) " " $NF}
         /pipe_tensor_op_hmma/{print n, g, d, "tensor " $NF "%"}' "$OUT/fwd2_ncu.log"
-      # The path must really have run the new kernel (an unread switch would time the default).
+      # The default must really run the cluster kernel.
       grep -q "fwd_d512_cluster" "$OUT/fwd2_ncu.log" ||
         { echo "FAIL: no fwd_d512_cluster kernel in the ncu log"; status=1; }
     fi ;;
