@@ -172,6 +172,8 @@ KernelPolicy resolve_policy(bool deterministic) {
                                                                   : 0;
   const char* f512 = std::getenv("DUALKV_SM90_D512_FWD");
   pol.d512_fwd = (f512 && f512[0] == '0' && f512[1] == '\0') ? 0 : 2;
+  const char* d256 = std::getenv("DUALKV_SM90_D256_BWD");
+  pol.d256_bwd_ws = (d256 && d256[0] == '1' && d256[1] == '\0') ? 1 : 0;
   return pol;
 }
 
@@ -318,6 +320,12 @@ void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t str
     using T = decltype(t);
     constexpr int D = decltype(d)::value;
 #if DUALKV_HAS_SM90A
+    if constexpr (D == 256) {
+      // Opt-in (KernelPolicy::d256_bwd_ws); false: a TMA map could not be encoded.
+      if (sm90 && pol.sm90_ws && pol.d256_bwd_ws == 1 && !atomic_dq &&
+          launch_backward_sm90_d256ws<T>(p, pol, stream))
+        return;
+    }
     if constexpr (D <= 256) {
       if (sm90 && pol.sm90_ws && launch_backward_sm90_ws<T, D>(p, pol, stream)) return;
       if (sm90 && !atomic_dq) return launch_backward_sm90<T, D>(p, stream);

@@ -38,6 +38,10 @@ struct KernelPolicy {
   // 25.7 vs 29.0 ms at (16, 8192, 1024)); DUALKV_SM90_D512_FWD=0 fwd_ws_kernel_sm90's single-CTA
   // KSPLIT = 2 kernel (A/B).
   int d512_fwd = 2;
+  // D = 256 backward on sm_90a: DUALKV_SM90_D256_BWD=1 runs sm90/sm90_bwd256_ws.cuh's
+  // warp-specialised dK/dV kernel (TMA producer warp, 2-stage ring) + the synchronous dQ pass;
+  // 0 (unset): the synchronous D = 256 backward (not yet run on a GPU, so opt-in until measured).
+  int d256_bwd_ws = 0;
 };
 
 // The policy for one call; deterministic = the call's `deterministic` (forces dq_mode 0).

@@ -182,7 +182,8 @@ constexpr KernelPath kPaths[] = {{"default", nullptr, nullptr, 0},
                                  {"sm90-nopp", "DUALKV_SM90_PINGPONG", "0", 0},
                                  {"sm90-d512bwd", "DUALKV_SM90_D512_BWD", "1", 512},
                                  {"sm90-d512bwd-sm80dq", "DUALKV_SM90_D512_BWD", "2", 512},
-                                 {"sm90-d512fwd-1cta", "DUALKV_SM90_D512_FWD", "0", 512}};
+                                 {"sm90-d512fwd-1cta", "DUALKV_SM90_D512_FWD", "0", 512},
+                                 {"sm90-d256ws", "DUALKV_SM90_D256_BWD", "1", 256}};
 // --path: run these only (a comma-separated list of names; empty: every path).
 std::vector<std::string> g_only_paths;
 bool path_listed(const char* name) {

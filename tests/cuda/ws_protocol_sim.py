@@ -15,7 +15,9 @@ kernels (2-CTA clusters, partials pushed with st.async, exchange buffers reused 
 xfree barrier); injected_bugs_caught checks that each of four injected errors is caught.
 run_fwd512c models the opt-in D = 512 cluster forward (split head dim, partial S pushed with
 st.async per block and warpgroup, xfree[w] of 4 warp arrivals, ping-pong); fwd512c_bugs_caught
-injects six errors into it.
+injects six errors into it. run_d256 models the D = 256 warp-specialised dK/dV kernel (P^T / dS^T
+swaps between its two consumer warpgroups through single buffers and named barriers 1, 2);
+d256_bugs_caught injects three errors into it.
 
     python3 tests/cuda/ws_protocol_sim.py
 """
@@ -810,6 +812,125 @@ def fwd512c_bugs_caught(rng):
     return len(bugs)
 
 
+def run_d256(nblocks, S, rng, bug=None):
+    """The D = 256 warp-specialised dK/dV kernel (sm90_bwd256_ws.cuh): run_dkdv's producer (TMA +
+    cp.async arrivals on one full barrier per stage), two consumer warpgroups that own the same
+    keys and swap their halves of P^T (buffer xpa, named barrier 1) and dS^T (xda, named barrier
+    2) in every block: each writes its half, meets the other at the barrier, reads both halves
+    (shared loads, done before it reaches its next barrier), issues dV (after the P^T swap) or dK
+    (after the dS^T swap); after the final wait it releases the stage. One buffer each: a
+    warpgroup writes xpa again only after barrier 2, xda only after the next barrier 1.
+    Injected bugs: no_bar2 (dS^T read without its barrier), one_swap_barrier (P^T and dS^T both
+    written before barrier 1, no barrier 2: the synchronous kernel's swap without its
+    __syncthreads), early_release (the stage released after dV's issue, before dK's wait)."""
+    L = 3
+    bKV = MBar(1)
+    full = [MBar(1 + L) for _ in range(S)]
+    empty = [MBar(2) for _ in range(S)]
+    meta = [None] * S
+    slot = [None] * S
+    readers = [set() for _ in range(S)]
+    inflight = []
+    xbuf = {"pa": [None, None], "da": [None, None]}
+    xreaders = {"pa": set(), "da": set()}
+    bar = [Named(2), Named(2)]
+
+    def lane(ln):
+        if ln == 0:
+            bKV.expect_tx(1)
+            inflight.append((bKV, None, None))
+        it = 0
+        while True:
+            s = it % S
+            yield from wait(empty[s], ((it // S) & 1) ^ 1)
+            if it == nblocks:
+                if ln == 0:
+                    meta[s] = "end"
+                    full[s].arrive()
+                full[s].arrive()
+                return
+            if ln == 0:
+                assert not readers[s], "stage overwritten while read"
+                meta[s] = it
+                full[s].expect_tx(1)
+                inflight.append((full[s], s, it))
+            inflight.append(("cp", full[s], None))
+            it += 1
+            yield
+
+    def write(x, cw, it):
+        assert not (xreaders[x] - {cw}), f"{x} half overwritten while the other warpgroup reads it"
+        xbuf[x][cw] = it
+
+    def read(x, it):
+        assert xbuf[x] == [it, it], (x, xbuf[x], it)
+
+    def consumer(cw):
+        yield from wait(bKV, 0)
+        it = 0
+        while True:
+            s = it % S
+            yield from wait(full[s], (it // S) & 1)
+            if meta[s] == "end":
+                break
+            assert meta[s] == it and slot[s] == it, (meta[s], slot[s], it)
+            readers[s].add(cw)
+            yield  # S^T, dP^T issued; P after the first wait
+            write("pa", cw, it)
+            if bug == "one_swap_barrier":
+                write("da", cw, it)
+            yield from bar[0].sync()
+            read("pa", it)
+            xreaders["pa"].add(cw)
+            yield  # the shared loads of both P^T halves
+            xreaders["pa"].discard(cw)
+            yield  # dV issued; dS after dP^T's wait
+            if bug == "early_release":
+                empty[s].arrive()  # while dV (and then dK) still read the stage
+            if bug != "one_swap_barrier":
+                write("da", cw, it)
+                if bug != "no_bar2":
+                    yield from bar[1].sync()
+            read("da", it)
+            xreaders["da"].add(cw)
+            yield  # the shared loads of both dS^T halves
+            xreaders["da"].discard(cw)
+            yield  # dK issued; dV and dK read the stage until the final wait
+            readers[s].discard(cw)
+            if bug != "early_release":
+                empty[s].arrive()
+            it += 1
+
+    def land(x):
+        if x[0] == "cp":
+            x[1].arrive()
+            return
+        b, s, v = x
+        if s is not None:
+            slot[s] = v
+            assert not readers[s], "stage landed while read"
+        b.complete_tx(1)
+
+    ths = [lane(i) for i in range(L)] + [consumer(0), consumer(1)]
+    schedule(ths, inflight, land, rng, "dkdv D = 256")
+    assert bar[0].cnt == 0 and bar[1].cnt == 0, "named barrier left half-arrived"
+
+
+def d256_bugs_caught(rng):
+    """Each injected error of the D = 256 dK/dV kernel's swaps and release must be caught."""
+    bugs = ("no_bar2", "one_swap_barrier", "early_release")
+    for bug in bugs:
+        caught = False
+        for _ in range(400):
+            try:
+                run_d256(rng.randrange(1, 7), 2, rng, bug)
+            except (AssertionError, RuntimeError):
+                caught = True
+                break
+        assert caught, f"injected bug {bug} was not caught"
+    return len(bugs)
+
+
 rng = random.Random(1)
 n = 0
 for _trial in range(3000):
@@ -823,12 +944,15 @@ for _trial in range(3000):
     run_dkdv512(total, S, rng)
     run_dkdv512(total, S, rng, dq=True)
     run_fwd512c(total, S, rng, rng.random() < 0.8)
+    run_d256(total, 2, rng)
     n += 1
 print(
     "ok",
     n,
     "random schedules each for fwd, fwd (2-CTA cluster), dq, dkdv (dq modes 0-5), "
-    "dkdv and dq D = 512 (2-CTA clusters), fwd D = 512 (2-CTA cluster, split D)",
+    "dkdv and dq D = 512 (2-CTA clusters), fwd D = 512 (2-CTA cluster, split D), "
+    "dkdv D = 256 (warp-specialised, P^T / dS^T swaps)",
 )
 print("ok", injected_bugs_caught(rng), "injected D = 512 dK/dV protocol errors caught")
 print("ok", fwd512c_bugs_caught(rng), "injected D = 512 cluster forward exchange errors caught")
+print("ok", d256_bugs_caught(rng), "injected D = 256 dK/dV swap / release errors caught")

@@ -42,6 +42,12 @@ bool launch_backward_sm90_ws(const Params& p, const KernelPolicy& policy, cudaSt
 template <typename T>
 bool launch_backward_sm90_d512(const Params& p, const KernelPolicy& policy, cudaStream_t stream);
 
+// D = 256 backward with sm90_bwd256_ws.cuh's warp-specialised dK/dV kernel and the synchronous
+// dQ pass; only when KernelPolicy::d256_bwd_ws == 1 (not the default yet). False (nothing
+// launched) when a tensor map cannot be encoded.
+template <typename T>
+bool launch_backward_sm90_d256ws(const Params& p, const KernelPolicy& policy, cudaStream_t stream);
+
 // D = 512 forward of sm90_fwd512_cluster.cuh (2-CTA clusters splitting the head dim); only when
 // KernelPolicy::d512_fwd == 2 (not the default yet). False (nothing launched) when a tensor map
 // cannot be encoded.

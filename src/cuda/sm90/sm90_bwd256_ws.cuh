@@ -1,0 +1,301 @@
+// sm_90a backward for D = 256, warp-specialised (opt-in: DUALKV_SM90_D256_BWD=1,
+// KernelPolicy::d256_bwd_ws; the default D = 256 backward is sm90_bwd.cuh's synchronous one).
+// The dK/dV kernel keeps the synchronous kernel's decomposition (Dkdv90Cfg::kSplitD, measured
+// correct on the GPU): one CTA per (64-key block, kv head), both consumer warpgroups own the same
+// 64 keys and warpgroup c the dK/dV columns 128c..128c+127 (64 keys x 128 columns x 2 fp32
+// accumulators = 128 registers per thread); per 64-query block warpgroup c computes S^T and dP^T
+// for queries 32c..32c+31 (64 x 32 x 256 products), P and dS for them, and the two warpgroups
+// swap their P^T / dS^T A fragments through shared memory. What is new is the schedule of
+// sm90_bwd_ws.cuh's kernels:
+//   - producer warp 0 (setmaxnreg 24): TMA of K and V once, then per query block of the fixed
+//     walk (query_walk_begin / seek_query_region, the same order as every dK/dV kernel, so dK/dV
+//     stay bitwise reproducible) the Q and dO tiles by TMA and the lse2 / delta rows by cp.async,
+//     on one full barrier per stage of a 2-deep ring, with a record (q head, count, position,
+//     row) that the consumers read instead of the segment tables;
+//   - consumer warpgroups 1, 2 (setmaxnreg 240): S^T and dP^T issued as two groups; P while dP^T
+//     runs; P^T swapped (named barrier 1), dV += P^T dO issued; dS while dV runs; dS^T swapped
+//     (named barrier 2), dK += dS^T Q; retire, release the stage. The two swaps replace the
+//     synchronous kernel's one swap + __syncthreads: a warpgroup writes a swap buffer again only
+//     after the other barrier, which the other warpgroup reaches after reading it, so one buffer
+//     each suffices (ws_protocol_sim.py, run_d256).
+// dQ: the synchronous dQ pass (as the default D = 256 backward; the warp-specialised dQ pass
+// measured no faster at D = 256). Shared memory, registers and tensor cycles: src/cuda/NOTES.md,
+// "D = 256 warp-specialised backward".
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "sm90/sm90_bwd.cuh"
+#include "sm90/sm90_bwd_ws.cuh"
+
+namespace dualkv::cuda::detail {
+
+struct DkdvWs256Cfg {
+  static constexpr int D = 256;
+  static constexpr int BN = 64;  // keys per CTA (both consumer warpgroups)
+  static constexpr int BM = 64;  // queries per step; each warpgroup's S^T / dP^T covers 32
+  static constexpr int HQ = BM / 2;
+  static constexpr int DW = D / 2;  // dK/dV columns per consumer warpgroup
+  static constexpr int STAGES = 2;
+  static constexpr int THREADS = 384;
+  static constexpr int CONSUMERS = 256;
+  static constexpr int K_BYTES = BN * D * 2;
+  static constexpr int Q_BYTES = BM * D * 2;
+  struct SharedStorage {
+    uint16_t k[BN * D];
+    uint16_t v[BN * D];
+    uint16_t q[STAGES][BM * D];
+    uint16_t dout[STAGES][BM * D];
+    uint4 xpa[BM / 16][128];  // P^T A fragments, slice kt of thread t (of either warpgroup)
+    uint4 xda[BM / 16][128];  // dS^T A fragments
+    float l[STAGES][2 * BM];  // per stage: lse2, delta
+    int meta[STAGES][4];      // per stage: the query block's record
+    uint64_t bar[1 + 2 * STAGES];  // kv, full[S], empty[S]
+  };
+  static_assert(sizeof(SharedStorage::k) == K_BYTES && sizeof(SharedStorage::q[0]) == Q_BYTES);
+  static constexpr int OFF_V = int(offsetof(SharedStorage, v));
+  static constexpr int OFF_Q = int(offsetof(SharedStorage, q));
+  static constexpr int OFF_DO = int(offsetof(SharedStorage, dout));
+  static constexpr int OFF_XPA = int(offsetof(SharedStorage, xpa));
+  static constexpr int OFF_XDA = int(offsetof(SharedStorage, xda));
+  static constexpr int OFF_L = int(offsetof(SharedStorage, l));
+  static constexpr int OFF_META = int(offsetof(SharedStorage, meta));
+  static constexpr int OFF_BAR = int(offsetof(SharedStorage, bar));
+  static constexpr int SMEM = int(sizeof(SharedStorage)) + 1024;
+  // Full barrier: the elected lane's arrive.expect_tx + the producer warp's 32 cp.async arrivals.
+  static constexpr int FULL_COUNT = 1 + 32;
+  static constexpr int PRODUCER_REGS = 24;
+  static constexpr int CONSUMER_REGS = 240;
+  static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "register pool of one CTA");
+  static_assert(OFF_BAR % 8 == 0, "mbarriers are 8-byte aligned");
+  static_assert(SMEM <= 227 * 1024, "shared memory per block");
+  static_assert(DW % 64 == 0, "a warpgroup's dK/dV columns are whole SW128 column blocks");
+};
+
+template <typename T, bool kCap>
+__global__ void __launch_bounds__(384, 1)
+    dkdv_ws256_kernel_sm90(const __grid_constant__ DkdvWsArgs a) {
+#if DUALKV_SM90_BODY
+  using Cfg = DkdvWs256Cfg;
+  constexpr int D = Cfg::D, BM = Cfg::BM, BN = Cfg::BN, HQ = Cfg::HQ, DW = Cfg::DW;
+  constexpr int S = Cfg::STAGES, NC = Cfg::CONSUMERS;
+  const Params& p = a.p;
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
+  unsigned char* gbase = smem + (base - smem_u32(smem));
+  const uint32_t sK = base, sV = base + Cfg::OFF_V;
+  const uint32_t sQ0 = base + Cfg::OFF_Q, sdO0 = base + Cfg::OFF_DO, sL0 = base + Cfg::OFF_L;
+  const uint32_t bKV = base + Cfg::OFF_BAR;
+  auto full = [&](int s) { return bKV + 8u * (1 + s); };
+  auto empty = [&](int s) { return bKV + 8u * (1 + S + s); };
+  auto meta = [&](int s) {
+    return reinterpret_cast<volatile int*>(gbase + Cfg::OFF_META + 16 * s);
+  };
+
+  const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  // Each role decodes its key block after the split (cta_of): a value kept live across the
+  // producer's setmaxnreg 24 was spilled to local memory (ptxas -v) and reloaded by the consumers
+  // in every step.
+  if (!KeyTileCta<BN>(p).valid) return;  // uniform over the CTA, before any barrier
+  auto cta_of = [&]() { return KeyTileCta<BN>(p); };
+
+  if (tid == 0) {
+    ws::mbar_init(bKV, 1);
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      ws::mbar_init(full(s), Cfg::FULL_COUNT);
+      ws::mbar_init(empty(s), NC);
+    }
+    ws::mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (warp < 4) {
+    // ---- producer: warp 0 walks the query blocks ---------------------------------------------
+    ws::reg_dealloc<Cfg::PRODUCER_REGS>();
+    if (warp == 0) {
+      const KeyTileCta<BN> cta = cta_of();
+      const int hk = cta.hk, k0 = cta.k0, ksi = cta.ksi;
+      const int pk_first = cta.pk_first, pk_last = cta.pk_last;
+      const Segment& kseg = cta.kseg;
+      if (lane == 0) {
+        ws::prefetch_tmap(&a.tq);
+        ws::prefetch_tmap(&a.tdo);
+        ws::mbar_expect_tx(bKV, 2 * Cfg::K_BYTES);
+        ws::tma_load3_pair<D / 64, BN>(sK, &a.tk, sV, &a.tv, bKV, 0, hk, k0);
+      }
+      QIter cur;
+      bool valid = query_walk_begin<BM>(p, kseg, ksi, pk_first, pk_last, cur);
+      for (int it = 0;; ++it) {
+        const int s = Ring<S>::stage(it);
+        ws::mbar_wait(empty(s), Ring<S>::empty_parity(it));
+        if (!valid) {
+          if (lane == 0) {
+            meta(s)[0] = 0;  // end of the walk
+            ws::mbar_arrive(full(s));
+          }
+          ws::mbar_arrive(full(s));
+          break;
+        }
+        const int h = hk * p.group + cur.hi;
+        const int qs = cur.row(BM);
+        const int nq = cur.count(BM);
+        if (lane == 0) {
+          meta(s)[0] = 1 + cur.hi;
+          meta(s)[1] = nq;
+          meta(s)[2] = cur.pos(BM);
+          meta(s)[3] = qs;
+          ws::mbar_expect_tx(full(s), 2 * Cfg::Q_BYTES);
+          ws::tma_load3_pair<D / 64, BM>(sQ0 + s * Cfg::Q_BYTES, &a.tq, sdO0 + s * Cfg::Q_BYTES,
+                                         &a.tdo, full(s), 0, h, qs);
+        }
+#pragma unroll
+        for (int i = lane; i < 2 * BM; i += 32) {
+          const int r = i % BM;
+          const float* src = (i < BM ? p.lse2 : p.delta) + int64_t(h) * p.T + qs + (r < nq ? r : 0);
+          cp_async4(sL0 + (s * 2 * BM + i) * 4, src, r < nq);
+        }
+        ws::cp_async_mbar_arrive(full(s));
+        // pk_last through an empty asm, so that nothing derived from it is kept live across the
+        // loop (at 24 registers ptxas spilled it, as in dkdv_ws_kernel_sm90's producer).
+        int pkl = pk_last;
+        asm volatile("" : "+r"(pkl));
+        valid = query_walk_next<BM>(p, kseg, ksi, pk_first, pkl, cur);
+      }
+      cp_wait<0>();  // no lse/delta copy outlives its thread
+    }
+  } else {
+    // ---- consumers ---------------------------------------------------------------------------
+    ws::reg_alloc<Cfg::CONSUMER_REGS>();
+    const KeyTileCta<BN> cta = cta_of();
+    const int hk = cta.hk, k0 = cta.k0, nk = cta.nk;
+    const int pk_first = cta.pk_first, pk_last = cta.pk_last;
+    const int cw = (warp >> 2) - 1;  // consumer warpgroup 0, 1
+    const int t = tid & 127;
+    const int g = lane >> 2, tq = lane & 3;
+    const int kr0 = (warp & 3) * 16 + g;  // key rows kr0, kr0 + 8 (both warpgroups)
+    const int col0 = cw * DW;             // first dK/dV column
+    const int q_off = cw * HQ;            // first query of this warpgroup's S^T / dP^T
+    const uint32_t half = uint32_t(col0 / 64) * (BM * 128);  // its column blocks of dO and Q
+    constexpr int AR = DW / 2, HR = HQ / 2;
+    float dk[AR], dv[AR];
+#pragma unroll
+    for (int i = 0; i < AR; ++i) dk[i] = dv[i] = 0.f;
+    const float* lse_s = reinterpret_cast<const float*>(gbase + Cfg::OFF_L);
+    uint4* xpa = reinterpret_cast<uint4*>(gbase + Cfg::OFF_XPA);
+    uint4* xda = reinterpret_cast<uint4*>(gbase + Cfg::OFF_XDA);
+
+    ws::mbar_wait(bKV, 0);
+    for (int it = 0;; ++it) {
+      const int s = Ring<S>::stage(it);
+      ws::mbar_wait(full(s), Ring<S>::full_parity(it));
+      if (meta(s)[0] == 0) break;
+      const int nq = meta(s)[1], pq_first = meta(s)[2];
+      const bool msk =
+          needs_mask(nq, BM, nk, BN, pq_first, pq_first + nq - 1, pk_first, pk_last, p.mask);
+      const uint32_t sQ = sQ0 + s * Cfg::Q_BYTES, sdO = sdO0 + s * Cfg::Q_BYTES;
+      const float* lse_c = lse_s + s * 2 * BM;
+      const float* del_c = lse_c + BM;
+      auto qc_of = [&](int i) { return q_off + (i >> 2) * 8 + 2 * tq + (i & 1); };
+      auto visible = [&](int i) {
+        const int kr = kr0 + ((i >> 1) & 1) * 8;
+        return DUALKV_VISIBLE_KQ(p.mask, kr, nk, pk_first, qc_of(i), nq, pq_first);
+      };
+
+      float sc[HR], dp[HR];
+      wg_fence();
+      wgmma_rows<T, HQ, D, BN, BM>(sc, sK, 0, sQ, q_off);
+      wg_commit();
+      wgmma_rows<T, HQ, D, BN, BM>(dp, sV, 0, sdO, q_off);
+      wg_commit();
+      wg_wait<1>();  // S^T done: P (and the softcap's derivative factor) while dP^T runs
+      fence_regs(sc);
+      float dc[kCap ? HR : 1];
+#pragma unroll
+      for (int i = 0; i < HR; ++i) {
+        float dcap = 1.f;
+        const float x = score_log2<kCap>(p, sc[i], dcap);
+        sc[i] = fast_exp2(x - lse_c[qc_of(i)]);
+        if constexpr (kCap) dc[i] = dcap;
+      }
+      mask_fragment<HR>(msk, visible, [&](int i) { sc[i] = 0.f; });
+      // This warpgroup's two 16-query slices of P^T to shared memory, then all four back.
+#pragma unroll
+      for (int kl = 0; kl < HQ / 16; ++kl) {
+        uint32_t w[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) w[c] = pack2<T>(sc[8 * kl + 2 * c], sc[8 * kl + 2 * c + 1]);
+        xpa[(cw * (HQ / 16) + kl) * 128 + t] = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+      ws::bar_sync(1, NC);
+      uint32_t pa[BM / 16][4];
+#pragma unroll
+      for (int kt = 0; kt < BM / 16; ++kt) {
+        const uint4 v = xpa[kt * 128 + t];
+        pa[kt][0] = v.x, pa[kt][1] = v.y, pa[kt][2] = v.z, pa[kt][3] = v.w;
+      }
+      fence_regs(pa);
+      fence_regs(dv);
+      wg_fence();
+      wgmma_rs_acc<T, DW, BM>(dv, pa, sdO + half);
+      wg_commit();
+      wg_wait<1>();  // dP^T done: dS while dV runs
+      fence_regs(dp);
+#pragma unroll
+      for (int i = 0; i < HR; ++i)
+        dp[i] = sc[i] * (dp[i] - del_c[qc_of(i)]) * (kCap ? dc[i] : 1.f);
+#pragma unroll
+      for (int kl = 0; kl < HQ / 16; ++kl) {
+        uint32_t w[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) w[c] = pack2<T>(dp[8 * kl + 2 * c], dp[8 * kl + 2 * c + 1]);
+        xda[(cw * (HQ / 16) + kl) * 128 + t] = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+      ws::bar_sync(2, NC);
+      uint32_t da[BM / 16][4];
+#pragma unroll
+      for (int kt = 0; kt < BM / 16; ++kt) {
+        const uint4 v = xda[kt * 128 + t];
+        da[kt][0] = v.x, da[kt][1] = v.y, da[kt][2] = v.z, da[kt][3] = v.w;
+      }
+      fence_regs(da);
+      fence_regs(dk);
+      wg_fence();
+      wgmma_rs_acc<T, DW, BM>(dk, da, sQ + half);
+      wg_commit();
+      wg_wait<0>();  // dV, dK done: the stage (sQ, sdO, lse2/delta) is free
+      fence_regs(dv);
+      fence_regs(dk);
+      fence_regs(pa);
+      fence_regs(da);
+      ws::mbar_arrive(empty(s));
+    }
+    store_dkdv_rows<T, D, DW>(p, dk, dv, k0, nk, hk, kr0, col0, tq);
+  }
+#endif
+}
+
+// Preprocess, the warp-specialised D = 256 dK/dV kernel, the synchronous dQ pass. False (nothing
+// launched) when a tensor map cannot be encoded (the caller runs the synchronous backward).
+template <typename T>
+bool launch_backward_sm90_d256ws(const Params& p, const KernelPolicy& policy,
+                                 cudaStream_t stream) {
+  (void)policy;
+  using C = DkdvWs256Cfg;
+  if (int64_t(p.T) * p.Hq == 0) return true;
+  DkdvWsArgs a{};
+  if (!make_bwd_ws_args(a, p, C::D, C::BM, C::BN)) return false;
+  launch_bwd_pre<T, C::D>(p, false, stream);
+  const int64_t grid = int64_t(p.nkt) * (kTileSize / C::BN) * p.Hkv;
+  if (grid > 0) {
+    auto kernel =
+        p.softcap > 0.f ? dkdv_ws256_kernel_sm90<T, true> : dkdv_ws256_kernel_sm90<T, false>;
+    launch_kernel(kernel, grid, C::THREADS, C::SMEM, stream, a,
+                  "dualkv backward dk/dv (sm90a, warp-specialised, D = 256)");
+  }
+  launch_dq_sm90<T, C::D>(p, stream);
+  return true;
+}
+
+}  // namespace dualkv::cuda::detail
