@@ -173,7 +173,9 @@ KernelPolicy resolve_policy(bool deterministic) {
   const char* f512 = std::getenv("DUALKV_SM90_D512_FWD");
   pol.d512_fwd = (f512 && f512[0] == '0' && f512[1] == '\0') ? 0 : 2;
   const char* d256 = std::getenv("DUALKV_SM90_D256_BWD");
-  pol.d256_bwd_ws = (d256 && d256[0] == '1' && d256[1] == '\0') ? 1 : 0;
+  const int d256v =
+      (d256 && d256[0] >= '1' && d256[0] <= '2' && d256[1] == '\0') ? d256[0] - '0' : 0;
+  pol.d256_bwd_ws = deterministic && d256v == 2 ? 1 : d256v;
   return pol;
 }
 
@@ -322,7 +324,7 @@ void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t str
 #if DUALKV_HAS_SM90A
     if constexpr (D == 256) {
       // Opt-in (KernelPolicy::d256_bwd_ws); false: a TMA map could not be encoded.
-      if (sm90 && pol.sm90_ws && pol.d256_bwd_ws == 1 && !atomic_dq &&
+      if (sm90 && pol.sm90_ws && pol.d256_bwd_ws != 0 && !atomic_dq &&
           launch_backward_sm90_d256ws<T>(p, pol, stream))
         return;
     }

@@ -40,7 +40,8 @@ struct KernelPolicy {
   int d512_fwd = 2;
   // D = 256 backward on sm_90a: DUALKV_SM90_D256_BWD=1 runs sm90/sm90_bwd256_ws.cuh's
   // warp-specialised dK/dV kernel (TMA producer warp, 2-stage ring) + the synchronous dQ pass;
-  // 0 (unset): the synchronous D = 256 backward (not yet run on a GPU, so opt-in until measured).
+  // =2 the same kernel with dQ fused (bulk reductions into dq_accum; deterministic=true makes it
+  // 1); 0 (unset): the synchronous D = 256 backward (not yet run on a GPU: opt-in until measured).
   int d256_bwd_ws = 0;
 };
 

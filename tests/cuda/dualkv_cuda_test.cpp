@@ -3,7 +3,7 @@
 //   dualkv_cuda_test [--seed S] [--quick] [--small] [--no-check] [--race N] [--random N]
 //                    [--bench] [--bench-reps N]
 //                    [--path default|sm80|sm90-sync|sm90-nopp|sm90-d512bwd|sm90-d512bwd-sm80dq|
-//                            sm90-d512fwd-1cta]
+//                            sm90-d512fwd-1cta|sm90-d256ws|sm90-d256ws-fdq]
 //                    [--dq-modes LIST] [--shape N,P,R,Hq,Hkv,D]...
 //   (--small: the quick matrix and 3 race repeats, for compute-sanitizer; --path: those kernel
 //   paths only (comma-separated); --random N: instead of the matrix, N rounds of its random-layout
@@ -28,7 +28,9 @@
 // one with ping-pong off (DUALKV_SM90_PINGPONG=0: forward and dQ kernels), and for head dim 512
 // only the opt-in wgmma D = 512 backward (DUALKV_SM90_D512_BWD=1: 2-CTA cluster dK/dV and dQ
 // kernels; =2: that dK/dV kernel with the sm_80 dQ pass) and the single-CTA forward instead of
-// the default 2-CTA cluster one (sm90-d512fwd-1cta: DUALKV_SM90_D512_FWD=0).
+// the default 2-CTA cluster one (sm90-d512fwd-1cta: DUALKV_SM90_D512_FWD=0); for head dim 256
+// the opt-in warp-specialised backward (sm90-d256ws: DUALKV_SM90_D256_BWD=1, with the dQ pass;
+// sm90-d256ws-fdq: =2, fused dQ).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -183,7 +185,8 @@ constexpr KernelPath kPaths[] = {{"default", nullptr, nullptr, 0},
                                  {"sm90-d512bwd", "DUALKV_SM90_D512_BWD", "1", 512},
                                  {"sm90-d512bwd-sm80dq", "DUALKV_SM90_D512_BWD", "2", 512},
                                  {"sm90-d512fwd-1cta", "DUALKV_SM90_D512_FWD", "0", 512},
-                                 {"sm90-d256ws", "DUALKV_SM90_D256_BWD", "1", 256}};
+                                 {"sm90-d256ws", "DUALKV_SM90_D256_BWD", "1", 256},
+                                 {"sm90-d256ws-fdq", "DUALKV_SM90_D256_BWD", "2", 256}};
 // --path: run these only (a comma-separated list of names; empty: every path).
 std::vector<std::string> g_only_paths;
 bool path_listed(const char* name) {
@@ -1025,7 +1028,8 @@ int main(int argc, char** argv) {
                      [&](const KernelPath& k) { return name == k.name; })) {
       std::fprintf(stderr,
                    "unknown --path %s (default, sm80, sm90-sync, sm90-nopp, sm90-d512bwd, "
-                   "sm90-d512bwd-sm80dq, sm90-d512fwd-1cta; or a comma-separated list)\n",
+                   "sm90-d512bwd-sm80dq, sm90-d512fwd-1cta, sm90-d256ws, sm90-d256ws-fdq; or a "
+                   "comma-separated list)\n",
                    name.c_str());
       return 2;
     }

@@ -17,7 +17,7 @@ run_fwd512c models the opt-in D = 512 cluster forward (split head dim, partial S
 st.async per block and warpgroup, xfree[w] of 4 warp arrivals, ping-pong); fwd512c_bugs_caught
 injects six errors into it. run_d256 models the D = 256 warp-specialised dK/dV kernel (P^T / dS^T
 swaps between its two consumer warpgroups through single buffers and named barriers 1, 2);
-d256_bugs_caught injects three errors into it.
+d256_bugs_caught injects six errors into it and its fused-dQ variant.
 
     python3 tests/cuda/ws_protocol_sim.py
 """
@@ -812,28 +812,47 @@ def fwd512c_bugs_caught(rng):
     return len(bugs)
 
 
-def run_d256(nblocks, S, rng, bug=None):
+def run_d256(nblocks, S, rng, bug=None, fused=False):
     """The D = 256 warp-specialised dK/dV kernel (sm90_bwd256_ws.cuh): run_dkdv's producer (TMA +
     cp.async arrivals on one full barrier per stage), two consumer warpgroups that own the same
-    keys and swap their halves of P^T (buffer xpa, named barrier 1) and dS^T (xda, named barrier
-    2) in every block: each writes its half, meets the other at the barrier, reads both halves
-    (shared loads, done before it reaches its next barrier), issues dV (after the P^T swap) or dK
-    (after the dS^T swap); after the final wait it releases the stage. One buffer each: a
-    warpgroup writes xpa again only after barrier 2, xda only after the next barrier 1.
-    Injected bugs: no_bar2 (dS^T read without its barrier), one_swap_barrier (P^T and dS^T both
-    written before barrier 1, no barrier 2: the synchronous kernel's swap without its
-    __syncthreads), early_release (the stage released after dV's issue, before dK's wait)."""
+    keys and swap their halves of P^T (buffer xpa, named barrier 1) and dS^T (named barrier 2) in
+    every block: each writes its half, meets the other at the barrier, reads both halves, issues
+    dV (after the P^T swap) or dK (after the dS^T swap); after the final wait it releases the
+    stage. One buffer each: a warpgroup writes a swap buffer again only after the other barrier.
+    S^T / dP^T read the whole stage (Q, dO) until the wait before dS; dV / dK only the warpgroup's
+    own column halves, until the final wait.
+    fused (kDq = 1): dS^T goes to one shared tile that dK and dQ read until the final wait; then
+    the warpgroup writes its dQ block into its own halves of the stage, a record, and arrives on
+    dq_full[stage][c]; reducer c (lane 0 of producer warp 1 + c) waits for it, reads the halves
+    (bulk reductions) and arrives on empty[stage] (count 2 consumers + 2 reducers); an end record
+    stops it. Injected bugs: no_bar2 (dS^T read without its barrier), one_swap_barrier (P^T and
+    dS^T both written before barrier 1, no barrier 2), early_release (the stage released after
+    dV's issue); fused: no_reducer_release (empty counts the consumers only), one_dq_full (one
+    dq_full barrier per warpgroup instead of per stage and warpgroup), stage_before_bar2 (dQ
+    staged before barrier 2, while the other warpgroup's dP^T may still read the stage). (With
+    fused dQ an early consumer release is harmless: the stage is refilled only after the reducers,
+    which read it after the consumers' final waits, have released it too.)"""
     L = 3
     bKV = MBar(1)
     full = [MBar(1 + L) for _ in range(S)]
-    empty = [MBar(2) for _ in range(S)]
+    nempty = 4 if fused and bug != "no_reducer_release" else 2
+    empty = [MBar(nempty) for _ in range(S)]
     meta = [None] * S
     slot = [None] * S
-    readers = [set() for _ in range(S)]
+    whole = [set() for _ in range(S)]  # warpgroups whose S^T / dP^T read the whole stage
+    halves = [[set(), set()] for _ in range(S)]  # [stage][half]: who reads that column half
+    staged = [[None, None] for _ in range(S)]  # [stage][c]: dQ block staged in half c
     inflight = []
     xbuf = {"pa": [None, None], "da": [None, None]}
     xreaders = {"pa": set(), "da": set()}
     bar = [Named(2), Named(2)]
+    ndq = 1 if bug == "one_dq_full" else S
+    dq_full = [[MBar(1), MBar(1)] for _ in range(ndq)]  # count 128 (a warpgroup) modelled as 1
+    dq_meta = [[None, None] for _ in range(S)]
+    reduced = [[], []]
+
+    def busy(s):
+        return whole[s] or halves[s][0] or halves[s][1] or staged[s] != [None, None]
 
     def lane(ln):
         if ln == 0:
@@ -850,7 +869,7 @@ def run_d256(nblocks, S, rng, bug=None):
                 full[s].arrive()
                 return
             if ln == 0:
-                assert not readers[s], "stage overwritten while read"
+                assert not busy(s), "stage refilled while read"
                 meta[s] = it
                 full[s].expect_tx(1)
                 inflight.append((full[s], s, it))
@@ -858,12 +877,30 @@ def run_d256(nblocks, S, rng, bug=None):
             it += 1
             yield
 
+    def reducer(c):
+        it = 0
+        while True:
+            s = it % S
+            yield from wait(dq_full[s % ndq][c], (it // S) & 1 if ndq == S else it & 1)
+            if dq_meta[s][c] == "end":
+                return
+            assert dq_meta[s][c] == it and staged[s][c] == it, (dq_meta[s][c], staged[s][c], it)
+            yield  # the bulk reductions read the staged block
+            staged[s][c] = None
+            reduced[c].append(it)
+            empty[s].arrive()
+            it += 1
+
     def write(x, cw, it):
         assert not (xreaders[x] - {cw}), f"{x} half overwritten while the other warpgroup reads it"
         xbuf[x][cw] = it
 
     def read(x, it):
         assert xbuf[x] == [it, it], (x, xbuf[x], it)
+
+    def stage_dq(s, cw, it):
+        assert not (whole[s] - {cw}) and not (halves[s][cw] - {cw}), "dQ staged over a read"
+        staged[s][cw] = it
 
     def consumer(cw):
         yield from wait(bKV, 0)
@@ -874,7 +911,8 @@ def run_d256(nblocks, S, rng, bug=None):
             if meta[s] == "end":
                 break
             assert meta[s] == it and slot[s] == it, (meta[s], slot[s], it)
-            readers[s].add(cw)
+            whole[s].add(cw)
+            halves[s][cw].add(cw)
             yield  # S^T, dP^T issued; P after the first wait
             write("pa", cw, it)
             if bug == "one_swap_barrier":
@@ -885,6 +923,9 @@ def run_d256(nblocks, S, rng, bug=None):
             yield  # the shared loads of both P^T halves
             xreaders["pa"].discard(cw)
             yield  # dV issued; dS after dP^T's wait
+            if bug == "stage_before_bar2":
+                stage_dq(s, cw, it)
+            whole[s].discard(cw)
             if bug == "early_release":
                 empty[s].arrive()  # while dV (and then dK) still read the stage
             if bug != "one_swap_barrier":
@@ -893,13 +934,24 @@ def run_d256(nblocks, S, rng, bug=None):
                     yield from bar[1].sync()
             read("da", it)
             xreaders["da"].add(cw)
-            yield  # the shared loads of both dS^T halves
+            yield  # the shared loads (fused: the dK and dQ wgmmas) of both dS^T halves
+            if not fused:
+                xreaders["da"].discard(cw)
+            yield  # dK (fused: and dQ) issued; they read the stage until the final wait
             xreaders["da"].discard(cw)
-            yield  # dK issued; dV and dK read the stage until the final wait
-            readers[s].discard(cw)
+            halves[s][cw].discard(cw)
+            if fused:
+                if bug != "stage_before_bar2":
+                    stage_dq(s, cw, it)
+                dq_meta[s][cw] = it
+                dq_full[s % ndq][cw].arrive()
             if bug != "early_release":
                 empty[s].arrive()
             it += 1
+        if fused:
+            s = it % S
+            dq_meta[s][cw] = "end"
+            dq_full[s % ndq][cw].arrive()
 
     def land(x):
         if x[0] == "cp":
@@ -908,26 +960,38 @@ def run_d256(nblocks, S, rng, bug=None):
         b, s, v = x
         if s is not None:
             slot[s] = v
-            assert not readers[s], "stage landed while read"
+            assert not busy(s), "stage landed while read"
         b.complete_tx(1)
 
     ths = [lane(i) for i in range(L)] + [consumer(0), consumer(1)]
-    schedule(ths, inflight, land, rng, "dkdv D = 256")
+    if fused:
+        ths += [reducer(0), reducer(1)]
+    schedule(ths, inflight, land, rng, f"dkdv D = 256 (fused {fused})")
+    if fused:
+        assert reduced == [list(range(nblocks))] * 2, reduced
     assert bar[0].cnt == 0 and bar[1].cnt == 0, "named barrier left half-arrived"
 
 
 def d256_bugs_caught(rng):
-    """Each injected error of the D = 256 dK/dV kernel's swaps and release must be caught."""
-    bugs = ("no_bar2", "one_swap_barrier", "early_release")
-    for bug in bugs:
+    """Each injected error of the D = 256 dK/dV kernel (swaps, release, fused-dQ hand-off) must be
+    caught by some schedule."""
+    bugs = (
+        ("no_bar2", False),
+        ("one_swap_barrier", False),
+        ("early_release", False),
+        ("no_reducer_release", True),
+        ("one_dq_full", True),
+        ("stage_before_bar2", True),
+    )
+    for bug, fused in bugs:
         caught = False
         for _ in range(400):
             try:
-                run_d256(rng.randrange(1, 7), 2, rng, bug)
+                run_d256(rng.randrange(1, 7), 2, rng, bug, fused)
             except (AssertionError, RuntimeError):
                 caught = True
                 break
-        assert caught, f"injected bug {bug} was not caught"
+        assert caught, f"injected bug {bug} (fused {fused}) was not caught"
     return len(bugs)
 
 
@@ -945,14 +1009,17 @@ for _trial in range(3000):
     run_dkdv512(total, S, rng, dq=True)
     run_fwd512c(total, S, rng, rng.random() < 0.8)
     run_d256(total, 2, rng)
+    run_d256(total, 2, rng, fused=True)
     n += 1
 print(
     "ok",
     n,
     "random schedules each for fwd, fwd (2-CTA cluster), dq, dkdv (dq modes 0-5), "
     "dkdv and dq D = 512 (2-CTA clusters), fwd D = 512 (2-CTA cluster, split D), "
-    "dkdv D = 256 (warp-specialised, P^T / dS^T swaps)",
+    "dkdv D = 256 (warp-specialised, P^T / dS^T swaps; separate and fused dQ)",
 )
 print("ok", injected_bugs_caught(rng), "injected D = 512 dK/dV protocol errors caught")
 print("ok", fwd512c_bugs_caught(rng), "injected D = 512 cluster forward exchange errors caught")
-print("ok", d256_bugs_caught(rng), "injected D = 256 dK/dV swap / release errors caught")
+print(
+    "ok", d256_bugs_caught(rng), "injected D = 256 dK/dV swap, release, dQ hand-off errors caught"
+)
