@@ -163,13 +163,16 @@ KernelPolicy resolve_policy(bool deterministic) {
   const char* pp = std::getenv("DUALKV_SM90_PINGPONG");
   pol.pingpong = !(pp && pp[0] == '0');
   const char* dq = deterministic ? nullptr : std::getenv("DUALKV_ATOMIC_DQ");
-  // One digit 1-5 (policy.h); anything else is the default, 0.
-  pol.dq_mode = (!dq || dq[0] < '1' || dq[0] > '5' || dq[1] != '\0') ? 0 : dq[0] - '0';
+  // One digit 0-5 (policy.h); unset or anything else is the default: 5 (fused dQ), 0 when
+  // deterministic.
+  pol.dq_mode = deterministic                                                ? 0
+                : (!dq || dq[0] < '0' || dq[0] > '5' || dq[1] != '\0') ? 5
+                                                                           : dq[0] - '0';
   const char* d512 = std::getenv("DUALKV_SM90_D512_BWD");
-  pol.d512_bwd_ws = (!d512 || d512[0] == '\0' || d512[1] != '\0') ? 0
-                    : d512[0] == '1'                              ? 1
+  pol.d512_bwd_ws = (!d512 || d512[0] == '\0' || d512[1] != '\0') ? 1
+                    : d512[0] == '0'                              ? 0
                     : d512[0] == '2'                              ? 2
-                                                                  : 0;
+                                                                  : 1;
   return pol;
 }
 
@@ -302,11 +305,11 @@ void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t str
   p.delta = reinterpret_cast<float*>(ws);
   p.lse2 = reinterpret_cast<float*>(ws + align256(rows * sizeof(float)));
   p.dq_accum = reinterpret_cast<float*>(ws + 2 * align256(rows * sizeof(float)));
-  // The fused atomic-dq variant (DUALKV_ATOMIC_DQ=1, non-deterministic) exists in the
-  // warp-specialised and the sm_80 kernels (the synchronous wgmma path falls back to sm_80).
+  // The fused-dQ modes (policy.h) belong to the warp-specialised dK/dV kernel (D <= 128); only
+  // modes 1 and 2, asked for explicitly, also select the sm_80 atomic dQ on the other paths.
   const KernelPolicy pol = resolve_policy(a.deterministic);
   const bool sm90 = pol.sm90;
-  const bool atomic_dq = pol.dq_mode != 0;
+  const bool atomic_dq = pol.dq_mode == 1 || pol.dq_mode == 2;
   dispatch(a.dtype, a.shape.head_dim, [&](auto t, auto d) {
     using T = decltype(t);
     constexpr int D = decltype(d)::value;
@@ -316,13 +319,13 @@ void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t str
       if (sm90 && !atomic_dq) return launch_backward_sm90<T, D>(p, stream);
     }
     if constexpr (D == 512) {
-      // Opt-in (KernelPolicy::d512_bwd_ws); false: a TMA map could not be encoded (sm_80 runs).
+      // The default (KernelPolicy::d512_bwd_ws); false: a TMA map could not be encoded (sm_80).
       if (sm90 && pol.d512_bwd_ws != 0 && !atomic_dq &&
           launch_backward_sm90_d512<T>(p, pol, stream))
         return;
     }
 #endif
-    // D = 512 by default on every GPU (its wgmma backward is opt-in), or a GPU other than sm_90.
+    // A GPU other than sm_90, DUALKV_FORCE_SM80=1, or D = 512 with DUALKV_SM90_D512_BWD=0.
     (void)sm90, (void)atomic_dq;
     launch_backward_sm80<T, D>(p, pol, stream);
   });

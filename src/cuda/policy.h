@@ -15,24 +15,19 @@ struct KernelPolicy {
   // Ping-pong of the two consumer warpgroups in the warp-specialised forward and dQ kernels (they
   // take turns issuing their GEMMs); DUALKV_SM90_PINGPONG=0 turns it off.
   bool pingpong = true;
-  // dQ strategy: 0 (default) a separate dQ pass (7 matmul units per block pair, no atomics, every
-  // output bitwise reproducible); DUALKV_ATOMIC_DQ=1 (never with deterministic=true) the fused
-  // variant (5 units + fp32 atomics into dq_accum, then a conversion) where a kernel has it: the
-  // warp-specialised sm_90a dK/dV kernel (D <= 128) and the sm_80 one; DUALKV_ATOMIC_DQ=2 the
-  // sm_90a kernel hands its dQ blocks to reducer warps that add them with bulk async reductions
-  // (elsewhere 2 acts as 1). Neither beat the separate pass (H200, bf16, D=128, Hq=32, Hkv=8,
-  // N=16 P=8192 R=1024 backward: 19.3 ms separate, 19.5 ms mode 1, 19.2 ms mode 2, and the
-  // separate pass has since gained ping-pong: 18.3 ms; sm_80 47.8 vs 37.0 ms): A/B switches, see
-  // src/cuda/NOTES.md. DUALKV_ATOMIC_DQ=3: mode 2 in FlashAttention-3's order (dK from registers,
-  // retired within the block) with conflict-free dQ stores (dq_accum's swizzled layout);
-  // DUALKV_ATOMIC_DQ=4: mode 2's order with those stores; DUALKV_ATOMIC_DQ=5: mode 3 with an
-  // L2 evict_last policy on the reductions (elsewhere 3-5 act as 1).
-  int dq_mode = 0;
-  // D = 512 backward on sm_90a (sm90/sm90_bwd512_ws.cuh, 2-CTA clusters splitting the head dim;
-  // with dq_mode 0 only): DUALKV_SM90_D512_BWD=1 runs its wgmma dK/dV and dQ kernels, =2 its dK/dV
-  // kernel with the sm_80 dQ pass (A/B). 0 (unset) by default: compiled, not yet run on a GPU, so
-  // the sm_80 D = 512 backward stays the default until measured.
-  int d512_bwd_ws = 0;
+  // dQ strategy of the warp-specialised sm_90a backward (D <= 128): 5 (the default unless
+  // deterministic) fuses dQ into the dK/dV kernel: dS K handed through shared memory to reducer
+  // warps that add it into the fp32 dq_accum with bulk async reductions (FA3's order, swizzled
+  // conflict-free stores, L2 evict_last), then a conversion; 16.07 vs 18.30 ms backward at
+  // (16, 8192, 1024), Hq 32, Hkv 8, D 128, H200 (src/cuda/NOTES.md). 0 (deterministic=true, or
+  // DUALKV_ATOMIC_DQ=0) the separate dQ pass: no atomics, bitwise reproducible. 1-4 older fused
+  // variants (A/B; 1 and 2 also select the sm_80 kernel's atomic dQ, which measured slower).
+  int dq_mode = 5;
+  // D = 512 backward on sm_90a (sm90/sm90_bwd512_ws.cuh, 2-CTA clusters splitting the head dim):
+  // 1 (default) its wgmma dK/dV and dQ kernels (126.9 vs 247.7 ms for the sm_80 backward at
+  // (16, 8192, 1024), Hq 32, Hkv 4); DUALKV_SM90_D512_BWD=0 the sm_80 backward, =2 its dK/dV
+  // kernel with the sm_80 dQ pass (A/B).
+  int d512_bwd_ws = 1;
 };
 
 // The policy for one call; deterministic = the call's `deterministic` (forces dq_mode 0).
