@@ -1,6 +1,6 @@
 // Run-time kernel options: read from the environment in one place (resolve_policy, api.cu), once
 // per entry-point call, and passed to the launchers; no launcher or kernel reads the environment.
-// Every switch is for A/B timing or cross-checking (unset = the fastest path; every path computes
+// Unset = the fastest path; every switch is for A/B timing or cross-checking (every path computes
 // the same function); README.md lists them.
 #pragma once
 
@@ -8,29 +8,25 @@ namespace dualkv::cuda::detail {
 
 struct KernelPolicy {
   // The wgmma paths: built for sm_90a, a device of compute capability 9.x, and not
-  // DUALKV_FORCE_SM80=1 (the sm_80 kernels on any GPU).
+  // DUALKV_FORCE_SM80=1 (the sm_80 kernels on any GPU: A100-class GPUs, and the cross-check).
   bool sm90 = false;
-  // The warp-specialised sm_90a kernels; DUALKV_SM90_WS=0 selects the synchronous wgmma ones.
-  bool sm90_ws = true;
   // Ping-pong of the two consumer warpgroups in the warp-specialised forward and dQ kernels (they
   // take turns issuing their GEMMs); DUALKV_SM90_PINGPONG=0 turns it off.
   bool pingpong = true;
-  // dQ strategy of the warp-specialised sm_90a backward (D <= 128): 5 (the default unless
-  // deterministic) fuses dQ into the dK/dV kernel: dS K handed through shared memory to reducer
-  // warps that add it into the fp32 dq_accum with bulk async reductions (FA3's order, swizzled
-  // conflict-free stores, L2 evict_last), then a conversion; 16.07 vs 18.30 ms backward at
-  // (16, 8192, 1024), Hq 32, Hkv 8, D 128, H200 (src/cuda/NOTES.md). 0 (deterministic=true, or
-  // DUALKV_ATOMIC_DQ=0) the separate dQ pass: no atomics, bitwise reproducible. 1-4 older fused
-  // variants (A/B; 1 and 2 also select the sm_80 kernel's atomic dQ, which measured slower).
-  int dq_mode = 5;
-  // D = 512 backward on sm_90a (sm90/sm90_bwd512_ws.cuh, 2-CTA clusters splitting the head dim):
-  // 1 (default) its wgmma dK/dV and dQ kernels (126.9 vs 247.7 ms for the sm_80 backward at
-  // (16, 8192, 1024), Hq 32, Hkv 4); DUALKV_SM90_D512_BWD=0 the sm_80 backward, =2 its dK/dV
-  // kernel with the sm_80 dQ pass (A/B).
-  int d512_bwd_ws = 1;
+  // The sm_90a backward at D = 64, 128 computes dQ inside the dK/dV kernel (5 matmul units per
+  // block pair instead of 7; bulk async fp32 reductions, so not bitwise reproducible): H200,
+  // (16, 8192, 1024), Hq 32, Hkv 8, D 128: 16.07 ms backward vs 18.30 ms with the separate dQ
+  // pass (src/cuda/NOTES.md). False when the call is deterministic (the separate pass: no
+  // atomics, bitwise reproducible) or DUALKV_FUSED_DQ=0 (A/B). The other paths (sm_80, D = 256,
+  // D = 512) always run a separate, deterministic dQ pass.
+  bool fused_dq = true;
+  // D = 512 on sm_90a: the wgmma backward of sm90/sm90_bwd512_ws.cuh (126.9 vs 247.7 ms for the
+  // sm_80 backward at (16, 8192, 1024), Hq 32, Hkv 4, H200); DUALKV_SM90_D512_BWD=0 runs the
+  // sm_80 one (A/B, cross-check).
+  bool d512_bwd_sm90 = true;
 };
 
-// The policy for one call; deterministic = the call's `deterministic` (forces dq_mode 0).
+// The policy for one call; deterministic = the call's `deterministic` (forces fused_dq off).
 KernelPolicy resolve_policy(bool deterministic);
 
 }  // namespace dualkv::cuda::detail
