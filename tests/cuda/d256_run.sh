@@ -7,8 +7,9 @@
 #   OUT=... bash tests/cuda/d256_run.sh
 # Steps (a hang, timeout rc 124, in the matrix skips the rest): the D = 256 matrix + race 20 on
 # both new paths (100 s), compute-sanitizer memcheck on --small (the fused path, 50 s), the bench
-# of the default (synchronous) backward against both paths at two shapes in one process (40 s),
-# ncu durations of the backward kernels (50 s). Four files under $OUT; a short table last.
+# of the default (synchronous) backward against both paths at two shapes in one process (40 s;
+# each backward in the default and the deterministic mode, where -fdq runs the dQ pass), ncu
+# durations of the backward kernels (50 s). Four files under $OUT; a short table last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-.out/d256}"
@@ -31,7 +32,7 @@ SHAPES=(--shape 16,8192,1024,16,8,256 --shape 8,16384,2048,16,8,256)
 declare -A res
 
 echo "== standalone: D = 256 matrix + race 20, paths $PATHS =="
-timeout 100 $BIN --race 20 --dq-modes 0 --path "$PATHS" >"$OUT/test.log" 2>&1; rc=$?
+timeout 100 $BIN --race 20 --path "$PATHS" >"$OUT/test.log" 2>&1; rc=$?
 grep -E "FAIL|error|reproduce" "$OUT/test.log" | grep -v "expected error" | head -20
 tail -2 "$OUT/test.log"
 grep -q "kernels cannot run" "$OUT/test.log" && { echo "FAIL: fell back"; rc=1; }
@@ -44,13 +45,13 @@ else
   # fragment swap, plus the staging in the stage tiles, the bulk reductions and the conversion).
   echo "== compute-sanitizer memcheck (--small, path sm90-d256ws-fdq) =="
   timeout 50 compute-sanitizer --tool memcheck --error-exitcode 9 $BIN --small --seed 1 \
-    --dq-modes 0 --path sm90-d256ws-fdq >"$OUT/memcheck.log" 2>&1; rc=$?
+    --path sm90-d256ws-fdq >"$OUT/memcheck.log" 2>&1; rc=$?
   grep -E "ERROR SUMMARY|correctness" "$OUT/memcheck.log" | tail -2; echo "rc=$rc"
   [ $rc = 0 ] || status=1
   res[memcheck]="rc=$rc, $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)"
 
   echo "== bench: default (synchronous D = 256 backward) vs $PATHS, one process =="
-  timeout 40 $BIN --no-check --bench --bench-reps 5 --dq-modes 0 --path "default,$PATHS" \
+  timeout 40 $BIN --no-check --bench --bench-reps 5 --path "default,$PATHS" \
     "${SHAPES[@]}" >"$OUT/bench.log" 2>&1; rc=$?
   echo "rc=$rc"; [ $rc = 0 ] || status=1
 
@@ -58,7 +59,7 @@ else
   timeout 50 ncu --clock-control none \
     --metrics gpu__time_duration.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
     -k "regex:dkdv|dq_kernel|dq_convert|bwd_pre" $BIN --no-check --bench --bench-reps 1 \
-    --dq-modes 0 --path "default,$PATHS" --shape 16,8192,1024,16,8,256 >"$OUT/ncu.log" 2>&1
+    --path "default,$PATHS" --shape 16,8192,1024,16,8,256 >"$OUT/ncu.log" 2>&1
   rc=$?; echo "rc=$rc"
   for k in dkdv_ws256_kernel_sm90; do
     grep -q "$k" "$OUT/ncu.log" || { echo "FAIL: no $k kernel in the ncu log"; status=1; }
@@ -69,8 +70,8 @@ echo
 echo "== summary =="
 echo "matrix + race 20: ${res[test]:-not run}"
 echo "memcheck: ${res[memcheck]:-not run}"
-echo "-- bench (ms, useful TF/s): layout | fwd | bwd | fwd+bwd"
-[ -f "$OUT/bench.log" ] && grep "^| " "$OUT/bench.log" | grep -v "^| layout" | cut -d"|" -f2-5
+echo "-- bench (ms, useful TF/s): layout | fwd | bwd | fwd+bwd | bwd det. | fwd+bwd det."
+[ -f "$OUT/bench.log" ] && grep "^| " "$OUT/bench.log" | grep -v "^| layout" | cut -d"|" -f2-7
 echo "-- ncu (first shape; mean over launches): kernel | launches | ms | tensor pipe %"
 # Grouped by kernel (the paths' dK/dV kernels differ; the default and sm90-d256ws share dq_kernel).
 [ -f "$OUT/ncu.log" ] && awk '

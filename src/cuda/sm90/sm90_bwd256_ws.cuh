@@ -20,13 +20,14 @@
 //     each suffices (ws_protocol_sim.py, run_d256).
 // dQ, kDq = 0 (DUALKV_SM90_D256_BWD=1, and =2 with deterministic=true): the synchronous dQ pass
 // (as the default D = 256 backward; the warp-specialised dQ pass measured no faster at D = 256).
-// kDq = 1 (DUALKV_SM90_D256_BWD=2): fused, as mode 5 of sm90_bwd_ws.cuh: the dS^T halves go to a
-// 128B-swizzled tile (instead of the fragment swap), dK += dS^T Q reads it as an SS product, and
-// warpgroup c computes dQ's columns 128c.. = dS K over the block's 64 keys (SS); after the
-// block's final wait it writes that fp32 64 x 128 block into its own column halves of the
-// stage's Q and dO tiles (which only its own dK / dV products read after the dS^T swap), and
-// lane 0 of producer warp 1 + c adds it into dq_accum (its swizzled slab layout) with two bulk
-// reductions and then releases the stage too (empty counts 256 + 2): no extra shared memory.
+// kDq = 1 (DUALKV_SM90_D256_BWD=2): fused, as sm90_bwd_ws.cuh's fused dQ (the D <= 128
+// default): dS^T goes to a 128B-swizzled tile (instead of the fragment swap), dK += dS^T Q
+// reads it as an SS product, and warpgroup c computes dQ's columns 128c.. = dS K over the
+// block's 64 keys (SS); after the block's final wait it writes that fp32 64 x 128 block into its
+// own column halves of the stage's Q and dO tiles (which only its own dK / dV products read
+// after the dS^T swap), and lane 0 of producer warp 1 + c adds it into dq_accum (its swizzled
+// slab layout) with two bulk reductions and then releases the stage too (empty counts 256 + 2):
+// no extra shared memory.
 // Shared memory, registers and tensor cycles: src/cuda/NOTES.md, "D = 256 warp-specialised
 // backward".
 #pragma once
@@ -430,7 +431,7 @@ bool launch_backward_sm90_d256ws(const Params& p, const KernelPolicy& policy, cu
                   "dualkv backward dk/dv (sm90a, warp-specialised, D = 256)");
   }
   if (fused) {
-    launch_dq_convert<T, C::D, true>(p, stream);
+    launch_dq_convert<T, C::D>(p, stream);
   } else {
     launch_dq_sm90<T, C::D>(p, stream);
   }
