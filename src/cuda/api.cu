@@ -169,6 +169,7 @@ KernelPolicy resolve_policy(bool deterministic) {
   pol.d512_bwd_ws = (!d512 || d512[0] == '\0' || d512[1] != '\0') ? 0
                     : d512[0] == '1'                              ? 1
                     : d512[0] == '2'                              ? 2
+                    : d512[0] == '3'                              ? 3
                                                                   : 0;
   const char* f512 = std::getenv("DUALKV_SM90_D512_FWD");
   pol.d512_fwd = (f512 && f512[0] == '0' && f512[1] == '\0') ? 0 : 2;

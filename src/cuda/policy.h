@@ -32,6 +32,7 @@ struct KernelPolicy {
   // with dq_mode 0 only): DUALKV_SM90_D512_BWD=1 runs its wgmma dK/dV and dQ kernels, =2 its dK/dV
   // kernel with the sm_80 dQ pass (A/B). 0 (unset) by default: compiled, not yet run on a GPU, so
   // the sm_80 D = 512 backward stays the default until measured.
+  // =3: both wgmma kernels with the exchange behind the previous block's products (kPipe).
   int d512_bwd_ws = 0;
   // D = 512 forward on sm_90a: 2 (default) sm90/sm90_fwd512_cluster.cuh (2-CTA clusters
   // splitting the head dim, partial S over distributed shared memory, BN = 64, ping-pong; H200:

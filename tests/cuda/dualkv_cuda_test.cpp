@@ -3,7 +3,7 @@
 //   dualkv_cuda_test [--seed S] [--quick] [--small] [--no-check] [--race N] [--random N]
 //                    [--bench] [--bench-reps N]
 //                    [--path default|sm80|sm90-sync|sm90-nopp|sm90-d512bwd|sm90-d512bwd-sm80dq|
-//                            sm90-d512fwd-1cta]
+//                            sm90-d512bwd-pipe|sm90-d512fwd-1cta]
 //                    [--dq-modes LIST] [--shape N,P,R,Hq,Hkv,D]...
 //   (--small: the quick matrix and 3 race repeats, for compute-sanitizer; --path: those kernel
 //   paths only (comma-separated); --random N: instead of the matrix, N rounds of its random-layout
@@ -182,6 +182,7 @@ constexpr KernelPath kPaths[] = {{"default", nullptr, nullptr, 0},
                                  {"sm90-nopp", "DUALKV_SM90_PINGPONG", "0", 0},
                                  {"sm90-d512bwd", "DUALKV_SM90_D512_BWD", "1", 512},
                                  {"sm90-d512bwd-sm80dq", "DUALKV_SM90_D512_BWD", "2", 512},
+                                 {"sm90-d512bwd-pipe", "DUALKV_SM90_D512_BWD", "3", 512},
                                  {"sm90-d512fwd-1cta", "DUALKV_SM90_D512_FWD", "0", 512}};
 // --path: run these only (a comma-separated list of names; empty: every path).
 std::vector<std::string> g_only_paths;
@@ -1024,7 +1025,8 @@ int main(int argc, char** argv) {
                      [&](const KernelPath& k) { return name == k.name; })) {
       std::fprintf(stderr,
                    "unknown --path %s (default, sm80, sm90-sync, sm90-nopp, sm90-d512bwd, "
-                   "sm90-d512bwd-sm80dq, sm90-d512fwd-1cta; or a comma-separated list)\n",
+                   "sm90-d512bwd-sm80dq, sm90-d512bwd-pipe, sm90-d512fwd-1cta; or a comma-separated "
+                   "list)\n",
                    name.c_str());
       return 2;
     }

@@ -1,5 +1,7 @@
 // sm_90a D = 512 backward: warp-specialised dK/dV and dQ kernels on wgmma in 2-CTA clusters that
-// split the head dim. Not the default yet: KernelPolicy::d512_bwd_ws (DUALKV_SM90_D512_BWD=1;
+// split the head dim. kPipe (KernelPolicy::d512_bwd_ws 3, DUALKV_SM90_D512_BWD=3): the exchange is
+// overlapped with the previous block's dV/dK (dQ) products, see Ws512Exchange::swap_add_pipe and
+// src/cuda/NOTES.md, "D = 512 backward, exchange behind the previous block's products". Not the default yet: KernelPolicy::d512_bwd_ws (DUALKV_SM90_D512_BWD=1;
 // =2: the wgmma dK/dV kernel with the sm_80 dQ pass) selects it (compiled, not yet run on a GPU;
 // the sm_80 D = 512 backward stays the default until it has been measured). Design and arithmetic:
 // src/cuda/NOTES.md, "D = 512 dK/dV on wgmma".
@@ -196,6 +198,32 @@ struct Ws512Exchange {
     wg_wait<0>();
     fence_regs(b);
     send(b, V);
+    add_peer(a, b, j);
+  }
+  // kPipe: block j's partials a, b in flight as two commit groups, then (G = 3) a third one, the
+  // previous block's dV/dK (dQ) products (G = 2: none, the first block). a and b are sent as they
+  // complete (once the peer's X[cw] is free), then the rest is waited for and `done` runs (it
+  // releases the previous block's ring stage), then the peer's partials of block j are added: the
+  // DSMEM round trip runs behind the previous block's products instead of after them. (The two
+  // group counts are two code paths: an empty commit group after a conditional wgmma made ptxas
+  // add a dummy wgmma group, and its waits then also waited for the products.)
+  template <int G, typename F>
+  __device__ __forceinline__ void swap_add_pipe(float (&a)[Cfg::HR], float (&b)[Cfg::HR], int j,
+                                                F&& done) const {
+    static_assert(G == 2 || G == 3, "two or three commit groups");
+    ws::mbar_wait(xfree, (uint32_t(j) & 1u) ^ 1u);
+    wg_wait<G - 1>();  // a done; b (and the previous block's products) in flight
+    fence_regs(a);
+    send(a, 0);
+    wg_wait<G - 2>();
+    fence_regs(b);
+    send(b, V);
+    wg_wait<0>();
+    done();
+    add_peer(a, b, j);
+  }
+  // Once the peer's partials of block j have arrived: a += peer's a, b += peer's b.
+  __device__ __forceinline__ void add_peer(float (&a)[Cfg::HR], float (&b)[Cfg::HR], int j) const {
     ws::mbar_wait_cluster(xfull, uint32_t(j) & 1u);
 #pragma unroll
     for (int i = 0; i < V; ++i) {
@@ -229,7 +257,11 @@ struct Ws512Exchange {
 };
 #endif
 
-template <typename T, bool kCap>
+// kPipe: block j's dV/dK products are issued behind block j + 1's S^T/dP^T (a third commit group)
+// and retired inside the exchange of block j + 1 (Ws512Exchange::swap_add_pipe), so the round trip
+// runs while the tensor cores work; the ring stage of block j is released there (the order of the
+// accumulation is unchanged: deterministic).
+template <typename T, bool kCap, bool kPipe = false>
 __global__ void __launch_bounds__(384, 1)
     dkdv_ws512_kernel_sm90(const __grid_constant__ DkdvWsArgs a) {
 #if DUALKV_SM90_BODY
@@ -328,9 +360,14 @@ __global__ void __launch_bounds__(384, 1)
     const float* lse_s = reinterpret_cast<const float*>(gbase + Cfg::OFF_L);
     const Ws512Exchange x(gbase, base, Cfg::OFF_X, bars, cw, t, peer);
     const uint32_t half = uint32_t(cw * DW / 64) * (BM * 128);  // this warpgroup's column blocks
+    // The P^T / dS^T A fragments of all BM queries (kPipe: block it - 1's, live across block it's
+    // S^T / dP^T until their dV/dK products have completed) and that block's stage.
+    uint32_t pa[BM / 16][4], da[BM / 16][4];
+    int prev_s = 0;
 
     ws::mbar_wait(bKV, 0);
-    for (int it = 0;; ++it) {
+    int it = 0;
+    for (;; ++it) {
       const int s = Ring<S>::stage(it);
       ws::mbar_wait(bars.full(s), Ring<S>::full_parity(it));
       if (meta(s)[0] == 0) break;
@@ -348,7 +385,26 @@ __global__ void __launch_bounds__(384, 1)
       wg_commit();
       wgmma_rows_cols<T, HQ, DH, BN, BM>(dp, sV, 0, sdO, q_off, 0);
       wg_commit();
-      x.swap_add(sc, dp, it);  // S^T and dP^T of the whole head dim
+      if constexpr (kPipe) {
+        if (it > 0) {  // block it - 1's dV += P^T dO, dK += dS^T Q (its fragments, its stage)
+          const uint32_t pQ = sQ0 + prev_s * Cfg::Q_BYTES, pdO = sdO0 + prev_s * Cfg::Q_BYTES;
+          wg_fence();  // (ptxas injects it otherwise: the fragments' registers)
+          wgmma_rs_acc<T, DW, BM>(dv, pa, pdO + half);
+          wgmma_rs_acc<T, DW, BM>(dk, da, pQ + half);
+          wg_commit();
+          x.swap_add_pipe<3>(sc, dp, it, [&] {
+            fence_regs(dv);
+            fence_regs(dk);
+            fence_regs(pa);
+            fence_regs(da);
+            ws::mbar_arrive(bars.empty(prev_s));
+          });
+        } else {
+          x.swap_add_pipe<2>(sc, dp, it, [] {});
+        }
+      } else {
+        x.swap_add(sc, dp, it);  // S^T and dP^T of the whole head dim
+      }
       // P (and dsoftcap) and dS of this warpgroup's queries, as dkdv_kernel_sm90's kSplitD.
 #pragma unroll
       for (int i = 0; i < HR; ++i) {
@@ -375,7 +431,6 @@ __global__ void __launch_bounds__(384, 1)
         x.put_slice<T>(HQ / 16 + kl, dp, kl);
       }
       ws::bar_sync(1, NC);
-      uint32_t pa[BM / 16][4], da[BM / 16][4];
 #pragma unroll
       for (int kt = 0; kt < BM / 16; ++kt) {
         const int w = kt / (HQ / 16), kl = kt % (HQ / 16);
@@ -383,6 +438,12 @@ __global__ void __launch_bounds__(384, 1)
         x.get_slice(w, HQ / 16 + kl, da[kt]);
       }
       x.release(lane);
+      if constexpr (kPipe) {
+        fence_regs(pa);  // in registers before the next block's wgmma.fence
+        fence_regs(da);
+        prev_s = s;
+        continue;  // the products go behind the next block's S^T / dP^T
+      }
       fence_regs(pa);
       fence_regs(da);
       fence_regs(dv);
@@ -397,6 +458,25 @@ __global__ void __launch_bounds__(384, 1)
       fence_regs(pa);
       fence_regs(da);
       ws::mbar_arrive(bars.empty(s));
+    }
+    if constexpr (kPipe) {
+      if (it > 0) {  // the last block's products
+        const uint32_t pQ = sQ0 + prev_s * Cfg::Q_BYTES, pdO = sdO0 + prev_s * Cfg::Q_BYTES;
+        fence_regs(pa);
+        fence_regs(da);
+        fence_regs(dv);
+        fence_regs(dk);
+        wg_fence();
+        wgmma_rs_acc<T, DW, BM>(dv, pa, pdO + half);
+        wgmma_rs_acc<T, DW, BM>(dk, da, pQ + half);
+        wg_commit();
+        wg_wait<0>();
+        fence_regs(dv);
+        fence_regs(dk);
+        fence_regs(pa);
+        fence_regs(da);
+        ws::mbar_arrive(bars.empty(prev_s));
+      }
     }
     store_dkdv_rows<T, Cfg::D, DW>(p, dk, dv, k0, nk, hk, kr0, cb0 + cw * DW, tq);
   }
@@ -438,7 +518,9 @@ struct DqWs512Cfg : Ws512Cfg {
   static_assert(X_VECS >= HK / 16, "the dS slices reuse the exchange buffer");
 };
 
-template <typename T, bool kCap>
+// kPipe: as in dkdv_ws512_kernel_sm90, block j's dQ product runs behind block j + 1's S / dP and
+// is retired inside block j + 1's exchange.
+template <typename T, bool kCap, bool kPipe = false>
 __global__ void __launch_bounds__(384, 1)
     dq_ws512_kernel_sm90(const __grid_constant__ DkdvWsArgs a) {
 #if DUALKV_SM90_BODY
@@ -492,6 +574,10 @@ __global__ void __launch_bounds__(384, 1)
     for (int i = 0; i < AR; ++i) acc[i] = 0.f;
     const Ws512Exchange x(gbase, base, Cfg::OFF_X, bars, cw, t, peer);
     const uint32_t half = uint32_t(cw * DW / 64) * (BN * 128);  // this warpgroup's column blocks
+    // The dS A fragments of all BN keys (kPipe: block j - 1's until its product has completed)
+    // and that block's stage.
+    uint32_t da[BN / 16][4];
+    int prev_s = 0;
 
     ws::mbar_wait(bQ, 0);
     for (int j = 0; j < total; ++j) {
@@ -506,7 +592,22 @@ __global__ void __launch_bounds__(384, 1)
       wg_commit();
       wgmma_rows_cols<T, HK, DH, BM, BN>(dp, sdO, 0, sV, k_off, 0);
       wg_commit();
-      x.swap_add(sc, dp, j);  // S and dP of the whole head dim
+      if constexpr (kPipe) {
+        if (j > 0) {  // block j - 1's dQ += dS K (its fragments, its stage)
+          wg_fence();  // (ptxas injects it otherwise: the fragments' registers)
+          wgmma_rs_acc<T, DW, BN>(acc, da, sK0 + prev_s * Cfg::KV_BYTES + half);
+          wg_commit();
+          x.swap_add_pipe<3>(sc, dp, j, [&] {
+            fence_regs(acc);
+            fence_regs(da);
+            ws::mbar_arrive(bars.empty(prev_s));
+          });
+        } else {
+          x.swap_add_pipe<2>(sc, dp, j, [] {});
+        }
+      } else {
+        x.swap_add(sc, dp, j);  // S and dP of the whole head dim
+      }
       const auto kb = walk.at(j);
       const bool msk = walk.masked(kb, nq, BM, p.mask);
 #pragma unroll
@@ -527,10 +628,14 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
       for (int kl = 0; kl < HK / 16; ++kl) x.put_slice<T>(kl, dp, kl);
       ws::bar_sync(1, NC);
-      uint32_t da[BN / 16][4];
 #pragma unroll
       for (int kt = 0; kt < BN / 16; ++kt) x.get_slice(kt / (HK / 16), kt % (HK / 16), da[kt]);
       x.release(lane);
+      if constexpr (kPipe) {
+        fence_regs(da);  // in registers before the next block's wgmma.fence
+        prev_s = s;
+        continue;  // the product goes behind the next block's S / dP
+      }
       fence_regs(da);
       fence_regs(acc);
       wg_fence();
@@ -541,6 +646,19 @@ __global__ void __launch_bounds__(384, 1)
       fence_regs(da);
       ws::mbar_arrive(bars.empty(s));
     }
+    if constexpr (kPipe) {
+      if (total > 0) {  // the last block's product
+        fence_regs(da);
+        fence_regs(acc);
+        wg_fence();
+        wgmma_rs_acc<T, DW, BN>(acc, da, sK0 + prev_s * Cfg::KV_BYTES + half);
+        wg_commit();
+        wg_wait<0>();
+        fence_regs(acc);
+        fence_regs(da);
+        ws::mbar_arrive(bars.empty(prev_s));
+      }
+    }
     store_dq_rows<T, Cfg::D, DW>(p, acc, q0, nq, h, row0, cb0 + cw * DW, tq);
   }
   ws::cluster_sync();
@@ -548,7 +666,8 @@ __global__ void __launch_bounds__(384, 1)
 }
 
 // D = 512 backward on wgmma: preprocess, the dK/dV kernel, then the dQ kernel above
-// (KernelPolicy::d512_bwd_ws 1) or the sm_80 dQ pass (2, for A/B timing). Atomic-free (the caller
+// (KernelPolicy::d512_bwd_ws 1; 3: both kernels' kPipe variants) or the sm_80 dQ pass (2, for A/B
+// timing). Atomic-free (the caller
 // takes it only with KernelPolicy::dq_mode 0). False (nothing launched) when a tensor map cannot be
 // encoded: the caller then runs the sm_80 backward.
 template <typename T>
@@ -561,19 +680,27 @@ bool launch_backward_sm90_d512(const Params& p, const KernelPolicy& policy, cuda
   launch_bwd_pre<T, D>(p, false, stream);
   const bool cap = p.softcap > 0.f;
   const int64_t grid = int64_t(p.nkt) * (kTileSize / C::BN) * p.Hkv * C::CLUSTER;
+  const bool pipe = policy.d512_bwd_ws == 3;
   if (grid > 0) {
-    launch_kernel(cap ? dkdv_ws512_kernel_sm90<T, true> : dkdv_ws512_kernel_sm90<T, false>, grid,
-                  C::THREADS, C::SMEM, stream, a,
+    launch_kernel(pipe  ? (cap ? dkdv_ws512_kernel_sm90<T, true, true>
+                               : dkdv_ws512_kernel_sm90<T, false, true>)
+                  : cap ? dkdv_ws512_kernel_sm90<T, true>
+                        : dkdv_ws512_kernel_sm90<T, false>,
+                  grid, C::THREADS, C::SMEM, stream, a,
                   "dualkv backward dk/dv D=512 (sm90a, warp-specialised, 2-CTA clusters)",
                   C::CLUSTER);
   }
-  if (policy.d512_bwd_ws == 1) {
+  if (policy.d512_bwd_ws == 1 || pipe) {
     // The dQ maps are the dK/dV kernel's (boxes of 64 rows for Q, dO, K and V alike).
     static_assert(DqWs512Cfg::BM == C::BM && DqWs512Cfg::BN == C::BN, "shared tensor maps");
     using QW = DqWs512Cfg;
     const int64_t grid_q = int64_t(p.nqt) * (kTileSize / QW::BM) * p.Hq * QW::CLUSTER;
     if (grid_q > 0) {
-      launch_kernel(cap ? dq_ws512_kernel_sm90<T, true> : dq_ws512_kernel_sm90<T, false>, grid_q,
+      launch_kernel(pipe  ? (cap ? dq_ws512_kernel_sm90<T, true, true>
+                                 : dq_ws512_kernel_sm90<T, false, true>)
+                    : cap ? dq_ws512_kernel_sm90<T, true>
+                          : dq_ws512_kernel_sm90<T, false>,
+                    grid_q,
                     QW::THREADS, QW::SMEM, stream, a,
                     "dualkv backward dq D=512 (sm90a, warp-specialised, 2-CTA clusters)",
                     QW::CLUSTER);
