@@ -2,12 +2,11 @@
 // layout tables already on the device, and a stream. No host synchronisation, no allocation:
 // the caller provides the workspace.
 //
-// Kernels, chosen per call: on compute capability 9.x (built with 90a) the warp-specialised
-// sm_90a kernels (TMA, producer warps); DUALKV_SM90_WS=0 selects the synchronous wgmma ones;
-// DUALKV_FORCE_SM80=1, or any other GPU, the sm_80 (mma.sync) ones. Every output is bitwise
-// reproducible by default; DUALKV_ATOMIC_DQ=1 (ignored when deterministic) computes dq with
-// fp32 atomics inside the dK/dV kernel instead of a separate pass, =2 with bulk reductions from
-// reducer warps (sm_90a, D <= 128); neither is bitwise reproducible nor, on the H200, faster.
+// Kernels, chosen per call: on compute capability 9.x (built with 90a) the sm_90a kernels (TMA,
+// producer warps, wgmma); DUALKV_FORCE_SM80=1, or any other GPU, the sm_80 (mma.sync) ones. The
+// sm_90a backward at head dim 64/128 adds dQ up inside the dK/dV kernel (fp32 bulk reductions:
+// not bitwise reproducible); `deterministic` (or DUALKV_FUSED_DQ=0) runs a separate dQ pass
+// instead, as every other path does: bitwise reproducible. README.md lists the switches.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -154,25 +154,19 @@ bool sm90_device(bool force_sm80) {
 }  // namespace
 
 // The only reader of the environment (the switches are documented in README.md and policy.h).
+// A switch is on/off by its first character being '0' (off) or '1' (on).
 KernelPolicy resolve_policy(bool deterministic) {
+  auto is = [](const char* name, char c) {
+    const char* v = std::getenv(name);
+    return v && v[0] == c;
+  };
   KernelPolicy pol;
-  const char* force = std::getenv("DUALKV_FORCE_SM80");
-  pol.sm90 = sm90_device(force && force[0] == '1');
-  const char* ws = std::getenv("DUALKV_SM90_WS");
-  pol.sm90_ws = !(ws && ws[0] == '0' && ws[1] == '\0');
-  const char* pp = std::getenv("DUALKV_SM90_PINGPONG");
-  pol.pingpong = !(pp && pp[0] == '0');
-  const char* dq = deterministic ? nullptr : std::getenv("DUALKV_ATOMIC_DQ");
-  // One digit 1-5 (policy.h); anything else is the default, 0.
-  pol.dq_mode = (!dq || dq[0] < '1' || dq[0] > '5' || dq[1] != '\0') ? 0 : dq[0] - '0';
-  const char* d512 = std::getenv("DUALKV_SM90_D512_BWD");
-  pol.d512_bwd_ws = (!d512 || d512[0] == '\0' || d512[1] != '\0') ? 0
-                    : d512[0] == '1'                              ? 1
-                    : d512[0] == '2'                              ? 2
-                    : d512[0] == '3'                              ? 3
-                                                                  : 0;
-  const char* f512 = std::getenv("DUALKV_SM90_D512_FWD");
-  pol.d512_fwd = (f512 && f512[0] == '0' && f512[1] == '\0') ? 0 : 2;
+  pol.sm90 = sm90_device(is("DUALKV_FORCE_SM80", '1'));
+  pol.pingpong = !is("DUALKV_SM90_PINGPONG", '0');
+  pol.fused_dq = !deterministic && !is("DUALKV_FUSED_DQ", '0');
+  pol.d512_bwd_sm90 = !is("DUALKV_SM90_D512_BWD", '0');
+  pol.d512_fwd_cluster = !is("DUALKV_SM90_D512_FWD", '0');
+  pol.d512_bwd_pipe = is("DUALKV_SM90_D512_BWD", '3');
   return pol;
 }
 
@@ -256,23 +250,16 @@ void attention_forward(const ForwardArgs& a, cudaStream_t stream) {
   p.out = a.out;
   p.lse = a.lse;
   const KernelPolicy pol = resolve_policy(false);
-  const bool sm90 = pol.sm90;
   dispatch(a.dtype, a.shape.head_dim, [&](auto t, auto d) {
     using T = decltype(t);
     constexpr int D = decltype(d)::value;
 #if DUALKV_HAS_SM90A
-    // D = 512: the cluster forward (KernelPolicy::d512_fwd; false: a TMA map failed).
+    // D = 512: the cluster forward first (false: a TMA map could not be encoded).
     if constexpr (D == 512) {
-      if (sm90 && pol.sm90_ws && pol.d512_fwd == 2 && launch_forward_sm90_d512c<T>(p, pol, stream))
-        return;
+      if (pol.sm90 && pol.d512_fwd_cluster && launch_forward_sm90_d512c<T>(p, pol, stream)) return;
     }
-    // Warp-specialised FA3-style kernels first (false: a TMA map could not be encoded).
-    if (sm90 && pol.sm90_ws && launch_forward_sm90_ws<T, D>(p, pol, stream)) return;
-    // Synchronous wgmma forward; at D = 64 the sm_80 one measured faster (2.02 vs 2.28 ms, H200).
-    // D = 512 has no synchronous wgmma kernel: DUALKV_SM90_WS=0 runs the sm_80 one.
-    if constexpr (D != 64 && D <= 256) {
-      if (sm90) return launch_forward_sm90<T, D>(p, stream);
-    }
+    // Warp-specialised FA3-style forward, every head dim (false: a TMA map could not be encoded).
+    if (pol.sm90 && launch_forward_sm90_ws<T, D>(p, pol, stream)) return;
 #endif
     launch_forward_sm80<T, D>(p, stream);
   });
@@ -310,29 +297,24 @@ void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t str
   p.delta = reinterpret_cast<float*>(ws);
   p.lse2 = reinterpret_cast<float*>(ws + align256(rows * sizeof(float)));
   p.dq_accum = reinterpret_cast<float*>(ws + 2 * align256(rows * sizeof(float)));
-  // The fused atomic-dq variant (DUALKV_ATOMIC_DQ=1, non-deterministic) exists in the
-  // warp-specialised and the sm_80 kernels (the synchronous wgmma path falls back to sm_80).
   const KernelPolicy pol = resolve_policy(a.deterministic);
-  const bool sm90 = pol.sm90;
-  const bool atomic_dq = pol.dq_mode != 0;
   dispatch(a.dtype, a.shape.head_dim, [&](auto t, auto d) {
     using T = decltype(t);
     constexpr int D = decltype(d)::value;
 #if DUALKV_HAS_SM90A
-    if constexpr (D <= 256) {
-      if (sm90 && pol.sm90_ws && launch_backward_sm90_ws<T, D>(p, pol, stream)) return;
-      if (sm90 && !atomic_dq) return launch_backward_sm90<T, D>(p, stream);
-    }
-    if constexpr (D == 512) {
-      // Opt-in (KernelPolicy::d512_bwd_ws); false: a TMA map could not be encoded (sm_80 runs).
-      if (sm90 && pol.d512_bwd_ws != 0 && !atomic_dq &&
-          launch_backward_sm90_d512<T>(p, pol, stream))
+    // Each launcher returns false when a TMA map could not be encoded: the sm_80 backward runs.
+    if constexpr (D <= 128) {
+      // Fused dQ unless deterministic (policy.h).
+      if (pol.sm90 && launch_backward_sm90_ws<T, D>(p, pol, stream)) return;
+    } else if constexpr (D == 256) {
+      if (pol.sm90) return launch_backward_sm90<T, D>(p, stream);
+    } else {
+      if (pol.sm90 && pol.d512_bwd_sm90 && launch_backward_sm90_d512<T>(p, stream, pol.d512_bwd_pipe))
         return;
     }
 #endif
-    // D = 512 by default on every GPU (its wgmma backward is opt-in), or a GPU other than sm_90.
-    (void)sm90, (void)atomic_dq;
-    launch_backward_sm80<T, D>(p, pol, stream);
+    // Any GPU other than sm_90, DUALKV_FORCE_SM80=1, or D = 512 with DUALKV_SM90_D512_BWD=0.
+    launch_backward_sm80<T, D>(p, stream);
   });
 }
 

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Head dim 512, one device call: the standalone CUDA tests (binary built on the dev machine with
 # DUALKV_CUDA_HEAD_DIMS=512, carried in .out/), sanitizers, the package built with D = 64 and 512
-# and its D = 512 GPU tests on the default, sm_80 and opt-in wgmma-backward paths, the benchmarks
-# side by side, and ncu kernel durations. The sdpa step needs the package (pytest step) installed
-# first.
+# and its D = 512 GPU tests on the default (wgmma backward on sm_90a), sm_80 and sm_80-backward
+# paths, the benchmarks side by side, and ncu kernel durations. The sdpa step needs the package
+# (pytest step) installed first.
 #   OUT=... bash tests/cuda/d512_run.sh [test] [sanitize] [pytest] [bench] [sdpa] [ncu] [d512bwd] [fwd2]
-# d512bwd: the opt-in wgmma D = 512 backward (DUALKV_SM90_D512_BWD=1, --path sm90-d512bwd: dK/dV
-# and dQ on wgmma; sm90-d512bwd-sm80dq: its dK/dV with the sm_80 dQ) alone: the matrix + race of
-# both, memcheck, the backward timed against the default (sm_80) one, ncu kernel durations.
+# d512bwd: the wgmma D = 512 backward (the default on sm_90a) against the sm_80 one
+# (DUALKV_SM90_D512_BWD=0, --path sm90-d512-sm80): the matrix + race of both, memcheck of the
+# default, the backward timed on both, ncu kernel durations of the default.
 # fwd2: the D = 512 cluster forward (the default; DUALKV_SM90_D512_FWD=0, --path sm90-d512fwd-1cta,
 # is the single-CTA one): its matrix + race 20, memcheck on --small, the forward timed side by
 # side with the single-CTA one at both shapes (one process), ncu kernel durations of both; 4
@@ -47,7 +47,7 @@ for s in "${steps[@]}"; do
     CMAKE_ARGS="-DDUALKV_CUDA=ON -DDUALKV_CUDA_HEAD_DIMS=64;512" CMAKE_BUILD_PARALLEL_LEVEL=16 \
       timeout 300 python3 -m pip install --no-build-isolation --no-deps -q . >"$OUT/build.log" 2>&1 ||
       { tail -30 "$OUT/build.log"; exit 1; }
-    for path in default DUALKV_FORCE_SM80=1 DUALKV_SM90_D512_BWD=1; do
+    for path in default DUALKV_FORCE_SM80=1 DUALKV_SM90_D512_BWD=0; do
       echo "== pytest D = 512 ($path) =="
       envs=(); [ "$path" = default ] || envs=("$path")
       (cd /tmp && env "${envs[@]}" timeout 300 python3 -m pytest "$OLDPWD/tests/python" -q \
@@ -76,7 +76,7 @@ for s in "${steps[@]}"; do
   d512bwd)
     # A hang (timeout, rc 124) skips the rest of this step: every later part would hang too.
     hung=0
-    for path in sm90-d512bwd sm90-d512bwd-sm80dq; do
+    for path in default sm90-d512-sm80; do
       [ $hung = 1 ] && break
       echo "== standalone: D = 512 matrix + race 20, path $path =="
       timeout 150 $BIN --race 20 --path $path >"$OUT/d512bwd_test_$path.log" 2>&1; rc=$?
@@ -86,21 +86,21 @@ for s in "${steps[@]}"; do
       echo "rc=$rc"; [ $rc = 0 ] || status=1; [ $rc = 124 ] && hung=1
     done
     if [ $hung = 0 ]; then
-      echo "== compute-sanitizer memcheck (--small, path sm90-d512bwd) =="
+      echo "== compute-sanitizer memcheck (--small, path default) =="
       timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 $BIN --small --seed 1 \
-        --path sm90-d512bwd >"$OUT/d512bwd_memcheck.log" 2>&1; rc=$?
+        --path default >"$OUT/d512bwd_memcheck.log" 2>&1; rc=$?
       grep -E "ERROR SUMMARY|correctness" "$OUT/d512bwd_memcheck.log" | tail -2; echo "rc=$rc"
       [ $rc = 0 ] || status=1
-      echo "== bench: default (sm_80 backward) vs sm90-d512bwd vs sm90-d512bwd-sm80dq =="
-      for path in default sm90-d512bwd sm90-d512bwd-sm80dq; do
+      echo "== bench: default (wgmma backward) vs sm90-d512-sm80 (sm_80 backward) =="
+      for path in default sm90-d512-sm80; do
         timeout 100 $BIN --no-check --bench --bench-reps 5 --path $path \
           >"$OUT/d512bwd_bench_$path.log" 2>&1
         echo "rc=$?"; grep "^|" "$OUT/d512bwd_bench_$path.log" | grep -v "^|---" | tail -n +2
       done
-      echo "== ncu kernel durations (first bench shape, path sm90-d512bwd) =="
+      echo "== ncu kernel durations (first bench shape, path default) =="
       timeout 100 ncu --clock-control none --metrics gpu__time_duration.sum --launch-count 8 \
         -k "regex:fwd_ws|dkdv|dq_|bwd_pre" $BIN --no-check --bench --bench-reps 1 \
-        --path sm90-d512bwd >"$OUT/d512bwd_ncu.log" 2>&1
+        --path default >"$OUT/d512bwd_ncu.log" 2>&1
       echo "rc=$?"
       grep -E "^  [a-z_]|gpu__time_duration" "$OUT/d512bwd_ncu.log" | sed 's/(dualkv::[^)]*)//' |
         cut -c1-120
@@ -112,7 +112,7 @@ for s in "${steps[@]}"; do
   fwd2)
     # A hang (timeout, rc 124) in the matrix skips the rest of this step.
     echo "== standalone: D = 512 matrix + race 20, path default (the cluster forward) =="
-    timeout 100 $BIN --race 20 --dq-modes 0 --path default >"$OUT/fwd2_test.log" 2>&1; rc=$?
+    timeout 100 $BIN --race 20 --path default >"$OUT/fwd2_test.log" 2>&1; rc=$?
     grep -E "FAIL|error|note|reproduce" "$OUT/fwd2_test.log" | grep -v "expected error" | head -20
     tail -2 "$OUT/fwd2_test.log"
     grep -q "kernels cannot run" "$OUT/fwd2_test.log" && { echo "FAIL: fell back"; rc=1; }
@@ -120,17 +120,17 @@ for s in "${steps[@]}"; do
     if [ $rc != 124 ]; then
       echo "== compute-sanitizer memcheck (--small, path default) =="
       timeout 50 compute-sanitizer --tool memcheck --error-exitcode 9 $BIN --small --seed 1 \
-        --dq-modes 0 --path default >"$OUT/fwd2_memcheck.log" 2>&1; rc=$?
+        --path default >"$OUT/fwd2_memcheck.log" 2>&1; rc=$?
       grep -E "ERROR SUMMARY|correctness" "$OUT/fwd2_memcheck.log" | tail -2; echo "rc=$rc"
       [ $rc = 0 ] || status=1
       echo "== bench: forward, the cluster forward (default) vs the single-CTA one (one process; bwd = the default one) =="
-      timeout 40 $BIN --no-check --bench --bench-reps 5 --dq-modes 0 \
+      timeout 40 $BIN --no-check --bench --bench-reps 5 \
         --path default,sm90-d512fwd-1cta "${SHAPES[@]}" >"$OUT/fwd2_bench.log" 2>&1
       echo "rc=$?"; grep "^|" "$OUT/fwd2_bench.log" | grep -v "^|---" | tail -n +2 | cut -d"|" -f2-3
       echo "== ncu forward kernel durations (both shapes, cluster then single-CTA) =="
       timeout 50 ncu --clock-control none \
         --metrics gpu__time_duration.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
-        -k "regex:fwd_ws|fwd_d512" $BIN --no-check --bench --bench-reps 1 --dq-modes 0 \
+        -k "regex:fwd_ws|fwd_d512" $BIN --no-check --bench --bench-reps 1 \
         --path default,sm90-d512fwd-1cta "${SHAPES[@]}" >"$OUT/fwd2_ncu.log" 2>&1
       echo "rc=$?"
       # kernel, grid, duration, tensor pipe active (% of peak)

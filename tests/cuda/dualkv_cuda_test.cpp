@@ -2,15 +2,12 @@
 //
 //   dualkv_cuda_test [--seed S] [--quick] [--small] [--no-check] [--race N] [--random N]
 //                    [--bench] [--bench-reps N]
-//                    [--path default|sm80|sm90-sync|sm90-nopp|sm90-d512bwd|sm90-d512bwd-sm80dq|
-//                            sm90-d512bwd-pipe|sm90-d512fwd-1cta]
-//                    [--dq-modes LIST] [--shape N,P,R,Hq,Hkv,D]...
+//                    [--path default|sm80|sm90-nopp|sm90-sepdq|sm90-d512-sm80|sm90-d512-pipe|sm90-d512fwd-1cta]
+//                    [--shape N,P,R,Hq,Hkv,D]...
 //   (--small: the quick matrix and 3 race repeats, for compute-sanitizer; --path: those kernel
 //   paths only (comma-separated); --random N: instead of the matrix, N rounds of its random-layout
 //   cases; a failed check prints where its largest error is, and the seed that reproduces the run;
-//   --dq-modes: the DUALKV_ATOMIC_DQ values (comma-separated, 0 = the separate dQ pass) that the
-//   checks (besides the default and deterministic modes) and the bench (0 too) cover, default
-//   0,1,2,3,4,5; --shape: bench only these single-group shapes, with a 1-row reference)
+//   --shape: bench only these single-group shapes, with a 1-row reference)
 //
 // Correctness: random layouts over a case matrix; every output is compared with the CPU backend
 // run in float64 on the same (rounded) inputs (the reference), and the GPU's max error must be at
@@ -23,12 +20,12 @@
 // Outputs are poisoned with NaN before every run; NaN never passes. Deterministic mode must be
 // bitwise reproducible; the race test repeats a run many times and requires bitwise-equal results.
 // Bench: CUDA events, warm-up, median of repeats, useful TFLOP/s (Layout::forward_flops).
-// Kernel paths, each checked and timed: the default (warp-specialised on sm_90), the sm_80 one
-// (DUALKV_FORCE_SM80=1), the synchronous wgmma one (DUALKV_SM90_WS=0) and the warp-specialised
-// one with ping-pong off (DUALKV_SM90_PINGPONG=0: forward and dQ kernels), and for head dim 512
-// only the opt-in wgmma D = 512 backward (DUALKV_SM90_D512_BWD=1: 2-CTA cluster dK/dV and dQ
-// kernels; =2: that dK/dV kernel with the sm_80 dQ pass) and the single-CTA forward instead of
-// the default 2-CTA cluster one (sm90-d512fwd-1cta: DUALKV_SM90_D512_FWD=0).
+// Kernel paths, each checked (default and deterministic mode) and timed (backward in both modes):
+// the default (sm_90a on Hopper: fused dQ at D = 64/128 unless deterministic, the wgmma D = 512
+// backward), the sm_80 one (DUALKV_FORCE_SM80=1), ping-pong off (DUALKV_SM90_PINGPONG=0: forward
+// and dQ kernels), and for A/B: at D <= 128 the separate dQ pass in the default mode
+// (DUALKV_FUSED_DQ=0), at D = 512 the sm_80 backward (DUALKV_SM90_D512_BWD=0) and the single-CTA
+// forward instead of the 2-CTA cluster one (DUALKV_SM90_D512_FWD=0).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -169,46 +166,29 @@ Err max_error(size_t n, const std::vector<double>& ref, Get get) {
 }
 
 // The kernel paths: name, the environment variable that selects it (none: the default) and its
-// value, and the one head dim it applies to (0: all; elsewhere it would rerun the default).
+// value, and the head dims it applies to (elsewhere it would rerun the default).
 struct KernelPath {
   const char* name;
   const char* env;
   const char* value;
-  int only_dim;
+  int min_dim, max_dim;
 };
-constexpr KernelPath kPaths[] = {{"default", nullptr, nullptr, 0},
-                                 {"sm80", "DUALKV_FORCE_SM80", "1", 0},
-                                 {"sm90-sync", "DUALKV_SM90_WS", "0", 0},
-                                 {"sm90-nopp", "DUALKV_SM90_PINGPONG", "0", 0},
-                                 {"sm90-d512bwd", "DUALKV_SM90_D512_BWD", "1", 512},
-                                 {"sm90-d512bwd-sm80dq", "DUALKV_SM90_D512_BWD", "2", 512},
-                                 {"sm90-d512bwd-pipe", "DUALKV_SM90_D512_BWD", "3", 512},
-                                 {"sm90-d512fwd-1cta", "DUALKV_SM90_D512_FWD", "0", 512}};
+constexpr KernelPath kPaths[] = {{"default", nullptr, nullptr, 0, 512},
+                                 {"sm80", "DUALKV_FORCE_SM80", "1", 0, 512},
+                                 {"sm90-nopp", "DUALKV_SM90_PINGPONG", "0", 0, 512},
+                                 {"sm90-sepdq", "DUALKV_FUSED_DQ", "0", 0, 128},
+                                 {"sm90-d512-sm80", "DUALKV_SM90_D512_BWD", "0", 512, 512},
+                                 {"sm90-d512-pipe", "DUALKV_SM90_D512_BWD", "3", 512, 512},
+                                 {"sm90-d512fwd-1cta", "DUALKV_SM90_D512_FWD", "0", 512, 512}};
 // --path: run these only (a comma-separated list of names; empty: every path).
 std::vector<std::string> g_only_paths;
 bool path_listed(const char* name) {
   return std::find(g_only_paths.begin(), g_only_paths.end(), name) != g_only_paths.end();
 }
-// --dq-modes: DUALKV_ATOMIC_DQ values covered (0: the separate dQ pass, the default).
-std::vector<int> g_dq_modes = {0, 1, 2, 3, 4, 5};
-// The fused ones (the checks run mode 0 as "default" anyway).
-std::vector<int> fused_dq_modes() {
-  std::vector<int> m;
-  for (int x : g_dq_modes)
-    if (x != 0) m.push_back(x);
-  return m;
-}
-void set_dq_mode(int m) {
-  if (m == 0) {
-    unsetenv("DUALKV_ATOMIC_DQ");
-  } else {
-    setenv("DUALKV_ATOMIC_DQ", std::to_string(m).c_str(), 1);
-  }
-}
 
 bool path_selected(const KernelPath& k, int head_dim) {
-  return (g_only_paths.empty() || path_listed(k.name)) &&
-         (k.only_dim == 0 || k.only_dim == head_dim);
+  return (g_only_paths.empty() || path_listed(k.name)) && k.min_dim <= head_dim &&
+         head_dim <= k.max_dim;
 }
 
 void select_path(const KernelPath& k) {
@@ -607,21 +587,13 @@ void run_case(const Case& c, std::mt19937_64& rng) {
       judge("lse", gl, cl, 2.0, 1e-5 * (1 + gl.max_ref));
     }
     std::vector<uint16_t> dq0, dk0, dv0;
-    // Modes: 0 default, 1 deterministic, then the default mode with each fused dq variant of
-    // --dq-modes (DUALKV_ATOMIC_DQ=m; on paths without it the variant falls back, see policy.h).
-    const std::vector<int> fused = fused_dq_modes();
-    for (int det = 0; det < 2 + int(fused.size()); ++det) {
-      const int dqm = det >= 2 ? fused[size_t(det - 2)] : 0;
-      set_dq_mode(dqm);
+    // Modes: 0 default, 1 deterministic.
+    for (int det = 0; det < 2; ++det) {
       g.backward(det == 1, true);
-      set_dq_mode(0);
       const auto dq = download<uint16_t>(g.dq, g.nq);
       const auto dk = download<uint16_t>(g.dk, g.nk);
       const auto dv = download<uint16_t>(g.dv, g.nk);
-      const std::string label = det == 1   ? std::string("deterministic")
-                                : det == 0 ? std::string("default")
-                                           : "DUALKV_ATOMIC_DQ=" + std::to_string(dqm);
-      std::printf("   backward (%s)\n", label.c_str());
+      std::printf("   backward (%s)\n", det == 1 ? "deterministic" : "default");
       const Err a = err16(dq, ref.dq), b = err16(dk, ref.dk), d = err16(dv, ref.dv);
       // Slack: eps/16 of the largest magnitude, and at least 1e-5 (fp32 rounding of O(1) sums:
       // with window 1, dS = P (dO.v - dO.o) is exactly 0 in the reference; the GPU's two fp32 dot
@@ -633,14 +605,14 @@ void run_case(const Case& c, std::mt19937_64& rng) {
       if (!judge("dv", d, errd(plain.dv, ref.dv), 3.0, std::max(1e-5, eps / 16 * d.max_ref)))
         explain(c, tb, c.Hkv, d, dv, ref.dv, plain.dv);
       if (det == 1) {
-        // Bitwise reproducible, and dk/dv identical to the default mode (same kernel order).
+        // Bitwise reproducible (dk/dv: the fused-dQ kernel may sum them in another order).
         g.backward(true, true);
         expect(download<uint16_t>(g.dq, g.nq) == dq, "deterministic dq differs between two runs");
         expect(download<uint16_t>(g.dk, g.nk) == dk && download<uint16_t>(g.dv, g.nk) == dv,
                "deterministic dk/dv differ between two runs");
         if (!(dk == dk0 && dv == dv0))
           std::printf("    note: dk/dv of the default and deterministic modes differ bitwise\n");
-      } else if (det == 0) {
+      } else {
         dq0 = dq, dk0 = dk, dv0 = dv;
       }
     }
@@ -662,7 +634,7 @@ void race_test(int reps, std::mt19937_64& rng) {
   // --path naming only head-dim-512 paths: race those (at D = 128 they would not run).
   const bool only512 =
       !g_only_paths.empty() && std::all_of(std::begin(kPaths), std::end(kPaths), [](const auto& k) {
-        return !path_listed(k.name) || k.only_dim == 512;
+        return !path_listed(k.name) || k.min_dim == 512;
       });
   if (only512 && cuda::supports(c.dt, 512)) c.D = 512;
   const Layout L(c.P, c.R);
@@ -686,31 +658,14 @@ void race_test(int reps, std::mt19937_64& rng) {
       auto dk = download<uint16_t>(g.dk, g.nk), dv = download<uint16_t>(g.dv, g.nk);
       auto dq = download<uint16_t>(g.dq, g.nq);
       if (r == 0) {
-        if (det == 0) out0 = out, lse0 = lse, dk0 = dk, dv0 = dv;
-        dq0 = dq;
+        // Each mode against its own first run (the fused-dQ kernel's dk/dv need not equal the
+        // deterministic one's bitwise).
+        out0 = out, lse0 = lse, dk0 = dk, dv0 = dv, dq0 = dq;
       } else {
         if (out != out0 || std::memcmp(lse.data(), lse0.data(), lse.size() * 4) != 0) ++bad;
         if (dk != dk0 || dv != dv0) ++bad;
         if (det && dq != dq0) ++bad;
       }
-    }
-  }
-  // The fused dq variants (default path): dq is added up in a racy order, dk/dv are not.
-  if (path_selected(kPaths[0], c.D)) {
-    select_path(kPaths[0]);
-    for (int m : fused_dq_modes()) {
-      set_dq_mode(m);
-      std::vector<uint16_t> dk1, dv1;
-      for (int r = 0; r < reps; ++r) {
-        g.backward(false, r == 0);
-        auto dk = download<uint16_t>(g.dk, g.nk), dv = download<uint16_t>(g.dv, g.nk);
-        if (r == 0) {
-          dk1 = dk, dv1 = dv;
-        } else if (dk != dk1 || dv != dv1) {
-          ++bad;
-        }
-      }
-      set_dq_mode(0);
     }
   }
   select_path(kPaths[0]);
@@ -841,12 +796,11 @@ void bench(int reps) {
   };
   std::vector<BenchShape> shapes = g_shapes;
   if (shapes.empty()) shapes.assign(std::begin(all_shapes), std::end(all_shapes));
-  // Columns: the backward per mode of --dq-modes (0 = the separate dQ pass, the default).
-  const std::vector<int>& modes = g_dq_modes;
+  // Columns: the backward in the default mode and with deterministic=true.
   struct Row {
     std::string name;
     float fwd;
-    std::vector<float> bwd;  // per mode (NaN: not run on this path)
+    float bwd[2];  // default, deterministic
     double ff, bf;
     const char* ref;
   };
@@ -909,49 +863,39 @@ void bench(int reps) {
       CK(cudaGetLastError());
       return median(ts);
     };
-    // Every kernel path; the fused atomic-dq variant exists in the default and sm80 kernels.
+    // Every kernel path of this head dim.
     for (const KernelPath& kp : kPaths) {
       if (!path_selected(kp, s.D)) continue;
       select_path(kp);
-      const bool atomic_row =
-          std::strcmp(kp.name, "sm80") == 0 || std::strcmp(kp.name, "default") == 0;
       Row r;
       char name[128];
       std::snprintf(name, sizeof name, "%s N=%d P=%d R=%d Hq=%d Hkv=%d D=%d", kp.name, s.N, s.P,
                     s.R, s.Hq, s.Hkv, s.D);
       r.name = name;
       r.fwd = time([&] { cuda::attention_forward(f, nullptr); });
-      b.deterministic = false;
-      std::string line;
-      for (int m : modes) {
-        float t = NAN;
-        if (m == 0 || atomic_row) {
-          set_dq_mode(m);
-          t = time([&] { cuda::attention_backward(b, ws.p, nullptr); });
-          set_dq_mode(0);
-        }
-        r.bwd.push_back(t);
-        char buf[64];
-        std::snprintf(buf, sizeof buf, ", bwd(dq mode %d) %.2f ms", m, t);
-        line += buf;
+      for (int det = 0; det < 2; ++det) {
+        b.deterministic = det == 1;
+        r.bwd[det] = time([&] { cuda::attention_backward(b, ws.p, nullptr); });
       }
+      b.deterministic = false;
+      char line[96];
+      std::snprintf(line, sizeof line, ", bwd %.2f ms, bwd deterministic %.2f ms", r.bwd[0],
+                    r.bwd[1]);
       r.ff = L.forward_flops(s.D, s.Hq);
       r.bf = L.backward_flops(s.D, s.Hq);
       r.ref = s.ref;
       rows.push_back(r);
-      std::printf("bench %s: fwd %.2f ms%s\n", name, r.fwd, line.c_str());
+      std::printf("bench %s: fwd %.2f ms%s\n", name, r.fwd, line);
       std::fflush(stdout);
     }
     select_path(kPaths[0]);
     CK(cudaEventDestroy(e0));
     CK(cudaEventDestroy(e1));
   }
-  // One column per dq mode: bwd ms (TF/s) and fwd+bwd ms (TF/s).
-  std::printf("\n| layout | fwd ms (TF/s) |");
-  for (int m : modes) std::printf(" bwd, dq mode %d | fwd+bwd, dq mode %d |", m, m);
-  std::printf(" DESIGN.md fwd+bwd reference |\n|---|---|");
-  for (size_t i = 0; i < modes.size(); ++i) std::printf("---|---|");
-  std::printf("---|\n");
+  // bwd ms (TF/s) and fwd+bwd ms (TF/s), default and deterministic mode.
+  std::printf(
+      "\n| layout | fwd ms (TF/s) | bwd | fwd+bwd | bwd deterministic | fwd+bwd deterministic "
+      "| DESIGN.md fwd+bwd reference |\n|---|---|---|---|---|---|---|\n");
   for (const Row& r : rows) {
     std::printf("| %s | %.2f (%.0f) |", r.name.c_str(), r.fwd, r.ff / r.fwd / 1e9);
     for (float t : r.bwd) {
@@ -992,17 +936,7 @@ int main(int argc, char** argv) {
       }
     else if (a == "--random" && i + 1 < argc)
       random_rounds = std::atoi(argv[++i]);
-    else if (a == "--dq-modes" && i + 1 < argc) {
-      g_dq_modes.clear();
-      for (const char* c = argv[++i]; *c; ++c) {
-        if (*c >= '0' && *c <= '9') {
-          g_dq_modes.push_back(*c - '0');
-        } else if (*c != ',') {
-          std::fprintf(stderr, "--dq-modes: a comma-separated list of digits\n");
-          return 2;
-        }
-      }
-    } else if (a == "--shape" && i + 1 < argc) {
+    else if (a == "--shape" && i + 1 < argc) {
       BenchShape s{};
       if (std::sscanf(argv[++i], "%d,%d,%d,%d,%d,%d", &s.N, &s.P, &s.R, &s.Hq, &s.Hkv, &s.D) != 6 ||
           s.N < 0 || s.P < 0 || s.R < 0 || s.Hq <= 0 || s.Hkv <= 0 || s.Hq % s.Hkv != 0) {
@@ -1014,7 +948,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: %s [--seed S] [--quick] [--small] [--no-check] [--race N] [--bench] "
-                   "[--bench-reps N] [--path NAME[,NAME...]] [--random N] [--dq-modes LIST] "
+                   "[--bench-reps N] [--path NAME[,NAME...]] [--random N] "
                    "[--shape N,P,R,Hq,Hkv,D]...\n",
                    argv[0]);
       return 2;
@@ -1024,9 +958,8 @@ int main(int argc, char** argv) {
     if (std::none_of(std::begin(kPaths), std::end(kPaths),
                      [&](const KernelPath& k) { return name == k.name; })) {
       std::fprintf(stderr,
-                   "unknown --path %s (default, sm80, sm90-sync, sm90-nopp, sm90-d512bwd, "
-                   "sm90-d512bwd-sm80dq, sm90-d512bwd-pipe, sm90-d512fwd-1cta; or a comma-separated "
-                   "list)\n",
+                   "unknown --path %s (default, sm80, sm90-nopp, sm90-sepdq, sm90-d512-sm80, "
+                   "sm90-d512-pipe, sm90-d512fwd-1cta; or a comma-separated list)\n",
                    name.c_str());
       return 2;
     }

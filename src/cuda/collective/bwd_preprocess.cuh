@@ -1,6 +1,6 @@
 // The backward preprocess every backward path starts with (delta = rowsum(dO * O) - dlse and
-// lse2 = lse * log2(e) into the workspace; zeroes the fp32 dq accumulator for the fused-dQ
-// variants) and the conversion of that accumulator into dq (after a kernel with fused dQ).
+// lse2 = lse * log2(e) into the workspace; zeroes the fp32 dq accumulator for the fused dQ) and
+// the conversion of that accumulator into dq (after the sm_90a dK/dV kernel with fused dQ).
 #pragma once
 
 #include "launch.h"
@@ -54,16 +54,16 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-// dq = scale * dq_accum, from the accumulator's slab layout (kSwz: its swizzled form, see
-// dq_accum_at) to dq's [T, Hq, D]; 8 elements per thread.
-template <typename T, int D, bool kSwz = false>
+// dq = scale * dq_accum, from the accumulator's swizzled slab layout (dq_accum_at<D, true>) to
+// dq's [T, Hq, D]; 8 elements per thread.
+template <typename T, int D>
 __global__ void __launch_bounds__(256) dq_convert_kernel(const __grid_constant__ Params p) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t row = i / (D / 8);
   if (row >= int64_t(p.T) * p.Hq) return;
   const int c = int(i % (D / 8)) * 8;
   const float4* acc =
-      reinterpret_cast<const float4*>(dq_accum_at<D, kSwz>(p, row / p.Hq, int(row % p.Hq), c));
+      reinterpret_cast<const float4*>(dq_accum_at<D, true>(p, row / p.Hq, int(row % p.Hq), c));
   const float4 a = acc[0], b = acc[1];
   uint4 r;
   r.x = pack2<T>(a.x * p.scale, a.y * p.scale);
@@ -73,21 +73,22 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(const __grid_constant__
   reinterpret_cast<uint4*>(static_cast<T*>(p.dq))[i] = r;
 }
 
-// The preprocess every backward path starts with (bwd_pre_kernel; zeroes dq_accum when `atomic`).
+// The preprocess every backward path starts with (bwd_pre_kernel; zeroes dq_accum when
+// `fused_dq`).
 template <typename T, int D>
-void launch_bwd_pre(const Params& p, bool atomic, cudaStream_t stream) {
+void launch_bwd_pre(const Params& p, bool fused_dq, cudaStream_t stream) {
   const int64_t threads = int64_t(p.T) * p.Hq * (D / kPreElems<D>);
   if (threads == 0) return;
-  bwd_pre_kernel<T, D><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(p, atomic);
+  bwd_pre_kernel<T, D><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(p, fused_dq);
   check_launch("dualkv backward preprocess");
 }
 
-// Converts dq_accum (kSwz: swizzled) into dq (after a kernel with fused atomic dQ).
-template <typename T, int D, bool kSwz = false>
+// Converts dq_accum into dq (after the kernel with fused dQ).
+template <typename T, int D>
 void launch_dq_convert(const Params& p, cudaStream_t stream) {
   const int64_t n8 = int64_t(p.T) * p.Hq * D / 8;
   if (n8 == 0) return;
-  dq_convert_kernel<T, D, kSwz><<<unsigned((n8 + 255) / 256), 256, 0, stream>>>(p);
+  dq_convert_kernel<T, D><<<unsigned((n8 + 255) / 256), 256, 0, stream>>>(p);
   check_launch("dualkv backward dq convert");
 }
 

@@ -47,15 +47,15 @@ struct Params {
   MaskRule mask;
 };
 
-// Element (token, head, col) of the fp32 dQ accumulator of the atomic-dQ variants. Laid out
-// [Hq][D / 64][T][64] so that the 64-column slab of consecutive queries of one head is one
-// contiguous range: a block of dQ is then a single bulk reduction (sm90_bwd_ws.cuh, kDq = 2).
-// kSwz (dq modes 3, 4 of sm90_bwd_ws.cuh): within a token's 256-byte row of a slab, the 32-byte
-// group of columns 8k..8k+7 is stored at group k ^ (token & 7). The block a warpgroup hands to its
-// reducer is a copy of these rows, so its shared-memory image has the same permutation, which makes
-// the accumulator fragment's stores conflict-free (8 consecutive rows hit 8 different groups, 2
-// per bank quarter: 2 wavefronts per 256-byte warp store instead of 8). 8 consecutive columns from
-// a multiple of 8 stay contiguous (the conversion's two float4 loads, a float2 atomic).
+// Element (token, head, col) of the fp32 dQ accumulator of the fused dQ (sm90_bwd_ws.cuh). Laid
+// out [Hq][D / 64][T][64] so that the 64-column slab of consecutive queries of one head is one
+// contiguous range: a block of dQ is then a single bulk reduction (kSwz = false gives a row's
+// start). kSwz (the layout the kernel writes and dq_convert reads): within a token's 256-byte row
+// of a slab, the 32-byte group of columns 8k..8k+7 is stored at group k ^ (token & 7). The block a
+// warpgroup hands to its reducer is a copy of these rows, so its shared-memory image has the same
+// permutation, which makes the accumulator fragment's stores conflict-free (8 consecutive rows hit
+// 8 different groups, 2 per bank quarter: 2 wavefronts per 256-byte warp store instead of 8).
+// 8 consecutive columns from a multiple of 8 stay contiguous (the conversion's two float4 loads).
 template <int D, bool kSwz = false>
 __device__ __forceinline__ float* dq_accum_at(const Params& p, int64_t token, int head, int col) {
   static_assert(D % 64 == 0, "the slabs are 64 columns wide");

@@ -1,24 +1,22 @@
 // sm_80 backward (mma.sync m16n8k16, ldmatrix, cp.async). Runs on sm_80+.
 //
 //   1. bwd_pre (collective/bwd_preprocess.cuh): delta = rowsum(dO * O) - dlse and
-//      lse2 = lse * log2(e) into the workspace (and zeroes the fp32 dq accumulator in the default
-//      mode).
+//      lse2 = lse * log2(e) into the workspace.
 //   2. dkdv: one CTA per (key block, kv head). It loops, in a fixed order, over every q head of
 //      the kv head's group and every query block that sees the key block (for a prompt key block:
 //      the prompt's own later queries, then each response's queries; for a response key block: its
 //      own later queries; the walk: collective/query_walk.cuh), accumulating dK and dV in
 //      registers: deterministic, no atomics.
 //      Each warp owns 16 keys (S^T = K Q^T lives in registers as the A operand of dV += P^T dO and
-//      dK += dS^T Q). Default mode: the same CTA also adds dS K into the fp32 dq accumulator
-//      with atomics (dS^T goes through shared memory), and 3. dq_convert scales and rounds it.
-//   Deterministic: dkdv without dq, then 3'. dq: one CTA per (64-query block, q head) walks
-//      the key blocks like the forward pass and accumulates dQ in registers (fixed order).
-//   The deterministic variant is the default in both modes (it measured faster, see below).
+//      dK += dS^T Q).
+//   3. dq: one CTA per (64-query block, q head) walks the key blocks like the forward pass and
+//      accumulates dQ in registers (fixed order). Every output is bitwise reproducible. (A fused
+//      variant adding dS K into an fp32 accumulator with atomics measured slower on an H200,
+//      47.8 vs 37.0 ms, and was deleted; src/cuda/NOTES.md.)
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 
 #include "collective/bwd_preprocess.cuh"
 #include "collective/epilogue.cuh"
@@ -58,7 +56,7 @@ __device__ __forceinline__ void sum_slab_partials(float4* xb, float (&a)[NA][4],
   }
 }
 
-// ---- 2. dK, dV (and atomic dQ) over key blocks --------------------------------------------------
+// ---- 2. dK, dV over key blocks ------------------------------------------------------------------
 template <int D>
 struct BwdCfg {
   static constexpr int BN = D >= 256 ? 32 : 64;  // keys per CTA
@@ -70,10 +68,7 @@ struct BwdCfg {
   static constexpr int WARPS = (BN / 16) * DSPLIT;
   static constexpr int THREADS = WARPS * 32;
   static constexpr int DC = D / DSPLIT;  // dK/dV columns per warp
-  static constexpr int DQ_SLABS = BM / 16;
-  static constexpr int DQ_SPLIT = WARPS / DQ_SLABS;
-  static constexpr int DQC = D / DQ_SPLIT;  // dQ columns per warp
-  static constexpr int PITCH = BM + 8;      // dS^T row pitch (elements), conflict-free
+  static constexpr int PITCH = BM + 8;   // dS^T row pitch (elements), conflict-free
   // D = 512: the DSPLIT warps of a slab split S^T's and dP^T's reduction dim too (each
   // D / DSPLIT columns) and add their partials through shared memory (sum_slab_partials) instead
   // of each computing them in full.
@@ -87,23 +82,25 @@ struct BwdCfg {
     uint16_t dout[2][BM * D];
     float lse2[2][BM];
     float delta[2][BM];
-    uint16_t ds[BN * PITCH];  // dS^T [BN][PITCH]
+    // Unused since the atomic-dQ variant was deleted; kept (for now) so that x's offset, and with
+    // it the D = 512 machine code, stays the same (removing it changes shared memory per CTA: an
+    // A/B of its own).
+    uint16_t ds[BN * PITCH];
     float4 x[XCHG ? X_VECS : 1];
   };
   static constexpr int OFF_V = int(offsetof(SharedStorage, v));
   static constexpr int OFF_Q = int(offsetof(SharedStorage, q));
   static constexpr int OFF_DO = int(offsetof(SharedStorage, dout));
   static constexpr int OFF_L = int(offsetof(SharedStorage, lse2));  // lse2[2][BM], delta[2][BM]
-  static constexpr int OFF_DS = int(offsetof(SharedStorage, ds));
   static constexpr int OFF_X = int(offsetof(SharedStorage, x));
   static constexpr int SMEM = OFF_X + (XCHG ? int(sizeof(SharedStorage::x)) : 0);
   static constexpr int MIN_BLOCKS = D >= 512 ? 1 : 2;  // D = 512: dK + dV are 128 registers
-  static_assert(WARPS % DQ_SLABS == 0 && 2 * BM <= THREADS, "bad backward tile config");
+  static_assert(2 * BM <= THREADS, "bad backward tile config");
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
 static_assert(BwdCfg<512>::SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
 
-template <typename T, int D, bool kCap, bool kFuseDq>
+template <typename T, int D, bool kCap>
 __global__ void __launch_bounds__(BwdCfg<D>::THREADS, BwdCfg<D>::MIN_BLOCKS)
     dkdv_kernel_sm80(const __grid_constant__ Params p) {
   using Cfg = BwdCfg<D>;
@@ -113,7 +110,6 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, BwdCfg<D>::MIN_BLOCKS)
   const uint32_t sQ0 = sK + Cfg::OFF_Q, sdO0 = sK + Cfg::OFF_DO, sL0 = sK + Cfg::OFF_L;
   const float* lse_s = reinterpret_cast<const float*>(smem + Cfg::OFF_L);  // [2][BM]
   const float* del_s = lse_s + 2 * BM;                                     // [2][BM]
-  T* dS_s = reinterpret_cast<T*>(smem + Cfg::OFF_DS);                      // [BN][PITCH]
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const KeyTileCta<BN> cta(p);
@@ -181,8 +177,6 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, BwdCfg<D>::MIN_BLOCKS)
     }
     __syncthreads();
 
-    const int h = hk * p.group + cur.hi;
-    const int qs = cur.row(BM);
     const int nq = cur.count(BM);
     const int pq_first = cur.pos(BM);
     const bool msk =
@@ -252,16 +246,6 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, BwdCfg<D>::MIN_BLOCKS)
                               pack2<T>(dp[2 * kt][2], dp[2 * kt][3]),
                               pack2<T>(dp[2 * kt + 1][0], dp[2 * kt + 1][1]),
                               pack2<T>(dp[2 * kt + 1][2], dp[2 * kt + 1][3])};
-      if constexpr (kFuseDq) {
-        if (dpart == 0) {
-          // dS^T rows kr0, kr0 + 8; columns kt*16 + [2tq, 2tq+1] and + 8.
-          *reinterpret_cast<uint32_t*>(dS_s + kr0 * Cfg::PITCH + kt * 16 + 2 * tq) = ad[0];
-          *reinterpret_cast<uint32_t*>(dS_s + (kr0 + 8) * Cfg::PITCH + kt * 16 + 2 * tq) = ad[1];
-          *reinterpret_cast<uint32_t*>(dS_s + kr0 * Cfg::PITCH + kt * 16 + 8 + 2 * tq) = ad[2];
-          *reinterpret_cast<uint32_t*>(dS_s + (kr0 + 8) * Cfg::PITCH + kt * 16 + 8 + 2 * tq) =
-              ad[3];
-        }
-      }
 #pragma unroll
       for (int n2 = 0; n2 < DC / 16; ++n2) {
         uint32_t b[4];
@@ -274,42 +258,6 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, BwdCfg<D>::MIN_BLOCKS)
       }
     }
 
-    if constexpr (kFuseDq) {
-      __syncthreads();
-      // dQ (BM x D) += dS (BM x BN) K (BN x D): warp -> 16 query rows x DQC columns.
-      constexpr int DQC = Cfg::DQC;
-      const int qslab = warp % Cfg::DQ_SLABS, qbase = (warp / Cfg::DQ_SLABS) * DQC;
-      float acc[DQC / 8][4];
-#pragma unroll
-      for (int i = 0; i < DQC / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-      const uint32_t sdS = smem_u32(dS_s);
-#pragma unroll
-      for (int kt = 0; kt < BN / 16; ++kt) {
-        uint32_t a[4];
-        ldsm_x4_t(a, sdS + ((kt * 16 + (lane & 7) + ((lane >> 4) << 3)) * Cfg::PITCH + qslab * 16 +
-                            (((lane >> 3) & 1) << 3)) *
-                               2);
-#pragma unroll
-        for (int n2 = 0; n2 < DQC / 16; ++n2) {
-          uint32_t b[4];
-          ldsm_x4_t(b, sK + swz<D>(kt * 16 + t_row, qbase + n2 * 16 + t_col));
-          mma<T>(acc[2 * n2], a, b[0], b[1]);
-          mma<T>(acc[2 * n2 + 1], a, b[2], b[3]);
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int qr = qslab * 16 + g + 8 * i;
-        if (qr < nq) {
-#pragma unroll
-          for (int nd = 0; nd < DQC / 8; ++nd) {
-            float* dst = dq_accum_at<D>(p, qs + qr, h, qbase + nd * 8 + 2 * tq);
-            atomicAdd(dst, acc[nd][2 * i]);
-            atomicAdd(dst + 1, acc[nd][2 * i + 1]);
-          }
-        }
-      }
-    }
     __syncthreads();
     cur = nxt;
     valid = has_next;
@@ -488,30 +436,22 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, DqCfg<D>::MIN_BLOCKS)
 }
 
 template <typename T, int D>
-void launch_backward_sm80(const Params& p, const KernelPolicy& policy, cudaStream_t stream) {
-  const bool deterministic = policy.dq_mode == 0;
+void launch_backward_sm80(const Params& p, cudaStream_t stream) {
   if (int64_t(p.T) * p.Hq == 0) return;
-  launch_bwd_pre<T, D>(p, !deterministic, stream);
+  launch_bwd_pre<T, D>(p, false, stream);
+  const bool cap = p.softcap > 0.f;
   using BC = BwdCfg<D>;
   const int64_t grid_kv = int64_t(p.nkt) * (kTileSize / BC::BN) * p.Hkv;
   if (grid_kv > 0) {
-    const bool cap = p.softcap > 0.f;
-    auto kernel =
-        deterministic
-            ? (cap ? dkdv_kernel_sm80<T, D, true, false> : dkdv_kernel_sm80<T, D, false, false>)
-            : (cap ? dkdv_kernel_sm80<T, D, true, true> : dkdv_kernel_sm80<T, D, false, true>);
+    auto kernel = cap ? dkdv_kernel_sm80<T, D, true> : dkdv_kernel_sm80<T, D, false>;
     launch_kernel(kernel, grid_kv, BC::THREADS, BC::SMEM, stream, p,
                   "dualkv backward dk/dv (sm80)");
   }
-  if (deterministic) {
-    using QC = DqCfg<D>;
-    const int64_t grid_q = int64_t(p.nqt) * (kTileSize / QC::BM) * p.Hq;
-    if (grid_q > 0) {
-      auto kernel = p.softcap > 0.f ? dq_kernel_sm80<T, D, true> : dq_kernel_sm80<T, D, false>;
-      launch_kernel(kernel, grid_q, QC::THREADS, QC::SMEM, stream, p, "dualkv backward dq (sm80)");
-    }
-  } else {
-    launch_dq_convert<T, D>(p, stream);
+  using QC = DqCfg<D>;
+  const int64_t grid_q = int64_t(p.nqt) * (kTileSize / QC::BM) * p.Hq;
+  if (grid_q > 0) {
+    auto kernel = cap ? dq_kernel_sm80<T, D, true> : dq_kernel_sm80<T, D, false>;
+    launch_kernel(kernel, grid_q, QC::THREADS, QC::SMEM, stream, p, "dualkv backward dq (sm80)");
   }
 }
 

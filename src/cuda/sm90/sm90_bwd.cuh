@@ -1,6 +1,8 @@
 // sm_90a backward: the sm_80 backward's schedule (preprocess, collective/bwd_preprocess.cuh; dK/dV
 // over key blocks in a fixed order; dQ over query blocks), with the matrix products on wgmma.
-// Atomic-free and deterministic.
+// Atomic-free and deterministic. Instantiated for D = 256 only (CMakeLists.txt): the D <= 128
+// backward is warp-specialised (sm90_bwd_ws.cuh); the D <= 128 branches (Dkdv90Cfg, Dq90Cfg) stay
+// as the generic form of the kernels.
 //   dkdv: one CTA per (128-key tile, kv head), two warpgroups of 64 keys. Per query block:
 //         S^T = K Q^T and dP^T = V dO^T (SS), then dV += P^T dO and dK += dS^T Q with P^T and dS^T
 //         from registers (RS, dO and Q MN-major). D = 256 splits the work differently (see
@@ -397,7 +399,7 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const __grid_constant__
 #endif
 }
 
-// The synchronous dK/dV kernel (also the D = 256 part of the default backward).
+// The synchronous dK/dV kernel (the D = 256 backward on Hopper).
 template <typename T, int D>
 void launch_dkdv_sm90(const Params& p, cudaStream_t stream) {
   using C = Dkdv90Cfg<D>;

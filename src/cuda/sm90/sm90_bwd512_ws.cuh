@@ -1,10 +1,10 @@
 // sm_90a D = 512 backward: warp-specialised dK/dV and dQ kernels on wgmma in 2-CTA clusters that
-// split the head dim. kPipe (KernelPolicy::d512_bwd_ws 3, DUALKV_SM90_D512_BWD=3): the exchange is
-// overlapped with the previous block's dV/dK (dQ) products, see Ws512Exchange::swap_add_pipe and
-// src/cuda/NOTES.md, "D = 512 backward, exchange behind the previous block's products". Not the default yet: KernelPolicy::d512_bwd_ws (DUALKV_SM90_D512_BWD=1;
-// =2: the wgmma dK/dV kernel with the sm_80 dQ pass) selects it (compiled, not yet run on a GPU;
-// the sm_80 D = 512 backward stays the default until it has been measured). Design and arithmetic:
-// src/cuda/NOTES.md, "D = 512 dK/dV on wgmma".
+// split the head dim: the default D = 512 backward on Hopper (H200, Hq 32, Hkv 4: 126.9 vs
+// 247.7 ms for the sm_80 backward at (16, 8192, 1024)); DUALKV_SM90_D512_BWD=0 runs the sm_80 one
+// (A/B, cross-check). Design and arithmetic: src/cuda/NOTES.md, "D = 512 dK/dV on wgmma".
+// kPipe (KernelPolicy::d512_bwd_pipe, DUALKV_SM90_D512_BWD=3; opt-in): each block's exchange runs
+// behind the previous block's dV/dK (dQ) products, see Ws512Exchange::swap_add_pipe and NOTES.md,
+// "D = 512 backward: the exchange behind the previous block's products".
 //   - One cluster of two CTAs per (64-key half of a key tile, kv head). CTA rank r holds columns
 //     [256r, 256r + 256) of K, V and of every Q / dO block, and owns those columns of dK and dV.
 //     Both CTAs walk the same query blocks of 64 in the fixed order of query_walk.cuh (as every
@@ -34,7 +34,6 @@
 
 #include "collective/epilogue.cuh"
 #include "collective/score_mod.cuh"
-#include "sm80/sm80_bwd.cuh"
 #include "sm90/pipeline.cuh"
 #include "sm90/sm90_bwd_ws.cuh"
 
@@ -665,13 +664,11 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
-// D = 512 backward on wgmma: preprocess, the dK/dV kernel, then the dQ kernel above
-// (KernelPolicy::d512_bwd_ws 1; 3: both kernels' kPipe variants) or the sm_80 dQ pass (2, for A/B
-// timing). Atomic-free (the caller
-// takes it only with KernelPolicy::dq_mode 0). False (nothing launched) when a tensor map cannot be
-// encoded: the caller then runs the sm_80 backward.
+// D = 512 backward on wgmma: preprocess, the dK/dV kernel, then the dQ kernel above. Atomic-free
+// and bitwise reproducible. False (nothing launched) when a tensor map cannot be encoded: the
+// caller then runs the sm_80 backward. pipe: the kPipe kernels (KernelPolicy::d512_bwd_pipe).
 template <typename T>
-bool launch_backward_sm90_d512(const Params& p, const KernelPolicy& policy, cudaStream_t stream) {
+bool launch_backward_sm90_d512(const Params& p, cudaStream_t stream, bool pipe) {
   using C = DkdvWs512Cfg;
   constexpr int D = C::D;
   if (int64_t(p.T) * p.Hq == 0) return true;
@@ -680,7 +677,6 @@ bool launch_backward_sm90_d512(const Params& p, const KernelPolicy& policy, cuda
   launch_bwd_pre<T, D>(p, false, stream);
   const bool cap = p.softcap > 0.f;
   const int64_t grid = int64_t(p.nkt) * (kTileSize / C::BN) * p.Hkv * C::CLUSTER;
-  const bool pipe = policy.d512_bwd_ws == 3;
   if (grid > 0) {
     launch_kernel(pipe  ? (cap ? dkdv_ws512_kernel_sm90<T, true, true>
                                : dkdv_ws512_kernel_sm90<T, false, true>)
@@ -690,28 +686,18 @@ bool launch_backward_sm90_d512(const Params& p, const KernelPolicy& policy, cuda
                   "dualkv backward dk/dv D=512 (sm90a, warp-specialised, 2-CTA clusters)",
                   C::CLUSTER);
   }
-  if (policy.d512_bwd_ws == 1 || pipe) {
-    // The dQ maps are the dK/dV kernel's (boxes of 64 rows for Q, dO, K and V alike).
-    static_assert(DqWs512Cfg::BM == C::BM && DqWs512Cfg::BN == C::BN, "shared tensor maps");
-    using QW = DqWs512Cfg;
-    const int64_t grid_q = int64_t(p.nqt) * (kTileSize / QW::BM) * p.Hq * QW::CLUSTER;
-    if (grid_q > 0) {
-      launch_kernel(pipe  ? (cap ? dq_ws512_kernel_sm90<T, true, true>
-                                 : dq_ws512_kernel_sm90<T, false, true>)
-                    : cap ? dq_ws512_kernel_sm90<T, true>
-                          : dq_ws512_kernel_sm90<T, false>,
-                    grid_q,
-                    QW::THREADS, QW::SMEM, stream, a,
-                    "dualkv backward dq D=512 (sm90a, warp-specialised, 2-CTA clusters)",
-                    QW::CLUSTER);
-    }
-    return true;
-  }
-  using QC = DqCfg<D>;
-  const int64_t grid_q = int64_t(p.nqt) * (kTileSize / QC::BM) * p.Hq;
+  // The dQ maps are the dK/dV kernel's (boxes of 64 rows for Q, dO, K and V alike).
+  static_assert(DqWs512Cfg::BM == C::BM && DqWs512Cfg::BN == C::BN, "shared tensor maps");
+  using QW = DqWs512Cfg;
+  const int64_t grid_q = int64_t(p.nqt) * (kTileSize / QW::BM) * p.Hq * QW::CLUSTER;
   if (grid_q > 0) {
-    launch_kernel(cap ? dq_kernel_sm80<T, D, true> : dq_kernel_sm80<T, D, false>, grid_q,
-                  QC::THREADS, QC::SMEM, stream, p, "dualkv backward dq (sm80)");
+    launch_kernel(pipe  ? (cap ? dq_ws512_kernel_sm90<T, true, true>
+                               : dq_ws512_kernel_sm90<T, false, true>)
+                  : cap ? dq_ws512_kernel_sm90<T, true>
+                        : dq_ws512_kernel_sm90<T, false>,
+                  grid_q, QW::THREADS, QW::SMEM, stream, a,
+                  "dualkv backward dq D=512 (sm90a, warp-specialised, 2-CTA clusters)",
+                  QW::CLUSTER);
   }
   return true;
 }

@@ -1,8 +1,8 @@
-// sm_90a backward, warp-specialised (the default on Hopper for D <= 128; DUALKV_SM90_WS=0 selects
-// sm90_bwd.cuh): the shared preprocess, a dK/dV kernel in the style of sm90_fwd_ws.cuh, and the
-// dQ pass of sm90_dq_ws.cuh. Same
-// schedule and order as dkdv_kernel_sm90 (one CTA per (128-key tile, kv head), query blocks of 64
-// in the fixed walk of query_walk_begin/next), so still atomic-free and deterministic.
+// sm_90a backward at D <= 128, warp-specialised: the shared preprocess, a dK/dV kernel in the
+// style of sm90_fwd_ws.cuh with dQ fused in (the default) or the separate dQ pass of
+// sm90_dq_ws.cuh. The dK/dV schedule and order of dkdv_kernel_sm90 (one CTA per (128-key tile,
+// kv head), query blocks of 64 in the fixed walk of query_walk_begin/next), so dK/dV are
+// atomic-free and deterministic.
 //   - producer warp 0: TMA of K and V once, then per query block of the walk: Q and dO tiles by
 //     TMA, lse2/delta rows by cp.async (completing on the same full barrier with
 //     cp.async.mbarrier.arrive.noinc), and a small record (query count, first position, or "end")
@@ -12,20 +12,19 @@
 //     groups; P is computed while dP^T is in flight, dV += P^T dO is issued before dS is computed,
 //     so dS overlaps the dV product. With softcap the tanh derivative needs S, so that variant
 //     waits for both products first.
-// With kDq > 0 (DUALKV_ATOMIC_DQ=1 or 2, never in deterministic mode) the kernel also adds
-// dQ = dS K into the fp32 dq_accum, instead of the separate dQ pass: dS^T goes to shared memory
-// (double-buffered by iteration), and at D = 128 each consumer warpgroup computes 64 of the 128
-// dQ columns over all 128 keys (a named barrier joins the two dS halves); at D = 64 each computes
-// all columns over its own 64 keys. kDq = 1: the consumers add their block with atomicAdd.
-// kDq = 2 (FA3-like; as fast as the separate pass, not faster): they hand it to shared memory and
-// lane 0 of producer warps 1-2 (one per consumer warpgroup) adds it with one bulk async reduction
-// (cp.reduce.async.bulk: the block is contiguous in dq_accum's slab layout), so the consumers never
-// wait on global atomics. kDq = 3: the same hand-off in FlashAttention-3's order (dK += dS^T Q
-// from the dS registers after dQ, retired at the end of the block) with conflict-free stores of
-// the dQ block (dq_accum's swizzled layout, dq_accum_at); kDq = 4: mode 2's order with those
-// stores; kDq = 5: mode 3 with an L2 evict_last policy on the reductions (src/cuda/NOTES.md,
-// "FlashAttention-3's fused backward against mode 2"). D = 256 keeps the synchronous path (the
-// accumulators would not fit).
+// With kFusedDq (the default unless deterministic; DUALKV_FUSED_DQ=0 turns it off) the kernel
+// also computes dQ = dS K, in FlashAttention-3's order, instead of the separate dQ pass
+// (sm90_dq_ws.cuh: 7 matmul units per block pair instead of 5): dS^T goes to shared memory
+// (double-buffered by iteration); at D = 128 each consumer warpgroup computes 64 of the 128 dQ
+// columns over all 128 keys (a named barrier joins the two dS halves), at D = 64 all columns over
+// its own 64 keys; dK += dS^T Q from the dS registers is issued after dQ and retired within the
+// block. The consumers hand their fp32 dQ block to shared memory in dq_accum's swizzled layout
+// (conflict-free stores) and lane 0 of producer warp 1 + c adds it into dq_accum with one bulk
+// async reduction (cp.reduce.async.bulk, L2 evict_last), so the consumers never wait on global
+// atomics; a conversion kernel writes dq. Not bitwise reproducible (the reductions' order varies).
+// H200, D = 128, Hq 32, Hkv 8, (16, 8192, 1024): 16.07 ms backward fused, 18.30 ms separate
+// (src/cuda/NOTES.md, also for the variants this replaced). D = 256 keeps the synchronous path
+// (the accumulators would not fit).
 #pragma once
 
 #include <cstddef>
@@ -33,13 +32,14 @@
 #include <type_traits>
 #include <utility>
 
-#include "sm90/sm90_bwd.cuh"
+#include "collective/bwd_preprocess.cuh"
+#include "collective/query_walk.cuh"
 #include "sm90/sm90_dq_ws.cuh"
 #include "sm90/sm90_fwd_ws.cuh"
 
 namespace dualkv::cuda::detail {
 
-template <int D, int kDq = 0>
+template <int D, bool kFusedDq = false>
 struct DkdvWsCfg {
   static constexpr int BN = kTileSize;  // 128 keys: 2 consumer warpgroups x 64
   static constexpr int BM = 64;         // queries per step
@@ -49,10 +49,10 @@ struct DkdvWsCfg {
   static constexpr int K_BYTES = BN * D * 2;
   static constexpr int Q_BYTES = BM * D * 2;
   static constexpr int DS_BYTES = BN * BM * 2;  // dS^T [BN keys][BM queries]
-  static constexpr int DQ_BYTES = BM * 64 * 4;  // kDq >= 2: fp32 [BM][64] per WG
+  static constexpr int DQ_BYTES = BM * 64 * 4;  // kFusedDq: fp32 [BM][64] per WG
   // Shared memory from the kernel's 1024-byte aligned base (the + 1024 of SMEM is the slack for
-  // that alignment); the OFF_* offsets come from here. Between the tiles and the tail: kDq > 0
-  // the two dS^T buffers, kDq >= 2 also the two warpgroups' dQ blocks.
+  // that alignment); the OFF_* offsets come from here. Between the tiles and the tail, kFusedDq:
+  // the two dS^T buffers and the two warpgroups' dQ blocks.
   struct Tiles {
     uint16_t k[BN * D];
     uint16_t v[BN * D];
@@ -62,16 +62,11 @@ struct DkdvWsCfg {
   struct Tail {
     float l[STAGES][2 * BM];           // per stage: lse2, delta
     int meta[STAGES][4];               // per stage: the query block's record
-    int dq_meta[2][4];                 // kDq >= 2: per warpgroup
+    int dq_meta[2][4];                 // kFusedDq: per warpgroup
     uint64_t bar[1 + 2 * STAGES + 4];  // kv, full[S], empty[S], dq_full[2], dq_empty[2]
   };
   struct Storage0 {
     Tiles t;
-    Tail x;
-  };
-  struct Storage1 {
-    Tiles t;
-    uint16_t ds[2][BN * BM];
     Tail x;
   };
   struct Storage2 {
@@ -80,15 +75,14 @@ struct DkdvWsCfg {
     float dq[2][BM * 64];
     Tail x;
   };
-  using SharedStorage =
-      std::conditional_t<kDq == 0, Storage0, std::conditional_t<kDq == 1, Storage1, Storage2>>;
+  using SharedStorage = std::conditional_t<kFusedDq, Storage2, Storage0>;
   static_assert(sizeof(Tiles::k) == K_BYTES && sizeof(Tiles::q[0]) == Q_BYTES &&
                 sizeof(Storage2::ds[0]) == DS_BYTES && sizeof(Storage2::dq[0]) == DQ_BYTES);
   static constexpr int OFF_V = int(offsetof(Tiles, v));
   static constexpr int OFF_Q = int(offsetof(Tiles, q));
   static constexpr int OFF_DO = int(offsetof(Tiles, dout));
-  static constexpr int OFF_DS = int(sizeof(Tiles));           // kDq > 0
-  static constexpr int OFF_DQ = int(offsetof(Storage2, dq));  // kDq >= 2
+  static constexpr int OFF_DS = int(sizeof(Tiles));           // kFusedDq
+  static constexpr int OFF_DQ = int(offsetof(Storage2, dq));  // kFusedDq
   static constexpr int OFF_L = int(offsetof(SharedStorage, x) + offsetof(Tail, l));
   static constexpr int OFF_META = int(offsetof(SharedStorage, x) + offsetof(Tail, meta));
   static constexpr int OFF_DQMETA = int(offsetof(SharedStorage, x) + offsetof(Tail, dq_meta));
@@ -125,14 +119,8 @@ __device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
 __device__ __forceinline__ void st_shared_f32x2(uint32_t addr, float x, float y) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y) : "memory");
 }
-// dst[0:bytes/4] += src[0:bytes/4] (fp32), asynchronously; bytes a multiple of 16.
-__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes) {
-  asm volatile(
-      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst),
-      "r"(src), "r"(bytes)
-      : "memory");
-}
-// The same with an L2 cache policy (createpolicy_evict_last) for the destination lines.
+// dst[0:bytes/4] += src[0:bytes/4] (fp32), asynchronously, with an L2 cache policy
+// (createpolicy_evict_last) for the destination lines; bytes a multiple of 16.
 __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes,
                                                     uint64_t policy) {
   asm volatile(
@@ -161,21 +149,11 @@ __device__ __forceinline__ void bulk_wait() {
 #endif
 }  // namespace ws
 
-template <typename T, int D, bool kCap, int kDq>
+template <typename T, int D, bool kCap, bool kFusedDq>
 __global__ void __launch_bounds__(384, 1)
     dkdv_ws_kernel_sm90(const __grid_constant__ DkdvWsArgs a) {
 #if DUALKV_SM90_BODY
-  constexpr bool kFusedDq = kDq > 0;
-  constexpr bool kHandoff = kDq >= 2;  // dQ blocks handed to reducer warps (bulk reductions)
-  constexpr bool kSwz = kDq >= 3;      // ... in dq_accum's swizzled layout (conflict-free stores)
-  // kDq = 3, 5, FA3's order: dK += dS^T Q from registers, retired within the block (after the
-  // dQ hand-off); otherwise (kDq = 1, 2, 4) from shared memory, retired by the next block's first
-  // wait (kDefer).
-  constexpr bool kRsDk = kDq == 3 || kDq == 5;
-  constexpr bool kDefer = kFusedDq && !kRsDk;
-  // kDq = 5: mode 3 with the reductions' dq_accum lines kept in L2 (evict_last, as FA3 does).
-  constexpr bool kL2Hint = kDq == 5;
-  using Cfg = DkdvWsCfg<D, kDq>;
+  using Cfg = DkdvWsCfg<D, kFusedDq>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
   const Params& p = a.p;
   extern __shared__ __align__(1024) unsigned char smem[];
@@ -189,14 +167,14 @@ __global__ void __launch_bounds__(384, 1)
   auto meta = [&](int s) {
     return reinterpret_cast<volatile int*>(gbase + Cfg::OFF_META + 16 * s);
   };
-  // kDq >= 2: consumer warpgroup c's dQ block is ready (128 arrivals) / free again (1 arrival),
+  // kFusedDq: consumer warpgroup c's dQ block is ready (128 arrivals) / free again (1 arrival),
   // and its record {valid, first query token, q head, query count}.
   auto dq_full = [&](int c) { return bKV + 8u * (1 + 2 * S + c); };
   auto dq_empty = [&](int c) { return bKV + 8u * (3 + 2 * S + c); };
   auto dq_meta = [&](int c) {
     return reinterpret_cast<volatile int*>(gbase + Cfg::OFF_DQMETA + 16 * c);
   };
-  // kDq > 0: D = 128 splits dQ's columns between the consumer warpgroups (each sums all 128
+  // kFusedDq: D = 128 splits dQ's columns between the consumer warpgroups (each sums all 128
   // keys), D = 64 splits the keys (each adds all columns over its own 64 keys).
   constexpr bool kSplitD = D == 128;
 
@@ -213,7 +191,7 @@ __global__ void __launch_bounds__(384, 1)
       ws::mbar_init(full(s), Cfg::FULL_COUNT);
       ws::mbar_init(empty(s), NC);
     }
-    if constexpr (kHandoff) {
+    if constexpr (kFusedDq) {
       for (int c = 0; c < 2; ++c) {
         ws::mbar_init(dq_full(c), NC / 2);
         ws::mbar_init(dq_empty(c), 1);
@@ -268,36 +246,32 @@ __global__ void __launch_bounds__(384, 1)
         // query_walk_next, spelled out: as a call it changes this producer's machine code, which
         // has not been run on a GPU that way yet.
         if (++cur.qb < cur.qb_end) continue;
-        // kSwz: pk_last passed through an empty asm, so that nothing derived from it is kept
+        // kFusedDq: pk_last passed through an empty asm, so that nothing derived from it is kept
         // live across the loop (ptxas hoisted its sign extension and spilled it at 24 registers).
         int pkl = pk_last;
-        if constexpr (kSwz) asm volatile("" : "+r"(pkl));
+        if constexpr (kFusedDq) asm volatile("" : "+r"(pkl));
         valid = seek_query_region<BM>(p, kseg, ksi, cur.si + 1, pk_first, pkl, cur);
         if (!valid && ++cur.hi < p.group)
           valid = seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pkl, cur);
       }
       cp_wait<0>();  // no lse/delta copy outlives its thread
-    } else if (kHandoff && warp <= 2) {
-      if constexpr (kHandoff) {
+    } else if (kFusedDq && warp <= 2) {
+      if constexpr (kFusedDq) {
         // ---- dQ reducers: lane 0 of warp 1 + c adds warpgroup c's blocks into dq_accum --------
         // (one lane: the bulk copies issue one lane at a time anyway, and 24 registers suffice)
         const int c = warp - 1;
         const uint32_t src = base + Cfg::OFF_DQ + uint32_t(c) * Cfg::DQ_BYTES;
         volatile int* dm = dq_meta(c);
         const int col0 = kSplitD ? c * 64 : 0;
-        const uint64_t l2pol = kL2Hint ? ws::createpolicy_evict_last() : 0;
+        const uint64_t l2pol = ws::createpolicy_evict_last();
         for (int it = 0; lane == 0; ++it) {
           ws::mbar_wait(dq_full(c), uint32_t(it) & 1u);
           if (dm[0] == 0) break;
           // The block's nq rows x 64 columns are contiguous in dq_accum's slab layout, from the
           // first row's start (the same in the swizzled layout: the image in shared memory
-          // already holds each row's columns permuted, kSwz).
+          // already holds each row's columns permuted).
           float* dst = dq_accum_at<D>(p, dm[1], dm[2], col0);
-          if constexpr (kL2Hint) {
-            ws::bulk_reduce_add_f32(dst, src, uint32_t(dm[3]) * 256, l2pol);
-          } else {
-            ws::bulk_reduce_add_f32(dst, src, uint32_t(dm[3]) * 256);
-          }
+          ws::bulk_reduce_add_f32(dst, src, uint32_t(dm[3]) * 256, l2pol);
           ws::bulk_commit();
           ws::bulk_wait_read();
           ws::mbar_arrive(dq_empty(c));
@@ -320,14 +294,6 @@ __global__ void __launch_bounds__(384, 1)
 
     ws::mbar_wait(bKV, 0);
     int it = 0;  // after the loop: the number of query blocks seen
-    // kDefer: the previous block's dK (still running at the top of this one) has read its stage
-    // once this block's first wait has returned (after the loop: once the final wait has).
-    auto release_prev = [&]() {
-      if constexpr (kDefer) {
-        fence_regs(dk);
-        if (it > 0) ws::mbar_arrive(empty(Ring<S>::stage(it + S - 1)));
-      }
-    };
     for (;; ++it) {
       const int s = Ring<S>::stage(it);
       ws::mbar_wait(full(s), Ring<S>::full_parity(it));
@@ -340,6 +306,15 @@ __global__ void __launch_bounds__(384, 1)
       const float* lse_c = lse_s + s * 2 * BM;
       const float* del_c = lse_c + BM;
 
+      // This thread's lse2 columns, read before the GEMMs are issued: read among them, the loads
+      // completed only after dP^T's shared-memory operands (ncu: the first exponential stalled
+      // on them, 8.6% of samples). Not with softcap: there the 16 registers spill.
+      float lse_r[kCap ? 1 : SR / 2];
+      if constexpr (!kCap) {
+#pragma unroll
+        for (int j = 0; j < SR / 2; ++j) lse_r[j] = lse_c[(j >> 1) * 8 + 2 * tq + (j & 1)];
+        fence_regs(lse_r);
+      }
       float sc[SR], dp[SR];
       wg_fence();
       wgmma_rows<T, BM, D, BN, BM>(sc, sK, cw * 64, sQ, 0);
@@ -354,7 +329,10 @@ __global__ void __launch_bounds__(384, 1)
       auto visible = [&](int i) {
         return DUALKV_VISIBLE_KQ(p.mask, kr_of(i), nk, pk_first, qc_of(i), nq, pq_first);
       };
-      auto prob = [&](int i, float x) { return fast_exp2(x - lse_c[qc_of(i)]); };
+      auto prob = [&](int i, float x) {
+        return fast_exp2(x -
+                         (kCap ? lse_c[qc_of(i)] : lse_r[kCap ? 0 : ((i >> 2) << 1) | (i & 1)]));
+      };
       // The softcap path masks inside its fused loop (it keeps few registers live there).
       auto prob_masked = [&](int i, float x) {
         const float pr = prob(i, x);
@@ -381,7 +359,6 @@ __global__ void __launch_bounds__(384, 1)
         wg_wait<0>();
         fence_regs(sc);
         fence_regs(dp);
-        release_prev();
         // Packed as computed, so each pair of S/dP registers dies at once (no spills).
 #pragma unroll
         for (int kt = 0; kt < BM / 16; ++kt)
@@ -400,7 +377,7 @@ __global__ void __launch_bounds__(384, 1)
           }
         if constexpr (kFusedDq) stash_ds();
         fence_regs(pa);
-        if constexpr (!kDefer) fence_regs(da);  // kDefer: dK reads dS^T from shared memory
+        fence_regs(da);
         fence_regs(dv);
         fence_regs(dk);
         wg_fence();
@@ -414,17 +391,10 @@ __global__ void __launch_bounds__(384, 1)
         }
         wg_commit();
       } else {
-        // This thread's lse2 columns, read while S^T is in flight (after the wait the exponentials
-        // stalled on these reads).
-        float lse_r[SR / 2];
-#pragma unroll
-        for (int j = 0; j < SR / 2; ++j) lse_r[j] = lse_c[qc_of(2 * (j & ~1) + (j & 1))];
         wg_wait<1>();  // S^T done, dP^T in flight
         fence_regs(sc);
-        release_prev();
 #pragma unroll
-        for (int i = 0; i < SR; ++i)
-          sc[i] = fast_exp2(score_log2<false>(p, sc[i]) - lse_r[((i >> 2) << 1) | (i & 1)]);
+        for (int i = 0; i < SR; ++i) sc[i] = prob(i, score_log2<false>(p, sc[i]));
         mask_fragment<SR>(msk, visible, [&](int i) { sc[i] = 0.f; });
 #pragma unroll
         for (int kt = 0; kt < BM / 16; ++kt)
@@ -448,7 +418,7 @@ __global__ void __launch_bounds__(384, 1)
           for (int c = 0; c < 4; ++c)
             da[kt][c] = pack2<T>(dp[8 * kt + 2 * c], dp[8 * kt + 2 * c + 1]);
         if constexpr (kFusedDq) {
-          stash_ds();  // for dQ (and with kDefer for dK: from shared memory), below
+          stash_ds();  // for dQ, below
         } else {
           fence_regs(da);
           fence_regs(dk);
@@ -470,7 +440,7 @@ __global__ void __launch_bounds__(384, 1)
         const uint32_t a_tile = sDS + (kSplitD ? 0u : uint32_t(cw * 64 * 128));
         const uint32_t b_tile = sK + (kSplitD ? uint32_t(cw * BN * 128) : uint32_t(cw * 64 * 128));
         fence_regs(dk);
-        if constexpr (kRsDk) fence_regs(da);
+        fence_regs(da);
         wg_fence();
 #pragma unroll
         for (int kt = 0; kt < DQ_KEYS / 16; ++kt) {
@@ -478,35 +448,15 @@ __global__ void __launch_bounds__(384, 1)
                                           desc_mnmajor<BN>(b_tile, kt * 16), kt > 0);
         }
         wg_commit();
-        if constexpr (kRsDk) {
-          // dK += dS^T Q with dS^T from registers, committed last: it runs on while dQ is
-          // handed over, and is retired at the end of this block (which then releases the stage).
+        // dK += dS^T Q with dS^T from registers, committed last: it runs on while dQ is handed
+        // over, and is retired at the end of this block (which then releases the stage).
 #pragma unroll
-          for (int kt = 0; kt < BM / 16; ++kt)
-            Wgmma<T, D>::template rs<1>(dk, da[kt], desc_mnmajor<BM>(sQ, kt * 16), 1);
-        } else {
-          // dK += dS^T Q with dS^T (this warpgroup's key rows) from shared memory, committed
-          // last: it runs on while dQ is handed over and is waited for by the next block's first
-          // wait, which then releases this block's stage (sQ).
-#pragma unroll
-          for (int kt = 0; kt < BM / 16; ++kt) {
-            Wgmma<T, D>::template ss<1>(dk, desc_kmajor<BN>(sDS, cw * 64, kt * 16),
-                                        desc_mnmajor<BM>(sQ, kt * 16), 1);
-          }
-        }
+        for (int kt = 0; kt < BM / 16; ++kt)
+          Wgmma<T, D>::template rs<1>(dk, da[kt], desc_mnmajor<BM>(sQ, kt * 16), 1);
         wg_commit();
         wg_wait<1>();  // dV and dQ done
         fence_regs(dv);
         fence_regs(pa);
-      } else {
-        wg_wait<0>();
-        fence_regs(dv);
-        fence_regs(dk);
-        fence_regs(pa);
-        fence_regs(da);
-        ws::mbar_arrive(empty(s));
-      }
-      if constexpr (kHandoff) {
         // Hand the block to this warpgroup's reducer warp once it has read the previous one.
         fence_regs(dqa);
         ws::mbar_wait(dq_empty(cw), (uint32_t(it) & 1u) ^ 1u);
@@ -514,8 +464,8 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int qr = (warp & 3) * 16 + g + 8 * r;
-          // kSwz: row qr is token qs + qr of dq_accum's swizzled layout (dq_accum_at).
-          const int sw = kSwz ? (qs + qr) & 7 : 0;
+          // Row qr is token qs + qr of dq_accum's swizzled layout (dq_accum_at).
+          const int sw = (qs + qr) & 7;
 #pragma unroll
           for (int nd = 0; nd < 8; ++nd)
             ws::st_shared_f32x2(dst + qr * 256 + ((nd ^ sw) * 8 + 2 * tq) * 4, dqa[nd * 4 + 2 * r],
@@ -527,34 +477,20 @@ __global__ void __launch_bounds__(384, 1)
         }
         fence_proxy_async();  // the bulk reduction reads through the async proxy
         ws::mbar_arrive(dq_full(cw));
-      } else if constexpr (kFusedDq) {
-        fence_regs(dqa);
-        const int col0 = kSplitD ? cw * 64 : 0;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int qr = (warp & 3) * 16 + g + 8 * r;
-          if (qr < nq) {
-            float* dst = dq_accum_at<D>(p, qs + qr, hq, col0) + 2 * tq;  // within one 64-col slab
-#pragma unroll
-            for (int nd = 0; nd < 8; ++nd) {
-              atomicAdd(reinterpret_cast<float2*>(dst + nd * 8),
-                        make_float2(dqa[nd * 4 + 2 * r], dqa[nd * 4 + 2 * r + 1]));
-            }
-          }
-        }
-      }
-      if constexpr (kRsDk) {
         wg_wait<0>();  // dK done: the stage (sQ) and dS^T's registers are free
         fence_regs(dk);
         fence_regs(da);
         ws::mbar_arrive(empty(s));
+      } else {
+        wg_wait<0>();
+        fence_regs(dv);
+        fence_regs(dk);
+        fence_regs(pa);
+        fence_regs(da);
+        ws::mbar_arrive(empty(s));
       }
     }
-    if constexpr (kDefer) {
-      wg_wait<0>();  // the last block's dK
-      release_prev();
-    }
-    if constexpr (kHandoff) {
+    if constexpr (kFusedDq) {
       // Tells this warpgroup's reducer that the walk has ended.
       ws::mbar_wait(dq_empty(cw), (uint32_t(it) & 1u) ^ 1u);
       if ((tid & 127) == 0) dq_meta(cw)[0] = 0;
@@ -580,50 +516,43 @@ inline bool make_bwd_ws_args(DkdvWsArgs& a, const Params& p, int d, int bm, int 
   return true;
 }
 
-// Preprocess, the warp-specialised dK/dV kernel, then the dQ pass or (policy.dq_mode 1, 2: the
-// kernel's kDq) the conversion of the dQ the kernel added up. False (nothing launched) for D = 256
-// or when a tensor map cannot be encoded. (D = 256 with this dQ pass behind the synchronous dK/dV
-// kernel measured no faster than the synchronous dQ pass: 12.57 vs 12.56-12.72 ms backward.)
+// Preprocess, the warp-specialised dK/dV kernel, then (policy.fused_dq) the conversion of the dQ
+// it added up, or the separate dQ pass (sm90_dq_ws.cuh). False (nothing launched) for D = 256 or
+// when a tensor map cannot be encoded: the caller then runs the sm_80 backward. (D = 256 with this
+// dQ pass behind the synchronous dK/dV kernel measured no faster than the synchronous dQ pass:
+// 12.57 vs 12.56-12.72 ms backward.)
 template <typename T, int D>
 bool launch_backward_sm90_ws(const Params& p, const KernelPolicy& policy, cudaStream_t stream) {
   if constexpr (D > 128) {
     return false;
   } else {
     using C = DkdvWsCfg<D>;
-    const int dq_mode = policy.dq_mode;
-    const bool atomic_dq = dq_mode > 0;
+    const bool fused = policy.fused_dq;
     if (int64_t(p.T) * p.Hq == 0) return true;
     DkdvWsArgs a{};
     if (!make_bwd_ws_args(a, p, D, C::BM, C::BN)) return false;
-    launch_bwd_pre<T, D>(p, atomic_dq, stream);
+    DqWsArgs qa{};  // the separate dQ pass's maps, encoded before anything is launched
+    if (!fused && !make_dq_ws_args<D>(qa, p, policy)) {
+      warn_ws_fallback("cuTensorMapEncodeTiled failed for the dQ pass");
+      return false;
+    }
+    launch_bwd_pre<T, D>(p, fused, stream);
     const bool cap = p.softcap > 0.f;
     const int64_t grid = int64_t(p.nkt) * p.Hkv;
     if (grid > 0) {
-      auto pick = [&](auto mode) {
-        constexpr int M = decltype(mode)::value;
-        return std::make_pair(
-            cap ? dkdv_ws_kernel_sm90<T, D, true, M> : dkdv_ws_kernel_sm90<T, D, false, M>,
-            DkdvWsCfg<D, M>::SMEM);
-      };
-      const auto [kernel, smem] = dq_mode == 5   ? pick(std::integral_constant<int, 5>{})
-                                  : dq_mode == 4 ? pick(std::integral_constant<int, 4>{})
-                                  : dq_mode == 3 ? pick(std::integral_constant<int, 3>{})
-                                  : dq_mode == 2 ? pick(std::integral_constant<int, 2>{})
-                                  : dq_mode == 1 ? pick(std::integral_constant<int, 1>{})
-                                                 : pick(std::integral_constant<int, 0>{});
+      auto kernel = fused ? (cap ? dkdv_ws_kernel_sm90<T, D, true, true>
+                                 : dkdv_ws_kernel_sm90<T, D, false, true>)
+                          : (cap ? dkdv_ws_kernel_sm90<T, D, true, false>
+                                 : dkdv_ws_kernel_sm90<T, D, false, false>);
+      const int smem = fused ? DkdvWsCfg<D, true>::SMEM : DkdvWsCfg<D, false>::SMEM;
       launch_kernel(kernel, grid, C::THREADS, smem, stream, a,
                     "dualkv backward dk/dv (sm90a, warp-specialised)");
     }
-    if (atomic_dq) {
-      if (dq_mode >= 3) {
-        launch_dq_convert<T, D, true>(p, stream);
-      } else {
-        launch_dq_convert<T, D>(p, stream);
-      }
-      return true;
+    if (fused) {
+      launch_dq_convert<T, D>(p, stream);
+    } else {
+      launch_dq_sm90_ws<T, D>(qa, stream);
     }
-    // The synchronous dQ pass only when its tensor maps cannot be encoded.
-    if (!launch_dq_sm90_ws<T, D>(p, policy, stream)) launch_dq_sm90<T, D>(p, stream);
     return true;
   }
 }

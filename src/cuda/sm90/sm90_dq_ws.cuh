@@ -1,4 +1,5 @@
-// Warp-specialised sm_90a dQ pass (part of the default backward on Hopper for D <= 128). Same
+// Warp-specialised sm_90a dQ pass: the separate dQ pass of the Hopper backward at D <= 128
+// (deterministic=True, or DUALKV_FUSED_DQ=0 for A/B; bitwise reproducible, no atomics). Same
 // schedule as dq_kernel_sm90 (one CTA per (128-query tile, q head),
 // the forward's key-block walk), with the forward's warp specialisation: a producer thread issues
 // TMA for Q and dO once and K/V blocks through a STAGES-deep ring; two consumer warpgroups of 64
@@ -244,13 +245,10 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
 #endif
 }
 
-// False (nothing launched) when a tensor map cannot be encoded.
-template <typename T, int D>
-bool launch_dq_sm90_ws(const Params& p, const KernelPolicy& policy, cudaStream_t stream) {
+// The dQ kernel's arguments (tensor maps, ping-pong); false when a map cannot be encoded.
+template <int D>
+bool make_dq_ws_args(DqWsArgs& a, const Params& p, const KernelPolicy& policy) {
   using C = DqWsCfg<D>;
-  const int64_t grid = int64_t(p.nqt) * p.Hq;
-  if (grid == 0) return true;
-  DqWsArgs a{};
   if (!encode_tmap_thd(&a.tq, p.q, p.T, p.Hq, D, p.q_tok, p.q_head, C::BM) ||
       !encode_tmap_thd(&a.tdo, p.dout, p.T, p.Hq, D, int64_t(p.Hq) * D, D, C::BM) ||
       !encode_tmap_thd(&a.tk, p.k, p.T, p.Hkv, D, p.k_tok, p.k_head, C::BN) ||
@@ -259,10 +257,19 @@ bool launch_dq_sm90_ws(const Params& p, const KernelPolicy& policy, cudaStream_t
   }
   a.p = p;
   a.pingpong = policy.pingpong;
+  return true;
+}
+
+// The separate dQ pass, with the arguments of make_dq_ws_args.
+template <typename T, int D>
+void launch_dq_sm90_ws(const DqWsArgs& a, cudaStream_t stream) {
+  using C = DqWsCfg<D>;
+  const Params& p = a.p;
+  const int64_t grid = int64_t(p.nqt) * p.Hq;
+  if (grid == 0) return;
   auto kernel = p.softcap > 0.f ? dq_ws_kernel_sm90<T, D, true> : dq_ws_kernel_sm90<T, D, false>;
   launch_kernel(kernel, grid, C::THREADS, C::SMEM, stream, a,
                 "dualkv backward dq (sm90a, warp-specialised)");
-  return true;
 }
 
 }  // namespace dualkv::cuda::detail

@@ -1,7 +1,6 @@
-// sm_90a forward, FlashAttention-3 style (the default on Hopper; DUALKV_SM90_WS=0 selects
-// sm90_fwd.cuh instead). Same schedule and semantics as sm90_fwd.cuh (one CTA per (query tile, q
-// head), region A then region B, one online softmax, masks on boundary blocks only), different
-// machinery:
+// sm_90a forward, FlashAttention-3 style: the forward on Hopper, every head dim (the sm_80 one
+// when a TMA map cannot be encoded). One CTA per (query tile, q head), region A then region B,
+// one online softmax, masks on boundary blocks only:
 //   - warpgroup 0 is the producer: one thread issues TMA copies (cp.async.bulk.tensor, 128-byte
 //     swizzle straight into the SW128 wgmma layout) of Q once and of K/V blocks through a
 //     STAGES-deep ring; full barriers complete on the copies' byte count, empty barriers on the
@@ -14,23 +13,22 @@
 //     DUALKV_SM90_PINGPONG=0, for A/B timing.
 //   - softmax in the log2 domain with the scale folded into one FFMA per element
 //     (exp2(s * scale_log2 - m * scale_log2)); softcap or a non-positive scale pre-scales instead.
-// Differences from the synchronous kernel: K/V rows past a region's end (inside T) are read from
-// the neighbouring tokens instead of zero-filled; they are masked to P = 0, so only a non-finite V
-// value there could leak (0 * inf). Q rows past the tile's end are likewise real tokens (their
-// rows are computed and not written).
-// D = 512 (KSPLIT = 2): a 64 x 512 fp32 O does not fit one warpgroup's registers. A CTA owns 64
-// query rows (half a tile); both consumer warpgroups work on them: warpgroup c owns O's columns
-// [256c, 256c + 256) and computes the partial S_c = Q[:, cols] K[:, cols]^T over the same columns
-// of the reduction dim. The two partials go through shared memory (double-buffered by block
-// parity, one named barrier per block) and each warpgroup adds them in the same order, so both
-// hold bitwise the same S and run the same online softmax; then O_c += P V[:, cols]. No ping-pong
-// (the warpgroups meet every block); the O rescale is skipped in a warp whose rows kept their max.
-// The two 64-row halves of a tile run as a cluster of two CTAs (CLUSTER = 2) that walk the same
-// key blocks (the whole tile's walk): each producer loads half of a K/V block's column blocks
-// with TMA multicast into both CTAs, so every block is read from L2 once per 128 queries, not
-// per 64 (64 queries x 32 keys x 512 columns is 64 FLOP per byte of K/V: L2 bandwidth bound).
-// A stage is refilled when the consumer warps of both CTAs have released it (their empty barrier
-// counts 2 x 8 warp arrivals, one of them remote).
+// Unlike the sm_80 kernel (and the synchronous one deleted since), K/V rows past a region's end
+// (inside T) are read from the neighbouring tokens instead of zero-filled; they are masked to P =
+// 0, so only a non-finite V value there could leak (0 * inf). Q rows past the tile's end are
+// likewise real tokens (their rows are computed and not written). D = 512 (KSPLIT = 2): a 64 x 512
+// fp32 O does not fit one warpgroup's registers. A CTA owns 64 query rows (half a tile); both
+// consumer warpgroups work on them: warpgroup c owns O's columns [256c, 256c + 256) and computes
+// the partial S_c = Q[:, cols] K[:, cols]^T over the same columns of the reduction dim. The two
+// partials go through shared memory (double-buffered by block parity, one named barrier per block)
+// and each warpgroup adds them in the same order, so both hold bitwise the same S and run the same
+// online softmax; then O_c += P V[:, cols]. No ping-pong (the warpgroups meet every block); the O
+// rescale is skipped in a warp whose rows kept their max. The two 64-row halves of a tile run as a
+// cluster of two CTAs (CLUSTER = 2) that walk the same key blocks (the whole tile's walk): each
+// producer loads half of a K/V block's column blocks with TMA multicast into both CTAs, so every
+// block is read from L2 once per 128 queries, not per 64 (64 queries x 32 keys x 512 columns is 64
+// FLOP per byte of K/V: L2 bandwidth bound). A stage is refilled when the consumer warps of both
+// CTAs have released it (their empty barrier counts 2 x 8 warp arrivals, one of them remote).
 #pragma once
 
 #include <cuda.h>

@@ -1,7 +1,6 @@
 // Warp-specialised sm_90a kernels (FlashAttention-3 style: TMA, producer warps, ping-pong): the
-// default path on Hopper. KernelPolicy::sm90_ws = false (DUALKV_SM90_WS=0) selects the synchronous
-// wgmma kernels instead (sm90_fwd.cuh, sm90_bwd.cuh), which also run when a TMA tensor map cannot
-// be encoded.
+// path on Hopper (the D = 256 backward aside: sm90_bwd.cuh). When a TMA tensor map cannot be
+// encoded a launcher returns false and the caller runs the sm_80 kernels.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -21,29 +20,29 @@ namespace dualkv::cuda::detail {
 bool encode_tmap_thd(CUtensorMap_st* map, const void* base, int T, int H, int D, int64_t tok_stride,
                      int64_t head_stride, int rows);
 
-// Warns once on stderr that the warp-specialised path could not run (the synchronous one does).
+// Warns once on stderr that the warp-specialised path could not run (the sm_80 one does).
 void warn_ws_fallback(const char* why);
 
-// Warp-specialised TMA forward. Returns false (nothing launched) when a tensor map cannot be
-// encoded; the caller then runs the synchronous wgmma path.
+// Warp-specialised TMA forward, every head dim (64, 128, 256, 512). Returns false (nothing
+// launched) when a tensor map cannot be encoded; the caller then runs the sm_80 forward.
 template <typename T, int D>
 bool launch_forward_sm90_ws(const Params& p, const KernelPolicy& policy, cudaStream_t stream);
 
-// Backward: preprocess, the warp-specialised dK/dV and dQ kernels (D <= 128); with
-// policy.dq_mode 1 or 2 the dK/dV kernel also adds up dQ in fp32 (non-deterministic dQ). False
-// (nothing launched) for D = 256 or when a tensor map cannot be encoded.
+// Backward, D <= 128: preprocess and the warp-specialised dK/dV kernel, which with
+// policy.fused_dq also adds up dQ in fp32 (then a conversion; not bitwise reproducible), else
+// the separate warp-specialised dQ pass. False (nothing launched) for D = 256 or when a tensor
+// map cannot be encoded.
 template <typename T, int D>
 bool launch_backward_sm90_ws(const Params& p, const KernelPolicy& policy, cudaStream_t stream);
 
 // D = 512 backward with the wgmma dK/dV and dQ kernels of sm90_bwd512_ws.cuh (2-CTA clusters
-// splitting the head dim; KernelPolicy::d512_bwd_ws 2: the sm_80 dQ pass); only when
-// KernelPolicy::d512_bwd_ws != 0 (not the default yet).
+// splitting the head dim; the caller skips it when KernelPolicy::d512_bwd_sm90 is false).
 // False (nothing launched) when a tensor map cannot be encoded.
 template <typename T>
-bool launch_backward_sm90_d512(const Params& p, const KernelPolicy& policy, cudaStream_t stream);
+bool launch_backward_sm90_d512(const Params& p, cudaStream_t stream, bool pipe = false);
 
-// D = 512 forward of sm90_fwd512_cluster.cuh (2-CTA clusters splitting the head dim); only when
-// KernelPolicy::d512_fwd == 2 (not the default yet). False (nothing launched) when a tensor map
+// D = 512 forward of sm90_fwd512_cluster.cuh (2-CTA clusters splitting the head dim; the default
+// unless KernelPolicy::d512_fwd_cluster is off). False (nothing launched) when a tensor map
 // cannot be encoded.
 template <typename T>
 bool launch_forward_sm90_d512c(const Params& p, const KernelPolicy& policy, cudaStream_t stream);

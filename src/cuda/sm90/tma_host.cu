@@ -15,7 +15,7 @@ void warn_ws_fallback(const char* why) {
   if (!warned.exchange(true)) {
     std::fprintf(stderr,
                  "dualkv: the warp-specialised sm_90a kernels cannot run (%s); "
-                 "using the synchronous wgmma kernels\n",
+                 "using the sm_80 kernels\n",
                  why);
   }
 }

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# One device call that checks the kernel defaults of issue 19 items 1-2 (fused dQ at D = 64/128
+# unless deterministic, the wgmma D = 512 backward, no synchronous sm_90 forward) on every
+# remaining path, then times them side by side:
+#   1. the full matrix + race 10 on the default path (every built head dim: fused dQ, and the
+#      deterministic mode's separate pass, bitwise);
+#   2. the bench at the reference shapes on every path (bwd and bwd-deterministic columns; the
+#      table is printed last);
+#   3. the quick matrix + race on the A/B paths sm90-sepdq (DUALKV_FUSED_DQ=0), sm90-d512-sm80
+#      (DUALKV_SM90_D512_BWD=0) and sm80 (DUALKV_FORCE_SM80=1);
+#   4. compute-sanitizer memcheck on small cases, default path.
+# The binary: .out/dualkv_cuda_test if present (built on the dev machine with all head dims,
+# -DDUALKV_CUDA_ARCHS=90a -DDUALKV_CUDA_STATIC_RUNTIME=ON; libgomp in .out/lib), else built here.
+# Every step has a timeout and the script a deadline (BUDGET seconds). Logs: $OUT (5 files).
+#   OUT=... BUDGET=330 bash tests/cuda/defaults_run.sh
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT="${OUT:-.out/defaults}"
+mkdir -p "$OUT"
+START=$(date +%s)
+BUDGET="${BUDGET:-330}"
+left() { echo $((START + BUDGET - $(date +%s))); }
+step() {
+  local l
+  l=$(left)
+  if [ "$l" -lt "$2" ]; then
+    echo "== $1: skipped ($l s left)"
+    return 1
+  fi
+  echo "== $1 ($l s left, $(date -u +%H:%M:%S))"
+}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
+ldconfig -p | grep -q libgomp.so.1 || export LD_LIBRARY_PATH="$PWD/.out/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+BIN=.out/dualkv_cuda_test
+if ! $BIN --no-check >/dev/null 2>&1; then
+  step build 200 || exit 1
+  cmake -S . -B build/dev -G Ninja -DDUALKV_BUILD_TORCH=OFF -DDUALKV_BUILD_TESTS=ON \
+    -DDUALKV_CUDA=ON "-DDUALKV_CUDA_HEAD_DIMS=64;128;256;512" -DDUALKV_CUDA_ARCHS=90a \
+    >"$OUT/build.log" 2>&1
+  timeout 300 cmake --build build/dev -j16 --target dualkv_cuda_test >>"$OUT/build.log" 2>&1 ||
+    { tail -30 "$OUT/build.log"; exit 1; }
+  BIN=build/dev/tests/cuda/dualkv_cuda_test
+fi
+status=0
+# check NAME TIMEOUT ARGS...: one correctness run, appended to test.log.
+check() {
+  local name=$1 t=$2 rc
+  shift 2
+  step "correctness: $name" 20 || { status=1; return; }
+  echo "### $name: $*" >>"$OUT/test.log"
+  timeout "$t" $BIN "$@" >"$OUT/one.log" 2>&1
+  rc=$?
+  cat "$OUT/one.log" >>"$OUT/test.log"
+  grep -E "FAIL|reproduce" "$OUT/one.log" | head -10
+  grep -q "kernels cannot run" "$OUT/one.log" && { echo "FAIL: fell back"; rc=1; }
+  echo "$name: $(grep "^correctness" "$OUT/one.log" || echo 'no summary'), rc=$rc" | tee -a "$OUT/summary.txt"
+  [ $rc = 0 ] || status=1
+}
+: >"$OUT/test.log"
+: >"$OUT/summary.txt"
+check "default, full matrix, race 10" 150 --path default --race 10
+if step "bench (every path, reference shapes)" 60; then
+  timeout 170 $BIN --no-check --bench --bench-reps 5 >"$OUT/bench.log" 2>&1
+  echo "bench rc=$?"
+fi
+check "sm90-sepdq, quick, race 10" 60 --path sm90-sepdq --quick --race 10
+check "sm90-d512-sm80, quick, race 3" 60 --path sm90-d512-sm80 --quick --race 3
+check "sm80, quick, race 3" 60 --path sm80 --quick --race 3
+rm -f "$OUT/one.log"
+if step "compute-sanitizer memcheck (--small, default path)" 60; then
+  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 $BIN --small --seed 1 \
+    --path default >"$OUT/memcheck.log" 2>&1
+  rc=$?
+  echo "memcheck: $(grep -E "ERROR SUMMARY" "$OUT/memcheck.log" | tail -1), rc=$rc" | tee -a "$OUT/summary.txt"
+  [ $rc = 0 ] || status=1
+fi
+echo "done after $(($(date +%s) - START)) s, status $status"
+cat "$OUT/summary.txt"
+grep "^|" "$OUT/bench.log" 2>/dev/null
+exit $status
