@@ -309,7 +309,8 @@ void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t str
     } else if constexpr (D == 256) {
       if (pol.sm90) return launch_backward_sm90<T, D>(p, stream);
     } else {
-      if (pol.sm90 && pol.d512_bwd_sm90 && launch_backward_sm90_d512<T>(p, stream, pol.d512_bwd_pipe))
+      if (pol.sm90 && pol.d512_bwd_sm90 &&
+          launch_backward_sm90_d512<T>(p, stream, pol.d512_bwd_pipe))
         return;
     }
 #endif

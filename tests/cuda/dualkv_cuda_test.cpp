@@ -2,7 +2,8 @@
 //
 //   dualkv_cuda_test [--seed S] [--quick] [--small] [--no-check] [--race N] [--random N]
 //                    [--bench] [--bench-reps N]
-//                    [--path default|sm80|sm90-nopp|sm90-sepdq|sm90-d512-sm80|sm90-d512-pipe|sm90-d512fwd-1cta]
+//                    [--path default|sm80|sm90-nopp|sm90-sepdq|sm90-d512-sm80|sm90-d512-pipe|
+//                            sm90-d512fwd-1cta]
 //                    [--shape N,P,R,Hq,Hkv,D]...
 //   (--small: the quick matrix and 3 race repeats, for compute-sanitizer; --path: those kernel
 //   paths only (comma-separated); --random N: instead of the matrix, N rounds of its random-layout

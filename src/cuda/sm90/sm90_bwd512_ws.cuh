@@ -592,7 +592,7 @@ __global__ void __launch_bounds__(384, 1)
       wgmma_rows_cols<T, HK, DH, BM, BN>(dp, sdO, 0, sV, k_off, 0);
       wg_commit();
       if constexpr (kPipe) {
-        if (j > 0) {  // block j - 1's dQ += dS K (its fragments, its stage)
+        if (j > 0) {   // block j - 1's dQ += dS K (its fragments, its stage)
           wg_fence();  // (ptxas injects it otherwise: the fragments' registers)
           wgmma_rs_acc<T, DW, BN>(acc, da, sK0 + prev_s * Cfg::KV_BYTES + half);
           wg_commit();
@@ -678,11 +678,11 @@ bool launch_backward_sm90_d512(const Params& p, cudaStream_t stream, bool pipe) 
   const bool cap = p.softcap > 0.f;
   const int64_t grid = int64_t(p.nkt) * (kTileSize / C::BN) * p.Hkv * C::CLUSTER;
   if (grid > 0) {
-    launch_kernel(pipe  ? (cap ? dkdv_ws512_kernel_sm90<T, true, true>
-                               : dkdv_ws512_kernel_sm90<T, false, true>)
-                  : cap ? dkdv_ws512_kernel_sm90<T, true>
-                        : dkdv_ws512_kernel_sm90<T, false>,
-                  grid, C::THREADS, C::SMEM, stream, a,
+    auto* kv =
+        cap ? dkdv_ws512_kernel_sm90<T, true, false> : dkdv_ws512_kernel_sm90<T, false, false>;
+    if (pipe)
+      kv = cap ? dkdv_ws512_kernel_sm90<T, true, true> : dkdv_ws512_kernel_sm90<T, false, true>;
+    launch_kernel(kv, grid, C::THREADS, C::SMEM, stream, a,
                   "dualkv backward dk/dv D=512 (sm90a, warp-specialised, 2-CTA clusters)",
                   C::CLUSTER);
   }
@@ -691,11 +691,9 @@ bool launch_backward_sm90_d512(const Params& p, cudaStream_t stream, bool pipe) 
   using QW = DqWs512Cfg;
   const int64_t grid_q = int64_t(p.nqt) * (kTileSize / QW::BM) * p.Hq * QW::CLUSTER;
   if (grid_q > 0) {
-    launch_kernel(pipe  ? (cap ? dq_ws512_kernel_sm90<T, true, true>
-                               : dq_ws512_kernel_sm90<T, false, true>)
-                  : cap ? dq_ws512_kernel_sm90<T, true>
-                        : dq_ws512_kernel_sm90<T, false>,
-                  grid_q, QW::THREADS, QW::SMEM, stream, a,
+    auto* kq = cap ? dq_ws512_kernel_sm90<T, true, false> : dq_ws512_kernel_sm90<T, false, false>;
+    if (pipe) kq = cap ? dq_ws512_kernel_sm90<T, true, true> : dq_ws512_kernel_sm90<T, false, true>;
+    launch_kernel(kq, grid_q, QW::THREADS, QW::SMEM, stream, a,
                   "dualkv backward dq D=512 (sm90a, warp-specialised, 2-CTA clusters)",
                   QW::CLUSTER);
   }
