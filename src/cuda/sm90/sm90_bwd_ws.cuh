@@ -330,8 +330,11 @@ __global__ void __launch_bounds__(384, 1)
         return DUALKV_VISIBLE_KQ(p.mask, kr_of(i), nk, pk_first, qc_of(i), nq, pq_first);
       };
       auto prob = [&](int i, float x) {
-        return fast_exp2(x -
-                         (kCap ? lse_c[qc_of(i)] : lse_r[kCap ? 0 : ((i >> 2) << 1) | (i & 1)]));
+        if constexpr (kCap) {
+          return fast_exp2(x - lse_c[qc_of(i)]);
+        } else {
+          return fast_exp2(x - lse_r[((i >> 2) << 1) | (i & 1)]);
+        }
       };
       // The softcap path masks inside its fused loop (it keeps few registers live there).
       auto prob_masked = [&](int i, float x) {
