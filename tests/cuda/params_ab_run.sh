@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # A/B of the forward/backward parameter split (FwdParams / BwdParams): it moved the fields'
 # offsets in the kernels' parameter bank, so their machine code changed (src/cuda/NOTES.md,
-# "Kernel parameters"). One device call: the correctness matrix of the new binary (default path
-# full + race 10, sm80 quick + race 3: the sm_80 dK/dV kernel was rescheduled), then the bench
-# of both binaries on the default and sm80 paths, interleaved (old, new, old, new on the
-# default path), and a table of old vs new per shape and path, printed last.
+# "Kernel parameters"). The bench of both binaries on the default and sm80 paths (the sm_80
+# dK/dV kernel was rescheduled), interleaved (old, new, old, new on the default path), and a
+# table of old vs new per shape and path (best of the rounds), printed last. Correctness of the
+# new binary: tests/cuda/defaults_run.sh (run it first, in the same call).
 #   .out/dualkv_cuda_test       the new binary (this tree)
 #   .out/dualkv_cuda_test.base  the binary before the split (same build options)
 #   OUT=... BUDGET=330 bash tests/cuda/params_ab_run.sh
@@ -30,21 +30,6 @@ NEW=.out/dualkv_cuda_test
 OLD=.out/dualkv_cuda_test.base
 for b in $NEW $OLD; do $b --no-check >/dev/null 2>&1 || { echo "FAIL: $b does not run"; exit 1; }; done
 status=0
-: >"$OUT/test.log"
-for run in "default 150 --race 10" "sm80 60 --quick --race 3"; do
-  set -- $run
-  path=$1 t=$2
-  shift 2
-  if step "correctness (new binary, path $path $*)" 30; then
-    timeout "$t" $NEW --path "$path" "$@" >"$OUT/one.log" 2>&1
-    rc=$?
-    cat "$OUT/one.log" >>"$OUT/test.log"
-    grep -E "FAIL|reproduce" "$OUT/one.log" | head -10
-    echo "path $path: $(grep "^correctness" "$OUT/one.log" || echo 'no summary'), rc=$rc"
-    [ $rc = 0 ] || status=1
-  fi
-done
-rm -f "$OUT/one.log"
 : >"$OUT/bench.log"
 for run in "old default" "new default" "old default" "new default" "old sm80" "new sm80"; do
   set -- $run
