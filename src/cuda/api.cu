@@ -100,8 +100,8 @@ void check_qkv(const void* q, const void* k, const void* v, const TokenHeadStrid
                vs.token, ", ", vs.head, ")");
 }
 
-// The kernel parameters both passes share: layout, shape, score, q/k/v and their strides
-// (ForwardArgs and BackwardArgs name these fields alike).
+// The kernel parameters both passes share (the base of FwdParams and BwdParams): layout, shape,
+// score, q/k/v and their strides (ForwardArgs and BackwardArgs name these fields alike).
 template <typename Args>
 Params make_params(const Args& a) {
   const Shape& s = a.shape;
@@ -246,7 +246,8 @@ void attention_forward(const ForwardArgs& a, cudaStream_t stream) {
   DUALKV_CHECK(a.out && a.lse, "out and lse must be non-null device pointers");
   DUALKV_CHECK(aligned16(a.out), "out must be 16-byte aligned");
   check_smem_for(a.shape.head_dim);
-  Params p = make_params(a);
+  FwdParams p{};
+  static_cast<Params&>(p) = make_params(a);
   p.out = a.out;
   p.lse = a.lse;
   const KernelPolicy pol = resolve_policy(false);
@@ -286,7 +287,8 @@ void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t str
                "workspace must be a non-null, 256-byte aligned device pointer of "
                "backward_workspace_bytes()");
   check_smem_for(a.shape.head_dim);
-  Params p = make_params(a);
+  BwdParams p{};
+  static_cast<Params&>(p) = make_params(a);
   p.o = a.out;
   p.dout = a.dout;
   p.lse_in = a.lse;

@@ -267,7 +267,7 @@ __global__ void __launch_bounds__(384, 1)
   using Cfg = DkdvWs512Cfg;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
   constexpr int DH = Cfg::DH, DW = Cfg::DW, HQ = Cfg::HQ, HR = Cfg::HR;
-  const Params& p = a.p;
+  const BwdParams& p = a.p;
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
   unsigned char* gbase = smem + (base - smem_u32(smem));
@@ -526,7 +526,7 @@ __global__ void __launch_bounds__(384, 1)
   using Cfg = DqWs512Cfg;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
   constexpr int DH = Cfg::DH, DW = Cfg::DW, HK = Cfg::HK, HR = Cfg::HR;
-  const Params& p = a.p;
+  const BwdParams& p = a.p;
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
   unsigned char* gbase = smem + (base - smem_u32(smem));
@@ -668,7 +668,7 @@ __global__ void __launch_bounds__(384, 1)
 // and bitwise reproducible. False (nothing launched) when a tensor map cannot be encoded: the
 // caller then runs the sm_80 backward. pipe: the kPipe kernels (KernelPolicy::d512_bwd_pipe).
 template <typename T>
-bool launch_backward_sm90_d512(const Params& p, cudaStream_t stream, bool pipe) {
+bool launch_backward_sm90_d512(const BwdParams& p, cudaStream_t stream, bool pipe) {
   using C = DkdvWs512Cfg;
   constexpr int D = C::D;
   if (int64_t(p.T) * p.Hq == 0) return true;
