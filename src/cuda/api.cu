@@ -100,8 +100,8 @@ void check_qkv(const void* q, const void* k, const void* v, const TokenHeadStrid
                vs.token, ", ", vs.head, ")");
 }
 
-// The kernel parameters both passes share: layout, shape, score, q/k/v and their strides
-// (ForwardArgs and BackwardArgs name these fields alike).
+// The kernel parameters both passes share (the base of FwdParams and BwdParams): layout, shape,
+// score, q/k/v and their strides (ForwardArgs and BackwardArgs name these fields alike).
 template <typename Args>
 Params make_params(const Args& a) {
   const Shape& s = a.shape;
@@ -166,6 +166,7 @@ KernelPolicy resolve_policy(bool deterministic) {
   pol.fused_dq = !deterministic && !is("DUALKV_FUSED_DQ", '0');
   pol.d512_bwd_sm90 = !is("DUALKV_SM90_D512_BWD", '0');
   pol.d512_fwd_cluster = !is("DUALKV_SM90_D512_FWD", '0');
+  pol.d512_bwd_pipe = is("DUALKV_SM90_D512_BWD", '3');
   const int d256 = is("DUALKV_SM90_D256_BWD", '1') ? 1 : is("DUALKV_SM90_D256_BWD", '2') ? 2 : 0;
   pol.d256_bwd_ws = deterministic && d256 == 2 ? 1 : d256;
   return pol;
@@ -247,7 +248,8 @@ void attention_forward(const ForwardArgs& a, cudaStream_t stream) {
   DUALKV_CHECK(a.out && a.lse, "out and lse must be non-null device pointers");
   DUALKV_CHECK(aligned16(a.out), "out must be 16-byte aligned");
   check_smem_for(a.shape.head_dim);
-  Params p = make_params(a);
+  FwdParams p{};
+  static_cast<Params&>(p) = make_params(a);
   p.out = a.out;
   p.lse = a.lse;
   const KernelPolicy pol = resolve_policy(false);
@@ -287,7 +289,8 @@ void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t str
                "workspace must be a non-null, 256-byte aligned device pointer of "
                "backward_workspace_bytes()");
   check_smem_for(a.shape.head_dim);
-  Params p = make_params(a);
+  BwdParams p{};
+  static_cast<Params&>(p) = make_params(a);
   p.o = a.out;
   p.dout = a.dout;
   p.lse_in = a.lse;
@@ -313,7 +316,9 @@ void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t str
         return;
       if (pol.sm90) return launch_backward_sm90<T, D>(p, stream);
     } else {
-      if (pol.sm90 && pol.d512_bwd_sm90 && launch_backward_sm90_d512<T>(p, stream)) return;
+      if (pol.sm90 && pol.d512_bwd_sm90 &&
+          launch_backward_sm90_d512<T>(p, stream, pol.d512_bwd_pipe))
+        return;
     }
 #endif
     // Any GPU other than sm_90, DUALKV_FORCE_SM80=1, or D = 512 with DUALKV_SM90_D512_BWD=0.

@@ -43,17 +43,17 @@ void launch_kernel(void (*kernel)(Arg), int64_t grid, int threads, int smem, cud
 }
 
 template <typename T, int D>
-void launch_forward_sm80(const Params& p, cudaStream_t stream);
+void launch_forward_sm80(const FwdParams& p, cudaStream_t stream);
 
 // The sm_80 backward: separate dK/dV and dQ passes, bitwise reproducible.
 template <typename T, int D>
-void launch_backward_sm80(const Params& p, cudaStream_t stream);
+void launch_backward_sm80(const BwdParams& p, cudaStream_t stream);
 
 // sm_90a (wgmma) path: built when CMAKE_CUDA_ARCHITECTURES has 90a (DUALKV_HAS_SM90A), chosen at
 // run time when KernelPolicy::sm90 (compute capability 9.x, not DUALKV_FORCE_SM80=1). The
 // synchronous wgmma backward (sm90/sm90_bwd.cuh), instantiated for D = 256 only (D <= 128 and
 // D = 512 have warp-specialised backwards, sm90/sm90_ws.h).
 template <typename T, int D>
-void launch_backward_sm90(const Params& p, cudaStream_t stream);
+void launch_backward_sm90(const BwdParams& p, cudaStream_t stream);
 
 }  // namespace dualkv::cuda::detail

@@ -24,6 +24,9 @@ struct KernelPolicy {
   // sm_80 backward at (16, 8192, 1024), Hq 32, Hkv 4, H200); DUALKV_SM90_D512_BWD=0 runs the
   // sm_80 one (A/B, cross-check).
   bool d512_bwd_sm90 = true;
+  // DUALKV_SM90_D512_BWD=3: that backward's kPipe kernels (the exchange of each block behind the
+  // previous block's dV/dK, dQ products; sm90_bwd512_ws.cuh). Opt-in until measured.
+  bool d512_bwd_pipe = false;
   // D = 512 forward on sm_90a: sm90/sm90_fwd512_cluster.cuh (2-CTA clusters splitting the head
   // dim, partial S over distributed shared memory, BN = 64, ping-pong; H200: 25.7 vs 29.0 ms at
   // (16, 8192, 1024)); DUALKV_SM90_D512_FWD=0 runs fwd_ws_kernel_sm90's single-CTA KSPLIT = 2

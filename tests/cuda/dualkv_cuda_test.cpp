@@ -2,8 +2,8 @@
 //
 //   dualkv_cuda_test [--seed S] [--quick] [--small] [--no-check] [--race N] [--random N]
 //                    [--bench] [--bench-reps N]
-//                    [--path default|sm80|sm90-nopp|sm90-sepdq|sm90-d512-sm80|sm90-d512fwd-1cta|
-//                            sm90-d256ws|sm90-d256ws-fdq]
+//                    [--path default|sm80|sm90-nopp|sm90-sepdq|sm90-d512-sm80|sm90-d512-pipe|
+//                            sm90-d512fwd-1cta|sm90-d256ws|sm90-d256ws-fdq]
 //                    [--shape N,P,R,Hq,Hkv,D]...
 //   (--small: the quick matrix and 3 race repeats, for compute-sanitizer; --path: those kernel
 //   paths only (comma-separated); --random N: instead of the matrix, N rounds of its random-layout
@@ -181,6 +181,7 @@ constexpr KernelPath kPaths[] = {{"default", nullptr, nullptr, 0, 512},
                                  {"sm90-nopp", "DUALKV_SM90_PINGPONG", "0", 0, 512},
                                  {"sm90-sepdq", "DUALKV_FUSED_DQ", "0", 0, 128},
                                  {"sm90-d512-sm80", "DUALKV_SM90_D512_BWD", "0", 512, 512},
+                                 {"sm90-d512-pipe", "DUALKV_SM90_D512_BWD", "3", 512, 512},
                                  {"sm90-d512fwd-1cta", "DUALKV_SM90_D512_FWD", "0", 512, 512},
                                  {"sm90-d256ws", "DUALKV_SM90_D256_BWD", "1", 256, 256},
                                  {"sm90-d256ws-fdq", "DUALKV_SM90_D256_BWD", "2", 256, 256}};
@@ -966,7 +967,8 @@ int main(int argc, char** argv) {
                      [&](const KernelPath& k) { return name == k.name; })) {
       std::fprintf(stderr,
                    "unknown --path %s (default, sm80, sm90-nopp, sm90-sepdq, sm90-d512-sm80, "
-                   "sm90-d512fwd-1cta, sm90-d256ws, sm90-d256ws-fdq; or a comma-separated list)\n",
+                   "sm90-d512-pipe, sm90-d512fwd-1cta, sm90-d256ws, sm90-d256ws-fdq; or a "
+                   "comma-separated list)\n",
                    name.c_str());
       return 2;
     }

@@ -483,7 +483,7 @@ def run_dkdv(nblocks, S, rng, dq_mode=0):
     assert bar1.cnt == 0, "named barrier left half-arrived"
 
 
-def run_dkdv512(nblocks, S, rng, bug=None, dq=False):
+def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False):
     """The D = 512 dK/dV kernel (sm90_bwd512_ws.cuh): two CTAs of a cluster, each with its own
     producer ring (as run_dkdv), and per block and consumer warpgroup w: arm xfull[w] (local
     arrive.expect_tx), wait the local xfree barrier (the peer's 8 warps, modelled as its 2
@@ -494,7 +494,13 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False):
     release the stage; at the end a cluster barrier of every thread of both CTAs.
     dq: the D = 512 dQ kernel instead (same exchange; one producer thread, Q/dO once, K/V blocks,
     no records: the consumers know the walk's length).
+    pipe: the kPipe variants (DUALKV_SM90_D512_BWD=3): block j's dV/dK (dQ) products are issued
+    behind block j + 1's partial products and read block j's stage until they complete, which is
+    waited for after block j + 1's partials are sent; only then is block j's stage released (the
+    last block's products run after the loop).
     bug: None, or an injected protocol error that the checks must catch."""
+    if bug == "pipe_one_stage":
+        S = 1
     C, L = 2, 1 if dq else 3
     bKV = [MBar(1) for _ in range(C)]
     full = [[MBar(1 if dq else 1 + L) for _ in range(S)] for _ in range(C)]
@@ -548,10 +554,18 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False):
             yield from cluster.sync()
         finish(c)
 
+    def products(c, w, s, blk, release=True):  # generator: dV/dK (dQ) of block blk from stage s
+        yield
+        assert slot[c][s] == blk, ("products read an overwritten stage", slot[c][s], blk)
+        if release:
+            readers[c][s].discard(w)
+            empty[c][s].arrive()
+
     def consumer(c, w):
         peer = 1 - c
         yield from wait(bKV[c], 0)
         it = 0
+        prev = None  # pipe: (stage, block) of the products still in flight
         while True:
             s = it % S
             if dq and it == nblocks:
@@ -569,6 +583,9 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False):
             for piece in ("s", "dp"):
                 yield  # wgmma wait, then st.async of this partial to the peer's X[w]
                 inflight.append(("x", peer, w, piece, it))
+            if pipe and prev is not None:  # wait<0>: the previous block's products
+                yield from products(c, w, *prev)
+                prev = None
             yield from wait(xfull[c][w], it & 1)
             assert xstate[c][w] == "partial" and xblock[c][w] == it, (xstate[c][w], it)
             assert xparts[c][w] == {"s", "dp"}, "a partial read before it landed"
@@ -585,10 +602,19 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False):
                     xstate[c][v] = "free"
             assert not exited[peer], "arrival on an exited CTA's barrier"
             xfree[peer].arrive()
-            yield  # dV, dK
-            readers[c][s].discard(w)
-            empty[c][s].arrive()
+            if pipe and bug == "pipe_early_release":  # released here, products still pending
+                readers[c][s].discard(w)
+                empty[c][s].arrive()
+                prev = (s, it, False)
+            elif pipe:
+                prev = (s, it)
+            else:
+                yield  # dV, dK
+                readers[c][s].discard(w)
+                empty[c][s].arrive()
             it += 1
+        if prev is not None:  # pipe: the last block's products
+            yield from products(c, w, *prev)
         if bug != "no_final_cluster_barrier":
             yield from cluster.sync()
         finish(c)
@@ -634,6 +660,21 @@ def injected_bugs_caught(rng):
                 break
         assert caught, f"injected bug {bug} was not caught"
     return 4
+
+
+def pipe_bugs_caught(rng):
+    """Each injected error of the kPipe order must be caught: the previous block's stage released
+    before its deferred products ran, and a ring of one stage (the consumer holds two)."""
+    for bug in ("pipe_early_release", "pipe_one_stage"):
+        caught = False
+        for i in range(400):
+            try:
+                run_dkdv512(rng.randrange(2, 7), 2, rng, bug, dq=i % 2 == 1, pipe=True)
+            except (AssertionError, RuntimeError):
+                caught = True
+                break
+        assert caught, f"injected bug {bug} was not caught"
+    return 2
 
 
 def run_fwd512c(total, S, rng, pp=True, bug=None):
@@ -1007,6 +1048,8 @@ for _trial in range(3000):
         run_dkdv(total, S, rng, dq_mode)
     run_dkdv512(total, S, rng)
     run_dkdv512(total, S, rng, dq=True)
+    run_dkdv512(total, S, rng, pipe=True)
+    run_dkdv512(total, S, rng, dq=True, pipe=True)
     run_fwd512c(total, S, rng, rng.random() < 0.8)
     run_d256(total, 2, rng)
     run_d256(total, 2, rng, fused=True)
@@ -1015,11 +1058,12 @@ print(
     "ok",
     n,
     "random schedules each for fwd, fwd (2-CTA cluster), dq, dkdv (dq modes 0-5), "
-    "dkdv and dq D = 512 (2-CTA clusters), fwd D = 512 (2-CTA cluster, split D), "
-    "dkdv D = 256 (warp-specialised, P^T / dS^T swaps; separate and fused dQ)",
+    "dkdv and dq D = 512 (2-CTA clusters; and their kPipe order), fwd D = 512 (2-CTA cluster, "
+    "split D), dkdv D = 256 (warp-specialised, P^T / dS^T swaps; separate and fused dQ)",
 )
 print("ok", injected_bugs_caught(rng), "injected D = 512 dK/dV protocol errors caught")
 print("ok", fwd512c_bugs_caught(rng), "injected D = 512 cluster forward exchange errors caught")
+print("ok", pipe_bugs_caught(rng), "injected D = 512 backward kPipe-order errors caught")
 print(
     "ok", d256_bugs_caught(rng), "injected D = 256 dK/dV swap, release, dQ hand-off errors caught"
 )

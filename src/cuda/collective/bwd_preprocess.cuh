@@ -13,7 +13,7 @@ constexpr int kPreElems = D / 8 > 32 ? D / 32 : 8;
 
 template <typename T, int D>
 __global__ void __launch_bounds__(256)
-    bwd_pre_kernel(const __grid_constant__ Params p, bool zero_dq) {
+    bwd_pre_kernel(const __grid_constant__ BwdParams p, bool zero_dq) {
   constexpr int EPT = kPreElems<D>;
   constexpr int TPR = D / EPT;  // threads per (token, head) row, <= 32
   const int64_t rows = int64_t(p.T) * p.Hq;
@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(256)
 // dq = scale * dq_accum, from the accumulator's swizzled slab layout (dq_accum_at<D, true>) to
 // dq's [T, Hq, D]; 8 elements per thread.
 template <typename T, int D>
-__global__ void __launch_bounds__(256) dq_convert_kernel(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(256) dq_convert_kernel(const __grid_constant__ BwdParams p) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t row = i / (D / 8);
   if (row >= int64_t(p.T) * p.Hq) return;
@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(256) dq_convert_kernel(const __grid_constant__
 // The preprocess every backward path starts with (bwd_pre_kernel; zeroes dq_accum when
 // `fused_dq`).
 template <typename T, int D>
-void launch_bwd_pre(const Params& p, bool fused_dq, cudaStream_t stream) {
+void launch_bwd_pre(const BwdParams& p, bool fused_dq, cudaStream_t stream) {
   const int64_t threads = int64_t(p.T) * p.Hq * (D / kPreElems<D>);
   if (threads == 0) return;
   bwd_pre_kernel<T, D><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(p, fused_dq);
@@ -85,7 +85,7 @@ void launch_bwd_pre(const Params& p, bool fused_dq, cudaStream_t stream) {
 
 // Converts dq_accum into dq (after the kernel with fused dQ).
 template <typename T, int D>
-void launch_dq_convert(const Params& p, cudaStream_t stream) {
+void launch_dq_convert(const BwdParams& p, cudaStream_t stream) {
   const int64_t n8 = int64_t(p.T) * p.Hq * D / 8;
   if (n8 == 0) return;
   dq_convert_kernel<T, D><<<unsigned((n8 + 255) / 256), 256, 0, stream>>>(p);

@@ -16,24 +16,15 @@ namespace dualkv::cuda::detail {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-// Everything a kernel reads: one struct for all kernels (passed by value).
+// The parameters every kernel reads: the layout tables, the shape, the score (scale, softcap,
+// mask) and q, k, v with their strides. The forward and backward kernels take FwdParams /
+// BwdParams (passed by value), which add their own tensors; the pieces both use (region and
+// query walks, score modifier, CTA decode) take this base.
 struct Params {
   const void* q;
   const void* k;
   const void* v;
   int64_t q_tok, q_head, k_tok, k_head, v_tok, v_head;  // element strides (D contiguous)
-  void* out;                                            // forward output [T, Hq, D]
-  float* lse;                                           // forward lse [Hq, T]
-  const void* o;                                        // backward: forward output
-  const void* dout;                                     // backward: dO
-  const float* lse_in;                                  // backward: lse
-  const float* dlse;                                    // backward: optional dlse
-  float* delta;                                         // workspace [Hq, T]: rowsum(dO*O) - dlse
-  float* lse2;                                          // workspace [Hq, T]: lse * log2(e)
-  float* dq_accum;  // workspace fp32 [Hq, D / 64, T, 64]: see dq_accum_at
-  void* dq;
-  void* dk;
-  void* dv;
   const Segment* segs;
   const Tile* qtiles;
   const Tile* ktiles;
@@ -47,6 +38,26 @@ struct Params {
   MaskRule mask;
 };
 
+// The forward's parameters.
+struct FwdParams : Params {
+  void* out;   // [T, Hq, D]
+  float* lse;  // [Hq, T]
+};
+
+// The backward's parameters.
+struct BwdParams : Params {
+  const void* o;        // the forward output
+  const void* dout;     // dO
+  const float* lse_in;  // the forward lse
+  const float* dlse;    // optional dlse
+  float* delta;         // workspace [Hq, T]: rowsum(dO*O) - dlse
+  float* lse2;          // workspace [Hq, T]: lse * log2(e)
+  float* dq_accum;      // workspace fp32 [Hq, D / 64, T, 64]: see dq_accum_at
+  void* dq;
+  void* dk;
+  void* dv;
+};
+
 // Element (token, head, col) of the fp32 dQ accumulator of the fused dQ (sm90_bwd_ws.cuh). Laid
 // out [Hq][D / 64][T][64] so that the 64-column slab of consecutive queries of one head is one
 // contiguous range: a block of dQ is then a single bulk reduction (kSwz = false gives a row's
@@ -57,7 +68,8 @@ struct Params {
 // 8 different groups, 2 per bank quarter: 2 wavefronts per 256-byte warp store instead of 8).
 // 8 consecutive columns from a multiple of 8 stay contiguous (the conversion's two float4 loads).
 template <int D, bool kSwz = false>
-__device__ __forceinline__ float* dq_accum_at(const Params& p, int64_t token, int head, int col) {
+__device__ __forceinline__ float* dq_accum_at(const BwdParams& p, int64_t token, int head,
+                                              int col) {
   static_assert(D % 64 == 0, "the slabs are 64 columns wide");
   const int c = col % 64;
   const int cs = kSwz ? (((c >> 3) ^ int(token & 7)) << 3) | (c & 7) : c;
@@ -279,7 +291,7 @@ struct KeyBlockWalk {
 
 // The backward's statistics of a thread's query rows row0 and row0 + 8 (queries q0 + row of nq,
 // q head h): lse in log2 units (+inf past nq, so that P = 0 there) and delta = rowsum(dO * O).
-__device__ __forceinline__ void load_row_stats(const Params& p, int h, int q0, int nq, int row0,
+__device__ __forceinline__ void load_row_stats(const BwdParams& p, int h, int q0, int nq, int row0,
                                                float (&lse2)[2], float (&del)[2]) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {

@@ -18,7 +18,7 @@ namespace dualkv::cuda::detail {
 // accumulator holds the W columns from col0 (and `with_lse` says whether this thread's warp
 // writes lse).
 template <typename T, int D, int W = D, class Frag>
-__device__ __forceinline__ void store_out_rows(const Params& p, const Frag& o,
+__device__ __forceinline__ void store_out_rows(const FwdParams& p, const Frag& o,
                                                const float (&m_run)[2], const float (&l_run)[2],
                                                float m_scale, int q0, int nq, int h, int row0,
                                                int tq, int col0 = 0, bool with_lse = true) {
@@ -45,7 +45,7 @@ __device__ __forceinline__ void store_out_rows(const Params& p, const Frag& o,
 // dK and dV rows kr0 and kr0 + 8 (keys k0 + kr, of nk, kv head hk), their W columns from col0:
 // dK takes the softmax scale.
 template <typename T, int D, int W, class Frag>
-__device__ __forceinline__ void store_dkdv_rows(const Params& p, const Frag& dk, const Frag& dv,
+__device__ __forceinline__ void store_dkdv_rows(const BwdParams& p, const Frag& dk, const Frag& dv,
                                                 int k0, int nk, int hk, int kr0, int col0, int tq) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -68,7 +68,7 @@ __device__ __forceinline__ void store_dkdv_rows(const Params& p, const Frag& dk,
 // dQ rows row0 and row0 + 8 (queries q0 + row, of nq, q head h), W columns from col0, times the
 // softmax scale; `any` = false writes zeros (an accumulator that no product has defined).
 template <typename T, int D, int W, class Frag>
-__device__ __forceinline__ void store_dq_rows(const Params& p, const Frag& acc, int q0, int nq,
+__device__ __forceinline__ void store_dq_rows(const BwdParams& p, const Frag& acc, int q0, int nq,
                                               int h, int row0, int col0, int tq, bool any = true) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {

@@ -102,7 +102,7 @@ static_assert(BwdCfg<512>::SMEM <= kSmemHeadDim512, "api.cu checks the GPU offer
 
 template <typename T, int D, bool kCap>
 __global__ void __launch_bounds__(BwdCfg<D>::THREADS, BwdCfg<D>::MIN_BLOCKS)
-    dkdv_kernel_sm80(const __grid_constant__ Params p) {
+    dkdv_kernel_sm80(const __grid_constant__ BwdParams p) {
   using Cfg = BwdCfg<D>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, THREADS = Cfg::THREADS, DC = Cfg::DC;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -304,7 +304,7 @@ static_assert(DqCfg<512>::SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers
 
 template <typename T, int D, bool kCap>
 __global__ void __launch_bounds__(DqCfg<D>::THREADS, DqCfg<D>::MIN_BLOCKS)
-    dq_kernel_sm80(const __grid_constant__ Params p) {
+    dq_kernel_sm80(const __grid_constant__ BwdParams p) {
   using Cfg = DqCfg<D>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, THREADS = Cfg::THREADS, DC = Cfg::DC;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -436,7 +436,7 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, DqCfg<D>::MIN_BLOCKS)
 }
 
 template <typename T, int D>
-void launch_backward_sm80(const Params& p, cudaStream_t stream) {
+void launch_backward_sm80(const BwdParams& p, cudaStream_t stream) {
   if (int64_t(p.T) * p.Hq == 0) return;
   launch_bwd_pre<T, D>(p, false, stream);
   const bool cap = p.softcap > 0.f;

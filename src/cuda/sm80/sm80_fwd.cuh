@@ -47,7 +47,7 @@ static_assert(FwdCfg<512>::SMEM <= kSmemHeadDim512, "api.cu checks the GPU offer
 
 template <typename T, int D, bool kCap>
 __global__ void __launch_bounds__(FwdCfg<D>::THREADS, FwdCfg<D>::MIN_BLOCKS)
-    fwd_kernel_sm80(const __grid_constant__ Params p) {
+    fwd_kernel_sm80(const __grid_constant__ FwdParams p) {
   using Cfg = FwdCfg<D>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, THREADS = Cfg::THREADS;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -207,7 +207,7 @@ __global__ void __launch_bounds__(FwdCfg<D>::THREADS, FwdCfg<D>::MIN_BLOCKS)
 }
 
 template <typename T, int D>
-void launch_forward_sm80(const Params& p, cudaStream_t stream) {
+void launch_forward_sm80(const FwdParams& p, cudaStream_t stream) {
   using Cfg = FwdCfg<D>;
   const int64_t grid = int64_t(p.nqt) * (kTileSize / Cfg::BM) * p.Hq;
   if (grid == 0) return;

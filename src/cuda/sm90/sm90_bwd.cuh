@@ -75,7 +75,7 @@ struct Dkdv90Cfg {
 };
 
 template <typename T, int D, bool kCap>
-__global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant__ BwdParams p) {
 #if DUALKV_SM90_BODY
   using Cfg = Dkdv90Cfg<D>;
   constexpr bool kSplitD = Cfg::kSplitD;
@@ -304,7 +304,7 @@ struct Dq90Cfg {
 };
 
 template <typename T, int D, bool kCap>
-__global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const __grid_constant__ BwdParams p) {
 #if DUALKV_SM90_BODY
   using Cfg = Dq90Cfg<D>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, THREADS = Cfg::THREADS;
@@ -401,7 +401,7 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const __grid_constant__
 
 // The synchronous dK/dV kernel (the D = 256 backward on Hopper).
 template <typename T, int D>
-void launch_dkdv_sm90(const Params& p, cudaStream_t stream) {
+void launch_dkdv_sm90(const BwdParams& p, cudaStream_t stream) {
   using C = Dkdv90Cfg<D>;
   const int64_t grid = int64_t(p.nkt) * (kTileSize / C::BN) * p.Hkv;
   if (grid == 0) return;
@@ -411,7 +411,7 @@ void launch_dkdv_sm90(const Params& p, cudaStream_t stream) {
 
 // The synchronous dQ pass.
 template <typename T, int D>
-void launch_dq_sm90(const Params& p, cudaStream_t stream) {
+void launch_dq_sm90(const BwdParams& p, cudaStream_t stream) {
   using C = Dq90Cfg<D>;
   const int64_t grid = int64_t(p.nqt) * p.Hq;
   if (grid == 0) return;
@@ -420,7 +420,7 @@ void launch_dq_sm90(const Params& p, cudaStream_t stream) {
 }
 
 template <typename T, int D>
-void launch_backward_sm90(const Params& p, cudaStream_t stream) {
+void launch_backward_sm90(const BwdParams& p, cudaStream_t stream) {
   if (int64_t(p.T) * p.Hq == 0) return;
   launch_bwd_pre<T, D>(p, false, stream);
   launch_dkdv_sm90<T, D>(p, stream);

@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(384, 1)
   using Cfg = DkdvWs256Cfg;
   constexpr int D = Cfg::D, BM = Cfg::BM, BN = Cfg::BN, HQ = Cfg::HQ, DW = Cfg::DW;
   constexpr int S = Cfg::STAGES, NC = Cfg::CONSUMERS;
-  const Params& p = a.p;
+  const BwdParams& p = a.p;
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
   unsigned char* gbase = smem + (base - smem_u32(smem));
@@ -414,7 +414,8 @@ __global__ void __launch_bounds__(384, 1)
 // (nothing launched) when a tensor map cannot be encoded (the caller runs the synchronous
 // backward).
 template <typename T>
-bool launch_backward_sm90_d256ws(const Params& p, const KernelPolicy& policy, cudaStream_t stream) {
+bool launch_backward_sm90_d256ws(const BwdParams& p, const KernelPolicy& policy,
+                                 cudaStream_t stream) {
   using C = DkdvWs256Cfg;
   const bool fused = policy.d256_bwd_ws == 2;
   if (int64_t(p.T) * p.Hq == 0) return true;

@@ -2,6 +2,9 @@
 // split the head dim: the default D = 512 backward on Hopper (H200, Hq 32, Hkv 4: 126.9 vs
 // 247.7 ms for the sm_80 backward at (16, 8192, 1024)); DUALKV_SM90_D512_BWD=0 runs the sm_80 one
 // (A/B, cross-check). Design and arithmetic: src/cuda/NOTES.md, "D = 512 dK/dV on wgmma".
+// kPipe (KernelPolicy::d512_bwd_pipe, DUALKV_SM90_D512_BWD=3; opt-in): each block's exchange runs
+// behind the previous block's dV/dK (dQ) products, see Ws512Exchange::swap_add_pipe and NOTES.md,
+// "D = 512 backward: the exchange behind the previous block's products".
 //   - One cluster of two CTAs per (64-key half of a key tile, kv head). CTA rank r holds columns
 //     [256r, 256r + 256) of K, V and of every Q / dO block, and owns those columns of dK and dV.
 //     Both CTAs walk the same query blocks of 64 in the fixed order of query_walk.cuh (as every
@@ -194,6 +197,32 @@ struct Ws512Exchange {
     wg_wait<0>();
     fence_regs(b);
     send(b, V);
+    add_peer(a, b, j);
+  }
+  // kPipe: block j's partials a, b in flight as two commit groups, then (G = 3) a third one, the
+  // previous block's dV/dK (dQ) products (G = 2: none, the first block). a and b are sent as they
+  // complete (once the peer's X[cw] is free), then the rest is waited for and `done` runs (it
+  // releases the previous block's ring stage), then the peer's partials of block j are added: the
+  // DSMEM round trip runs behind the previous block's products instead of after them. (The two
+  // group counts are two code paths: an empty commit group after a conditional wgmma made ptxas
+  // add a dummy wgmma group, and its waits then also waited for the products.)
+  template <int G, typename F>
+  __device__ __forceinline__ void swap_add_pipe(float (&a)[Cfg::HR], float (&b)[Cfg::HR], int j,
+                                                F&& done) const {
+    static_assert(G == 2 || G == 3, "two or three commit groups");
+    ws::mbar_wait(xfree, (uint32_t(j) & 1u) ^ 1u);
+    wg_wait<G - 1>();  // a done; b (and the previous block's products) in flight
+    fence_regs(a);
+    send(a, 0);
+    wg_wait<G - 2>();
+    fence_regs(b);
+    send(b, V);
+    wg_wait<0>();
+    done();
+    add_peer(a, b, j);
+  }
+  // Once the peer's partials of block j have arrived: a += peer's a, b += peer's b.
+  __device__ __forceinline__ void add_peer(float (&a)[Cfg::HR], float (&b)[Cfg::HR], int j) const {
     ws::mbar_wait_cluster(xfull, uint32_t(j) & 1u);
 #pragma unroll
     for (int i = 0; i < V; ++i) {
@@ -227,14 +256,18 @@ struct Ws512Exchange {
 };
 #endif
 
-template <typename T, bool kCap>
+// kPipe: block j's dV/dK products are issued behind block j + 1's S^T/dP^T (a third commit group)
+// and retired inside the exchange of block j + 1 (Ws512Exchange::swap_add_pipe), so the round trip
+// runs while the tensor cores work; the ring stage of block j is released there (the order of the
+// accumulation is unchanged: deterministic).
+template <typename T, bool kCap, bool kPipe = false>
 __global__ void __launch_bounds__(384, 1)
     dkdv_ws512_kernel_sm90(const __grid_constant__ DkdvWsArgs a) {
 #if DUALKV_SM90_BODY
   using Cfg = DkdvWs512Cfg;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
   constexpr int DH = Cfg::DH, DW = Cfg::DW, HQ = Cfg::HQ, HR = Cfg::HR;
-  const Params& p = a.p;
+  const BwdParams& p = a.p;
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
   unsigned char* gbase = smem + (base - smem_u32(smem));
@@ -326,9 +359,14 @@ __global__ void __launch_bounds__(384, 1)
     const float* lse_s = reinterpret_cast<const float*>(gbase + Cfg::OFF_L);
     const Ws512Exchange x(gbase, base, Cfg::OFF_X, bars, cw, t, peer);
     const uint32_t half = uint32_t(cw * DW / 64) * (BM * 128);  // this warpgroup's column blocks
+    // The P^T / dS^T A fragments of all BM queries (kPipe: block it - 1's, live across block it's
+    // S^T / dP^T until their dV/dK products have completed) and that block's stage.
+    uint32_t pa[BM / 16][4], da[BM / 16][4];
+    int prev_s = 0;
 
     ws::mbar_wait(bKV, 0);
-    for (int it = 0;; ++it) {
+    int it = 0;
+    for (;; ++it) {
       const int s = Ring<S>::stage(it);
       ws::mbar_wait(bars.full(s), Ring<S>::full_parity(it));
       if (meta(s)[0] == 0) break;
@@ -346,7 +384,26 @@ __global__ void __launch_bounds__(384, 1)
       wg_commit();
       wgmma_rows_cols<T, HQ, DH, BN, BM>(dp, sV, 0, sdO, q_off, 0);
       wg_commit();
-      x.swap_add(sc, dp, it);  // S^T and dP^T of the whole head dim
+      if constexpr (kPipe) {
+        if (it > 0) {  // block it - 1's dV += P^T dO, dK += dS^T Q (its fragments, its stage)
+          const uint32_t pQ = sQ0 + prev_s * Cfg::Q_BYTES, pdO = sdO0 + prev_s * Cfg::Q_BYTES;
+          wg_fence();  // (ptxas injects it otherwise: the fragments' registers)
+          wgmma_rs_acc<T, DW, BM>(dv, pa, pdO + half);
+          wgmma_rs_acc<T, DW, BM>(dk, da, pQ + half);
+          wg_commit();
+          x.swap_add_pipe<3>(sc, dp, it, [&] {
+            fence_regs(dv);
+            fence_regs(dk);
+            fence_regs(pa);
+            fence_regs(da);
+            ws::mbar_arrive(bars.empty(prev_s));
+          });
+        } else {
+          x.swap_add_pipe<2>(sc, dp, it, [] {});
+        }
+      } else {
+        x.swap_add(sc, dp, it);  // S^T and dP^T of the whole head dim
+      }
       // P (and dsoftcap) and dS of this warpgroup's queries, as dkdv_kernel_sm90's kSplitD.
 #pragma unroll
       for (int i = 0; i < HR; ++i) {
@@ -373,7 +430,6 @@ __global__ void __launch_bounds__(384, 1)
         x.put_slice<T>(HQ / 16 + kl, dp, kl);
       }
       ws::bar_sync(1, NC);
-      uint32_t pa[BM / 16][4], da[BM / 16][4];
 #pragma unroll
       for (int kt = 0; kt < BM / 16; ++kt) {
         const int w = kt / (HQ / 16), kl = kt % (HQ / 16);
@@ -381,6 +437,12 @@ __global__ void __launch_bounds__(384, 1)
         x.get_slice(w, HQ / 16 + kl, da[kt]);
       }
       x.release(lane);
+      if constexpr (kPipe) {
+        fence_regs(pa);  // in registers before the next block's wgmma.fence
+        fence_regs(da);
+        prev_s = s;
+        continue;  // the products go behind the next block's S^T / dP^T
+      }
       fence_regs(pa);
       fence_regs(da);
       fence_regs(dv);
@@ -395,6 +457,25 @@ __global__ void __launch_bounds__(384, 1)
       fence_regs(pa);
       fence_regs(da);
       ws::mbar_arrive(bars.empty(s));
+    }
+    if constexpr (kPipe) {
+      if (it > 0) {  // the last block's products
+        const uint32_t pQ = sQ0 + prev_s * Cfg::Q_BYTES, pdO = sdO0 + prev_s * Cfg::Q_BYTES;
+        fence_regs(pa);
+        fence_regs(da);
+        fence_regs(dv);
+        fence_regs(dk);
+        wg_fence();
+        wgmma_rs_acc<T, DW, BM>(dv, pa, pdO + half);
+        wgmma_rs_acc<T, DW, BM>(dk, da, pQ + half);
+        wg_commit();
+        wg_wait<0>();
+        fence_regs(dv);
+        fence_regs(dk);
+        fence_regs(pa);
+        fence_regs(da);
+        ws::mbar_arrive(bars.empty(prev_s));
+      }
     }
     store_dkdv_rows<T, Cfg::D, DW>(p, dk, dv, k0, nk, hk, kr0, cb0 + cw * DW, tq);
   }
@@ -436,14 +517,16 @@ struct DqWs512Cfg : Ws512Cfg {
   static_assert(X_VECS >= HK / 16, "the dS slices reuse the exchange buffer");
 };
 
-template <typename T, bool kCap>
+// kPipe: as in dkdv_ws512_kernel_sm90, block j's dQ product runs behind block j + 1's S / dP and
+// is retired inside block j + 1's exchange.
+template <typename T, bool kCap, bool kPipe = false>
 __global__ void __launch_bounds__(384, 1)
     dq_ws512_kernel_sm90(const __grid_constant__ DkdvWsArgs a) {
 #if DUALKV_SM90_BODY
   using Cfg = DqWs512Cfg;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
   constexpr int DH = Cfg::DH, DW = Cfg::DW, HK = Cfg::HK, HR = Cfg::HR;
-  const Params& p = a.p;
+  const BwdParams& p = a.p;
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
   unsigned char* gbase = smem + (base - smem_u32(smem));
@@ -490,6 +573,10 @@ __global__ void __launch_bounds__(384, 1)
     for (int i = 0; i < AR; ++i) acc[i] = 0.f;
     const Ws512Exchange x(gbase, base, Cfg::OFF_X, bars, cw, t, peer);
     const uint32_t half = uint32_t(cw * DW / 64) * (BN * 128);  // this warpgroup's column blocks
+    // The dS A fragments of all BN keys (kPipe: block j - 1's until its product has completed)
+    // and that block's stage.
+    uint32_t da[BN / 16][4];
+    int prev_s = 0;
 
     ws::mbar_wait(bQ, 0);
     for (int j = 0; j < total; ++j) {
@@ -504,7 +591,22 @@ __global__ void __launch_bounds__(384, 1)
       wg_commit();
       wgmma_rows_cols<T, HK, DH, BM, BN>(dp, sdO, 0, sV, k_off, 0);
       wg_commit();
-      x.swap_add(sc, dp, j);  // S and dP of the whole head dim
+      if constexpr (kPipe) {
+        if (j > 0) {   // block j - 1's dQ += dS K (its fragments, its stage)
+          wg_fence();  // (ptxas injects it otherwise: the fragments' registers)
+          wgmma_rs_acc<T, DW, BN>(acc, da, sK0 + prev_s * Cfg::KV_BYTES + half);
+          wg_commit();
+          x.swap_add_pipe<3>(sc, dp, j, [&] {
+            fence_regs(acc);
+            fence_regs(da);
+            ws::mbar_arrive(bars.empty(prev_s));
+          });
+        } else {
+          x.swap_add_pipe<2>(sc, dp, j, [] {});
+        }
+      } else {
+        x.swap_add(sc, dp, j);  // S and dP of the whole head dim
+      }
       const auto kb = walk.at(j);
       const bool msk = walk.masked(kb, nq, BM, p.mask);
 #pragma unroll
@@ -525,10 +627,14 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
       for (int kl = 0; kl < HK / 16; ++kl) x.put_slice<T>(kl, dp, kl);
       ws::bar_sync(1, NC);
-      uint32_t da[BN / 16][4];
 #pragma unroll
       for (int kt = 0; kt < BN / 16; ++kt) x.get_slice(kt / (HK / 16), kt % (HK / 16), da[kt]);
       x.release(lane);
+      if constexpr (kPipe) {
+        fence_regs(da);  // in registers before the next block's wgmma.fence
+        prev_s = s;
+        continue;  // the product goes behind the next block's S / dP
+      }
       fence_regs(da);
       fence_regs(acc);
       wg_fence();
@@ -539,6 +645,19 @@ __global__ void __launch_bounds__(384, 1)
       fence_regs(da);
       ws::mbar_arrive(bars.empty(s));
     }
+    if constexpr (kPipe) {
+      if (total > 0) {  // the last block's product
+        fence_regs(da);
+        fence_regs(acc);
+        wg_fence();
+        wgmma_rs_acc<T, DW, BN>(acc, da, sK0 + prev_s * Cfg::KV_BYTES + half);
+        wg_commit();
+        wg_wait<0>();
+        fence_regs(acc);
+        fence_regs(da);
+        ws::mbar_arrive(bars.empty(prev_s));
+      }
+    }
     store_dq_rows<T, Cfg::D, DW>(p, acc, q0, nq, h, row0, cb0 + cw * DW, tq);
   }
   ws::cluster_sync();
@@ -547,9 +666,9 @@ __global__ void __launch_bounds__(384, 1)
 
 // D = 512 backward on wgmma: preprocess, the dK/dV kernel, then the dQ kernel above. Atomic-free
 // and bitwise reproducible. False (nothing launched) when a tensor map cannot be encoded: the
-// caller then runs the sm_80 backward.
+// caller then runs the sm_80 backward. pipe: the kPipe kernels (KernelPolicy::d512_bwd_pipe).
 template <typename T>
-bool launch_backward_sm90_d512(const Params& p, cudaStream_t stream) {
+bool launch_backward_sm90_d512(const BwdParams& p, cudaStream_t stream, bool pipe) {
   using C = DkdvWs512Cfg;
   constexpr int D = C::D;
   if (int64_t(p.T) * p.Hq == 0) return true;
@@ -559,8 +678,11 @@ bool launch_backward_sm90_d512(const Params& p, cudaStream_t stream) {
   const bool cap = p.softcap > 0.f;
   const int64_t grid = int64_t(p.nkt) * (kTileSize / C::BN) * p.Hkv * C::CLUSTER;
   if (grid > 0) {
-    launch_kernel(cap ? dkdv_ws512_kernel_sm90<T, true> : dkdv_ws512_kernel_sm90<T, false>, grid,
-                  C::THREADS, C::SMEM, stream, a,
+    auto* kv =
+        cap ? dkdv_ws512_kernel_sm90<T, true, false> : dkdv_ws512_kernel_sm90<T, false, false>;
+    if (pipe)
+      kv = cap ? dkdv_ws512_kernel_sm90<T, true, true> : dkdv_ws512_kernel_sm90<T, false, true>;
+    launch_kernel(kv, grid, C::THREADS, C::SMEM, stream, a,
                   "dualkv backward dk/dv D=512 (sm90a, warp-specialised, 2-CTA clusters)",
                   C::CLUSTER);
   }
@@ -569,8 +691,9 @@ bool launch_backward_sm90_d512(const Params& p, cudaStream_t stream) {
   using QW = DqWs512Cfg;
   const int64_t grid_q = int64_t(p.nqt) * (kTileSize / QW::BM) * p.Hq * QW::CLUSTER;
   if (grid_q > 0) {
-    launch_kernel(cap ? dq_ws512_kernel_sm90<T, true> : dq_ws512_kernel_sm90<T, false>, grid_q,
-                  QW::THREADS, QW::SMEM, stream, a,
+    auto* kq = cap ? dq_ws512_kernel_sm90<T, true, false> : dq_ws512_kernel_sm90<T, false, false>;
+    if (pipe) kq = cap ? dq_ws512_kernel_sm90<T, true, true> : dq_ws512_kernel_sm90<T, false, true>;
+    launch_kernel(kq, grid_q, QW::THREADS, QW::SMEM, stream, a,
                   "dualkv backward dq D=512 (sm90a, warp-specialised, 2-CTA clusters)",
                   QW::CLUSTER);
   }

@@ -103,7 +103,7 @@ struct DkdvWsCfg {
 
 struct DkdvWsArgs {
   CUtensorMap tq, tdo, tk, tv;
-  Params p;
+  BwdParams p;
 };
 
 namespace ws {
@@ -155,7 +155,7 @@ __global__ void __launch_bounds__(384, 1)
 #if DUALKV_SM90_BODY
   using Cfg = DkdvWsCfg<D, kFusedDq>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
-  const Params& p = a.p;
+  const BwdParams& p = a.p;
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
   unsigned char* gbase = smem + (base - smem_u32(smem));
@@ -507,7 +507,7 @@ __global__ void __launch_bounds__(384, 1)
 
 // The backward kernels' arguments: p, and the tensor maps of Q and dO (boxes of bm rows) and of K
 // and V (bn rows), d columns each. False, with the fallback warning, when a map cannot be encoded.
-inline bool make_bwd_ws_args(DkdvWsArgs& a, const Params& p, int d, int bm, int bn) {
+inline bool make_bwd_ws_args(DkdvWsArgs& a, const BwdParams& p, int d, int bm, int bn) {
   if (!encode_tmap_thd(&a.tq, p.q, p.T, p.Hq, d, p.q_tok, p.q_head, bm) ||
       !encode_tmap_thd(&a.tdo, p.dout, p.T, p.Hq, d, int64_t(p.Hq) * d, d, bm) ||
       !encode_tmap_thd(&a.tk, p.k, p.T, p.Hkv, d, p.k_tok, p.k_head, bn) ||
@@ -525,7 +525,7 @@ inline bool make_bwd_ws_args(DkdvWsArgs& a, const Params& p, int d, int bm, int 
 // dQ pass behind the synchronous dK/dV kernel measured no faster than the synchronous dQ pass:
 // 12.57 vs 12.56-12.72 ms backward.)
 template <typename T, int D>
-bool launch_backward_sm90_ws(const Params& p, const KernelPolicy& policy, cudaStream_t stream) {
+bool launch_backward_sm90_ws(const BwdParams& p, const KernelPolicy& policy, cudaStream_t stream) {
   if constexpr (D > 128) {
     return false;
   } else {

@@ -49,7 +49,7 @@ struct DqWsCfg {
 
 struct DqWsArgs {
   CUtensorMap tq, tdo, tk, tv;
-  Params p;
+  BwdParams p;
   int pingpong;
 };
 
@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
 #if DUALKV_SM90_BODY
   using Cfg = DqWsCfg<D>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
-  const Params& p = a.p;
+  const BwdParams& p = a.p;
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
   const uint32_t sQ = base, sdO = base + Cfg::OFF_DO, sK0 = base + Cfg::OFF_K,
@@ -247,7 +247,7 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
 
 // The dQ kernel's arguments (tensor maps, ping-pong); false when a map cannot be encoded.
 template <int D>
-bool make_dq_ws_args(DqWsArgs& a, const Params& p, const KernelPolicy& policy) {
+bool make_dq_ws_args(DqWsArgs& a, const BwdParams& p, const KernelPolicy& policy) {
   using C = DqWsCfg<D>;
   if (!encode_tmap_thd(&a.tq, p.q, p.T, p.Hq, D, p.q_tok, p.q_head, C::BM) ||
       !encode_tmap_thd(&a.tdo, p.dout, p.T, p.Hq, D, int64_t(p.Hq) * D, D, C::BM) ||
@@ -264,7 +264,7 @@ bool make_dq_ws_args(DqWsArgs& a, const Params& p, const KernelPolicy& policy) {
 template <typename T, int D>
 void launch_dq_sm90_ws(const DqWsArgs& a, cudaStream_t stream) {
   using C = DqWsCfg<D>;
-  const Params& p = a.p;
+  const BwdParams& p = a.p;
   const int64_t grid = int64_t(p.nqt) * p.Hq;
   if (grid == 0) return;
   auto kernel = p.softcap > 0.f ? dq_ws_kernel_sm90<T, D, true> : dq_ws_kernel_sm90<T, D, false>;

@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(384, 1)
   using Cfg = FwdD512ClusterCfg;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
   constexpr int DH = Cfg::DH, OR = Cfg::OR, SR = Cfg::SR;
-  const Params& p = a.p;
+  const FwdParams& p = a.p;
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
   const unsigned char* gbase = smem + (base - smem_u32(smem));
@@ -361,7 +361,8 @@ __global__ void __launch_bounds__(384, 1)
 }
 
 template <typename T>
-bool launch_forward_sm90_d512c(const Params& p, const KernelPolicy& policy, cudaStream_t stream) {
+bool launch_forward_sm90_d512c(const FwdParams& p, const KernelPolicy& policy,
+                               cudaStream_t stream) {
   using Cfg = FwdD512ClusterCfg;
   constexpr int D = Cfg::D;
   const int64_t grid = int64_t(p.nqt) * p.Hq * Cfg::CLUSTER;

@@ -98,7 +98,7 @@ static_assert(FwdWsCfg<512>::SMEM <= kSmemHeadDim512, "api.cu checks the GPU off
 // Kernel parameter block: the common parameters plus the TMA maps (by value, __grid_constant__).
 struct FwdWsArgs {
   CUtensorMap tq, tk, tv;
-  Params p;
+  FwdParams p;
   int pingpong;
   int prescale;  // 1: scale the scores first (scale <= 0: the FFMA fold needs scale > 0)
 };
@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
 #if DUALKV_SM90_BODY
   using Cfg = FwdWsCfg<D>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
-  const Params& p = a.p;
+  const FwdParams& p = a.p;
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
   const uint32_t sQ = base, sK0 = base + Cfg::OFF_K, sV0 = base + Cfg::OFF_V;
@@ -444,7 +444,7 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
 }
 
 template <typename T, int D>
-bool launch_forward_sm90_ws(const Params& p, const KernelPolicy& policy, cudaStream_t stream) {
+bool launch_forward_sm90_ws(const FwdParams& p, const KernelPolicy& policy, cudaStream_t stream) {
   using Cfg = FwdWsCfg<D>;
   const int64_t grid = int64_t(p.nqt) * (kTileSize / Cfg::BM) * p.Hq;
   if (grid == 0) return true;

@@ -26,31 +26,32 @@ void warn_ws_fallback(const char* why);
 // Warp-specialised TMA forward, every head dim (64, 128, 256, 512). Returns false (nothing
 // launched) when a tensor map cannot be encoded; the caller then runs the sm_80 forward.
 template <typename T, int D>
-bool launch_forward_sm90_ws(const Params& p, const KernelPolicy& policy, cudaStream_t stream);
+bool launch_forward_sm90_ws(const FwdParams& p, const KernelPolicy& policy, cudaStream_t stream);
 
 // Backward, D <= 128: preprocess and the warp-specialised dK/dV kernel, which with
 // policy.fused_dq also adds up dQ in fp32 (then a conversion; not bitwise reproducible), else
 // the separate warp-specialised dQ pass. False (nothing launched) for D = 256 or when a tensor
 // map cannot be encoded.
 template <typename T, int D>
-bool launch_backward_sm90_ws(const Params& p, const KernelPolicy& policy, cudaStream_t stream);
+bool launch_backward_sm90_ws(const BwdParams& p, const KernelPolicy& policy, cudaStream_t stream);
 
 // D = 512 backward with the wgmma dK/dV and dQ kernels of sm90_bwd512_ws.cuh (2-CTA clusters
 // splitting the head dim; the caller skips it when KernelPolicy::d512_bwd_sm90 is false).
 // False (nothing launched) when a tensor map cannot be encoded.
 template <typename T>
-bool launch_backward_sm90_d512(const Params& p, cudaStream_t stream);
+bool launch_backward_sm90_d512(const BwdParams& p, cudaStream_t stream, bool pipe = false);
 
 // D = 256 backward with sm90_bwd256_ws.cuh's warp-specialised dK/dV kernel, then the
 // synchronous dQ pass (KernelPolicy::d256_bwd_ws 1) or fused dQ (2); only when d256_bwd_ws != 0
 // (not the default yet). False (nothing launched) when a tensor map cannot be encoded.
 template <typename T>
-bool launch_backward_sm90_d256ws(const Params& p, const KernelPolicy& policy, cudaStream_t stream);
+bool launch_backward_sm90_d256ws(const BwdParams& p, const KernelPolicy& policy,
+                                 cudaStream_t stream);
 
 // D = 512 forward of sm90_fwd512_cluster.cuh (2-CTA clusters splitting the head dim; the default
 // unless KernelPolicy::d512_fwd_cluster is off). False (nothing launched) when a tensor map
 // cannot be encoded.
 template <typename T>
-bool launch_forward_sm90_d512c(const Params& p, const KernelPolicy& policy, cudaStream_t stream);
+bool launch_forward_sm90_d512c(const FwdParams& p, const KernelPolicy& policy, cudaStream_t stream);
 
 }  // namespace dualkv::cuda::detail
