@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# One device call for the opt-in kernel variants and an A/B of the default path: builds this tree
+# and an older one (OLD_TREE, copied into an ignored folder and carried), checks the variants
+# (matrix + race, memcheck on --small), checks this tree's default path (quick matrix + race),
+# then benches the default path of both trees and each variant beside this tree's default.
+# Every step has a timeout; a hung variant skips its bench. Logs: $OUT (at most 8 files).
+#   OUT=... bash tests/cuda/variants_run.sh OLD_TREE
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT="${OUT:-.out/variants}"
+mkdir -p "$OUT"
+OLD_TREE=${1:?usage: variants_run.sh OLD_TREE}
+T0=$(date +%s)
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+build() {  # SRC DIR
+  cmake -S "$1" -B "$2" -G Ninja -DDUALKV_BUILD_TORCH=OFF -DDUALKV_BUILD_TESTS=ON -DDUALKV_CUDA=ON \
+    "-DDUALKV_CUDA_HEAD_DIMS=64;128;256;512" -DDUALKV_CUDA_ARCHS=90a >>"$OUT/build.log" 2>&1 &&
+    timeout 300 cmake --build "$2" -j8 --target dualkv_cuda_test >>"$OUT/build.log" 2>&1
+}
+build . build/var-new & b1=$!
+build "$OLD_TREE" build/var-old & b2=$!
+wait $b1 || { tail -30 "$OUT/build.log"; exit 1; }
+wait $b2 || { tail -30 "$OUT/build.log"; exit 1; }
+NEW=build/var-new/tests/cuda/dualkv_cuda_test
+OLD=build/var-old/tests/cuda/dualkv_cuda_test
+echo "builds $(($(date +%s) - T0)) s"
+status=0
+hung=""
+check() {  # NAME TIMEOUT ARGS...
+  local name=$1 t=$2 rc
+  shift 2
+  echo "### $name: $*" >>"$OUT/test.log"
+  timeout "$t" $NEW "$@" >"$OUT/one.log" 2>&1
+  rc=$?
+  cat "$OUT/one.log" >>"$OUT/test.log"
+  grep -E "FAIL|reproduce" "$OUT/one.log" | head -8
+  grep -q "kernels cannot run" "$OUT/one.log" && { echo "FAIL: fell back"; rc=1; }
+  echo "$name: $(grep -E "^correctness|ERROR SUMMARY" "$OUT/one.log" | tail -1), rc=$rc" | tee -a "$OUT/summary.txt"
+  [ $rc = 0 ] || status=1
+  [ $rc = 124 ] && hung="$hung $name"
+  return 0
+}
+: >"$OUT/test.log"
+: >"$OUT/summary.txt"
+check d512-pipe 80 --path sm90-d512-pipe --race 10
+check d256ws 100 --path sm90-d256ws,sm90-d256ws-fdq --race 10
+check default-quick 60 --path default --quick --race 5
+memcheck() {  # NAME PATH
+  local rc
+  echo "### memcheck $1" >>"$OUT/test.log"
+  timeout 45 compute-sanitizer --tool memcheck --error-exitcode 9 $NEW --small --seed 1 \
+    --path "$2" >"$OUT/one.log" 2>&1
+  rc=$?
+  cat "$OUT/one.log" >>"$OUT/test.log"
+  echo "memcheck $1: $(grep -E "ERROR SUMMARY" "$OUT/one.log" | tail -1), rc=$rc" | tee -a "$OUT/summary.txt"
+  [ $rc = 0 ] || status=1
+}
+case "$hung" in *d512-pipe*) ;; *) memcheck d512-pipe sm90-d512-pipe ;; esac
+case "$hung" in *d256ws*) ;; *) memcheck d256ws-fdq sm90-d256ws-fdq ;; esac
+rm -f "$OUT/one.log"
+D128=(--shape 16,8192,1024,32,8,128 --shape 32,4096,2048,32,8,128 --shape 8,16384,2048,32,8,128
+  --shape 16,8192,1024,16,8,128 --shape 16,2048,2048,16,16,64)
+for b in OLD NEW; do
+  timeout 60 "${!b}" --no-check --bench --bench-reps 5 --path default,sm90-sepdq "${D128[@]}" \
+    >"$OUT/bench_$b.log" 2>&1
+  echo "bench $b rc=$?"
+done
+{
+  case "$hung" in *d512-pipe*) ;; *)
+    timeout 60 $NEW --no-check --bench --bench-reps 3 --path default,sm90-d512-pipe \
+      --shape 16,8192,1024,32,4,512 --shape 8,16384,2048,32,4,512 ;; esac
+  case "$hung" in *d256ws*) ;; *)
+    timeout 60 $NEW --no-check --bench --bench-reps 5 --path default,sm90-d256ws,sm90-d256ws-fdq \
+      --shape 16,8192,1024,16,8,256 --shape 8,16384,2048,16,8,256 ;; esac
+} >"$OUT/bench_variants.log" 2>&1
+echo "total $(($(date +%s) - T0)) s, status $status"
+cat "$OUT/summary.txt"
+for f in bench_OLD bench_NEW bench_variants; do
+  echo "## $f"
+  grep "^|" "$OUT/$f.log" | grep -v "^|---" | cut -c1-230
+done
+exit $status
