@@ -24,19 +24,22 @@ struct KernelPolicy {
   // sm_80 backward at (16, 8192, 1024), Hq 32, Hkv 4, H200); DUALKV_SM90_D512_BWD=0 runs the
   // sm_80 one (A/B, cross-check).
   bool d512_bwd_sm90 = true;
-  // DUALKV_SM90_D512_BWD=3: that backward's kPipe kernels (the exchange of each block behind the
-  // previous block's dV/dK, dQ products; sm90_bwd512_ws.cuh). Opt-in until measured.
-  bool d512_bwd_pipe = false;
+  // ... with its kPipe kernels (the exchange of each block behind the previous block's dV/dK,
+  // dQ products; H200: 117.1 vs 121.1 ms at (16, 8192, 1024), 275.6 vs 291.0 at (8, 16384,
+  // 2048)); DUALKV_SM90_D512_BWD=1 runs the kernels without it (A/B).
+  bool d512_bwd_pipe = true;
   // D = 512 forward on sm_90a: sm90/sm90_fwd512_cluster.cuh (2-CTA clusters splitting the head
   // dim, partial S over distributed shared memory, BN = 64, ping-pong; H200: 25.7 vs 29.0 ms at
   // (16, 8192, 1024)); DUALKV_SM90_D512_FWD=0 runs fwd_ws_kernel_sm90's single-CTA KSPLIT = 2
   // kernel (A/B).
   bool d512_fwd_cluster = true;
-  // D = 256 backward on sm_90a: DUALKV_SM90_D256_BWD=1 runs sm90/sm90_bwd256_ws.cuh's
-  // warp-specialised dK/dV kernel (TMA producer warp, 2-stage ring) + the synchronous dQ pass;
-  // =2 the same kernel with dQ fused (bulk reductions into dq_accum; deterministic=true makes it
-  // 1); 0 (unset): the synchronous D = 256 backward (not yet run on a GPU: opt-in until measured).
-  int d256_bwd_ws = 0;
+  // D = 256 backward on sm_90a: 1 (default) sm90/sm90_bwd256_ws.cuh's warp-specialised dK/dV
+  // kernel (TMA producer warp, 2-stage ring) + the synchronous dQ pass (H200, Hq 16, Hkv 8:
+  // 21.53 vs 24.92 ms at (16, 8192, 1024), 51.11 vs 57.33 at (8, 16384, 2048));
+  // DUALKV_SM90_D256_BWD=0 the synchronous D = 256 backward (A/B); =2 the warp-specialised kernel
+  // with dQ fused (bulk reductions into dq_accum; deterministic=true makes it 1): measured no
+  // faster (21.46 / 59.47 ms: its reductions, twice D = 128's bytes per FLOP), an A/B switch.
+  int d256_bwd_ws = 1;
 };
 
 // The policy for one call; deterministic = the call's `deterministic` (forces fused_dq off).

@@ -13,10 +13,10 @@
 # is the single-CTA one): its matrix + race 20, memcheck on --small, the forward timed side by
 # side with the single-CTA one at both shapes (one process), ncu kernel durations of both; 4
 # files, under 4 minutes.
-# bwd3: the kPipe D = 512 backward (DUALKV_SM90_D512_BWD=3, --path sm90-d512-pipe: each block's
-# exchange behind the previous block's dV/dK, dQ products): its matrix + race 20, memcheck on
-# --small, the bench of the default and the kPipe backward in one process at both shapes, ncu
-# durations and tensor-pipe activity of both backwards' kernels; 4 files, at most 240 s.
+# bwd3: the kPipe D = 512 backward (the default; DUALKV_SM90_D512_BWD=1, --path sm90-d512-nopipe,
+# runs the kernels without it: each block's exchange behind the previous block's dV/dK, dQ
+# products): its matrix + race 20, memcheck on --small, the bench of both in one process at both
+# shapes, ncu durations and tensor-pipe activity of both backwards' kernels; 4 files, <= 240 s.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-.out/d512}"
@@ -148,34 +148,34 @@ for s in "${steps[@]}"; do
     fi ;;
   bwd3)
     # A hang (timeout, rc 124) in the matrix skips the rest of this step.
-    echo "== standalone: D = 512 matrix + race 20, path sm90-d512-pipe =="
-    timeout 100 $BIN --race 20 --path sm90-d512-pipe >"$OUT/bwd3_test.log" 2>&1; rc=$?
+    echo "== standalone: D = 512 matrix + race 20, path default (kPipe) =="
+    timeout 100 $BIN --race 20 --path default >"$OUT/bwd3_test.log" 2>&1; rc=$?
     grep -E "FAIL|error|note|reproduce" "$OUT/bwd3_test.log" | grep -v "expected error" | head -20
     tail -2 "$OUT/bwd3_test.log"
     grep -q "kernels cannot run" "$OUT/bwd3_test.log" && { echo "FAIL: fell back"; rc=1; }
     echo "rc=$rc"; [ $rc = 0 ] || status=1
     if [ $rc != 124 ]; then
-      echo "== compute-sanitizer memcheck (--small, path sm90-d512-pipe) =="
+      echo "== compute-sanitizer memcheck (--small, path default) =="
       timeout 50 compute-sanitizer --tool memcheck --error-exitcode 9 $BIN --small --seed 1 \
-        --path sm90-d512-pipe >"$OUT/bwd3_memcheck.log" 2>&1; rc=$?
+        --path default >"$OUT/bwd3_memcheck.log" 2>&1; rc=$?
       grep -E "ERROR SUMMARY|correctness" "$OUT/bwd3_memcheck.log" | tail -2; echo "rc=$rc"
       [ $rc = 0 ] || status=1
-      echo "== bench: the default D = 512 backward vs the kPipe one (one process, both shapes) =="
+      echo "== bench: the kPipe D = 512 backward (default) vs the one without (one process, both shapes) =="
       timeout 40 $BIN --no-check --bench --bench-reps 5 \
-        --path default,sm90-d512-pipe "${SHAPES[@]}" >"$OUT/bwd3_bench.log" 2>&1
+        --path default,sm90-d512-nopipe "${SHAPES[@]}" >"$OUT/bwd3_bench.log" 2>&1
       echo "rc=$?"; grep "^|" "$OUT/bwd3_bench.log" | grep -v "^|---"
-      echo "== ncu backward kernel durations (first shape; default, then kPipe) =="
+      echo "== ncu backward kernel durations (first shape; kPipe, then without) =="
       timeout 50 ncu --clock-control none \
         --metrics gpu__time_duration.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
         -k "regex:ws512" $BIN --no-check --bench --bench-reps 1 \
-        --path default,sm90-d512-pipe --shape 16,8192,1024,32,4,512 >"$OUT/bwd3_ncu.log" 2>&1
+        --path default,sm90-d512-nopipe --shape 16,8192,1024,32,4,512 >"$OUT/bwd3_ncu.log" 2>&1
       echo "rc=$?"
       # kernel (template arguments: dtype, softcap, kPipe), duration, tensor pipe active
       awk '/^  void /{n=$0; sub(/^  void /,"",n); sub(/\(.*/,"",n)}
         /gpu__time_duration/{d=$(NF-1) " " $NF}
         /pipe_tensor_op_hmma/{print n, d, "tensor " $NF "%"}' "$OUT/bwd3_ncu.log" |
         sed 's/__nv_bfloat16/bf16/'
-      # The variant must really run the kPipe kernels (an unread switch would time the default twice).
+      # The default must really run the kPipe kernels.
       grep -q "dkdv_ws512_kernel_sm90<__nv_bfloat16, 0, 1>" "$OUT/bwd3_ncu.log" ||
         { echo "FAIL: no kPipe kernel in the ncu log"; status=1; }
     fi ;;

@@ -2,8 +2,8 @@
 //
 //   dualkv_cuda_test [--seed S] [--quick] [--small] [--no-check] [--race N] [--random N]
 //                    [--bench] [--bench-reps N]
-//                    [--path default|sm80|sm90-nopp|sm90-sepdq|sm90-d512-sm80|sm90-d512-pipe|
-//                            sm90-d512fwd-1cta|sm90-d256ws|sm90-d256ws-fdq]
+//                    [--path default|sm80|sm90-nopp|sm90-sepdq|sm90-d512-sm80|sm90-d512-nopipe|
+//                            sm90-d512fwd-1cta|sm90-d256-sync|sm90-d256ws-fdq]
 //                    [--shape N,P,R,Hq,Hkv,D]...
 //   (--small: the quick matrix and 3 race repeats, for compute-sanitizer; --path: those kernel
 //   paths only (comma-separated); --random N: instead of the matrix, N rounds of its random-layout
@@ -26,9 +26,10 @@
 // backward), the sm_80 one (DUALKV_FORCE_SM80=1), ping-pong off (DUALKV_SM90_PINGPONG=0: forward
 // and dQ kernels), and for A/B: at D <= 128 the separate dQ pass in the default mode
 // (DUALKV_FUSED_DQ=0), at D = 512 the sm_80 backward (DUALKV_SM90_D512_BWD=0) and the single-CTA
-// forward instead of the 2-CTA cluster one (DUALKV_SM90_D512_FWD=0); at D = 256 the opt-in
-// warp-specialised backward (sm90-d256ws: DUALKV_SM90_D256_BWD=1, with the dQ pass;
-// sm90-d256ws-fdq: =2, fused dQ; not yet the default).
+// forward instead of the 2-CTA cluster one (DUALKV_SM90_D512_FWD=0), the wgmma backward without
+// kPipe (sm90-d512-nopipe: DUALKV_SM90_D512_BWD=1); at D = 256 the synchronous backward
+// (sm90-d256-sync: DUALKV_SM90_D256_BWD=0) and the warp-specialised one with fused dQ
+// (sm90-d256ws-fdq: =2).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -181,9 +182,9 @@ constexpr KernelPath kPaths[] = {{"default", nullptr, nullptr, 0, 512},
                                  {"sm90-nopp", "DUALKV_SM90_PINGPONG", "0", 0, 512},
                                  {"sm90-sepdq", "DUALKV_FUSED_DQ", "0", 0, 128},
                                  {"sm90-d512-sm80", "DUALKV_SM90_D512_BWD", "0", 512, 512},
-                                 {"sm90-d512-pipe", "DUALKV_SM90_D512_BWD", "3", 512, 512},
+                                 {"sm90-d512-nopipe", "DUALKV_SM90_D512_BWD", "1", 512, 512},
                                  {"sm90-d512fwd-1cta", "DUALKV_SM90_D512_FWD", "0", 512, 512},
-                                 {"sm90-d256ws", "DUALKV_SM90_D256_BWD", "1", 256, 256},
+                                 {"sm90-d256-sync", "DUALKV_SM90_D256_BWD", "0", 256, 256},
                                  {"sm90-d256ws-fdq", "DUALKV_SM90_D256_BWD", "2", 256, 256}};
 // --path: run these only (a comma-separated list of names; empty: every path).
 std::vector<std::string> g_only_paths;
@@ -967,7 +968,7 @@ int main(int argc, char** argv) {
                      [&](const KernelPath& k) { return name == k.name; })) {
       std::fprintf(stderr,
                    "unknown --path %s (default, sm80, sm90-nopp, sm90-sepdq, sm90-d512-sm80, "
-                   "sm90-d512-pipe, sm90-d512fwd-1cta, sm90-d256ws, sm90-d256ws-fdq; or a "
+                   "sm90-d512-nopipe, sm90-d512fwd-1cta, sm90-d256-sync, sm90-d256ws-fdq; or a "
                    "comma-separated list)\n",
                    name.c_str());
       return 2;

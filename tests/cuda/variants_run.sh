@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call for the opt-in kernel variants and an A/B of the default path: builds this tree
+# One device call for the kernel variants (the A/B paths of D = 512 and D = 256) and an A/B of the
+# default path: builds this tree
 # and an older one (OLD_TREE, copied into an ignored folder and carried), checks the variants
 # (matrix + race, memcheck on --small), checks this tree's default path (quick matrix + race),
 # then benches the default path of both trees and each variant beside this tree's default.
@@ -42,8 +43,8 @@ check() {  # NAME TIMEOUT ARGS...
 }
 : >"$OUT/test.log"
 : >"$OUT/summary.txt"
-check d512-pipe 80 --path sm90-d512-pipe --race 10
-check d256ws 100 --path sm90-d256ws,sm90-d256ws-fdq --race 10
+check d512 80 --path sm90-d512-nopipe --race 10
+check d256 100 --path sm90-d256-sync,sm90-d256ws-fdq --race 10
 check default-quick 60 --path default --quick --race 5
 memcheck() {  # NAME PATH
   local rc
@@ -55,8 +56,8 @@ memcheck() {  # NAME PATH
   echo "memcheck $1: $(grep -E "ERROR SUMMARY" "$OUT/one.log" | tail -1), rc=$rc" | tee -a "$OUT/summary.txt"
   [ $rc = 0 ] || status=1
 }
-case "$hung" in *d512-pipe*) ;; *) memcheck d512-pipe sm90-d512-pipe ;; esac
-case "$hung" in *d256ws*) ;; *) memcheck d256ws-fdq sm90-d256ws-fdq ;; esac
+case "$hung" in *d512*) ;; *) memcheck d512-nopipe sm90-d512-nopipe ;; esac
+case "$hung" in *d256*) ;; *) memcheck d256ws-fdq sm90-d256ws-fdq ;; esac
 rm -f "$OUT/one.log"
 D128=(--shape 16,8192,1024,32,8,128 --shape 32,4096,2048,32,8,128 --shape 8,16384,2048,32,8,128
   --shape 16,8192,1024,16,8,128 --shape 16,2048,2048,16,16,64)
@@ -66,11 +67,11 @@ for b in OLD NEW; do
   echo "bench $b rc=$?"
 done
 {
-  case "$hung" in *d512-pipe*) ;; *)
-    timeout 60 $NEW --no-check --bench --bench-reps 3 --path default,sm90-d512-pipe \
+  case "$hung" in *d512*) ;; *)
+    timeout 60 $NEW --no-check --bench --bench-reps 3 --path default,sm90-d512-nopipe \
       --shape 16,8192,1024,32,4,512 --shape 8,16384,2048,32,4,512 ;; esac
-  case "$hung" in *d256ws*) ;; *)
-    timeout 60 $NEW --no-check --bench --bench-reps 5 --path default,sm90-d256ws,sm90-d256ws-fdq \
+  case "$hung" in *d256*) ;; *)
+    timeout 60 $NEW --no-check --bench --bench-reps 5 --path default,sm90-d256-sync,sm90-d256ws-fdq \
       --shape 16,8192,1024,16,8,256 --shape 8,16384,2048,16,8,256 ;; esac
 } >"$OUT/bench_variants.log" 2>&1
 echo "total $(($(date +%s) - T0)) s, status $status"

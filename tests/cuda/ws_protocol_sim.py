@@ -494,7 +494,8 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False):
     release the stage; at the end a cluster barrier of every thread of both CTAs.
     dq: the D = 512 dQ kernel instead (same exchange; one producer thread, Q/dO once, K/V blocks,
     no records: the consumers know the walk's length).
-    pipe: the kPipe variants (DUALKV_SM90_D512_BWD=3): block j's dV/dK (dQ) products are issued
+    pipe: the kPipe variants (the default; DUALKV_SM90_D512_BWD=1 runs the kernels without it):
+    block j's dV/dK (dQ) products are issued
     behind block j + 1's partial products and read block j's stage until they complete, which is
     waited for after block j + 1's partials are sent; only then is block j's stage released (the
     last block's products run after the loop).

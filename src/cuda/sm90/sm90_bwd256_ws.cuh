@@ -1,5 +1,5 @@
-// sm_90a backward for D = 256, warp-specialised (opt-in: DUALKV_SM90_D256_BWD=1,
-// KernelPolicy::d256_bwd_ws; the default D = 256 backward is sm90_bwd.cuh's synchronous one).
+// sm_90a backward for D = 256, warp-specialised (the default D = 256 backward on Hopper:
+// KernelPolicy::d256_bwd_ws; DUALKV_SM90_D256_BWD=0 runs sm90_bwd.cuh's synchronous one).
 // The dK/dV kernel keeps the synchronous kernel's decomposition (Dkdv90Cfg::kSplitD, measured
 // correct on the GPU): one CTA per (64-key block, kv head), both consumer warpgroups own the same
 // 64 keys and warpgroup c the dK/dV columns 128c..128c+127 (64 keys x 128 columns x 2 fp32
@@ -18,18 +18,17 @@
 //     synchronous kernel's one swap + __syncthreads: a warpgroup writes a swap buffer again only
 //     after the other barrier, which the other warpgroup reaches after reading it, so one buffer
 //     each suffices (ws_protocol_sim.py, run_d256).
-// dQ, kDq = 0 (DUALKV_SM90_D256_BWD=1, and =2 with deterministic=true): the synchronous dQ pass
-// (as the default D = 256 backward; the warp-specialised dQ pass measured no faster at D = 256).
-// kDq = 1 (DUALKV_SM90_D256_BWD=2): fused, as sm90_bwd_ws.cuh's fused dQ (the D <= 128
-// default): dS^T goes to a 128B-swizzled tile (instead of the fragment swap), dK += dS^T Q
-// reads it as an SS product, and warpgroup c computes dQ's columns 128c.. = dS K over the
-// block's 64 keys (SS); after the block's final wait it writes that fp32 64 x 128 block into its
-// own column halves of the stage's Q and dO tiles (which only its own dK / dV products read
-// after the dS^T swap), and lane 0 of producer warp 1 + c adds it into dq_accum (its swizzled
-// slab layout) with two bulk reductions and then releases the stage too (empty counts 256 + 2):
-// no extra shared memory.
-// Shared memory, registers and tensor cycles: src/cuda/NOTES.md, "D = 256 warp-specialised
-// backward".
+// dQ, kDq = 0 (the default, and DUALKV_SM90_D256_BWD=2 with deterministic=true): the synchronous dQ
+// pass (as the default D = 256 backward; the warp-specialised dQ pass measured no faster at D =
+// 256). kDq = 1 (DUALKV_SM90_D256_BWD=2; measured no faster, an A/B switch): fused, as
+// sm90_bwd_ws.cuh's fused dQ (the D <= 128 default): dS^T goes to a 128B-swizzled tile (instead of
+// the fragment swap), dK += dS^T Q reads it as an SS product, and warpgroup c computes dQ's columns
+// 128c.. = dS K over the block's 64 keys (SS); after the block's final wait it writes that fp32 64
+// x 128 block into its own column halves of the stage's Q and dO tiles (which only its own dK / dV
+// products read after the dS^T swap), and lane 0 of producer warp 1 + c adds it into dq_accum (its
+// swizzled slab layout) with two bulk reductions and then releases the stage too (empty counts 256
+// + 2): no extra shared memory. Shared memory, registers and tensor cycles: src/cuda/NOTES.md, "D =
+// 256 warp-specialised backward".
 #pragma once
 
 #include <cstddef>

@@ -2,9 +2,9 @@
 // split the head dim: the default D = 512 backward on Hopper (H200, Hq 32, Hkv 4: 126.9 vs
 // 247.7 ms for the sm_80 backward at (16, 8192, 1024)); DUALKV_SM90_D512_BWD=0 runs the sm_80 one
 // (A/B, cross-check). Design and arithmetic: src/cuda/NOTES.md, "D = 512 dK/dV on wgmma".
-// kPipe (KernelPolicy::d512_bwd_pipe, DUALKV_SM90_D512_BWD=3; opt-in): each block's exchange runs
-// behind the previous block's dV/dK (dQ) products, see Ws512Exchange::swap_add_pipe and NOTES.md,
-// "D = 512 backward: the exchange behind the previous block's products".
+// kPipe (KernelPolicy::d512_bwd_pipe, the default; DUALKV_SM90_D512_BWD=1 without): each block's
+// exchange runs behind the previous block's dV/dK (dQ) products, see Ws512Exchange::swap_add_pipe
+// and NOTES.md, "D = 512 backward: the exchange behind the previous block's products".
 //   - One cluster of two CTAs per (64-key half of a key tile, kv head). CTA rank r holds columns
 //     [256r, 256r + 256) of K, V and of every Q / dO block, and owns those columns of dK and dV.
 //     Both CTAs walk the same query blocks of 64 in the fixed order of query_walk.cuh (as every
