@@ -2,13 +2,17 @@
 // and dispatch to the per-(dtype, head dim) instantiations. No host synchronisation, no allocation.
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <mutex>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
 
 #include "dualkv/cuda.h"
 #include "dualkv/error.h"
+#include "env_switch.h"
 #include "launch.h"
 #if DUALKV_HAS_SM90A
 #include "sm90/sm90_ws.h"
@@ -151,15 +155,35 @@ bool sm90_device(bool force_sm80) {
 #endif
 }
 
+// Prints `msg` on stderr, once per process for each distinct message.
+void warn_once(const std::string& msg) {
+  static std::mutex mu;
+  static std::set<std::string> printed;
+  const std::lock_guard<std::mutex> lock(mu);
+  if (printed.insert(msg).second) std::fprintf(stderr, "%s\n", msg.c_str());
+}
+
+// The setting of switch `name` (env_switch.h: one of its digits, or kSwitchUnset; a value it
+// does not accept warns once and reads as unset).
+int env_switch(const char* name) {
+  std::string warning;
+  const int v = parse_switch(name, std::getenv(name), &warning);
+  if (!warning.empty()) warn_once(warning);
+  return v;
+}
+
 }  // namespace
 
-// The only reader of the environment (the switches are documented in README.md and policy.h).
-// A switch is on/off by its first character being '0' (off) or '1' (on).
+// The only reader of the environment (the switches are documented in README.md and policy.h;
+// env_switch.h lists the settings each accepts). A setting is one digit, blanks around it
+// ignored; unset or empty = the default; any other value, and a removed switch that is set, warn
+// once on stderr and are ignored.
 KernelPolicy resolve_policy(bool deterministic) {
-  auto is = [](const char* name, char c) {
-    const char* v = std::getenv(name);
-    return v && v[0] == c;
-  };
+  for (const RemovedSwitch& r : kRemovedSwitches) {
+    const std::string warning = removed_switch_warning(r.name, std::getenv(r.name));
+    if (!warning.empty()) warn_once(warning);
+  }
+  auto is = [](const char* name, char c) { return env_switch(name) == c - '0'; };
   KernelPolicy pol;
   pol.sm90 = sm90_device(is("DUALKV_FORCE_SM80", '1'));
   pol.pingpong = !is("DUALKV_SM90_PINGPONG", '0');

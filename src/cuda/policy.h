@@ -1,7 +1,8 @@
 // Run-time kernel options: read from the environment in one place (resolve_policy, api.cu), once
 // per entry-point call, and passed to the launchers; no launcher or kernel reads the environment.
 // Unset = the fastest path; every switch is for A/B timing or cross-checking (every path computes
-// the same function); README.md lists them.
+// the same function); README.md lists them, env_switch.h the settings each accepts (others warn
+// and are ignored).
 #pragma once
 
 namespace dualkv::cuda::detail {
