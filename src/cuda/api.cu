@@ -79,6 +79,15 @@ void check_common(DType dtype, const Shape& s, const ScoreParams& sc, const Layo
   DUALKV_CHECK(
       s.tokens == 0 || (lv.segments && lv.query_tiles && lv.key_tiles),
       "layout tables (segments, query_tiles, key_tiles) must be device pointers, got null");
+  // The tables live on the device (not read here); tiles of at most kTileSize tokens cannot cover
+  // T tokens with fewer than T / kTileSize of them (a launch over too few would leave outputs
+  // unwritten).
+  DUALKV_CHECK(s.tokens == 0 || (lv.num_segments > 0 &&
+                                 int64_t(lv.num_query_tiles) * kTileSize >= s.tokens &&
+                                 int64_t(lv.num_key_tiles) * kTileSize >= s.tokens),
+               "layout has ", lv.num_segments, " segments, ", lv.num_query_tiles,
+               " query tiles and ", lv.num_key_tiles, " key tiles: too few for ", s.tokens,
+               " tokens (tiles of at most ", kTileSize, ")");
   DUALKV_CHECK(int64_t(lv.num_query_tiles) * s.num_q_heads * 2 < (int64_t(1) << 31) &&
                    int64_t(lv.num_key_tiles) * 4 * s.num_kv_heads < (int64_t(1) << 31),
                "too many tiles x heads for one launch");
@@ -267,7 +276,7 @@ bool supports(DType dtype, int head_dim) {
 void attention_forward(const ForwardArgs& a, cudaStream_t stream) {
   using namespace detail;
   check_common(a.dtype, a.shape, a.score, a.layout);
-  if (a.shape.tokens == 0 || a.layout.num_query_tiles == 0) return;
+  if (a.shape.tokens == 0) return;
   check_qkv(a.q, a.k, a.v, a.q_stride, a.k_stride, a.v_stride);
   DUALKV_CHECK(a.out && a.lse, "out and lse must be non-null device pointers");
   DUALKV_CHECK(aligned16(a.out), "out must be 16-byte aligned");

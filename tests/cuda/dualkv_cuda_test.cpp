@@ -993,6 +993,29 @@ int main(int argc, char** argv) {
       }
       expect(threw && !cuda::supports(DType::kBFloat16, 96), "head_dim 96 must be rejected");
     }
+    // A layout view whose tile tables are too short for T (here: none) is refused, not a
+    // launch that leaves outputs unwritten (the forward returned silently before).
+    for (const int d : {64, 128, 256, 512}) {
+      if (!cuda::supports(DType::kBFloat16, d)) continue;
+      static const int32_t dummy[64] = {};  // non-null tables, never read
+      ForwardArgs f;
+      f.shape = {300, 4, 4, d};
+      f.layout.segments = reinterpret_cast<const Segment*>(dummy);
+      f.layout.query_tiles = f.layout.key_tiles = reinterpret_cast<const Tile*>(dummy);
+      f.layout.num_segments = 1;
+      f.layout.num_key_tiles = 3;
+      f.layout.num_query_tiles = 0;
+      f.layout.total_tokens = 300;
+      bool threw = false;
+      try {
+        cuda::attention_forward(f, nullptr);
+      } catch (const Error& e) {
+        threw = true;
+        std::printf("expected error: %s\n", e.what());
+      }
+      expect(threw, "a layout with no query tiles for T > 0 must be rejected");
+      break;
+    }
     // --random N: only N rounds of the random layouts (a cheap hunt for layout edge cases).
     const auto cases = random_rounds > 0 ? std::vector<Case>{} : case_matrix(rng, quick);
     for (const Case& c : cases) {
