@@ -1,6 +1,7 @@
 // Warp-specialised sm_90a kernels (FlashAttention-3 style: TMA, producer warps, ping-pong): the
-// path on Hopper (the D = 256 backward aside: sm90_bwd.cuh). When a TMA tensor map cannot be
-// encoded a launcher returns false and the caller runs the sm_80 kernels.
+// path on Hopper (DUALKV_SM90_D256_BWD=0 aside: the synchronous D = 256 backward of
+// sm90_bwd.cuh). When a TMA tensor map cannot be encoded a launcher returns false and the caller
+// runs the sm_80 kernels (the synchronous wgmma backward at D = 256), with a warning.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -20,7 +21,8 @@ namespace dualkv::cuda::detail {
 bool encode_tmap_thd(CUtensorMap_st* map, const void* base, int T, int H, int D, int64_t tok_stride,
                      int64_t head_stride, int rows);
 
-// Warns once on stderr that the warp-specialised path could not run (the sm_80 one does).
+// Warns once on stderr that the warp-specialised path could not run (the sm_80 one does; at
+// D = 256 the backward's synchronous wgmma one).
 void warn_ws_fallback(const char* why);
 
 // Warp-specialised TMA forward, every head dim (64, 128, 256, 512). Returns false (nothing
