@@ -82,9 +82,9 @@ void check_common(DType dtype, const Shape& s, const ScoreParams& sc, const Layo
   // The tables live on the device (not read here); tiles of at most kTileSize tokens cannot cover
   // T tokens with fewer than T / kTileSize of them (a launch over too few would leave outputs
   // unwritten).
-  DUALKV_CHECK(s.tokens == 0 || (lv.num_segments > 0 &&
-                                 int64_t(lv.num_query_tiles) * kTileSize >= s.tokens &&
-                                 int64_t(lv.num_key_tiles) * kTileSize >= s.tokens),
+  DUALKV_CHECK(s.tokens == 0 ||
+                   (lv.num_segments > 0 && int64_t(lv.num_query_tiles) * kTileSize >= s.tokens &&
+                    int64_t(lv.num_key_tiles) * kTileSize >= s.tokens),
                "layout has ", lv.num_segments, " segments, ", lv.num_query_tiles,
                " query tiles and ", lv.num_key_tiles, " key tiles: too few for ", s.tokens,
                " tokens (tiles of at most ", kTileSize, ")");

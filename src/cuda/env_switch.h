@@ -59,19 +59,20 @@ inline int parse_switch(const char* name, const char* value, std::string* warnin
       if (!accepted.empty()) accepted += c[1] ? ", " : " or ";
       accepted += *c;
     }
-    *warning = std::string("dualkv: ignoring ") + name + "='" + value + "' (accepted: " +
-               accepted + "; unset = the default path); running the default path";
+    *warning = std::string("dualkv: ignoring ") + name + "='" + value + "' (accepted: " + accepted +
+               "; unset = the default path); running the default path";
   }
   return kSwitchUnset;
 }
 
-// The warning for a removed switch that is set to a non-blank value; empty when there is none
-// (`name` not a removed switch, or unset or blank).
+// The warning for a removed switch that is set to a non-blank value (naming it and the value);
+// empty when there is none (`name` not a removed switch, or unset or blank).
 inline std::string removed_switch_warning(const char* name, const char* value) {
   if (value == nullptr || value[std::strspn(value, " \t\n\r")] == '\0') return {};
   for (const RemovedSwitch& s : kRemovedSwitches)
     if (std::strcmp(s.name, name) == 0)
-      return std::string("dualkv: ") + name + " was removed and is ignored (" + s.instead + ")";
+      return std::string("dualkv: ") + name + "=" + value + " was removed and is ignored (" +
+             s.instead + ")";
   return {};
 }
 

@@ -70,7 +70,8 @@ TEST(EnvSwitch, RemovedSwitchesWarn) {
   for (const char* name : {"DUALKV_ATOMIC_DQ", "DUALKV_SM90_WS"}) {
     for (const char* v : {"0", "1", "5"}) {
       const std::string w = removed_switch_warning(name, v);
-      EXPECT_NE(w.find(std::string(name) + " was removed and is ignored"), std::string::npos)
+      EXPECT_NE(w.find(std::string(name) + "=" + v + " was removed and is ignored"),
+                std::string::npos)
           << w;
     }
     EXPECT_TRUE(removed_switch_warning(name, nullptr).empty());
