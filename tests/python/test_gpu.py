@@ -98,3 +98,57 @@ def test_unsupported_on_gpu() -> None:
         dualkv.attention(q, q, q, layout)
     with pytest.raises(ValueError, match="layout is on cpu"):
         dualkv.attention(q.half(), q.half(), q.half(), dualkv.Layout([8], [[4]]))
+
+
+@pytest.mark.parametrize(
+    "d,variant_env",
+    [
+        (64, {}),
+        (128, {}),
+        (256, {"DUALKV_SM90_D256_BWD": "2"}),  # the fused-dQ D = 256 variant
+    ],
+)
+def test_deterministic_runs_the_separate_dq_pass(
+    d: int, variant_env: dict[str, str], seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """deterministic=True leaves out every dQ that is added up by fp32 reductions (the default
+    fused dQ at head dim 64/128 on sm_90a, DUALKV_SM90_D256_BWD=2): its gradients are bitwise
+    those of the separate dQ pass (DUALKV_FUSED_DQ=0 / DUALKV_SM90_D256_BWD unset), and bitwise
+    equal over repeated runs. (On other GPUs every path is the separate pass: equal too.)"""
+    rng = random.Random(seed)
+    layout = dualkv.Layout(*random_layout_lens(rng, groups=3, max_p=700, max_r=300), device="cuda")
+    q, k, v, dout = inputs(layout, 8, 2, d, seed)
+    for name in ("DUALKV_FUSED_DQ", "DUALKV_SM90_D256_BWD", "DUALKV_FORCE_SM80"):
+        monkeypatch.delenv(name, raising=False)
+    if d <= 128:
+        monkeypatch.setenv("DUALKV_FUSED_DQ", "0")
+    separate = fwd_bwd(q, k, v, dout, layout)
+    monkeypatch.delenv("DUALKV_FUSED_DQ", raising=False)
+    for name, value in variant_env.items():
+        monkeypatch.setenv(name, value)
+    for _ in range(10):
+        det = fwd_bwd(q, k, v, dout, layout, deterministic=True)
+        for a, b, what in zip(det, separate, ("out", "dq", "dk", "dv")):
+            assert torch.equal(a, b), f"{what} differs from the separate dQ pass's"
+
+
+def test_switch_values_not_accepted_warn(
+    seed: int, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A switch value that is not one of its settings, and a removed switch, warn on stderr (the
+    CUDA library's, once per message) and run the default path; the value carries the seed so
+    that the message is new to this process."""
+    layout = dualkv.Layout([300], [[64, 129]], device="cuda")
+    q, k, v, dout = inputs(layout, 8, 2, 128, seed)
+    for name in ("DUALKV_FUSED_DQ", "DUALKV_SM90_D256_BWD", "DUALKV_FORCE_SM80"):
+        monkeypatch.delenv(name, raising=False)
+    default = fwd_bwd(q, k, v, dout, layout)
+    capfd.readouterr()
+    monkeypatch.setenv("DUALKV_FUSED_DQ", f"false{seed}")
+    monkeypatch.setenv("DUALKV_ATOMIC_DQ", f"{seed % 5}")
+    again = fwd_bwd(q, k, v, dout, layout)
+    torch.cuda.synchronize()
+    err = capfd.readouterr().err
+    assert f"dualkv: ignoring DUALKV_FUSED_DQ='false{seed}' (accepted: 0 or 1" in err, err
+    assert f"dualkv: DUALKV_ATOMIC_DQ={seed % 5} was removed and is ignored" in err, err
+    assert torch.equal(again[0], default[0]) and torch.equal(again[2], default[2])
