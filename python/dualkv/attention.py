@@ -40,6 +40,8 @@ def attention(
         return_lse: also return the log-sum-exp ``[Hq, T]`` (natural log; float32, or float64
             for float64 inputs).
         deterministic: make the backward pass bitwise reproducible (dq too; dk/dv always are).
+            Also on under ``torch.use_deterministic_algorithms(True)`` (``warn_only`` too: this
+            op has a deterministic algorithm, as PyTorch's ops with one pick it then).
 
     Returns:
         ``out`` ``[T, Hq, D]`` in q's dtype, or ``(out, lse)`` when ``return_lse``.
@@ -63,7 +65,7 @@ def attention(
     out, lse = ops.fwd(
         q, k, v, layout.segments, layout.query_tiles, layout.key_tiles, layout.total_tokens,
         scale, None if window is None else int(window), cap,
-        _flag(deterministic, "deterministic"),
+        _flag(deterministic, "deterministic") or torch.are_deterministic_algorithms_enabled(),
     )  # fmt: skip
     return (out, lse) if _flag(return_lse, "return_lse") else out
 

@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import dualkv
 from dualkv.reference import random_layout_lens, unshared_attention
@@ -291,3 +292,47 @@ def test_deterministic_backward(device: str, seed: int) -> None:
     for _ in range(5):
         for a, b in zip(first, run()):
             assert torch.equal(a, b)
+
+
+class _OpArgs(TorchDispatchMode):
+    """Records the `deterministic` argument (the last) of every dualkv op call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.deterministic: list[tuple[str, bool]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func.namespace == "dualkv":
+            self.deterministic.append((func.__name__, args[-1]))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_deterministic_reaches_the_ops(device: str, seed: int) -> None:
+    """deterministic=True, and torch.use_deterministic_algorithms(True) (warn_only too), reach the
+    forward op and, through autograd, the backward op; the default reaches them as False."""
+    layout = dualkv.Layout([37], [[5, 20]], device=device)
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(layout.total_tokens, 4, 64, generator=gen).to(device, torch.bfloat16)
+    kv = torch.randn(layout.total_tokens, 2, 64, generator=gen).to(device, torch.bfloat16)
+    was, warn_only = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    try:
+        for det, global_det, global_warn_only, expect in [
+            (False, False, False, False),
+            (True, False, False, True),
+            (False, True, False, True),
+            (False, True, True, True),
+        ]:
+            torch.use_deterministic_algorithms(global_det, warn_only=global_warn_only)
+            leaf = q.clone().requires_grad_()
+            rec = _OpArgs()
+            with rec:
+                dualkv.attention(leaf, kv, kv, layout, deterministic=det).float().sum().backward()
+            assert rec.deterministic == [("fwd.default", expect), ("bwd.default", expect)], (
+                det, global_det, global_warn_only, rec.deterministic
+            )  # fmt: skip
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
