@@ -36,7 +36,7 @@ for step in "${steps[@]}"; do
       [ "$path" = default ] || envs=("$path")
       sel="cuda or gpu"
       [ "$path" = DUALKV_SM90_D512_BWD=0 ] && sel="(cuda or gpu) and 512"
-      (cd /tmp && env "${envs[@]}" python3 -m pytest "$OLDPWD/tests/python" -q --maxfail=20 -k "$sel" \
+      (cd /tmp && env "${envs[@]}" python3 -m pytest "$OLDPWD/tests/python" -q -s --maxfail=20 -k "$sel" \
         -p no:cacheprovider "${tmo[@]}" >"$log" 2>&1); rc=$?
       # D = 512 not built (DUALKV_CUDA_HEAD_DIMS): pytest selects nothing (rc 5).
       [ "$path" = DUALKV_SM90_D512_BWD=0 ] && [ $rc = 5 ] && rc=0

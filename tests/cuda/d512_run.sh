@@ -55,7 +55,7 @@ for s in "${steps[@]}"; do
     for path in default DUALKV_FORCE_SM80=1 DUALKV_SM90_D512_BWD=0; do
       echo "== pytest D = 512 ($path) =="
       envs=(); [ "$path" = default ] || envs=("$path")
-      (cd /tmp && env "${envs[@]}" timeout 300 python3 -m pytest "$OLDPWD/tests/python" -q \
+      (cd /tmp && env "${envs[@]}" timeout 300 python3 -m pytest "$OLDPWD/tests/python" -q -s \
         -k "(cuda or gpu) and (512 or unsupported)" -p no:cacheprovider \
         >"$OUT/pytest_${path%%=*}.log" 2>&1); rc=$?
       tail -1 "$OUT/pytest_${path%%=*}.log"; grep -E "^(FAILED|ERROR)" "$OUT/pytest_${path%%=*}.log" | head
