@@ -3,6 +3,7 @@
 // typo never selects a non-default kernel by accident; removed switches warn.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <string>
 
 #include "env_switch.h"
@@ -56,13 +57,16 @@ TEST(EnvSwitch, OtherValuesWarnAndReadAsUnset) {
   EXPECT_NE(w.find("DUALKV_FORCE_SM80"), std::string::npos) << w;
 }
 
-TEST(EnvSwitch, EverySwitchAcceptsZeroAndOne) {
-  // Every switch's documented settings are 0 and/or 1 (2 for DUALKV_SM90_D256_BWD).
+TEST(EnvSwitch, EverySwitchTakesExactlyItsDigits) {
   for (const EnvSwitch& s : kEnvSwitches) {
-    std::string w;
-    EXPECT_EQ(parse(s.name, "0", &w), 0) << s.name;
-    EXPECT_EQ(parse(s.name, "1", &w), 1) << s.name;
-    EXPECT_TRUE(w.empty()) << w;
+    EXPECT_GE(std::strlen(s.values), 1u) << s.name;
+    for (char c = '0'; c <= '9'; ++c) {
+      const char v[2] = {c, 0};
+      std::string w;
+      const bool listed = std::strchr(s.values, c) != nullptr;
+      EXPECT_EQ(parse(s.name, v, &w), listed ? c - '0' : kSwitchUnset) << s.name << "=" << v;
+      EXPECT_EQ(w.empty(), listed) << w;
+    }
   }
 }
 

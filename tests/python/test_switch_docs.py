@@ -1,0 +1,80 @@
+"""The CUDA kernels' environment switches stay in step across the code that reads them
+(src/cuda/api.cu's resolve_policy), the strict parser's table (src/cuda/env_switch.h), the docs
+(README.md's switch list, src/cuda/policy.h) and the scripts and test paths that set them: a
+switch renamed or removed in one place but not the others would be silently ignored."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SWITCH = re.compile(r"\bDUALKV_[A-Z0-9_]+")
+# Variables of the build (DUALKV_CUDA*, DUALKV_BUILD_*: CMake), the CPU backend and the tests,
+# not kernel switches.
+BUILD_PREFIXES = ("DUALKV_CUDA", "DUALKV_BUILD_")
+NOT_KERNEL_SWITCHES = {
+    "DUALKV_CPU_NO_AVX2",
+    "DUALKV_SEED",
+    "DUALKV_LIBRARY",
+    "DUALKV_SKIP_CUDA_COMPILE",
+}
+
+
+def read(rel: str) -> str:
+    path = ROOT / rel
+    if not path.exists():
+        pytest.skip(f"{rel} is not in this checkout (installed package only)")
+    return path.read_text()
+
+
+def read_switches() -> set[str]:
+    """The switches resolve_policy reads (`is("NAME", ...)`)."""
+    names = set(re.findall(r'\bis\("(DUALKV_[A-Z0-9_]+)"', read("src/cuda/api.cu")))
+    assert names, "no switch found in resolve_policy: the pattern no longer matches api.cu"
+    return names
+
+
+def table(name: str) -> set[str]:
+    """The names in env_switch.h's table `name` (kEnvSwitches or kRemovedSwitches)."""
+    src = read("src/cuda/env_switch.h")
+    body = src[src.index(name + "[]") :]
+    body = body[: body.index("};")]
+    return set(re.findall(r'\{\s*"(DUALKV_[A-Z0-9_]+)"', body))
+
+
+def test_every_switch_read_is_in_the_parser_table_and_documented() -> None:
+    names = read_switches()
+    assert names == table("kEnvSwitches")
+    readme, policy = read("README.md"), read("src/cuda/policy.h")
+    for name in names:
+        assert name in readme, f"{name} is not in README.md's switch list"
+        assert name in policy, f"{name} is not described in src/cuda/policy.h"
+
+
+def test_removed_switches_are_not_read_but_warned_about() -> None:
+    removed = table("kRemovedSwitches")
+    assert {"DUALKV_ATOMIC_DQ", "DUALKV_SM90_WS"} <= removed
+    assert not removed & read_switches()
+    readme = read("README.md")
+    for name in removed:
+        assert name in readme, f"README.md does not say that {name} was removed"
+
+
+def test_scripts_and_test_paths_set_only_switches_that_exist() -> None:
+    names = read_switches()
+    sources = ["tests/cuda/dualkv_cuda_test.cpp", "scripts/gpu_check.sh"]
+    sources += [str(p.relative_to(ROOT)) for p in sorted((ROOT / "tests/cuda").glob("*.sh"))]
+    sources += [str(p.relative_to(ROOT)) for p in sorted((ROOT / "tests/python").glob("test_*.py"))]
+    for rel in sources:
+        text = read(rel)
+        if rel.endswith("test_switch_docs.py"):
+            continue
+        # Settings: NAME=value in scripts, setenv("NAME" / {"NAME" in tables and monkeypatch.
+        set_here = set(re.findall(r"\b(DUALKV_[A-Z0-9_]+)=", text))
+        set_here |= set(re.findall(r'"(DUALKV_[A-Z0-9_]+)"', text))
+        unknown = {n for n in set_here if not n.startswith(BUILD_PREFIXES)}
+        unknown -= names | NOT_KERNEL_SWITCHES | table("kRemovedSwitches")
+        assert not unknown, f"{rel} sets {sorted(unknown)}, which resolve_policy does not read"
