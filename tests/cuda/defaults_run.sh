@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call that checks the kernel defaults of issue 19 items 1-2 (fused dQ at D = 64/128
 # unless deterministic, the wgmma D = 512 backward, no synchronous sm_90 forward) on every
-# remaining path, then times them side by side:
+# path there was then (the D = 256 / D = 512 variant paths added since: variants_run.sh), then
+# times them side by side:
 #   1. the full matrix + race 10 on the default path (every built head dim: fused dQ, and the
 #      deterministic mode's separate pass, bitwise);
 #   2. the bench at the reference shapes on every path (bwd and bwd-deterministic columns; the

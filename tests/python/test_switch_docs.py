@@ -45,6 +45,14 @@ def table(name: str) -> set[str]:
     return set(re.findall(r'\{\s*"(DUALKV_[A-Z0-9_]+)"', body))
 
 
+def settings() -> dict[str, str]:
+    """kEnvSwitches as {name: the digits it accepts}."""
+    src = read("src/cuda/env_switch.h")
+    body = src[src.index("kEnvSwitches[]") :]
+    body = body[: body.index("};")]
+    return dict(re.findall(r'\{\s*"(DUALKV_[A-Z0-9_]+)",\s*"([0-9]+)"\s*\}', body))
+
+
 def test_every_switch_read_is_in_the_parser_table_and_documented() -> None:
     names = read_switches()
     assert names == table("kEnvSwitches")
@@ -78,3 +86,26 @@ def test_scripts_and_test_paths_set_only_switches_that_exist() -> None:
         unknown = {n for n in set_here if not n.startswith(BUILD_PREFIXES)}
         unknown -= names | NOT_KERNEL_SWITCHES | table("kRemovedSwitches")
         assert not unknown, f"{rel} sets {sorted(unknown)}, which resolve_policy does not read"
+
+
+def test_values_set_by_test_paths_and_scripts_are_accepted() -> None:
+    """A value the parser does not accept reads as unset: the path would test the default."""
+    accepted = settings()
+    assert set(accepted) == read_switches()
+    paths = re.findall(
+        r'\{"([a-z0-9-]+)",\s*"(DUALKV_[A-Z0-9_]+)",\s*"([^"]*)"',
+        read("tests/cuda/dualkv_cuda_test.cpp"),
+    )
+    assert len(paths) >= 5, "kPaths no longer matches the pattern"
+    found = [(f"kPaths {p}", n, v) for p, n, v in paths]
+    rels = ["scripts/gpu_check.sh"] + [
+        str(p.relative_to(ROOT)) for p in sorted((ROOT / "tests/cuda").glob("*.sh"))
+    ]
+    for rel in rels:
+        for n, v in re.findall(r"\b(DUALKV_[A-Z0-9_]+)=([0-9A-Za-z_]*)", read(rel)):
+            if n in accepted and not n.startswith(BUILD_PREFIXES):
+                found.append((rel, n, v))
+    for where, name, value in found:
+        assert len(value) == 1 and value in accepted[name], (
+            f"{where}: {name}={value!r} is not a setting of {name} ({accepted[name]})"
+        )
