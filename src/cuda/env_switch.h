@@ -60,7 +60,7 @@ inline int parse_switch(const char* name, const char* value, std::string* warnin
       accepted += *c;
     }
     *warning = std::string("dualkv: ignoring ") + name + "='" + value + "' (accepted: " + accepted +
-               "; unset = the default path); running the default path";
+               "); the default path runs";
   }
   return kSwitchUnset;
 }
