@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call for the kernel variants (the A/B paths of D = 512 and D = 256) and an A/B of the
+# One device call for the kernel variants (the A/B paths of D = 512 and D = 256, the experimental
+# fused-backward variants DUALKV_SM90_BWD_VARIANT=1|2|3 at D = 64/128) and an A/B of the
 # default path: builds this tree
 # and an older one (OLD_TREE, copied into an ignored folder and carried), checks the variants
 # (matrix + race, memcheck on --small), checks this tree's default path (quick matrix + race),
@@ -45,6 +46,7 @@ check() {  # NAME TIMEOUT ARGS...
 : >"$OUT/summary.txt"
 check d512 80 --path sm90-d512-nopipe --race 10
 check d256 100 --path sm90-d256-sync,sm90-d256ws-fdq --race 10
+check bwdvar 120 --path sm90-bwd-v1,sm90-bwd-v2,sm90-bwd-v3 --race 10
 check default-quick 60 --path default --quick --race 5
 memcheck() {  # NAME PATH
   local rc
@@ -58,6 +60,9 @@ memcheck() {  # NAME PATH
 }
 case "$hung" in *d512*) ;; *) memcheck d512-nopipe sm90-d512-nopipe ;; esac
 case "$hung" in *d256*) ;; *) memcheck d256ws-fdq sm90-d256ws-fdq ;; esac
+case "$hung" in *bwdvar*) ;; *)
+  memcheck bwd-v1 sm90-bwd-v1
+  memcheck bwd-v3 sm90-bwd-v3 ;; esac
 rm -f "$OUT/one.log"
 D128=(--shape 16,8192,1024,32,8,128 --shape 32,4096,2048,32,8,128 --shape 8,16384,2048,32,8,128
   --shape 16,8192,1024,16,8,128 --shape 16,2048,2048,16,16,64)
@@ -73,6 +78,11 @@ done
   case "$hung" in *d256*) ;; *)
     timeout 60 $NEW --no-check --bench --bench-reps 5 --path default,sm90-d256-sync,sm90-d256ws-fdq \
       --shape 16,8192,1024,16,8,256 --shape 8,16384,2048,16,8,256 ;; esac
+  case "$hung" in *bwdvar*) ;; *)
+    timeout 60 $NEW --no-check --bench --bench-reps 5 --path default,sm90-bwd-v1 \
+      --shape 16,8192,1024,32,8,128 --shape 8,16384,2048,32,8,128 --shape 16,8192,1024,16,8,128
+    timeout 40 $NEW --no-check --bench --bench-reps 5 \
+      --path default,sm90-bwd-v1,sm90-bwd-v2,sm90-bwd-v3 --shape 16,2048,2048,16,16,64 ;; esac
 } >"$OUT/bench_variants.log" 2>&1
 echo "total $(($(date +%s) - T0)) s, status $status"
 cat "$OUT/summary.txt"

@@ -338,7 +338,7 @@ def run_dq(total, S, pp, rng):
         assert b.cnt == 0, "named barrier left half-arrived"
 
 
-def run_dkdv(nblocks, S, rng, dq_mode=0):
+def run_dkdv(nblocks, S, rng, dq_mode=0, nbuf=1, onered=False, bug=None, d64=False):
     # full count: 1 (expect_tx lane) + 32 (cp.async lanes), modelled as 1 + L lanes.
     # dq_mode (the kernel's kDq) 1, 2: each consumer writes its dS^T half into buffer it & 1,
     # named barrier 1 (both warpgroups), both read both halves (the dQ product) until their
@@ -350,6 +350,16 @@ def run_dkdv(nblocks, S, rng, dq_mode=0):
     # 3 and 5 (FA3's order): the dK product reads dS^T from registers and the stage; the consumer
     # retires dQ (its reads of both dS halves), hands the dQ block over, then retires dK and
     # releases the stage within the block (no deferred release).
+    # DUALKV_SM90_BWD_VARIANT (kVar, with dq_mode 5): nbuf = 2 (bit 0): two dQ buffers per
+    # warpgroup, block it in buffer it % 2 with parity (it // 2) & 1 on its own dq_full/dq_empty
+    # (and the kernel's STAGES = 2); onered (bit 1, D = 64): warpgroup 1 stores its partial into
+    # the exchange buffer (warpgroup 1's dQ buffer 0) once x_free says warpgroup 0 has read the
+    # previous one, arrives on x_full; warpgroup 0 waits x_full, reads and adds it, arrives on
+    # x_free, then hands the sum to reducer 0; reducer 1 does not run, and only warpgroup 0
+    # sends the end record. bug: an injected error (variant_bugs_caught). d64 (with dq_mode 5;
+    # onered implies it): D = 64's dQ split by keys, no named barrier joining the warpgroups.
+    d64 = d64 or onered
+    assert not d64 or dq_mode == 5
     handoff = dq_mode >= 2
     defer = dq_mode in (1, 2, 4)  # 5: mode 3's protocol (an L2 hint on the reductions)
     L = 3
@@ -364,25 +374,39 @@ def run_dkdv(nblocks, S, rng, dq_mode=0):
     ds_readers = [set(), set()]
     dk_readers = [set(), set()]  # [buffer]: warpgroups whose dK still reads their half
     bar1 = Named(2)
-    dq_full = [MBar(1), MBar(1)]  # count 128 (a warpgroup) modelled as 1
-    dq_empty = [MBar(1), MBar(1)]  # count 1 (the reducer lane)
-    dq_buf = [None, None]
-    dq_meta = [None, None]
-    dq_reading = [False, False]
+    # [warpgroup][buffer]; count 128 (a warpgroup) modelled as 1 / count 1 (the reducer lane)
+    dq_full = [[MBar(1) for _ in range(nbuf)] for _ in range(2)]
+    dq_empty = [[MBar(1) for _ in range(nbuf)] for _ in range(2)]
+    dq_buf = {}  # (warpgroup, buffer) -> what it holds; also the onered exchange buffer
+    dq_meta = {}
+    dq_reading = {}
     reduced = [[], []]
+    x_full, x_free = MBar(1), MBar(1)  # onered; counts 128 (a warpgroup) modelled as 1
+    xkey = (0, 0) if bug == "x_alias" else (1, 0)  # the exchange buffer
+    x_reading = [False]
+
+    def dq_buffer(it):  # (buffer, parity of its full barrier) of block it
+        if bug == "one_parity":
+            return it % nbuf, it & 1
+        return it % nbuf, (it // nbuf) & 1
 
     def reducer(c):
         it = 0
         while True:
-            yield from wait(dq_full[c], it & 1)
-            if dq_meta[c] == "end":
+            b, par = dq_buffer(it)
+            if bug == "reducer_buf0":
+                b = 0
+            yield from wait(dq_full[c][b], par)
+            if dq_meta.get((c, b)) == "end":
                 return
-            assert dq_meta[c] == it and dq_buf[c] == it, (dq_meta[c], dq_buf[c], it)
-            dq_reading[c] = True
+            want = ("sum", it) if onered else it
+            assert dq_meta.get((c, b)) == it and dq_buf.get((c, b)) == want, (c, b, it)
+            dq_reading[(c, b)] = True
             yield  # bulk reductions read the buffer
-            dq_reading[c] = False
+            assert dq_buf.get((c, b)) == want, "dQ buffer overwritten while reduced"
+            dq_reading[(c, b)] = False
             reduced[c].append(it)
-            dq_empty[c].arrive()
+            dq_empty[c][b].arrive()
             it += 1
 
     def lane(ln):
@@ -431,7 +455,16 @@ def run_dkdv(nblocks, S, rng, dq_mode=0):
                 release()
                 pending = None
             b = it & 1
-            if dq_mode:
+            if dq_mode and d64:
+                # D = 64: each warpgroup's dQ reads its own dS^T half only (named barrier 2 + c
+                # of its own warpgroup: no join of the two warpgroups).
+                assert cw not in dk_readers[b], "own dS half overwritten while dK reads it"
+                ds_slot[b][cw] = it
+                ds_readers[b].add(cw)
+                yield  # the dQ wgmma reads the own half
+                assert ds_slot[b][cw] == it, (ds_slot[b], it)
+                ds_readers[b].discard(cw)
+            elif dq_mode:
                 assert not ds_readers[b], "dS buffer overwritten while read"
                 assert cw not in dk_readers[b], "own dS half overwritten while dK reads it"
                 ds_slot[b][cw] = it
@@ -447,12 +480,35 @@ def run_dkdv(nblocks, S, rng, dq_mode=0):
             else:
                 readers[s].discard(cw)
                 empty[s].arrive()
-            if handoff:
-                yield from wait(dq_empty[cw], (it & 1) ^ 1)
-                assert not dq_reading[cw], "dQ buffer overwritten while reduced"
-                dq_buf[cw] = it
-                dq_meta[cw] = it
-                dq_full[cw].arrive()
+            hand = handoff
+            if handoff and onered:
+                if cw == 1:
+                    if bug != "no_x_free":
+                        yield from wait(x_free, (it & 1) ^ 1)
+                    assert not x_reading[0], "exchange buffer overwritten while read"
+                    assert not dq_reading.get(xkey), "dQ buffer overwritten while reduced"
+                    dq_buf[xkey] = ("x", it)
+                    x_full.arrive()
+                    hand = False
+                else:
+                    if bug != "no_x_full":
+                        yield from wait(x_full, it & 1)
+                    if bug == "early_x_free":
+                        x_free.arrive()
+                    assert dq_buf.get(xkey) == ("x", it), (dq_buf.get(xkey), it)
+                    x_reading[0] = True
+                    yield  # the loads of warpgroup 1's partial
+                    assert dq_buf.get(xkey) == ("x", it), "exchange overwritten while read"
+                    x_reading[0] = False
+                    if bug != "early_x_free":
+                        x_free.arrive()
+            if hand:
+                b, par = dq_buffer(it)
+                yield from wait(dq_empty[cw][b], par ^ 1)
+                assert not dq_reading.get((cw, b)), "dQ buffer overwritten while reduced"
+                dq_buf[(cw, b)] = ("sum", it) if onered else it
+                dq_meta[(cw, b)] = it
+                dq_full[cw][b].arrive()
             if not defer and dq_mode:
                 yield  # dK (dS^T from registers) still reads the stage until the final wait
                 readers[s].discard(cw)
@@ -460,10 +516,13 @@ def run_dkdv(nblocks, S, rng, dq_mode=0):
             it += 1
         if pending:
             release()
-        if handoff:
-            yield from wait(dq_empty[cw], (it & 1) ^ 1)
-            dq_meta[cw] = "end"
-            dq_full[cw].arrive()
+        if handoff and not (onered and cw == 1):
+            b, par = dq_buffer(it)
+            if bug == "end_buf0":
+                b = 0
+            yield from wait(dq_empty[cw][b], par ^ 1)
+            dq_meta[(cw, b)] = "end"
+            dq_full[cw][b].arrive()
 
     def land(x):
         if x[0] == "cp":  # a cp.async arrival
@@ -476,10 +535,11 @@ def run_dkdv(nblocks, S, rng, dq_mode=0):
 
     ths = [lane(i) for i in range(L)] + [consumer(0), consumer(1)]
     if handoff:
-        ths += [reducer(0), reducer(1)]
-    schedule(ths, inflight, land, rng, f"dkdv (dq_mode {dq_mode})")
+        ths += [reducer(0)] if onered else [reducer(0), reducer(1)]
+    schedule(ths, inflight, land, rng, f"dkdv (dq_mode {dq_mode}, nbuf {nbuf}, onered {onered})")
     if handoff:
-        assert reduced == [list(range(nblocks))] * 2, reduced
+        want = [list(range(nblocks)), [] if onered else list(range(nblocks))]
+        assert reduced == want, reduced
     assert bar1.cnt == 0, "named barrier left half-arrived"
 
 
@@ -1014,6 +1074,44 @@ def run_d256(nblocks, S, rng, bug=None, fused=False):
     assert bar[0].cnt == 0 and bar[1].cnt == 0, "named barrier left half-arrived"
 
 
+def variant_bugs_caught(rng):
+    """Each injected error of the fused D = 64/128 kernel's variants (DUALKV_SM90_BWD_VARIANT:
+    two dQ buffers, one reduction per block) must be caught by some schedule: one_parity (the
+    buffers' barriers waited with the single buffer's parity it & 1), reducer_buf0 (the reducer
+    reads buffer 0 only), end_buf0 (the end record always in buffer 0), no_x_free (warpgroup 1
+    overwrites the exchange buffer without waiting for warpgroup 0's read), no_x_full (warpgroup 0
+    reads it without waiting), early_x_free (x_free arrived before the read), x_alias (the
+    exchange buffer is warpgroup 0's dQ buffer 0, which its reducer reads)."""
+    bugs = (
+        ("one_parity", 2, False),
+        ("reducer_buf0", 2, False),
+        ("end_buf0", 2, False),
+        ("no_x_free", 1, True),
+        ("no_x_full", 1, True),
+        ("early_x_free", 2, True),
+        ("x_alias", 1, True),
+    )
+    for bug, nbuf, onered in bugs:
+        caught = False
+        for _ in range(400):
+            try:
+                run_dkdv(
+                    rng.randrange(1, 7),
+                    rng.choice([2, 3]),
+                    rng,
+                    5,
+                    nbuf,
+                    onered,
+                    bug,
+                    rng.random() < 0.5,
+                )
+            except (AssertionError, RuntimeError):
+                caught = True
+                break
+        assert caught, f"injected bug {bug} (nbuf {nbuf}, onered {onered}) was not caught"
+    return len(bugs)
+
+
 def d256_bugs_caught(rng):
     """Each injected error of the D = 256 dK/dV kernel (swaps, release, fused-dQ hand-off) must be
     caught by some schedule."""
@@ -1047,6 +1145,9 @@ for _trial in range(3000):
     run_dq(total, S, rng.random() < 0.7, rng)
     for dq_mode in (0, 1, 2, 3, 5, 4):
         run_dkdv(total, S, rng, dq_mode)
+    run_dkdv(total, S, rng, 5, d64=True)  # the default kernel at D = 64
+    for nbuf, onered in ((2, False), (1, True), (2, True)):  # DUALKV_SM90_BWD_VARIANT=1, 2, 3
+        run_dkdv(total, 2 if nbuf == 2 else 3, rng, 5, nbuf, onered, d64=rng.random() < 0.5)
     run_dkdv512(total, S, rng)
     run_dkdv512(total, S, rng, dq=True)
     run_dkdv512(total, S, rng, pipe=True)
@@ -1060,7 +1161,13 @@ print(
     n,
     "random schedules each for fwd, fwd (2-CTA cluster), dq, dkdv (dq modes 0-5), "
     "dkdv and dq D = 512 (2-CTA clusters; and their kPipe order), fwd D = 512 (2-CTA cluster, "
-    "split D), dkdv D = 256 (warp-specialised, P^T / dS^T swaps; separate and fused dQ)",
+    "split D), dkdv D = 256 (warp-specialised, P^T / dS^T swaps; separate and fused dQ), "
+    "dkdv fused-dQ variants 1-3 (two dQ buffers, one reduction per block)",
+)
+print(
+    "ok",
+    variant_bugs_caught(rng),
+    "injected fused-dQ variant (2 buffers, 1 reduction) errors caught",
 )
 print("ok", injected_bugs_caught(rng), "injected D = 512 dK/dV protocol errors caught")
 print("ok", fwd512c_bugs_caught(rng), "injected D = 512 cluster forward exchange errors caught")
