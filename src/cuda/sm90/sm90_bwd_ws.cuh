@@ -298,14 +298,19 @@ __global__ void __launch_bounds__(384, 1)
         int pkl = pk_last;
         if constexpr (kFusedDq) asm volatile("" : "+r"(pkl));
         // 2 stages (kDqDouble, D = 128): the key segment read again here (after the loop's
-        // memory clobbers) rather than kept in 7 registers across the loop (ptxas spilled the
-        // producer's loop state at 24 registers: 76 bytes; 60 with this).
+        // memory clobbers) rather than kept in 7 registers across the loop, its index through an
+        // empty asm (ptxas spilled the producer's loop state at 24 registers: 76 bytes of
+        // stores; 56 with this).
         Segment ksr;
-        if constexpr (S == 2) ksr = p.segs[ksi];
+        int ksl = ksi;
+        if constexpr (S == 2) {
+          asm volatile("" : "+r"(ksl));
+          ksr = p.segs[ksl];
+        }
         const Segment& ks = S == 2 ? ksr : kseg;
-        valid = seek_query_region<BM>(p, ks, ksi, cur.si + 1, pk_first, pkl, cur);
+        valid = seek_query_region<BM>(p, ks, ksl, cur.si + 1, pk_first, pkl, cur);
         if (!valid && ++cur.hi < p.group)
-          valid = seek_query_region<BM>(p, ks, ksi, ksi, pk_first, pkl, cur);
+          valid = seek_query_region<BM>(p, ks, ksl, ksl, pk_first, pkl, cur);
       }
       cp_wait<0>();  // no lse/delta copy outlives its thread
     } else if (kFusedDq && warp <= (kOneRed ? 1 : 2)) {
