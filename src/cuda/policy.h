@@ -16,10 +16,10 @@ struct KernelPolicy {
   bool pingpong = true;
   // The sm_90a backward at D = 64, 128 computes dQ inside the dK/dV kernel (5 matmul units per
   // block pair instead of 7; bulk async fp32 reductions, so not bitwise reproducible): H200,
-  // (16, 8192, 1024), Hq 32, Hkv 8, D 128: 16.07 ms backward vs 18.30 ms with the separate dQ
-  // pass (src/cuda/NOTES.md). False when the call is deterministic (the separate pass: no
-  // atomics, bitwise reproducible) or DUALKV_FUSED_DQ=0 (A/B). The other paths (sm_80, D = 256,
-  // D = 512) always run a separate, deterministic dQ pass.
+  // (16, 8192, 1024), Hq 32, Hkv 8, D 128: 13.98 ms backward vs 15.97 ms with the separate dQ
+  // pass (bench/RESULTS.md, third session). False when the call is deterministic (the separate
+  // pass: no atomics, bitwise reproducible) or DUALKV_FUSED_DQ=0 (A/B). The other paths (sm_80, D =
+  // 256, D = 512) always run a separate, deterministic dQ pass.
   bool fused_dq = true;
   // D = 512 on sm_90a: the wgmma backward of sm90/sm90_bwd512_ws.cuh (126.9 vs 247.7 ms for the
   // sm_80 backward at (16, 8192, 1024), Hq 32, Hkv 4, H200); DUALKV_SM90_D512_BWD=0 runs the
