@@ -18,20 +18,10 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-.out/defaults}"
 mkdir -p "$OUT"
-START=$(date +%s)
-BUDGET="${BUDGET:-330}"
-left() { echo $((START + BUDGET - $(date +%s))); }
-step() {
-  local l
-  l=$(left)
-  if [ "$l" -lt "$2" ]; then
-    echo "== $1: skipped ($l s left)"
-    return 1
-  fi
-  echo "== $1 ($l s left, $(date -u +%H:%M:%S))"
-}
+source tests/cuda/run_lib.sh
+budget 330
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
-ldconfig -p | grep -q libgomp.so.1 || export LD_LIBRARY_PATH="$PWD/.out/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+use_carried_libgomp
 BIN=.out/dualkv_cuda_test
 if ! $BIN --no-check >/dev/null 2>&1; then
   step build 200 || exit 1
@@ -42,21 +32,6 @@ if ! $BIN --no-check >/dev/null 2>&1; then
     { tail -30 "$OUT/build.log"; exit 1; }
   BIN=build/dev/tests/cuda/dualkv_cuda_test
 fi
-status=0
-# check NAME TIMEOUT ARGS...: one correctness run, appended to test.log.
-check() {
-  local name=$1 t=$2 rc
-  shift 2
-  step "correctness: $name" 20 || { status=1; return; }
-  echo "### $name: $*" >>"$OUT/test.log"
-  timeout "$t" $BIN "$@" >"$OUT/one.log" 2>&1
-  rc=$?
-  cat "$OUT/one.log" >>"$OUT/test.log"
-  grep -E "FAIL|reproduce" "$OUT/one.log" | head -10
-  grep -q "kernels cannot run" "$OUT/one.log" && { echo "FAIL: fell back"; rc=1; }
-  echo "$name: $(grep "^correctness" "$OUT/one.log" || echo 'no summary'), rc=$rc" | tee -a "$OUT/summary.txt"
-  [ $rc = 0 ] || status=1
-}
 : >"$OUT/test.log"
 : >"$OUT/summary.txt"
 check "default, full matrix, race 10" 150 --path default --race 10

@@ -13,21 +13,10 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-.out/fastbwd}"
 mkdir -p "$OUT"
-START=$(date +%s)
-BUDGET="${BUDGET:-300}"
-left() { echo $((START + BUDGET - $(date +%s))); }
-# step NAME SECONDS: false (skip) when less than SECONDS are left.
-step() {
-  local l
-  l=$(left)
-  if [ "$l" -lt "$2" ]; then
-    echo "== $1: skipped ($l s left)"
-    return 1
-  fi
-  echo "== $1 ($l s left, $(date -u +%H:%M:%S))"
-}
+source tests/cuda/run_lib.sh
+budget 300
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
-ldconfig -p | grep -q libgomp.so.1 || export LD_LIBRARY_PATH="$PWD/.out/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+use_carried_libgomp
 BIN=.out/dualkv_cuda_test
 if ! $BIN --no-check >/dev/null 2>&1; then
   step build 150 || exit 1

@@ -12,20 +12,10 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-.out/params_ab}"
 mkdir -p "$OUT"
-START=$(date +%s)
-BUDGET="${BUDGET:-330}"
-left() { echo $((START + BUDGET - $(date +%s))); }
-step() {
-  local l
-  l=$(left)
-  if [ "$l" -lt "$2" ]; then
-    echo "== $1: skipped ($l s left)"
-    return 1
-  fi
-  echo "== $1 ($l s left, $(date -u +%H:%M:%S))"
-}
+source tests/cuda/run_lib.sh
+budget 330
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
-ldconfig -p | grep -q libgomp.so.1 || export LD_LIBRARY_PATH="$PWD/.out/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+use_carried_libgomp
 NEW=.out/dualkv_cuda_test
 OLD=.out/dualkv_cuda_test.base
 for b in $NEW $OLD; do $b --no-check >/dev/null 2>&1 || { echo "FAIL: $b does not run"; exit 1; }; done

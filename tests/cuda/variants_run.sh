@@ -34,22 +34,8 @@ wait $b1 || { tail -30 "$OUT/build.log"; exit 1; }
 NEW=build/var-new/tests/cuda/dualkv_cuda_test
 OLD=build/var-old/tests/cuda/dualkv_cuda_test
 echo "builds $(($(date +%s) - T0)) s"
-status=0
-hung=""
-check() {  # NAME TIMEOUT ARGS...
-  local name=$1 t=$2 rc
-  shift 2
-  echo "### $name: $*" >>"$OUT/test.log"
-  timeout "$t" $NEW "$@" >"$OUT/one.log" 2>&1
-  rc=$?
-  cat "$OUT/one.log" >>"$OUT/test.log"
-  grep -E "FAIL|reproduce" "$OUT/one.log" | head -8
-  grep -q "kernels cannot run" "$OUT/one.log" && { echo "FAIL: fell back"; rc=1; }
-  echo "$name: $(grep -E "^correctness|ERROR SUMMARY" "$OUT/one.log" | tail -1), rc=$rc" | tee -a "$OUT/summary.txt"
-  [ $rc = 0 ] || status=1
-  [ $rc = 124 ] && hung="$hung $name"
-  return 0
-}
+source tests/cuda/run_lib.sh
+BIN=$NEW
 : >"$OUT/test.log"
 : >"$OUT/summary.txt"
 if [ "$BWDVAR_ONLY" != 1 ]; then
