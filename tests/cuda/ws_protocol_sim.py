@@ -338,6 +338,34 @@ def run_dq(total, S, pp, rng):
         assert b.cnt == 0, "named barrier left half-arrived"
 
 
+def dkdv_producer_lane(ln, S, nblocks, bKV, full, empty, meta, inflight, busy):
+    """Lane ln of the dK/dV kernels' producer warp: K/V once (lane 0), then per query block of the
+    walk the stage's TMA (lane 0: its record, expect_tx) and every lane's cp.async of lse/delta
+    (arrive.noinc, lands later), through the S-deep ring; the end record after the walk.
+    busy(s): the stage is still being read (it must not be refilled)."""
+    if ln == 0:
+        bKV.expect_tx(1)
+        inflight.append((bKV, None, None))
+    it = 0
+    while True:
+        s = it % S
+        yield from wait(empty[s], ((it // S) & 1) ^ 1)
+        if it == nblocks:
+            if ln == 0:
+                meta[s] = "end"
+                full[s].arrive()
+            full[s].arrive()
+            return
+        if ln == 0:
+            assert not busy(s), "stage refilled while read"
+            meta[s] = it
+            full[s].expect_tx(1)
+            inflight.append((full[s], s, it))
+        inflight.append(("cp", full[s], None))
+        it += 1
+        yield
+
+
 def run_dkdv(nblocks, S, rng, dq_mode=0, nbuf=1, onered=False, bug=None, d64=False):
     # full count: 1 (expect_tx lane) + 32 (cp.async lanes), modelled as 1 + L lanes.
     # dq_mode (the kernel's kDq) 1, 2: each consumer writes its dS^T half into buffer it & 1,
@@ -410,27 +438,9 @@ def run_dkdv(nblocks, S, rng, dq_mode=0, nbuf=1, onered=False, bug=None, d64=Fal
             it += 1
 
     def lane(ln):
-        if ln == 0:
-            bKV.expect_tx(1)
-            inflight.append((bKV, None, None))
-        it = 0
-        while True:
-            s = it % S
-            yield from wait(empty[s], ((it // S) & 1) ^ 1)
-            if it == nblocks:
-                if ln == 0:
-                    meta[s] = "end"
-                    full[s].arrive()
-                full[s].arrive()
-                return
-            if ln == 0:
-                assert not readers[s]
-                meta[s] = it
-                full[s].expect_tx(1)
-                inflight.append((full[s], s, it))
-            inflight.append(("cp", full[s], None))  # cp.async arrive.noinc, lands later
-            it += 1
-            yield
+        return dkdv_producer_lane(
+            ln, S, nblocks, bKV, full, empty, meta, inflight, lambda s: bool(readers[s])
+        )
 
     def consumer(cw):
         yield from wait(bKV, 0)
@@ -957,27 +967,7 @@ def run_d256(nblocks, S, rng, bug=None, fused=False):
         return whole[s] or halves[s][0] or halves[s][1] or staged[s] != [None, None]
 
     def lane(ln):
-        if ln == 0:
-            bKV.expect_tx(1)
-            inflight.append((bKV, None, None))
-        it = 0
-        while True:
-            s = it % S
-            yield from wait(empty[s], ((it // S) & 1) ^ 1)
-            if it == nblocks:
-                if ln == 0:
-                    meta[s] = "end"
-                    full[s].arrive()
-                full[s].arrive()
-                return
-            if ln == 0:
-                assert not busy(s), "stage refilled while read"
-                meta[s] = it
-                full[s].expect_tx(1)
-                inflight.append((full[s], s, it))
-            inflight.append(("cp", full[s], None))
-            it += 1
-            yield
+        return dkdv_producer_lane(ln, S, nblocks, bKV, full, empty, meta, inflight, busy)
 
     def reducer(c):
         it = 0
