@@ -363,6 +363,23 @@ __global__ void __launch_bounds__(384, 1)
     // S^T / dP^T until their dV/dK products have completed) and that block's stage.
     uint32_t pa[BM / 16][4], da[BM / 16][4];
     int prev_s = 0;
+    // dV += P^T dO, dK += dS^T Q from stage st's tiles, waited for; then the stage is released.
+    auto retire = [&](int st) {
+      fence_regs(pa);
+      fence_regs(da);
+      fence_regs(dv);
+      fence_regs(dk);
+      wg_fence();
+      wgmma_rs_acc<T, DW, BM>(dv, pa, sdO0 + st * Cfg::Q_BYTES + half);
+      wgmma_rs_acc<T, DW, BM>(dk, da, sQ0 + st * Cfg::Q_BYTES + half);
+      wg_commit();
+      wg_wait<0>();
+      fence_regs(dv);
+      fence_regs(dk);
+      fence_regs(pa);
+      fence_regs(da);
+      ws::mbar_arrive(bars.empty(st));
+    };
 
     ws::mbar_wait(bKV, 0);
     int it = 0;
@@ -443,39 +460,10 @@ __global__ void __launch_bounds__(384, 1)
         prev_s = s;
         continue;  // the products go behind the next block's S^T / dP^T
       }
-      fence_regs(pa);
-      fence_regs(da);
-      fence_regs(dv);
-      fence_regs(dk);
-      wg_fence();
-      wgmma_rs_acc<T, DW, BM>(dv, pa, sdO + half);
-      wgmma_rs_acc<T, DW, BM>(dk, da, sQ + half);
-      wg_commit();
-      wg_wait<0>();
-      fence_regs(dv);
-      fence_regs(dk);
-      fence_regs(pa);
-      fence_regs(da);
-      ws::mbar_arrive(bars.empty(s));
+      retire(s);
     }
     if constexpr (kPipe) {
-      if (it > 0) {  // the last block's products
-        const uint32_t pQ = sQ0 + prev_s * Cfg::Q_BYTES, pdO = sdO0 + prev_s * Cfg::Q_BYTES;
-        fence_regs(pa);
-        fence_regs(da);
-        fence_regs(dv);
-        fence_regs(dk);
-        wg_fence();
-        wgmma_rs_acc<T, DW, BM>(dv, pa, pdO + half);
-        wgmma_rs_acc<T, DW, BM>(dk, da, pQ + half);
-        wg_commit();
-        wg_wait<0>();
-        fence_regs(dv);
-        fence_regs(dk);
-        fence_regs(pa);
-        fence_regs(da);
-        ws::mbar_arrive(bars.empty(prev_s));
-      }
+      if (it > 0) retire(prev_s);  // the last block's products
     }
     store_dkdv_rows<T, Cfg::D, DW>(p, dk, dv, k0, nk, hk, kr0, cb0 + cw * DW, tq);
   }
@@ -577,6 +565,18 @@ __global__ void __launch_bounds__(384, 1)
     // and that block's stage.
     uint32_t da[BN / 16][4];
     int prev_s = 0;
+    // dQ += dS K from stage st's K tile, waited for; then the stage is released.
+    auto retire = [&](int st) {
+      fence_regs(da);
+      fence_regs(acc);
+      wg_fence();
+      wgmma_rs_acc<T, DW, BN>(acc, da, sK0 + st * Cfg::KV_BYTES + half);
+      wg_commit();
+      wg_wait<0>();
+      fence_regs(acc);
+      fence_regs(da);
+      ws::mbar_arrive(bars.empty(st));
+    };
 
     ws::mbar_wait(bQ, 0);
     for (int j = 0; j < total; ++j) {
@@ -635,28 +635,10 @@ __global__ void __launch_bounds__(384, 1)
         prev_s = s;
         continue;  // the product goes behind the next block's S / dP
       }
-      fence_regs(da);
-      fence_regs(acc);
-      wg_fence();
-      wgmma_rs_acc<T, DW, BN>(acc, da, sK + half);
-      wg_commit();
-      wg_wait<0>();
-      fence_regs(acc);
-      fence_regs(da);
-      ws::mbar_arrive(bars.empty(s));
+      retire(s);
     }
     if constexpr (kPipe) {
-      if (total > 0) {  // the last block's product
-        fence_regs(da);
-        fence_regs(acc);
-        wg_fence();
-        wgmma_rs_acc<T, DW, BN>(acc, da, sK0 + prev_s * Cfg::KV_BYTES + half);
-        wg_commit();
-        wg_wait<0>();
-        fence_regs(acc);
-        fence_regs(da);
-        ws::mbar_arrive(bars.empty(prev_s));
-      }
+      if (total > 0) retire(prev_s);  // the last block's product
     }
     store_dq_rows<T, Cfg::D, DW>(p, acc, q0, nq, h, row0, cb0 + cw * DW, tq);
   }
