@@ -9,14 +9,15 @@
 # d512bwd: the wgmma D = 512 backward (the default on sm_90a) against the sm_80 one
 # (DUALKV_SM90_D512_BWD=0, --path sm90-d512-sm80): the matrix + race of both, memcheck of the
 # default, the backward timed on both, ncu kernel durations of the default.
+# fwd2, bwd3: the default path's D = 512 matrix + race 20 and memcheck on --small (once per call,
+# shared by both steps: the kernels below are the defaults), then
 # fwd2: the D = 512 cluster forward (the default; DUALKV_SM90_D512_FWD=0, --path sm90-d512fwd-1cta,
-# is the single-CTA one): its matrix + race 20, memcheck on --small, the forward timed side by
-# side with the single-CTA one at both shapes (one process), ncu kernel durations of both; 4
-# files, under 4 minutes.
+# is the single-CTA one) timed side by side with the single-CTA one at both shapes (one process),
+# ncu kernel durations of both;
 # bwd3: the kPipe D = 512 backward (the default; DUALKV_SM90_D512_BWD=1, --path sm90-d512-nopipe,
 # runs the kernels without it: each block's exchange behind the previous block's dV/dK, dQ
-# products): its matrix + race 20, memcheck on --small, the bench of both in one process at both
-# shapes, ncu durations and tensor-pipe activity of both backwards' kernels; 4 files, <= 240 s.
+# products) and the one without in one bench process at both shapes, ncu durations and
+# tensor-pipe activity of both backwards' kernels. Under 4 minutes each.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-.out/d512}"
@@ -30,6 +31,27 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,
 date -u
 status=0
 SHAPES=(--shape 16,8192,1024,32,4,512 --shape 8,16384,2048,32,4,512)
+# The default path's D = 512 matrix + race 20 and memcheck on --small (steps fwd2 and bwd3: their
+# kernels are the defaults), once per call; false after a hang (timeout, rc 124) in the matrix.
+checked_default=""
+check_default() {
+  [ -n "$checked_default" ] && return "$checked_default"
+  local rc
+  echo "== standalone: D = 512 matrix + race 20, path default =="
+  timeout 100 $BIN --race 20 --path default >"$OUT/default_test.log" 2>&1; rc=$?
+  grep -E "FAIL|error|note|reproduce" "$OUT/default_test.log" | grep -v "expected error" | head -20
+  tail -2 "$OUT/default_test.log"
+  grep -q "kernels cannot run" "$OUT/default_test.log" && { echo "FAIL: fell back"; rc=1; }
+  echo "rc=$rc"; [ $rc = 0 ] || status=1
+  checked_default=0
+  [ $rc = 124 ] && { checked_default=1; return 1; }
+  echo "== compute-sanitizer memcheck (--small, path default) =="
+  timeout 50 compute-sanitizer --tool memcheck --error-exitcode 9 $BIN --small --seed 1 \
+    --path default >"$OUT/default_memcheck.log" 2>&1; rc=$?
+  grep -E "ERROR SUMMARY|correctness" "$OUT/default_memcheck.log" | tail -2; echo "rc=$rc"
+  [ $rc = 0 ] || status=1
+  return 0
+}
 for s in "${steps[@]}"; do
   case "$s" in
   test)
@@ -115,19 +137,7 @@ for s in "${steps[@]}"; do
       done
     fi ;;
   fwd2)
-    # A hang (timeout, rc 124) in the matrix skips the rest of this step.
-    echo "== standalone: D = 512 matrix + race 20, path default (the cluster forward) =="
-    timeout 100 $BIN --race 20 --path default >"$OUT/fwd2_test.log" 2>&1; rc=$?
-    grep -E "FAIL|error|note|reproduce" "$OUT/fwd2_test.log" | grep -v "expected error" | head -20
-    tail -2 "$OUT/fwd2_test.log"
-    grep -q "kernels cannot run" "$OUT/fwd2_test.log" && { echo "FAIL: fell back"; rc=1; }
-    echo "rc=$rc"; [ $rc = 0 ] || status=1
-    if [ $rc != 124 ]; then
-      echo "== compute-sanitizer memcheck (--small, path default) =="
-      timeout 50 compute-sanitizer --tool memcheck --error-exitcode 9 $BIN --small --seed 1 \
-        --path default >"$OUT/fwd2_memcheck.log" 2>&1; rc=$?
-      grep -E "ERROR SUMMARY|correctness" "$OUT/fwd2_memcheck.log" | tail -2; echo "rc=$rc"
-      [ $rc = 0 ] || status=1
+    if check_default; then
       echo "== bench: forward, the cluster forward (default) vs the single-CTA one (one process; bwd = the default one) =="
       timeout 40 $BIN --no-check --bench --bench-reps 5 \
         --path default,sm90-d512fwd-1cta "${SHAPES[@]}" >"$OUT/fwd2_bench.log" 2>&1
@@ -147,19 +157,7 @@ for s in "${steps[@]}"; do
         { echo "FAIL: no fwd_d512_cluster kernel in the ncu log"; status=1; }
     fi ;;
   bwd3)
-    # A hang (timeout, rc 124) in the matrix skips the rest of this step.
-    echo "== standalone: D = 512 matrix + race 20, path default (kPipe) =="
-    timeout 100 $BIN --race 20 --path default >"$OUT/bwd3_test.log" 2>&1; rc=$?
-    grep -E "FAIL|error|note|reproduce" "$OUT/bwd3_test.log" | grep -v "expected error" | head -20
-    tail -2 "$OUT/bwd3_test.log"
-    grep -q "kernels cannot run" "$OUT/bwd3_test.log" && { echo "FAIL: fell back"; rc=1; }
-    echo "rc=$rc"; [ $rc = 0 ] || status=1
-    if [ $rc != 124 ]; then
-      echo "== compute-sanitizer memcheck (--small, path default) =="
-      timeout 50 compute-sanitizer --tool memcheck --error-exitcode 9 $BIN --small --seed 1 \
-        --path default >"$OUT/bwd3_memcheck.log" 2>&1; rc=$?
-      grep -E "ERROR SUMMARY|correctness" "$OUT/bwd3_memcheck.log" | tail -2; echo "rc=$rc"
-      [ $rc = 0 ] || status=1
+    if check_default; then
       echo "== bench: the kPipe D = 512 backward (default) vs the one without (one process, both shapes) =="
       timeout 40 $BIN --no-check --bench --bench-reps 5 \
         --path default,sm90-d512-nopipe "${SHAPES[@]}" >"$OUT/bwd3_bench.log" 2>&1
