@@ -12,7 +12,7 @@
 #   4. compute-sanitizer memcheck on small cases, default path.
 # The binary: .out/dualkv_cuda_test if present (built on the dev machine with all head dims,
 # -DDUALKV_CUDA_ARCHS=90a -DDUALKV_CUDA_STATIC_RUNTIME=ON; libgomp in .out/lib), else built here.
-# Every step has a timeout and the script a deadline (BUDGET seconds). Logs: $OUT (5 files).
+# Every step has a timeout and the script a deadline (BUDGET seconds). Logs: $OUT (4 files).
 #   OUT=... BUDGET=330 bash tests/cuda/defaults_run.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -42,14 +42,8 @@ fi
 check "sm90-sepdq, quick, race 10" 60 --path sm90-sepdq --quick --race 10
 check "sm90-d512-sm80, quick, race 3" 60 --path sm90-d512-sm80 --quick --race 3
 check "sm80, quick, race 3" 60 --path sm80 --quick --race 3
+memcheck default default 120
 rm -f "$OUT/one.log"
-if step "compute-sanitizer memcheck (--small, default path)" 60; then
-  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 $BIN --small --seed 1 \
-    --path default >"$OUT/memcheck.log" 2>&1
-  rc=$?
-  echo "memcheck: $(grep -E "ERROR SUMMARY" "$OUT/memcheck.log" | tail -1), rc=$rc" | tee -a "$OUT/summary.txt"
-  [ $rc = 0 ] || status=1
-fi
 echo "done after $(($(date +%s) - START)) s, status $status"
 cat "$OUT/summary.txt"
 grep "^|" "$OUT/bench.log" 2>/dev/null

@@ -7,6 +7,8 @@
 #   check NAME TIMEOUT ARGS...
 #                           one $BIN correctness run: its log appended to $OUT/test.log, a line in
 #                           $OUT/summary.txt; a failure sets status=1, a timeout adds NAME to hung
+#   memcheck NAME PATH [TIMEOUT]
+#                           compute-sanitizer memcheck of $BIN --small on PATH, logged the same way
 budget() {
   START=$(date +%s)
   BUDGET="${BUDGET:-$1}"
@@ -41,5 +43,18 @@ check() {
     tee -a "$OUT/summary.txt"
   [ $rc = 0 ] || status=1
   [ $rc = 124 ] && hung="$hung $name"
+  return 0
+}
+memcheck() {
+  local rc
+  if [ -n "${START:-}" ]; then step "memcheck: $1" 60 || { status=1; return 0; }; fi
+  echo "### memcheck $1" >>"$OUT/test.log"
+  timeout "${3:-45}" compute-sanitizer --tool memcheck --error-exitcode 9 $BIN --small --seed 1 \
+    --path "$2" >"$OUT/one.log" 2>&1
+  rc=$?
+  cat "$OUT/one.log" >>"$OUT/test.log"
+  echo "memcheck $1: $(grep -E "ERROR SUMMARY" "$OUT/one.log" | tail -1), rc=$rc" |
+    tee -a "$OUT/summary.txt"
+  [ $rc = 0 ] || status=1
   return 0
 }

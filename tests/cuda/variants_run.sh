@@ -44,16 +44,6 @@ if [ "$BWDVAR_ONLY" != 1 ]; then
 fi
 check bwdvar 120 --path sm90-bwd-v1,sm90-bwd-v2,sm90-bwd-v3 --race 10
 check default-quick 60 --path default --quick --race 5
-memcheck() {  # NAME PATH
-  local rc
-  echo "### memcheck $1" >>"$OUT/test.log"
-  timeout 45 compute-sanitizer --tool memcheck --error-exitcode 9 $NEW --small --seed 1 \
-    --path "$2" >"$OUT/one.log" 2>&1
-  rc=$?
-  cat "$OUT/one.log" >>"$OUT/test.log"
-  echo "memcheck $1: $(grep -E "ERROR SUMMARY" "$OUT/one.log" | tail -1), rc=$rc" | tee -a "$OUT/summary.txt"
-  [ $rc = 0 ] || status=1
-}
 if [ "$BWDVAR_ONLY" != 1 ]; then
   case "$hung" in *d512*) ;; *) memcheck d512-nopipe sm90-d512-nopipe ;; esac
   case "$hung" in *d256*) ;; *) memcheck d256ws-fdq sm90-d256ws-fdq ;; esac
