@@ -38,6 +38,10 @@ With ``--compile`` every decoder layer is compiled with ``torch.compile`` (regio
 as trainers do) in every path, so the model's own elementwise code (RMSNorm, RoPE, SwiGLU,
 residuals) is fused the same way around each attention.
 
+With ``--rounds K`` the paths are measured in turn K times (A B A B ...: a drift of the GPU's
+clocks reaches every path alike); each path's time is the median over all its rounds' steps, and
+the per-round medians are printed.
+
 Per path: median step time (pack + forward + log-probs + loss + backward), peak memory, and MFU
 on the *useful* FLOPs of the packed layout (dense layers and LM head on the packed tokens, DualKV
 attention FLOPs, x3 / x3.5 for forward+backward, recomputation not counted) over the GPU's dense
@@ -46,6 +50,7 @@ bf16 peak (--peak-tflops, 989 for H100/H200 SXM).
     python bench/model_step.py                                   # the issue's full table
     python bench/model_step.py --presets 1.7b --shapes 16,8192,1024 --paths flex,dualkv
     python bench/model_step.py --presets 1.7b --shapes 16,8192,1024 --paths flex,dualkv --compile
+    python bench/model_step.py --presets 1.7b --shapes 16,8192,1024 --paths flex,dualkv --rounds 3
     python bench/model_step.py --presets 1.7b --shapes 16,8192,1024 --paths dualkv,dualkv-sp
     python bench/model_step.py --preset-tiny-cpu                 # a smoke run on CPU
     python bench/model_step.py --presets gemma4-31b --layers 6 --shapes 16,32768,2048 \
@@ -444,7 +449,8 @@ def bench_path(model, path, ids, mask, gid, adv, p, old, warmup, repeats, device
         return {"path": path, "error": error}
     peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None
     model.zero_grad(set_to_none=True)
-    return {"path": path, "time": statistics.median(times), "peak": peak, "loss": float(loss)}
+    return {"path": path, "time": statistics.median(times), "times": times, "peak": peak,
+            "loss": float(loss)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -458,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--paths", default="standard,flex,dualkv", help=f"subset of {ALL_PATHS}")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure the paths in turn this many times")  # fmt: skip
     ap.add_argument("--no-grad-ckpt", action="store_true")
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     ap.add_argument("--layers", type=int, help="override the layer count (quick runs)")
@@ -512,12 +520,32 @@ def main(argv: list[str] | None = None) -> int:
             layout = dualkv.Layout([p], [[r] * n])
             flops = useful_flops(model, layout, n * r)
             old = torch.zeros(n, r, device=device)  # on-policy-ish: ratio = exp(logp)
+            # --rounds: the paths take turns (round 1: each path, round 2: each path, ...), so
+            # that a drift of the GPU's clocks over the run reaches every path alike; each path's
+            # time is the median of all its rounds' steps.
+            per_round: dict[str, list[float]] = {x: [] for x in paths}
             results = []
-            for path in paths:
-                if not args.no_grad_ckpt:
-                    checkpointing_for(model, path)
-                results.append(bench_path(model, path, ids, mask, gid, adv, p, old,
-                                          args.warmup, args.repeats, device))  # fmt: skip
+            for rnd in range(args.rounds):
+                for k, path in enumerate(paths):
+                    if not args.no_grad_ckpt:
+                        checkpointing_for(model, path)
+                    warm = args.warmup if rnd == 0 else 1
+                    res = bench_path(model, path, ids, mask, gid, adv, p, old,
+                                     warm, args.repeats, device)  # fmt: skip
+                    if rnd == 0:
+                        results.append(res)
+                    elif "times" in res and "times" in results[k]:
+                        results[k]["times"] += res["times"]
+                        results[k]["peak"] = max(results[k]["peak"] or 0, res["peak"] or 0)
+                    if "times" in res:
+                        per_round[path].append(statistics.median(res["times"]))
+            for res in results:
+                if "times" in res:
+                    res["time"] = statistics.median(res["times"])
+            if args.rounds > 1:
+                print("per-round medians: " + "; ".join(
+                    f"{x} " + " ".join(f"{t:.3f}" for t in ts) for x, ts in per_round.items()
+                ), flush=True)  # fmt: skip
             if args.profile and device.type == "cuda":
                 for res in results:
                     if "time" in res:
