@@ -202,10 +202,6 @@ KernelPolicy resolve_policy(bool deterministic) {
   pol.d512_bwd_pipe = !is("DUALKV_SM90_D512_BWD", '1');
   const int d256 = is("DUALKV_SM90_D256_BWD", '0') ? 0 : is("DUALKV_SM90_D256_BWD", '2') ? 2 : 1;
   pol.d256_bwd_ws = deterministic && d256 == 2 ? 1 : d256;
-  pol.sm90_bwd_variant = is("DUALKV_SM90_BWD_VARIANT", '1')   ? 1
-                         : is("DUALKV_SM90_BWD_VARIANT", '2') ? 2
-                         : is("DUALKV_SM90_BWD_VARIANT", '3') ? 3
-                                                              : 0;
   return pol;
 }
 

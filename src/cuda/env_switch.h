@@ -18,8 +18,7 @@ struct EnvSwitch {
 inline constexpr EnvSwitch kEnvSwitches[] = {
     {"DUALKV_FORCE_SM80", "01"},        {"DUALKV_SM90_PINGPONG", "01"},
     {"DUALKV_FUSED_DQ", "01"},          {"DUALKV_SM90_D512_BWD", "01"},
-    {"DUALKV_SM90_D512_FWD", "01"},     {"DUALKV_SM90_D256_BWD", "012"},
-    {"DUALKV_SM90_BWD_VARIANT", "0123"}};
+    {"DUALKV_SM90_D512_FWD", "01"},     {"DUALKV_SM90_D256_BWD", "012"}};
 
 // A switch this library no longer reads, and what replaced it.
 struct RemovedSwitch {
@@ -33,7 +32,10 @@ inline constexpr RemovedSwitch kRemovedSwitches[] = {
      "DUALKV_FUSED_DQ=0 or deterministic=True runs the separate dQ pass"},
     {"DUALKV_SM90_WS",
      "the warp-specialised kernels are the only sm_90a forward and head dim 64/128 backward; "
-     "DUALKV_FORCE_SM80=1 runs the sm_80 kernels"}};
+     "DUALKV_FORCE_SM80=1 runs the sm_80 kernels"},
+    {"DUALKV_SM90_BWD_VARIANT",
+     "its experimental fused-backward variants measured slower than the default and were "
+     "deleted; the default fused backward runs"}};
 
 // parse_switch's result for a switch that is unset, empty or blank (the default path runs).
 constexpr int kSwitchUnset = -1;

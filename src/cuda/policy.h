@@ -41,13 +41,6 @@ struct KernelPolicy {
   // with dQ fused (bulk reductions into dq_accum; deterministic=true makes it 1): measured no
   // faster (21.46 / 59.47 ms: its reductions, twice D = 128's bytes per FLOP), an A/B switch.
   int d256_bwd_ws = 1;
-  // Experimental variants of the fused sm_90a backward at D = 64, 128 (DUALKV_SM90_BWD_VARIANT;
-  // 0 = the default kernel; fused_dq only; compiled, not yet run on a GPU; src/cuda/NOTES.md):
-  // bit 0 (=1): two dQ buffers per consumer warpgroup and 2 Q/dO stages (the consumer does not
-  // wait for the reducer to finish reading its previous block); bit 1 (=2, D = 64 only; at
-  // D = 128 it is ignored): one dQ bulk reduction per query block instead of two (warpgroup 1's
-  // partial added into warpgroup 0's through shared memory); =3 both.
-  int sm90_bwd_variant = 0;
 };
 
 // The policy for one call; deterministic = the call's `deterministic` (forces fused_dq off).

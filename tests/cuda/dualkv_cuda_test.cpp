@@ -185,10 +185,7 @@ constexpr KernelPath kPaths[] = {{"default", nullptr, nullptr, 0, 512},
                                  {"sm90-d512-nopipe", "DUALKV_SM90_D512_BWD", "1", 512, 512},
                                  {"sm90-d512fwd-1cta", "DUALKV_SM90_D512_FWD", "0", 512, 512},
                                  {"sm90-d256-sync", "DUALKV_SM90_D256_BWD", "0", 256, 256},
-                                 {"sm90-d256ws-fdq", "DUALKV_SM90_D256_BWD", "2", 256, 256},
-                                 {"sm90-bwd-v1", "DUALKV_SM90_BWD_VARIANT", "1", 64, 128},
-                                 {"sm90-bwd-v2", "DUALKV_SM90_BWD_VARIANT", "2", 64, 64},
-                                 {"sm90-bwd-v3", "DUALKV_SM90_BWD_VARIANT", "3", 64, 64}};
+                                 {"sm90-d256ws-fdq", "DUALKV_SM90_D256_BWD", "2", 256, 256}};
 // --path: run these only (a comma-separated list of names; empty: every path).
 std::vector<std::string> g_only_paths;
 bool path_listed(const char* name) {

@@ -64,7 +64,7 @@ def test_every_switch_read_is_in_the_parser_table_and_documented() -> None:
 
 def test_removed_switches_are_not_read_but_warned_about() -> None:
     removed = table("kRemovedSwitches")
-    assert {"DUALKV_ATOMIC_DQ", "DUALKV_SM90_WS"} <= removed
+    assert {"DUALKV_ATOMIC_DQ", "DUALKV_SM90_WS", "DUALKV_SM90_BWD_VARIANT"} <= removed
     assert not removed & read_switches()
     readme = read("README.md")
     for name in removed:

@@ -39,21 +39,11 @@
 
 namespace dualkv::cuda::detail {
 
-// kVar (KernelPolicy::sm90_bwd_variant, DUALKV_SM90_BWD_VARIANT; kFusedDq only; 0 = the
-// default), bit 0: two dQ buffers per consumer warpgroup (NB = 2), so a consumer never waits for
-// the reducer to finish reading the previous block (D = 128: with STAGES = 2, for the shared
-// memory; D = 64 keeps 3); bit 1 (D = 64 only): one bulk reduction per query block: warpgroup 1
-// hands its 64 x 64 fp32 dQ partial to warpgroup 0 through shared memory (x_full / x_free),
-// warpgroup 0 adds it to its own (fixed order) and hands the sum to its reducer; reducer warp 2
-// idles. Compiled, not yet run on a GPU.
-template <int D, bool kFusedDq = false, int kVar = 0>
+template <int D, bool kFusedDq = false>
 struct DkdvWsCfg {
   static constexpr int BN = kTileSize;  // 128 keys: 2 consumer warpgroups x 64
   static constexpr int BM = 64;         // queries per step
-  static constexpr bool kDqDouble = (kVar & 1) != 0;
-  static constexpr bool kOneRed = (kVar & 2) != 0;
-  static constexpr int NB = kDqDouble ? 2 : 1;  // dQ buffers per consumer warpgroup
-  static constexpr int STAGES = kDqDouble && D == 128 ? 2 : 3;
+  static constexpr int STAGES = 3;
   static constexpr int THREADS = 384;
   static constexpr int CONSUMERS = 256;
   static constexpr int K_BYTES = BN * D * 2;
@@ -70,11 +60,10 @@ struct DkdvWsCfg {
     uint16_t dout[STAGES][BM * D];
   };
   struct Tail {
-    float l[STAGES][2 * BM];  // per stage: lse2, delta
-    int meta[STAGES][4];      // per stage: the query block's record
-    int dq_meta[2 * NB][4];   // kFusedDq: per warpgroup and dQ buffer
-    // kv, full[S], empty[S], dq_full[2][NB], dq_empty[2][NB]; kOneRed: x_full, x_free
-    uint64_t bar[1 + 2 * STAGES + 4 * NB + (kOneRed ? 2 : 0)];
+    float l[STAGES][2 * BM];           // per stage: lse2, delta
+    int meta[STAGES][4];               // per stage: the query block's record
+    int dq_meta[2][4];                 // kFusedDq: per warpgroup
+    uint64_t bar[1 + 2 * STAGES + 4];  // kv, full[S], empty[S], dq_full[2], dq_empty[2]
   };
   struct Storage0 {
     Tiles t;
@@ -83,7 +72,7 @@ struct DkdvWsCfg {
   struct Storage2 {
     Tiles t;
     uint16_t ds[2][BN * BM];
-    float dq[2 * NB][BM * 64];  // [warpgroup][buffer]; kOneRed: [1][0] is the exchange
+    float dq[2][BM * 64];
     Tail x;
   };
   using SharedStorage = std::conditional_t<kFusedDq, Storage2, Storage0>;
@@ -110,8 +99,6 @@ struct DkdvWsCfg {
   static_assert(D <= 128, "D = 256 keeps the synchronous dK/dV kernel");
   static_assert(BM == 64, "a dS^T row is one 128-byte swizzle row");
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
-  static_assert(kVar >= 0 && kVar <= 3 && (kVar == 0 || kFusedDq), "variants of the fused dQ");
-  static_assert(!kOneRed || D == 64, "one reduction per block: D = 64 (D = 128 splits columns)");
 };
 
 struct DkdvWsArgs {
@@ -131,17 +118,6 @@ __device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
 }
 __device__ __forceinline__ void st_shared_f32x2(uint32_t addr, float x, float y) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y) : "memory");
-}
-__device__ __forceinline__ void st_shared_f32x4(uint32_t addr, const float* v) {
-  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "f"(v[0]), "f"(v[1]),
-               "f"(v[2]), "f"(v[3])
-               : "memory");
-}
-__device__ __forceinline__ void ld_shared_f32x4(uint32_t addr, float* v) {
-  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
-               : "=f"(v[0]), "=f"(v[1]), "=f"(v[2]), "=f"(v[3])
-               : "r"(addr)
-               : "memory");
 }
 // dst[0:bytes/4] += src[0:bytes/4] (fp32), asynchronously, with an L2 cache policy
 // (createpolicy_evict_last) for the destination lines; bytes a multiple of 16.
@@ -173,13 +149,11 @@ __device__ __forceinline__ void bulk_wait() {
 #endif
 }  // namespace ws
 
-template <typename T, int D, bool kCap, bool kFusedDq, int kVar = 0>
+template <typename T, int D, bool kCap, bool kFusedDq>
 __global__ void __launch_bounds__(384, 1)
     dkdv_ws_kernel_sm90(const __grid_constant__ DkdvWsArgs a) {
 #if DUALKV_SM90_BODY
-  using Cfg = DkdvWsCfg<D, kFusedDq, kVar>;
-  constexpr int NB = Cfg::NB;
-  constexpr bool kOneRed = Cfg::kOneRed;
+  using Cfg = DkdvWsCfg<D, kFusedDq>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
   const BwdParams& p = a.p;
   extern __shared__ __align__(1024) unsigned char smem[];
@@ -193,29 +167,13 @@ __global__ void __launch_bounds__(384, 1)
   auto meta = [&](int s) {
     return reinterpret_cast<volatile int*>(gbase + Cfg::OFF_META + 16 * s);
   };
-  // kFusedDq: consumer warpgroup c's dQ block in buffer b (Ring<NB>::stage of its block count)
-  // is ready (128 arrivals) / free again (1 arrival), and its record {valid, first query token,
-  // q head, query count}.
-  // (NB = 1 spelled as before the variants: the default kernels' machine code is unchanged.)
-  auto dq_full = [&](int c, int b) {
-    if constexpr (NB == 1) return bKV + 8u * (1 + 2 * S + c);
-    return bKV + 8u * (1 + 2 * S + c * NB + b);
+  // kFusedDq: consumer warpgroup c's dQ block is ready (128 arrivals) / free again (1 arrival),
+  // and its record {valid, first query token, q head, query count}.
+  auto dq_full = [&](int c) { return bKV + 8u * (1 + 2 * S + c); };
+  auto dq_empty = [&](int c) { return bKV + 8u * (3 + 2 * S + c); };
+  auto dq_meta = [&](int c) {
+    return reinterpret_cast<volatile int*>(gbase + Cfg::OFF_DQMETA + 16 * c);
   };
-  auto dq_empty = [&](int c, int b) {
-    if constexpr (NB == 1) return bKV + 8u * (3 + 2 * S + c);
-    return bKV + 8u * (1 + 2 * S + 2 * NB + c * NB + b);
-  };
-  auto dq_meta = [&](int c, int b) {
-    if constexpr (NB == 1) return reinterpret_cast<volatile int*>(gbase + Cfg::OFF_DQMETA + 16 * c);
-    return reinterpret_cast<volatile int*>(gbase + Cfg::OFF_DQMETA + 16 * (c * NB + b));
-  };
-  auto dq_buf = [&](int c, int b) {
-    if constexpr (NB == 1) return base + Cfg::OFF_DQ + uint32_t(c) * Cfg::DQ_BYTES;
-    return base + Cfg::OFF_DQ + uint32_t(c * NB + b) * Cfg::DQ_BYTES;
-  };
-  // kOneRed: warpgroup 1's partial is in the exchange buffer (128 arrivals: warpgroup 1) / has
-  // been read (128 arrivals: warpgroup 0).
-  const uint32_t x_full = bKV + 8u * (1 + 2 * S + 4 * NB), x_free = x_full + 8u;
   // kFusedDq: D = 128 splits dQ's columns between the consumer warpgroups (each sums all 128
   // keys), D = 64 splits the keys (each adds all columns over its own 64 keys).
   constexpr bool kSplitD = D == 128;
@@ -234,14 +192,9 @@ __global__ void __launch_bounds__(384, 1)
       ws::mbar_init(empty(s), NC);
     }
     if constexpr (kFusedDq) {
-      for (int c = 0; c < 2; ++c)
-        for (int b = 0; b < NB; ++b) {
-          ws::mbar_init(dq_full(c, b), NC / 2);
-          ws::mbar_init(dq_empty(c, b), 1);
-        }
-      if constexpr (kOneRed) {
-        ws::mbar_init(x_full, NC / 2);
-        ws::mbar_init(x_free, NC / 2);
+      for (int c = 0; c < 2; ++c) {
+        ws::mbar_init(dq_full(c), NC / 2);
+        ws::mbar_init(dq_empty(c), 1);
       }
     }
     ws::mbar_init_fence();
@@ -297,37 +250,22 @@ __global__ void __launch_bounds__(384, 1)
         // live across the loop (ptxas hoisted its sign extension and spilled it at 24 registers).
         int pkl = pk_last;
         if constexpr (kFusedDq) asm volatile("" : "+r"(pkl));
-        // 2 stages (kDqDouble, D = 128): the key segment read again here (after the loop's
-        // memory clobbers) rather than kept in 7 registers across the loop, its index through an
-        // empty asm (ptxas spilled the producer's loop state at 24 registers: 76 bytes of
-        // stores; 56 with this).
-        Segment ksr;
-        int ksl = ksi;
-        if constexpr (S == 2) {
-          asm volatile("" : "+r"(ksl));
-          ksr = p.segs[ksl];
-        }
-        const Segment& ks = S == 2 ? ksr : kseg;
-        valid = seek_query_region<BM>(p, ks, ksl, cur.si + 1, pk_first, pkl, cur);
+        valid = seek_query_region<BM>(p, kseg, ksi, cur.si + 1, pk_first, pkl, cur);
         if (!valid && ++cur.hi < p.group)
-          valid = seek_query_region<BM>(p, ks, ksl, ksl, pk_first, pkl, cur);
+          valid = seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pkl, cur);
       }
       cp_wait<0>();  // no lse/delta copy outlives its thread
-    } else if (kFusedDq && warp <= (kOneRed ? 1 : 2)) {
+    } else if (kFusedDq && warp <= 2) {
       if constexpr (kFusedDq) {
         // ---- dQ reducers: lane 0 of warp 1 + c adds warpgroup c's blocks into dq_accum --------
         // (one lane: the bulk copies issue one lane at a time anyway, and 24 registers suffice)
-        // kOneRed: warp 1 only (warpgroup 0 hands over both partials' sum).
         const int c = warp - 1;
-        const uint32_t src0 = dq_buf(c, 0);
-        volatile int* dm0 = dq_meta(c, 0);
+        const uint32_t src = base + Cfg::OFF_DQ + uint32_t(c) * Cfg::DQ_BYTES;
+        volatile int* dm = dq_meta(c);
         const int col0 = kSplitD ? c * 64 : 0;
         const uint64_t l2pol = ws::createpolicy_evict_last();
         for (int it = 0; lane == 0; ++it) {
-          const int b = Ring<NB>::stage(it);
-          const uint32_t src = NB == 1 ? src0 : dq_buf(c, b);
-          volatile int* dm = NB == 1 ? dm0 : dq_meta(c, b);
-          ws::mbar_wait(dq_full(c, b), Ring<NB>::full_parity(it));
+          ws::mbar_wait(dq_full(c), uint32_t(it) & 1u);
           if (dm[0] == 0) break;
           // The block's nq rows x 64 columns are contiguous in dq_accum's slab layout, from the
           // first row's start (the same in the swizzled layout: the image in shared memory
@@ -336,7 +274,7 @@ __global__ void __launch_bounds__(384, 1)
           ws::bulk_reduce_add_f32(dst, src, uint32_t(dm[3]) * 256, l2pol);
           ws::bulk_commit();
           ws::bulk_wait_read();
-          ws::mbar_arrive(dq_empty(c, b));
+          ws::mbar_arrive(dq_empty(c));
         }
         ws::bulk_wait();  // every reduction has landed before the CTA ends
       }
@@ -522,53 +460,26 @@ __global__ void __launch_bounds__(384, 1)
         wg_wait<1>();  // dV and dQ done
         fence_regs(dv);
         fence_regs(pa);
-        // Hand the block to this warpgroup's reducer warp once it has read the previous one
-        // (NB = 2: the one before that).
+        // Hand the block to this warpgroup's reducer warp once it has read the previous one.
         fence_regs(dqa);
-        const int b = Ring<NB>::stage(it);
-        bool hand_off = true;
-        if constexpr (kOneRed) {
-          // Thread t of warpgroup 1 stores its 32 accumulators at [j][t][4] (16-byte stores,
-          // conflict-free); thread t of warpgroup 0 loads them and adds them to its own.
-          const uint32_t xb = dq_buf(1, 0) + uint32_t(tid & 127) * 16u;
-          if (cw == 1) {
-            ws::mbar_wait(x_free, (uint32_t(it) & 1u) ^ 1u);
+        ws::mbar_wait(dq_empty(cw), (uint32_t(it) & 1u) ^ 1u);
+        const uint32_t dst = base + Cfg::OFF_DQ + uint32_t(cw) * Cfg::DQ_BYTES;
 #pragma unroll
-            for (int j = 0; j < 8; ++j) ws::st_shared_f32x4(xb + j * 128 * 16, dqa + 4 * j);
-            ws::mbar_arrive(x_full);
-            hand_off = false;
-          } else {
-            ws::mbar_wait(x_full, uint32_t(it) & 1u);
+        for (int r = 0; r < 2; ++r) {
+          const int qr = (warp & 3) * 16 + g + 8 * r;
+          // Row qr is token qs + qr of dq_accum's swizzled layout (dq_accum_at).
+          const int sw = (qs + qr) & 7;
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-              float x[4];
-              ws::ld_shared_f32x4(xb + j * 128 * 16, x);
-#pragma unroll
-              for (int e = 0; e < 4; ++e) dqa[4 * j + e] += x[e];
-            }
-            ws::mbar_arrive(x_free);
-          }
+          for (int nd = 0; nd < 8; ++nd)
+            ws::st_shared_f32x2(dst + qr * 256 + ((nd ^ sw) * 8 + 2 * tq) * 4, dqa[nd * 4 + 2 * r],
+                                dqa[nd * 4 + 2 * r + 1]);
         }
-        if (hand_off) {
-          ws::mbar_wait(dq_empty(cw, b), Ring<NB>::empty_parity(it));
-          const uint32_t dst = dq_buf(cw, b);
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int qr = (warp & 3) * 16 + g + 8 * r;
-            // Row qr is token qs + qr of dq_accum's swizzled layout (dq_accum_at).
-            const int sw = (qs + qr) & 7;
-#pragma unroll
-            for (int nd = 0; nd < 8; ++nd)
-              ws::st_shared_f32x2(dst + qr * 256 + ((nd ^ sw) * 8 + 2 * tq) * 4,
-                                  dqa[nd * 4 + 2 * r], dqa[nd * 4 + 2 * r + 1]);
-          }
-          if ((tid & 127) == 0) {
-            volatile int* dm = dq_meta(cw, b);
-            dm[0] = 1, dm[1] = qs, dm[2] = hq, dm[3] = nq;
-          }
-          fence_proxy_async();  // the bulk reduction reads through the async proxy
-          ws::mbar_arrive(dq_full(cw, b));
+        if ((tid & 127) == 0) {
+          volatile int* dm = dq_meta(cw);
+          dm[0] = 1, dm[1] = qs, dm[2] = hq, dm[3] = nq;
         }
+        fence_proxy_async();  // the bulk reduction reads through the async proxy
+        ws::mbar_arrive(dq_full(cw));
         wg_wait<0>();  // dK done: the stage (sQ) and dS^T's registers are free
         fence_regs(dk);
         fence_regs(da);
@@ -583,13 +494,10 @@ __global__ void __launch_bounds__(384, 1)
       }
     }
     if constexpr (kFusedDq) {
-      // Tells this warpgroup's reducer that the walk has ended (kOneRed: warpgroup 0's only).
-      if (!kOneRed || cw == 0) {
-        const int b = Ring<NB>::stage(it);
-        ws::mbar_wait(dq_empty(cw, b), Ring<NB>::empty_parity(it));
-        if ((tid & 127) == 0) dq_meta(cw, b)[0] = 0;
-        ws::mbar_arrive(dq_full(cw, b));
-      }
+      // Tells this warpgroup's reducer that the walk has ended.
+      ws::mbar_wait(dq_empty(cw), (uint32_t(it) & 1u) ^ 1u);
+      if ((tid & 127) == 0) dq_meta(cw)[0] = 0;
+      ws::mbar_arrive(dq_full(cw));
     }
 
     store_dkdv_rows<T, D, D>(p, dk, dv, k0, nk, hk, kr0, 0, tq);
@@ -609,31 +517,6 @@ inline bool make_bwd_ws_args(DkdvWsArgs& a, const BwdParams& p, int d, int bm, i
   }
   a.p = p;
   return true;
-}
-
-// The fused kernel's experimental variants (kVar 1..3, DkdvWsCfg; compiled, not yet run on a
-// GPU): their own instantiations, so the default kernels are unchanged.
-template <typename T, int D, bool kCap, int kVar>
-void launch_dkdv_ws_kvar(int64_t grid, const DkdvWsArgs& a, cudaStream_t stream) {
-  launch_kernel(dkdv_ws_kernel_sm90<T, D, kCap, true, kVar>, grid,
-                DkdvWsCfg<D, true, kVar>::THREADS, DkdvWsCfg<D, true, kVar>::SMEM, stream, a,
-                "dualkv backward dk/dv (sm90a, warp-specialised, experimental variant)");
-}
-template <typename T, int D>
-void launch_dkdv_ws_variant(int var, bool cap, int64_t grid, const DkdvWsArgs& a,
-                            cudaStream_t stream) {
-  if constexpr (D == 64) {
-    if (var == 2) {
-      return cap ? launch_dkdv_ws_kvar<T, D, true, 2>(grid, a, stream)
-                 : launch_dkdv_ws_kvar<T, D, false, 2>(grid, a, stream);
-    }
-    if (var == 3) {
-      return cap ? launch_dkdv_ws_kvar<T, D, true, 3>(grid, a, stream)
-                 : launch_dkdv_ws_kvar<T, D, false, 3>(grid, a, stream);
-    }
-  }
-  return cap ? launch_dkdv_ws_kvar<T, D, true, 1>(grid, a, stream)
-             : launch_dkdv_ws_kvar<T, D, false, 1>(grid, a, stream);
 }
 
 // Preprocess, the warp-specialised dK/dV kernel, then (policy.fused_dq) the conversion of the dQ
@@ -659,11 +542,7 @@ bool launch_backward_sm90_ws(const BwdParams& p, const KernelPolicy& policy, cud
     launch_bwd_pre<T, D>(p, fused, stream);
     const bool cap = p.softcap > 0.f;
     const int64_t grid = int64_t(p.nkt) * p.Hkv;
-    // The experimental variants of the fused kernel (policy.h; bit 1 is D = 64's only).
-    const int var = fused ? policy.sm90_bwd_variant & (D == 64 ? 3 : 1) : 0;
-    if (grid > 0 && var != 0) {
-      launch_dkdv_ws_variant<T, D>(var, cap, grid, a, stream);
-    } else if (grid > 0) {
+    if (grid > 0) {
       auto kernel = fused ? (cap ? dkdv_ws_kernel_sm90<T, D, true, true>
                                  : dkdv_ws_kernel_sm90<T, D, false, true>)
                           : (cap ? dkdv_ws_kernel_sm90<T, D, true, false>
