@@ -378,15 +378,15 @@ def run_dkdv(nblocks, S, rng, dq_mode=0, nbuf=1, onered=False, bug=None, d64=Fal
     # 3 and 5 (FA3's order): the dK product reads dS^T from registers and the stage; the consumer
     # retires dQ (its reads of both dS halves), hands the dQ block over, then retires dK and
     # releases the stage within the block (no deferred release).
-    # The deleted DUALKV_SM90_BWD_VARIANT kernels (kVar, with dq_mode 5; measured slower than
-    # the default, 2026-12-01; modelled still, as modes 1, 2, 4 are): nbuf = 2 (bit 0): two dQ
-    # buffers per warpgroup, block it in buffer it % 2 with parity (it // 2) & 1 on its own dq_full/dq_empty
-    # (and the kernel's STAGES = 2); onered (bit 1, D = 64): warpgroup 1 stores its partial into
-    # the exchange buffer (warpgroup 1's dQ buffer 0) once x_free says warpgroup 0 has read the
-    # previous one, arrives on x_full; warpgroup 0 waits x_full, reads and adds it, arrives on
-    # x_free, then hands the sum to reducer 0; reducer 1 does not run, and only warpgroup 0
-    # sends the end record. bug: an injected error (variant_bugs_caught). d64 (with dq_mode 5;
-    # onered implies it): D = 64's dQ split by keys, no named barrier joining the warpgroups.
+    # The deleted DUALKV_SM90_BWD_VARIANT kernels (kVar, with dq_mode 5; measured slower than the
+    # default, 2026-12-01; modelled still, as modes 1, 2, 4 are): nbuf = 2 (bit 0): two dQ buffers
+    # per warpgroup, block it in buffer it % 2 with parity (it // 2) & 1 on its own dq_full/dq_empty
+    # (and the kernel's STAGES = 2); onered (bit 1, D = 64): warpgroup 1 stores its partial into the
+    # exchange buffer (warpgroup 1's dQ buffer 0) once x_free says warpgroup 0 has read the previous
+    # one, arrives on x_full; warpgroup 0 waits x_full, reads and adds it, arrives on x_free, then
+    # hands the sum to reducer 0; reducer 1 does not run, and only warpgroup 0 sends the end record.
+    # bug: an injected error (variant_bugs_caught). d64 (with dq_mode 5; onered implies it): D =
+    # 64's dQ split by keys, no named barrier joining the warpgroups.
     d64 = d64 or onered
     assert not d64 or dq_mode == 5
     handoff = dq_mode >= 2
@@ -1067,12 +1067,13 @@ def run_d256(nblocks, S, rng, bug=None, fused=False):
 
 def variant_bugs_caught(rng):
     """Each injected error of the fused D = 64/128 kernel's deleted variants
-    (DUALKV_SM90_BWD_VARIANT: two dQ buffers, one reduction per block) must be caught by some schedule: one_parity (the
+    (DUALKV_SM90_BWD_VARIANT: two dQ buffers, one reduction per block) must be caught by some
+    schedule: one_parity (the
     buffers' barriers waited with the single buffer's parity it & 1), reducer_buf0 (the reducer
     reads buffer 0 only), end_buf0 (the end record always in buffer 0), no_x_free (warpgroup 1
     overwrites the exchange buffer without waiting for warpgroup 0's read), no_x_full (warpgroup 0
-    reads it without waiting), early_x_free (x_free arrived before the read), x_alias (the
-    exchange buffer is warpgroup 0's dQ buffer 0, which its reducer reads)."""
+    reads it without waiting), early_x_free (x_free arrived before the read), x_alias (the exchange
+    buffer is warpgroup 0's dQ buffer 0, which its reducer reads)."""
     bugs = (
         ("one_parity", 2, False),
         ("reducer_buf0", 2, False),
