@@ -1068,11 +1068,12 @@ def run_d256(nblocks, S, rng, bug=None, fused=False):
 def variant_bugs_caught(rng):
     """Each injected error of the fused D = 64/128 kernel's deleted variants
     (DUALKV_SM90_BWD_VARIANT: two dQ buffers, one reduction per block) must be caught by some
-    schedule: one_parity (the buffers' barriers waited with the single buffer's parity it & 1), reducer_buf0 (the reducer
-    reads buffer 0 only), end_buf0 (the end record always in buffer 0), no_x_free (warpgroup 1
-    overwrites the exchange buffer without waiting for warpgroup 0's read), no_x_full (warpgroup 0
-    reads it without waiting), early_x_free (x_free arrived before the read), x_alias (the exchange
-    buffer is warpgroup 0's dQ buffer 0, which its reducer reads)."""
+    schedule: one_parity (the buffers' barriers waited with the single buffer's parity it & 1),
+    reducer_buf0 (the reducer reads buffer 0 only), end_buf0 (the end record always in buffer
+    0), no_x_free (warpgroup 1 overwrites the exchange buffer without waiting for warpgroup 0's
+    read), no_x_full (warpgroup 0 reads it without waiting), early_x_free (x_free arrived before
+    the read), x_alias (the exchange buffer is warpgroup 0's dQ buffer 0, which its reducer
+    reads)."""
     bugs = (
         ("one_parity", 2, False),
         ("reducer_buf0", 2, False),
