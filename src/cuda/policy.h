@@ -41,6 +41,12 @@ struct KernelPolicy {
   // with dQ fused (bulk reductions into dq_accum; deterministic=true makes it 1): measured no
   // faster (21.46 / 59.47 ms: its reductions, twice D = 128's bytes per FLOP), an A/B switch.
   int d256_bwd_ws = 1;
+  // The order of the dK/dV kernels' CTAs (Params::key_chunk; every backward path): 0 (default)
+  // the kv heads of a key tile next to each other; DUALKV_BWD_KEY_ORDER=1|2|3: key tiles in
+  // chunks of 16 / 32 / 64, kv heads outer within a chunk, so that the CTAs running together
+  // walk the same kv head's queries (L2 reuse of Q, dO and dQ; an A/B experiment: at (32, 4096,
+  // 2048) the fused dK/dV kernel read 29.9 GB from DRAM for ~2.5 GB of data).
+  int bwd_key_chunk = 0;
 };
 
 // The policy for one call; deterministic = the call's `deterministic` (forces fused_dq off).

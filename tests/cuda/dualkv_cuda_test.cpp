@@ -3,7 +3,8 @@
 //   dualkv_cuda_test [--seed S] [--quick] [--small] [--no-check] [--race N] [--random N]
 //                    [--bench] [--bench-reps N]
 //                    [--path default|sm80|sm90-nopp|sm90-sepdq|sm90-d512-sm80|sm90-d512-nopipe|
-//                            sm90-d512fwd-1cta|sm90-d256-sync|sm90-d256ws-fdq]
+//                            sm90-d512fwd-1cta|sm90-d256-sync|sm90-d256ws-fdq|key-chunk16|
+//                            key-chunk32|key-chunk64]
 //                    [--shape N,P,R,Hq,Hkv,D]...
 //   (--small: the quick matrix and 3 race repeats, for compute-sanitizer; --path: those kernel
 //   paths only (comma-separated); --random N: instead of the matrix, N rounds of its random-layout
@@ -29,7 +30,8 @@
 // forward instead of the 2-CTA cluster one (DUALKV_SM90_D512_FWD=0), the wgmma backward without
 // kPipe (sm90-d512-nopipe: DUALKV_SM90_D512_BWD=1); at D = 256 the synchronous backward
 // (sm90-d256-sync: DUALKV_SM90_D256_BWD=0) and the warp-specialised one with fused dQ
-// (sm90-d256ws-fdq: =2).
+// (sm90-d256ws-fdq: =2); the dK/dV CTAs in chunks of key tiles with the kv heads outer
+// (key-chunk16/32/64: DUALKV_BWD_KEY_ORDER=1/2/3; 32 at every head dim, the others at 64/128).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -185,7 +187,10 @@ constexpr KernelPath kPaths[] = {{"default", nullptr, nullptr, 0, 512},
                                  {"sm90-d512-nopipe", "DUALKV_SM90_D512_BWD", "1", 512, 512},
                                  {"sm90-d512fwd-1cta", "DUALKV_SM90_D512_FWD", "0", 512, 512},
                                  {"sm90-d256-sync", "DUALKV_SM90_D256_BWD", "0", 256, 256},
-                                 {"sm90-d256ws-fdq", "DUALKV_SM90_D256_BWD", "2", 256, 256}};
+                                 {"sm90-d256ws-fdq", "DUALKV_SM90_D256_BWD", "2", 256, 256},
+                                 {"key-chunk16", "DUALKV_BWD_KEY_ORDER", "1", 64, 128},
+                                 {"key-chunk32", "DUALKV_BWD_KEY_ORDER", "2", 0, 512},
+                                 {"key-chunk64", "DUALKV_BWD_KEY_ORDER", "3", 64, 128}};
 // --path: run these only (a comma-separated list of names; empty: every path).
 std::vector<std::string> g_only_paths;
 bool path_listed(const char* name) {

@@ -6,7 +6,10 @@
 # this tree's default. Every step has a timeout; a hung variant skips its bench. Logs: $OUT (at
 # most 8 files).
 #   OUT=... bash tests/cuda/variants_run.sh OLD_TREE
-#   D512_PATHS / D256_PATHS: the variant paths checked and benched (defaults below).
+#   D512_PATHS / D256_PATHS: the variant paths checked and benched (defaults below); KEY_PATHS:
+#   the dK/dV CTA orders (DUALKV_BWD_KEY_ORDER), checked (quick matrix + race) and benched at the
+#   D = 64/128 shapes beside the default, with ncu's L2 hit rate and DRAM bytes of the fused dK/dV
+#   kernel at (32, 4096, 2048) for the default and the first of them.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-.out/variants}"
@@ -14,6 +17,7 @@ mkdir -p "$OUT"
 OLD_TREE=${1:?usage: variants_run.sh OLD_TREE}
 D512_PATHS=${D512_PATHS:-sm90-d512-nopipe}
 D256_PATHS=${D256_PATHS:-sm90-d256-sync,sm90-d256ws-fdq}
+KEY_PATHS=${KEY_PATHS:-key-chunk32,key-chunk16,key-chunk64}
 DIMS="64;128;256;512"
 T0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
@@ -36,6 +40,7 @@ BIN=$NEW
 check d512 100 --path "$D512_PATHS" --race 10
 check d256 100 --path "$D256_PATHS" --race 10
 check default-quick 60 --path default --quick --race 5
+check key-order 90 --path "$KEY_PATHS" --quick --race 5
 case "$hung" in *d512*) ;; *) for p in ${D512_PATHS//,/ }; do memcheck "$p" "$p"; done ;; esac
 case "$hung" in *d256*) ;; *) memcheck d256ws-fdq sm90-d256ws-fdq ;; esac
 rm -f "$OUT/one.log"
@@ -53,9 +58,19 @@ done
   case "$hung" in *d256*) ;; *)
     timeout 60 $NEW --no-check --bench --bench-reps 5 --path "default,$D256_PATHS" \
       --shape 16,8192,1024,16,8,256 --shape 8,16384,2048,16,8,256 ;; esac
+  case "$hung" in *key-order*) ;; *)
+    timeout 90 $NEW --no-check --bench --bench-reps 5 --path "default,$KEY_PATHS" "${D128[@]}" ;; esac
 } >"$OUT/bench_variants.log" 2>&1
+case "$hung" in *key-order*) ;; *)
+  for p in default "${KEY_PATHS%%,*}"; do
+    timeout 60 ncu --clock-control none -k regex:dkdv_ws_kernel_sm90 --launch-count 1 --metrics \
+      gpu__time_duration.sum,lts__t_sector_hit_rate.pct,dram__bytes_read.sum,dram__bytes_write.sum \
+      $NEW --no-check --bench --bench-reps 1 --path "$p" --shape 32,4096,2048,32,8,128 2>&1 |
+      grep -E "duration|hit_rate|dram__bytes" | sed "s/^/$p /"
+  done >"$OUT/ncu_l2.log" 2>&1 ;; esac
 echo "total $(($(date +%s) - T0)) s, status $status"
 cat "$OUT/summary.txt"
+cat "$OUT/ncu_l2.log" 2>/dev/null
 for f in bench_OLD bench_NEW bench_variants; do
   [ -f "$OUT/$f.log" ] || continue
   echo "## $f"

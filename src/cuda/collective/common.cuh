@@ -36,6 +36,10 @@ struct Params {
   float cap_inv;           // scale / c
   float cap_log2;          // c * log2(e)
   MaskRule mask;
+  // The order of the dK/dV kernels' CTAs (KeyTileCta): 0 = the kv heads of one key tile next to
+  // each other (index = unit * Hkv + head); n > 0 = the key tiles in chunks of n units, the kv
+  // heads outer within a chunk, so that the CTAs running together share one kv head's queries.
+  int32_t key_chunk;
 };
 
 // The forward's parameters.
@@ -356,6 +360,18 @@ struct QueryTileCta {
   }
 };
 
+// Params::key_chunk: CTA number -> the index TilePart decodes ((tile * SPLIT + part) * Hkv +
+// head), with the units (tile * SPLIT + part, longest first) in chunks of key_chunk and, within a
+// chunk, every unit of kv head 0, then of kv head 1, ... (the last chunk may be short).
+template <int B>
+__device__ __forceinline__ unsigned key_order(const Params& p, unsigned index) {
+  if (p.key_chunk <= 0) return index;
+  const unsigned heads = unsigned(p.Hkv), units = unsigned(p.nkt) * unsigned(kTileSize / B);
+  const unsigned g = unsigned(p.key_chunk), c = index / (g * heads), in = index % (g * heads);
+  const unsigned gc = min(g, units - c * g);
+  return (c * g + in % gc) * heads + in / gc;
+}
+
 // The keys one CTA of a key-tile (dK/dV) kernel owns (kv head hk); pk_first/pk_last are the
 // keys' logical positions.
 template <int B>
@@ -365,7 +381,7 @@ struct KeyTileCta {
   bool valid;
 
   __device__ __forceinline__ explicit KeyTileCta(const Params& p, unsigned index = blockIdx.x) {
-    const TilePart<B> part(p.ktiles, p.Hkv, index);
+    const TilePart<B> part(p.ktiles, p.Hkv, key_order<B>(p, index));
     hk = part.head, k0 = part.begin, nk = part.count, valid = part.valid;
     if (!valid) return;
     ksi = part.segment;
