@@ -15,9 +15,9 @@ cd "$(dirname "$0")/../.."
 OUT="${OUT:-.out/variants}"
 mkdir -p "$OUT"
 OLD_TREE=${1:?usage: variants_run.sh OLD_TREE}
-D512_PATHS=${D512_PATHS:-sm90-d512-nopipe}
-D256_PATHS=${D256_PATHS:-sm90-d256-sync,sm90-d256ws-fdq}
-KEY_PATHS=${KEY_PATHS:-key-chunk32,key-chunk16,key-chunk64}
+D512_PATHS=${D512_PATHS-sm90-d512-nopipe}
+D256_PATHS=${D256_PATHS-sm90-d256-sync,sm90-d256ws-fdq}
+KEY_PATHS=${KEY_PATHS-key-chunk32,key-chunk16,key-chunk64}
 DIMS="64;128;256;512"
 T0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
@@ -37,31 +37,35 @@ source tests/cuda/run_lib.sh
 BIN=$NEW
 : >"$OUT/test.log"
 : >"$OUT/summary.txt"
-check d512 100 --path "$D512_PATHS" --race 10
-check d256 100 --path "$D256_PATHS" --race 10
+# An empty D512_PATHS / D256_PATHS / KEY_PATHS skips that family's checks and benches.
+[ -n "$D512_PATHS" ] && check d512 100 --path "$D512_PATHS" --race 10
+[ -n "$D256_PATHS" ] && check d256 100 --path "$D256_PATHS" --race 10
 check default-quick 60 --path default --quick --race 5
-check key-order 90 --path "$KEY_PATHS" --quick --race 5
+[ -n "$KEY_PATHS" ] && check key-order 90 --path "$KEY_PATHS" --quick --race 5
+memcheck default default
 case "$hung" in *d512*) ;; *) for p in ${D512_PATHS//,/ }; do memcheck "$p" "$p"; done ;; esac
-case "$hung" in *d256*) ;; *) memcheck d256ws-fdq sm90-d256ws-fdq ;; esac
+case "$hung" in *d256*) ;; *) [ -n "$D256_PATHS" ] && memcheck d256ws-fdq sm90-d256ws-fdq ;; esac
 rm -f "$OUT/one.log"
 D128=(--shape 16,8192,1024,32,8,128 --shape 32,4096,2048,32,8,128 --shape 8,16384,2048,32,8,128
   --shape 16,8192,1024,16,8,128 --shape 16,2048,2048,16,16,64)
+# Both trees' default path (and the separate dQ pass) at every head dim.
 for b in OLD NEW; do
-  timeout 60 "${!b}" --no-check --bench --bench-reps 5 --path default,sm90-sepdq "${D128[@]}" \
-    >"$OUT/bench_$b.log" 2>&1
+  timeout 90 "${!b}" --no-check --bench --bench-reps 5 --path default,sm90-sepdq "${D128[@]}" \
+    --shape 16,8192,1024,16,8,256 --shape 16,8192,1024,32,4,512 >"$OUT/bench_$b.log" 2>&1
   echo "bench $b rc=$?"
 done
 {
   case "$hung" in *d512*) ;; *)
-    timeout 90 $NEW --no-check --bench --bench-reps 3 --path "default,$D512_PATHS" \
-      --shape 16,8192,1024,32,4,512 --shape 8,16384,2048,32,4,512 ;; esac
+    [ -n "$D512_PATHS" ] && timeout 90 $NEW --no-check --bench --bench-reps 3 \
+      --path "default,$D512_PATHS" --shape 16,8192,1024,32,4,512 --shape 8,16384,2048,32,4,512 ;; esac
   case "$hung" in *d256*) ;; *)
-    timeout 60 $NEW --no-check --bench --bench-reps 5 --path "default,$D256_PATHS" \
-      --shape 16,8192,1024,16,8,256 --shape 8,16384,2048,16,8,256 ;; esac
+    [ -n "$D256_PATHS" ] && timeout 60 $NEW --no-check --bench --bench-reps 5 \
+      --path "default,$D256_PATHS" --shape 16,8192,1024,16,8,256 --shape 8,16384,2048,16,8,256 ;; esac
   case "$hung" in *key-order*) ;; *)
-    timeout 90 $NEW --no-check --bench --bench-reps 5 --path "default,$KEY_PATHS" "${D128[@]}" ;; esac
+    [ -n "$KEY_PATHS" ] && timeout 90 $NEW --no-check --bench --bench-reps 5 \
+      --path "default,$KEY_PATHS" "${D128[@]}" ;; esac
 } >"$OUT/bench_variants.log" 2>&1
-case "$hung" in *key-order*) ;; *)
+[ -n "$KEY_PATHS" ] && case "$hung" in *key-order*) ;; *)
   for p in default "${KEY_PATHS%%,*}"; do
     timeout 60 ncu --clock-control none -k regex:dkdv_ws_kernel_sm90 --launch-count 1 --metrics \
       gpu__time_duration.sum,lts__t_sector_hit_rate.pct,dram__bytes_read.sum,dram__bytes_write.sum \
