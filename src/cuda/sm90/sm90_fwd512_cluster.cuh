@@ -253,24 +253,8 @@ __global__ void __launch_bounds__(384, 1)
     // the row max did not move).
     auto softmax = [&](int j, float (&corr)[2]) {
       const auto kb = walk.at(j);
-      const bool msk = walk.masked(kb, nq, BM, p.mask);
-      if (kCap || a.prescale) {
-#pragma unroll
-        for (int i = 0; i < SR; ++i) s[i] = score_log2<kCap>(p, s[i]);
-      }
-      if (msk) {
-#pragma unroll
-        for (int i = 0; i < SR; ++i) {
-          const int nt = i >> 2, e = i & 3;
-          const int pq = pq_first + row0 + (e >> 1) * 8;
-          const int kr = kb.off + nt * 8 + 2 * tq + (e & 1);
-          if (!DUALKV_VISIBLE(p.mask, kb, pq, kr)) s[i] = -INFINITY;
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < 2; ++r)
-        corr[r] =
-            online_softmax_row<BN / 8, true, true>(s, r, m_run[r], l_run[r], sl, [](float) {});
+      ws_fwd_block_softmax<BN, kCap, true>(p, s, kb, walk.masked(kb, nq, BM, p.mask), a.prescale,
+                                           pq_first + row0, tq, sl, m_run, l_run, corr);
     };
     auto pack_p = [&]() {
 #pragma unroll

@@ -326,26 +326,9 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
     // and sum; corr = factor by which O must be rescaled.
     auto softmax = [&](int j, float (&corr)[2]) {
       const auto kb = walk.at(j);
-      const bool msk = walk.masked(kb, wnq, CLUSTER > 1 ? kTileSize : BM, p.mask);
-      if (kCap || a.prescale) {
-#pragma unroll
-        for (int i = 0; i < SR; ++i) s[i] = score_log2<kCap>(p, s[i]);
-      }
-      if (msk) {
-#pragma unroll
-        for (int i = 0; i < SR; ++i) {
-          const int nt = i >> 2, e = i & 3;
-          const int pq = pq_first + row_base + row0 + (e >> 1) * 8;
-          const int kr = kb.off + nt * 8 + 2 * tq + (e & 1);
-          if (!DUALKV_VISIBLE(p.mask, kb, pq, kr)) s[i] = -INFINITY;
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        // O is rescaled by the caller, after the P V wait.
-        corr[r] = online_softmax_row<BN / 8, true, (KSPLIT > 1)>(s, r, m_run[r], l_run[r], sl,
-                                                                 [](float) {});
-      }
+      ws_fwd_block_softmax<BN, kCap, (KSPLIT > 1)>(
+          p, s, kb, walk.masked(kb, wnq, CLUSTER > 1 ? kTileSize : BM, p.mask), a.prescale,
+          pq_first + row_base + row0, tq, sl, m_run, l_run, corr);
     };
     auto pack_p = [&]() {
 #pragma unroll
