@@ -256,13 +256,6 @@ __global__ void __launch_bounds__(384, 1)
       ws_fwd_block_softmax<BN, kCap, true>(p, s, kb, walk.masked(kb, nq, BM, p.mask), a.prescale,
                                            pq_first + row0, tq, sl, m_run, l_run, corr);
     };
-    auto pack_p = [&]() {
-#pragma unroll
-      for (int kt = 0; kt < BN / 16; ++kt) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) pa[kt][c] = pack2<T>(s[8 * kt + 2 * c], s[8 * kt + 2 * c + 1]);
-      }
-    };
     auto issue_s = [&](int st) {
       wgmma_rows_cols<T, BN, DH, BM, BN>(s, sQ, wrow, sK0 + st * Cfg::KV_BYTES, 0, 0);
       wg_commit();
@@ -274,66 +267,11 @@ __global__ void __launch_bounds__(384, 1)
 
     pp.start();
     ws::mbar_wait(bars.q(), 0);
-
-    if (total > 0) {
-      // Block 0: S only (O is still zero).
-      ws::mbar_wait(bars.full_k(0), 0);
-      pp.begin_turn();
-      wg_fence();
-      issue_s(0);
-      pp.end_turn();
-      wg_wait<0>();
-      fence_regs(s);
-      ws::mbar_arrive(bars.empty_k(0));
-      x.swap_add(s, 0);
-      float corr[2];
-      softmax(0, corr);
-      pack_p();
-
-      for (int j = 1; j < total; ++j) {
-        const int st = Ring<S>::stage(j), pst = Ring<S>::stage(j - 1);
-        ws::mbar_wait(bars.full_k(st), Ring<S>::full_parity(j));
-        ws::mbar_wait(bars.full_v(pst), Ring<S>::full_parity(j - 1));
-        pp.begin_turn();
-        fence_regs(pa);
-        fence_regs(o);
-        wg_fence();
-        issue_s(st);    // S_j = Q K_j^T over this CTA's columns
-        issue_pv(pst);  // O += P_{j-1} V_{j-1}
-        pp.end_turn();
-        wg_wait<1>();  // S_j done; P V still in flight
-        fence_regs(s);
-        ws::mbar_arrive(bars.empty_k(st));
-        x.swap_add(s, j);
-        softmax(j, corr);
-        // Keep the exp2s before the wait (ptxas hoists the wait over straight-line code; a
-        // never-taken branch on the row sums ends the basic block, as in fwd_ws_kernel_sm90).
-        fence_regs(s);
-        if (l_run[0] + l_run[1] < 0.f) asm volatile("nanosleep.u32 0;");
-        wg_wait<0>();
-        fence_regs(o);
-        fence_regs(pa);
-        ws::mbar_arrive(bars.empty_v(pst));
-        if (__any_sync(~0u, corr[0] != 1.f || corr[1] != 1.f)) {
-#pragma unroll
-          for (int r = 0; r < 2; ++r) rescale_o_row<DH / 8>(o, r, corr[r]);
-        }
-        pack_p();
-      }
-
-      // Last block's P V.
-      const int lst = Ring<S>::stage(total - 1);
-      ws::mbar_wait(bars.full_v(lst), Ring<S>::full_parity(total - 1));
-      pp.begin_turn();
-      fence_regs(pa);
-      fence_regs(o);
-      wg_fence();
-      issue_pv(lst);
-      pp.end_turn();
-      wg_wait<0>();
-      fence_regs(o);
-      fence_regs(pa);
-    }
+    ws_fwd_mainloop<T, S, DH / 8, true>(
+        total, pp, s, o, pa, l_run, [&](int st) { return bars.full_k(st); },
+        [&](int st) { return bars.full_v(st); }, [&](int st) { ws::mbar_arrive(bars.empty_k(st)); },
+        [&](int st) { ws::mbar_arrive(bars.empty_v(st)); }, issue_s, issue_pv,
+        [&](int j) { x.swap_add(s, j); }, softmax);
     pp.finish();
 
     // Both CTAs hold the same m_run / l_run: rank 0 writes lse.

@@ -157,6 +157,99 @@ __device__ __forceinline__ void reg_alloc() {
 
 }  // namespace ws
 
+// P of a thread's S fragment (s, BN / 2 floats of a 64 x BN product) as the A fragments of the
+// P V product (BN / 16 K-steps of 4 packed pairs).
+template <typename T, int SR, int KT>
+__device__ __forceinline__ void pack_p_frag(uint32_t (&pa)[KT][4], const float (&s)[SR]) {
+  static_assert(SR == 8 * KT, "P of a 64 x BN block: BN / 16 K-steps");
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) pa[kt][c] = pack2<T>(s[8 * kt + 2 * c], s[8 * kt + 2 * c + 1]);
+  }
+}
+
+// The warp-specialised forwards' consumer mainloop over the walk's `total` key blocks (after the
+// Q wait, inside the ping-pong's start/finish): block 0's S, then per block j the products
+// S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued together, block j's softmax overlapping P V, and
+// the last block's P V. The kernel supplies its stage barriers (full_k/full_v(stage): the address
+// waited on; release_k/release_v(stage): its consumers' release), the products (issue_s/issue_pv
+// (stage), committed), combine(s, j) (the peer's partial S added: the split head dim), softmax(j,
+// corr) (ws_fwd_block_softmax) and whether the O rescale is voted per warp (kVote: skipped where
+// no row of the warp moved its max) or always run.
+template <typename T, int S, int ND, bool kVote, int NC, int SR, int OR, int KT, class FullK,
+          class FullV, class ReleaseK, class ReleaseV, class IssueS, class IssuePV, class Combine,
+          class Softmax>
+__device__ __forceinline__ void ws_fwd_mainloop(int total, const PingPong<NC>& pp, float (&s)[SR],
+                                                float (&o)[OR], uint32_t (&pa)[KT][4],
+                                                const float (&l_run)[2], FullK&& full_k,
+                                                FullV&& full_v, ReleaseK&& release_k,
+                                                ReleaseV&& release_v, IssueS&& issue_s,
+                                                IssuePV&& issue_pv, Combine&& combine,
+                                                Softmax&& softmax) {
+  if (total <= 0) return;
+  // Block 0: S only (O is still zero).
+  ws::mbar_wait(full_k(0), 0);
+  pp.begin_turn();
+  wg_fence();
+  issue_s(0);
+  pp.end_turn();
+  wg_wait<0>();
+  fence_regs(s);
+  release_k(0);
+  combine(0);
+  float corr[2];
+  softmax(0, corr);
+  pack_p_frag<T>(pa, s);
+
+  for (int j = 1; j < total; ++j) {
+    const int st = Ring<S>::stage(j), pst = Ring<S>::stage(j - 1);
+    ws::mbar_wait(full_k(st), Ring<S>::full_parity(j));
+    ws::mbar_wait(full_v(pst), Ring<S>::full_parity(j - 1));
+    pp.begin_turn();
+    fence_regs(pa);
+    fence_regs(o);
+    wg_fence();
+    issue_s(st);    // S_j = Q K_j^T
+    issue_pv(pst);  // O += P_{j-1} V_{j-1}
+    pp.end_turn();
+    wg_wait<1>();  // S_j done; P V still in flight
+    fence_regs(s);
+    release_k(st);
+    combine(j);
+    softmax(j, corr);
+    // Keep the exp2s before the wait: ptxas hoists the wait over straight-line code, which
+    // would stall on P V before the softmax instead of overlapping it. A branch on the row
+    // sums (never taken: they are >= 0 or NaN) ends the basic block after the last exp2.
+    fence_regs(s);
+    if (l_run[0] + l_run[1] < 0.f) asm volatile("nanosleep.u32 0;");
+    wg_wait<0>();
+    fence_regs(o);
+    fence_regs(pa);
+    release_v(pst);
+    bool rescale = true;
+    if constexpr (kVote) rescale = __any_sync(~0u, corr[0] != 1.f || corr[1] != 1.f);
+    if (rescale) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) rescale_o_row<ND>(o, r, corr[r]);
+    }
+    pack_p_frag<T>(pa, s);
+  }
+
+  // Last block's P V.
+  const int lst = Ring<S>::stage(total - 1);
+  ws::mbar_wait(full_v(lst), Ring<S>::full_parity(total - 1));
+  pp.begin_turn();
+  fence_regs(pa);
+  fence_regs(o);
+  wg_fence();
+  issue_pv(lst);
+  pp.end_turn();
+  wg_wait<0>();
+  fence_regs(o);
+  fence_regs(pa);
+}
+
 template <typename T, int D, bool kCap>
 __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_constant__ FwdWsArgs a) {
 #if DUALKV_SM90_BODY
@@ -330,13 +423,6 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
           p, s, kb, walk.masked(kb, wnq, CLUSTER > 1 ? kTileSize : BM, p.mask), a.prescale,
           pq_first + row_base + row0, tq, sl, m_run, l_run, corr);
     };
-    auto pack_p = [&]() {
-#pragma unroll
-      for (int kt = 0; kt < BN / 16; ++kt) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) pa[kt][c] = pack2<T>(s[8 * kt + 2 * c], s[8 * kt + 2 * c + 1]);
-      }
-    };
     auto issue_s = [&](int st) {
       const uint32_t sK = sK0 + st * Cfg::KV_BYTES;
       wgmma_rows_cols<T, BN, DC, BM, BN>(s, sQ, wrow, sK, 0, col0);
@@ -353,69 +439,9 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
 
     pp.start();
     ws::mbar_wait(bQ, 0);
-
-    if (total > 0) {
-      // Block 0: S only (O is still zero).
-      ws::mbar_wait(full_k(0), 0);
-      pp.begin_turn();
-      wg_fence();
-      issue_s(0);
-      pp.end_turn();
-      wg_wait<0>();
-      fence_regs(s);
-      release(empty_k(0));
-      exchange(0);
-      float corr[2];
-      softmax(0, corr);
-      pack_p();
-
-      for (int j = 1; j < total; ++j) {
-        const int st = Ring<S>::stage(j), pst = Ring<S>::stage(j - 1);
-        ws::mbar_wait(full_k(st), Ring<S>::full_parity(j));
-        ws::mbar_wait(full_v(pst), Ring<S>::full_parity(j - 1));
-        pp.begin_turn();
-        fence_regs(pa);
-        fence_regs(o);
-        wg_fence();
-        issue_s(st);    // S_j = Q K_j^T
-        issue_pv(pst);  // O += P_{j-1} V_{j-1}
-        pp.end_turn();
-        wg_wait<1>();  // S_j done; P V still in flight
-        fence_regs(s);
-        release(empty_k(st));
-        exchange(j);
-        softmax(j, corr);
-        // Keep the exp2s before the wait: ptxas hoists the wait over straight-line code, which
-        // would stall on P V before the softmax instead of overlapping it. A branch on the row
-        // sums (never taken: they are >= 0 or NaN) ends the basic block after the last exp2.
-        fence_regs(s);
-        if (l_run[0] + l_run[1] < 0.f) asm volatile("nanosleep.u32 0;");
-        wg_wait<0>();
-        fence_regs(o);
-        fence_regs(pa);
-        release(empty_v(pst));
-        bool rescale = true;
-        if constexpr (KSPLIT > 1) rescale = __any_sync(~0u, corr[0] != 1.f || corr[1] != 1.f);
-        if (rescale) {
-#pragma unroll
-          for (int r = 0; r < 2; ++r) rescale_o_row<DC / 8>(o, r, corr[r]);
-        }
-        pack_p();
-      }
-
-      // Last block's P V.
-      const int lst = Ring<S>::stage(total - 1);
-      ws::mbar_wait(full_v(lst), Ring<S>::full_parity(total - 1));
-      pp.begin_turn();
-      fence_regs(pa);
-      fence_regs(o);
-      wg_fence();
-      issue_pv(lst);
-      pp.end_turn();
-      wg_wait<0>();
-      fence_regs(o);
-      fence_regs(pa);
-    }
+    ws_fwd_mainloop<T, S, DC / 8, (KSPLIT > 1)>(
+        total, pp, s, o, pa, l_run, full_k, full_v, [&](int st) { release(empty_k(st)); },
+        [&](int st) { release(empty_v(st)); }, issue_s, issue_pv, exchange, softmax);
     pp.finish();
 
     store_out_rows<T, D, DC>(p, o, m_run, l_run, sl, q0, nq, h, row0, tq, col0,
