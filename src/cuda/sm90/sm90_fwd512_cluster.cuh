@@ -290,15 +290,7 @@ bool launch_forward_sm90_d512c(const FwdParams& p, const KernelPolicy& policy,
   const int64_t grid = int64_t(p.nqt) * p.Hq * Cfg::CLUSTER;
   if (grid == 0) return true;
   FwdWsArgs a{};
-  if (!encode_tmap_thd(&a.tq, p.q, p.T, p.Hq, D, p.q_tok, p.q_head, Cfg::BM) ||
-      !encode_tmap_thd(&a.tk, p.k, p.T, p.Hkv, D, p.k_tok, p.k_head, Cfg::BN) ||
-      !encode_tmap_thd(&a.tv, p.v, p.T, p.Hkv, D, p.v_tok, p.v_head, Cfg::BN)) {
-    warn_ws_fallback("cuTensorMapEncodeTiled failed or is unavailable");
-    return false;
-  }
-  a.p = p;
-  a.pingpong = policy.pingpong;
-  a.prescale = !(p.scale_log2 > 0.f);
+  if (!make_fwd_ws_args(a, p, policy, D, Cfg::BM, Cfg::BN)) return false;
   auto kernel = p.softcap > 0.f ? fwd_d512_cluster_kernel_sm90<T, true>
                                 : fwd_d512_cluster_kernel_sm90<T, false>;
   launch_kernel(kernel, grid, Cfg::THREADS, Cfg::SMEM, stream, a,

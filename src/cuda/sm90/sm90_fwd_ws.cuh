@@ -452,21 +452,30 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
 #endif
 }
 
-template <typename T, int D>
-bool launch_forward_sm90_ws(const FwdParams& p, const KernelPolicy& policy, cudaStream_t stream) {
-  using Cfg = FwdWsCfg<D>;
-  const int64_t grid = int64_t(p.nqt) * (kTileSize / Cfg::BM) * p.Hq;
-  if (grid == 0) return true;
-  FwdWsArgs a{};
-  if (!encode_tmap_thd(&a.tq, p.q, p.T, p.Hq, D, p.q_tok, p.q_head, Cfg::BM) ||
-      !encode_tmap_thd(&a.tk, p.k, p.T, p.Hkv, D, p.k_tok, p.k_head, Cfg::BN) ||
-      !encode_tmap_thd(&a.tv, p.v, p.T, p.Hkv, D, p.v_tok, p.v_head, Cfg::BN)) {
+// The forwards' kernel arguments: the Q / K / V tensor maps (boxes of bm query and bn key rows
+// of head dim d), the parameters, the ping-pong switch and whether the scores are pre-scaled.
+// False (after the fallback warning) when a map cannot be encoded.
+inline bool make_fwd_ws_args(FwdWsArgs& a, const FwdParams& p, const KernelPolicy& policy, int d,
+                             int bm, int bn) {
+  if (!encode_tmap_thd(&a.tq, p.q, p.T, p.Hq, d, p.q_tok, p.q_head, bm) ||
+      !encode_tmap_thd(&a.tk, p.k, p.T, p.Hkv, d, p.k_tok, p.k_head, bn) ||
+      !encode_tmap_thd(&a.tv, p.v, p.T, p.Hkv, d, p.v_tok, p.v_head, bn)) {
     warn_ws_fallback("cuTensorMapEncodeTiled failed or is unavailable");
     return false;
   }
   a.p = p;
   a.pingpong = policy.pingpong;
   a.prescale = !(p.scale_log2 > 0.f);
+  return true;
+}
+
+template <typename T, int D>
+bool launch_forward_sm90_ws(const FwdParams& p, const KernelPolicy& policy, cudaStream_t stream) {
+  using Cfg = FwdWsCfg<D>;
+  const int64_t grid = int64_t(p.nqt) * (kTileSize / Cfg::BM) * p.Hq;
+  if (grid == 0) return true;
+  FwdWsArgs a{};
+  if (!make_fwd_ws_args(a, p, policy, D, Cfg::BM, Cfg::BN)) return false;
   auto kernel = p.softcap > 0.f ? fwd_ws_kernel_sm90<T, D, true> : fwd_ws_kernel_sm90<T, D, false>;
   launch_kernel(kernel, grid, Cfg::THREADS, Cfg::SMEM, stream, a,
                 "dualkv forward (sm90a, warp-specialised)", Cfg::CLUSTER);
