@@ -164,34 +164,10 @@ __global__ void __launch_bounds__(384, 1)
       bool valid = query_walk_begin<BM>(p, kseg, ksi, pk_first, pk_last, cur);
       for (int it = 0;; ++it) {
         const int s = Ring<S>::stage(it);
-        ws::mbar_wait(empty(s), Ring<S>::empty_parity(it));
-        if (!valid) {
-          if (lane == 0) {
-            meta(s)[0] = 0;  // end of the walk
-            ws::mbar_arrive(full(s));
-          }
-          ws::mbar_arrive(full(s));
+        if (!dkdv_produce_stage<D / 64, BM, Cfg::Q_BYTES>(a, s, Ring<S>::empty_parity(it), valid,
+                                                          cur, hk, full(s), empty(s), meta(s), sQ0,
+                                                          sdO0, sL0, 0, lane))
           break;
-        }
-        const int h = hk * p.group + cur.hi;
-        const int qs = cur.row(BM);
-        const int nq = cur.count(BM);
-        if (lane == 0) {
-          meta(s)[0] = 1 + cur.hi;
-          meta(s)[1] = nq;
-          meta(s)[2] = cur.pos(BM);
-          meta(s)[3] = qs;
-          ws::mbar_expect_tx(full(s), 2 * Cfg::Q_BYTES);
-          ws::tma_load3_pair<D / 64, BM>(sQ0 + s * Cfg::Q_BYTES, &a.tq, sdO0 + s * Cfg::Q_BYTES,
-                                         &a.tdo, full(s), 0, h, qs);
-        }
-#pragma unroll
-        for (int i = lane; i < 2 * BM; i += 32) {
-          const int r = i % BM;
-          const float* src = (i < BM ? p.lse2 : p.delta) + int64_t(h) * p.T + qs + (r < nq ? r : 0);
-          cp_async4(sL0 + (s * 2 * BM + i) * 4, src, r < nq);
-        }
-        ws::cp_async_mbar_arrive(full(s));
         // pk_last through an empty asm, so that nothing derived from it is kept live across the
         // loop (at 24 registers ptxas spilled it, as in dkdv_ws_kernel_sm90's producer).
         int pkl = pk_last;

@@ -173,6 +173,52 @@ __device__ __forceinline__ void bulk_wait() {
 #endif
 }  // namespace ws
 
+#if DUALKV_SM90_BODY
+// One stage of a warp-specialised dK/dV kernel's producer warp (the D <= 128, D = 256 and D = 512
+// kernels): waits until ring stage s is free (`parity`: Ring::empty_parity), then, past the end
+// of the walk (valid = false), marks the stage's record 0 and returns false; else writes block
+// cur's record in meta (1 + q head within the group, rows, logical position, first packed row)
+// and loads into stage s, all on its full barrier: Q and dO columns [col0, col0 + 64 NCB) of the
+// block's QB-byte tiles through TMA (lane 0), its lse2 and delta rows through cp.async (every
+// lane).
+template <int NCB, int BM, int QB>
+__device__ __forceinline__ bool dkdv_produce_stage(const DkdvWsArgs& a, int s, uint32_t parity,
+                                                   bool valid, const QIter& cur, int hk,
+                                                   uint32_t full, uint32_t empty,
+                                                   volatile int* meta, uint32_t sQ0, uint32_t sdO0,
+                                                   uint32_t sL0, int col0, int lane) {
+  const BwdParams& p = a.p;
+  ws::mbar_wait(empty, parity);
+  if (!valid) {
+    if (lane == 0) {
+      meta[0] = 0;  // end of the walk
+      ws::mbar_arrive(full);
+    }
+    ws::mbar_arrive(full);
+    return false;
+  }
+  const int h = hk * p.group + cur.hi;
+  const int qs = cur.row(BM);
+  const int nq = cur.count(BM);
+  if (lane == 0) {
+    meta[0] = 1 + cur.hi;  // which q head of the GQA group
+    meta[1] = nq;
+    meta[2] = cur.pos(BM);
+    meta[3] = qs;
+    ws::mbar_expect_tx(full, 2 * QB);
+    ws::tma_load3_pair<NCB, BM>(sQ0 + s * QB, &a.tq, sdO0 + s * QB, &a.tdo, full, col0, h, qs);
+  }
+#pragma unroll
+  for (int i = lane; i < 2 * BM; i += 32) {
+    const int r = i % BM;
+    const float* src = (i < BM ? p.lse2 : p.delta) + int64_t(h) * p.T + qs + (r < nq ? r : 0);
+    cp_async4(sL0 + (s * 2 * BM + i) * 4, src, r < nq);
+  }
+  ws::cp_async_mbar_arrive(full);
+  return true;
+}
+#endif
+
 template <typename T, int D, bool kCap, bool kFusedDq, int kVar = 0>
 __global__ void __launch_bounds__(384, 1)
     dkdv_ws_kernel_sm90(const __grid_constant__ DkdvWsArgs a) {
@@ -262,34 +308,10 @@ __global__ void __launch_bounds__(384, 1)
       bool valid = query_walk_begin<BM>(p, kseg, ksi, pk_first, pk_last, cur);
       for (int it = 0;; ++it) {
         const int s = Ring<S>::stage(it);
-        ws::mbar_wait(empty(s), Ring<S>::empty_parity(it));
-        if (!valid) {
-          if (lane == 0) {
-            meta(s)[0] = 0;  // end of the walk
-            ws::mbar_arrive(full(s));
-          }
-          ws::mbar_arrive(full(s));
+        if (!dkdv_produce_stage<D / 64, BM, Cfg::Q_BYTES>(a, s, Ring<S>::empty_parity(it), valid,
+                                                          cur, hk, full(s), empty(s), meta(s), sQ0,
+                                                          sdO0, sL0, 0, lane))
           break;
-        }
-        const int h = hk * p.group + cur.hi;
-        const int qs = cur.row(BM);
-        const int nq = cur.count(BM);
-        if (lane == 0) {
-          meta(s)[0] = 1 + cur.hi;  // which q head of the GQA group
-          meta(s)[1] = nq;
-          meta(s)[2] = cur.pos(BM);
-          meta(s)[3] = qs;
-          ws::mbar_expect_tx(full(s), 2 * Cfg::Q_BYTES);
-          ws::tma_load3_pair<D / 64, BM>(sQ0 + s * Cfg::Q_BYTES, &a.tq, sdO0 + s * Cfg::Q_BYTES,
-                                         &a.tdo, full(s), 0, h, qs);
-        }
-#pragma unroll
-        for (int i = lane; i < 2 * BM; i += 32) {
-          const int r = i % BM;
-          const float* src = (i < BM ? p.lse2 : p.delta) + int64_t(h) * p.T + qs + (r < nq ? r : 0);
-          cp_async4(sL0 + (s * 2 * BM + i) * 4, src, r < nq);
-        }
-        ws::cp_async_mbar_arrive(full(s));
         // query_walk_next, spelled out: as a call it changes this producer's machine code, which
         // has not been run on a GPU that way yet.
         if (++cur.qb < cur.qb_end) continue;
