@@ -154,27 +154,15 @@ __global__ void __launch_bounds__(384, 1)
       const int hk = cta.hk, k0 = cta.k0, ksi = cta.ksi;
       const int pk_first = cta.pk_first, pk_last = cta.pk_last;
       const Segment& kseg = cta.kseg;
-      if (lane == 0) {
-        ws::prefetch_tmap(&a.tq);
-        ws::prefetch_tmap(&a.tdo);
-        ws::mbar_expect_tx(bKV, 2 * Cfg::K_BYTES);
-        ws::tma_load3_pair<D / 64, BN>(sK, &a.tk, sV, &a.tv, bKV, 0, hk, k0);
-      }
-      QIter cur;
-      bool valid = query_walk_begin<BM>(p, kseg, ksi, pk_first, pk_last, cur);
-      for (int it = 0;; ++it) {
-        const int s = Ring<S>::stage(it);
-        if (!dkdv_produce_stage<D / 64, BM, Cfg::Q_BYTES>(a, s, Ring<S>::empty_parity(it), valid,
-                                                          cur, hk, full(s), empty(s), meta(s), sQ0,
-                                                          sdO0, sL0, 0, lane))
-          break;
-        // pk_last through an empty asm, so that nothing derived from it is kept live across the
-        // loop (at 24 registers ptxas spilled it, as in dkdv_ws_kernel_sm90's producer).
-        int pkl = pk_last;
-        asm volatile("" : "+r"(pkl));
-        valid = query_walk_next<BM>(p, kseg, ksi, pk_first, pkl, cur);
-      }
-      cp_wait<0>();  // no lse/delta copy outlives its thread
+      dkdv_producer_warp<D / 64, BN, BM, S, Cfg::Q_BYTES, Cfg::K_BYTES>(
+          a, kseg, ksi, hk, k0, pk_first, pk_last, sK, sV, bKV, sQ0, sdO0, sL0, 0, lane, full,
+          empty, meta, [&](QIter& cur) {
+            // pk_last through an empty asm, so that nothing derived from it is kept live across
+            // the loop (at 24 registers ptxas spilled it, as in dkdv_ws_kernel_sm90's producer).
+            int pkl = pk_last;
+            asm volatile("" : "+r"(pkl));
+            return query_walk_next<BM>(p, kseg, ksi, pk_first, pkl, cur);
+          });
     } else if (kFusedDq && warp <= 2) {
       if constexpr (kFusedDq) {
         // ---- dQ reducers: lane 0 of warp 1 + c adds warpgroup c's blocks into dq_accum --------

@@ -296,28 +296,18 @@ __global__ void __launch_bounds__(384, 1)
     // ---- producer: warp 0 walks the query blocks (this CTA's column half) --------------------
     ws::reg_dealloc<Cfg::PRODUCER_REGS>();
     if (warp == 0) {
-      if (lane == 0) {
-        ws::prefetch_tmap(&a.tq);
-        ws::prefetch_tmap(&a.tdo);
-        ws::mbar_expect_tx(bKV, 2 * Cfg::K_BYTES);
-        ws::tma_load3_pair<DH / 64, BN>(sK, &a.tk, sV, &a.tv, bKV, cb0, hk, k0);
-      }
-      QIter cur;
-      bool valid = query_walk_begin<BM>(p, kseg, ksi, pk_first, pk_last, cur);
-      for (int it = 0;; ++it) {
-        const int s = Ring<S>::stage(it);
-        if (!dkdv_produce_stage<DH / 64, BM, Cfg::Q_BYTES>(a, s, Ring<S>::empty_parity(it), valid,
-                                                           cur, hk, bars.full(s), bars.empty(s),
-                                                           meta(s), sQ0, sdO0, sL0, cb0, lane))
-          break;
-        // query_walk_next, spelled out (as dkdv_ws_kernel_sm90: the call made the producer spill
-        // at 24 registers).
-        if (++cur.qb < cur.qb_end) continue;
-        valid = seek_query_region<BM>(p, kseg, ksi, cur.si + 1, pk_first, pk_last, cur);
-        if (!valid && ++cur.hi < p.group)
-          valid = seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pk_last, cur);
-      }
-      cp_wait<0>();  // no lse/delta copy outlives its thread
+      dkdv_producer_warp<DH / 64, BN, BM, S, Cfg::Q_BYTES, Cfg::K_BYTES>(
+          a, kseg, ksi, hk, k0, pk_first, pk_last, sK, sV, bKV, sQ0, sdO0, sL0, cb0, lane,
+          [&](int s) { return bars.full(s); }, [&](int s) { return bars.empty(s); }, meta,
+          [&](QIter& cur) {
+            // query_walk_next, spelled out (as dkdv_ws_kernel_sm90: the call made the producer
+            // spill at 24 registers).
+            if (++cur.qb < cur.qb_end) return true;
+            bool valid = seek_query_region<BM>(p, kseg, ksi, cur.si + 1, pk_first, pk_last, cur);
+            if (!valid && ++cur.hi < p.group)
+              valid = seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pk_last, cur);
+            return valid;
+          });
     }
   } else {
     // ---- consumers ---------------------------------------------------------------------------

@@ -217,6 +217,37 @@ __device__ __forceinline__ bool dkdv_produce_stage(const DkdvWsArgs& a, int s, u
   ws::cp_async_mbar_arrive(full);
   return true;
 }
+
+// A warp-specialised dK/dV kernel's producer warp (warp 0; the D <= 128, D = 256 and D = 512
+// kernels): the key tile's K and V columns [col0, col0 + 64 NCB) (KB bytes each, on bKV), then
+// one ring stage per query block of the walk (dkdv_produce_stage) until a stage marks its end.
+// The walk starts at query_walk_begin; step(cur) advances it (false: past its end) and is the
+// kernel's own (its register-pressure workarounds at the producer's 24 registers differ).
+template <int NCB, int BN, int BM, int S, int QB, int KB, class Full, class Empty, class Meta,
+          class Step>
+__device__ __forceinline__ void dkdv_producer_warp(const DkdvWsArgs& a, const Segment& kseg,
+                                                   int ksi, int hk, int k0, int pk_first,
+                                                   int pk_last, uint32_t sK, uint32_t sV,
+                                                   uint32_t bKV, uint32_t sQ0, uint32_t sdO0,
+                                                   uint32_t sL0, int col0, int lane, Full&& full,
+                                                   Empty&& empty, Meta&& meta, Step&& step) {
+  if (lane == 0) {
+    ws::prefetch_tmap(&a.tq);
+    ws::prefetch_tmap(&a.tdo);
+    ws::mbar_expect_tx(bKV, 2 * KB);
+    ws::tma_load3_pair<NCB, BN>(sK, &a.tk, sV, &a.tv, bKV, col0, hk, k0);
+  }
+  QIter cur;
+  bool valid = query_walk_begin<BM>(a.p, kseg, ksi, pk_first, pk_last, cur);
+  for (int it = 0;; ++it) {
+    const int s = Ring<S>::stage(it);
+    if (!dkdv_produce_stage<NCB, BM, QB>(a, s, Ring<S>::empty_parity(it), valid, cur, hk, full(s),
+                                         empty(s), meta(s), sQ0, sdO0, sL0, col0, lane))
+      break;
+    valid = step(cur);
+  }
+  cp_wait<0>();  // no lse/delta copy outlives its thread
+}
 #endif
 
 template <typename T, int D, bool kCap, bool kFusedDq, int kVar = 0>
@@ -298,43 +329,33 @@ __global__ void __launch_bounds__(384, 1)
     // ---- producer: warp 0 walks the query blocks ---------------------------------------------
     ws::reg_dealloc<Cfg::PRODUCER_REGS>();
     if (warp == 0) {
-      if (lane == 0) {
-        ws::prefetch_tmap(&a.tq);
-        ws::prefetch_tmap(&a.tdo);
-        ws::mbar_expect_tx(bKV, 2 * Cfg::K_BYTES);
-        ws::tma_load3_pair<D / 64, BN>(sK, &a.tk, sV, &a.tv, bKV, 0, hk, k0);
-      }
-      QIter cur;
-      bool valid = query_walk_begin<BM>(p, kseg, ksi, pk_first, pk_last, cur);
-      for (int it = 0;; ++it) {
-        const int s = Ring<S>::stage(it);
-        if (!dkdv_produce_stage<D / 64, BM, Cfg::Q_BYTES>(a, s, Ring<S>::empty_parity(it), valid,
-                                                          cur, hk, full(s), empty(s), meta(s), sQ0,
-                                                          sdO0, sL0, 0, lane))
-          break;
-        // query_walk_next, spelled out: as a call it changes this producer's machine code, which
-        // has not been run on a GPU that way yet.
-        if (++cur.qb < cur.qb_end) continue;
-        // kFusedDq: pk_last passed through an empty asm, so that nothing derived from it is kept
-        // live across the loop (ptxas hoisted its sign extension and spilled it at 24 registers).
-        int pkl = pk_last;
-        if constexpr (kFusedDq) asm volatile("" : "+r"(pkl));
-        // 2 stages (kDqDouble, D = 128): the key segment read again here (after the loop's
-        // memory clobbers) rather than kept in 7 registers across the loop, its index through an
-        // empty asm (ptxas spilled the producer's loop state at 24 registers: 76 bytes of
-        // stores; 56 with this).
-        Segment ksr;
-        int ksl = ksi;
-        if constexpr (S == 2) {
-          asm volatile("" : "+r"(ksl));
-          ksr = p.segs[ksl];
-        }
-        const Segment& ks = S == 2 ? ksr : kseg;
-        valid = seek_query_region<BM>(p, ks, ksl, cur.si + 1, pk_first, pkl, cur);
-        if (!valid && ++cur.hi < p.group)
-          valid = seek_query_region<BM>(p, ks, ksl, ksl, pk_first, pkl, cur);
-      }
-      cp_wait<0>();  // no lse/delta copy outlives its thread
+      dkdv_producer_warp<D / 64, BN, BM, S, Cfg::Q_BYTES, Cfg::K_BYTES>(
+          a, kseg, ksi, hk, k0, pk_first, pk_last, sK, sV, bKV, sQ0, sdO0, sL0, 0, lane, full,
+          empty, meta, [&](QIter& cur) {
+            // query_walk_next, spelled out: as a call it changes this producer's machine code,
+            // which has not been run on a GPU that way yet.
+            if (++cur.qb < cur.qb_end) return true;
+            // kFusedDq: pk_last passed through an empty asm, so that nothing derived from it is
+            // kept live across the loop (ptxas hoisted its sign extension and spilled it at 24
+            // registers).
+            int pkl = pk_last;
+            if constexpr (kFusedDq) asm volatile("" : "+r"(pkl));
+            // 2 stages (kDqDouble, D = 128): the key segment read again here (after the loop's
+            // memory clobbers) rather than kept in 7 registers across the loop, its index
+            // through an empty asm (ptxas spilled the producer's loop state at 24 registers: 76
+            // bytes of stores; 56 with this).
+            Segment ksr;
+            int ksl = ksi;
+            if constexpr (S == 2) {
+              asm volatile("" : "+r"(ksl));
+              ksr = p.segs[ksl];
+            }
+            const Segment& ks = S == 2 ? ksr : kseg;
+            bool valid = seek_query_region<BM>(p, ks, ksl, cur.si + 1, pk_first, pkl, cur);
+            if (!valid && ++cur.hi < p.group)
+              valid = seek_query_region<BM>(p, ks, ksl, ksl, pk_first, pkl, cur);
+            return valid;
+          });
     } else if (kFusedDq && warp <= (kOneRed ? 1 : 2)) {
       if constexpr (kFusedDq) {
         // ---- dQ reducers: lane 0 of warp 1 + c adds warpgroup c's blocks into dq_accum --------
