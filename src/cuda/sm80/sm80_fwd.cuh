@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "collective/epilogue.cuh"
 #include "collective/online_softmax.cuh"
 #include "collective/score_mod.cuh"
 #include "launch.h"
@@ -184,26 +185,9 @@ __global__ void __launch_bounds__(FwdCfg<D>::THREADS, FwdCfg<D>::MIN_BLOCKS)
 
   // Epilogue: O / l and lse, rows < nq.
 #pragma unroll
-  for (int m = 0; m < MT; ++m) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const float l = quad_sum(l_run[m][i]);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      const int row = wrow + 16 * m + g + 8 * i;
-      if (row < nq) {
-        T* og = static_cast<T*>(p.out) + (int64_t(q0 + row) * p.Hq + h) * D + dbase;
-#pragma unroll
-        for (int nd = 0; nd < DC / 8; ++nd) {
-          *reinterpret_cast<uint32_t*>(og + nd * 8 + 2 * tq) =
-              pack2<T>(o[m][nd][2 * i] * inv, o[m][nd][2 * i + 1] * inv);
-        }
-        if (tq == 0 && dpart == 0) {
-          p.lse[int64_t(h) * p.T + q0 + row] =
-              l > 0.f ? (m_run[m][i] + log2f(l)) * kLn2 : -INFINITY;
-        }
-      }
-    }
-  }
+  for (int m = 0; m < MT; ++m)
+    store_out_rows<T, D, DC>(p, o[m], m_run[m], l_run[m], 1.f, q0, nq, h, wrow + 16 * m + g, tq,
+                             dbase, dpart == 0);
 }
 
 template <typename T, int D>
