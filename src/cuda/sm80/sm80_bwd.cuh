@@ -421,18 +421,7 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, DqCfg<D>::MIN_BLOCKS)
   }
   cp_wait<0>();
 
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int row = row0 + 8 * i;
-    if (row < nq) {
-      T* dst = static_cast<T*>(p.dq) + (int64_t(q0 + row) * p.Hq + h) * D + dbase + 2 * tq;
-#pragma unroll
-      for (int nd = 0; nd < DC / 8; ++nd) {
-        *reinterpret_cast<uint32_t*>(dst + nd * 8) =
-            pack2<T>(acc[nd][2 * i] * p.scale, acc[nd][2 * i + 1] * p.scale);
-      }
-    }
-  }
+  store_dq_rows<T, D, DC>(p, acc, q0, nq, h, row0, dbase, tq);
 }
 
 template <typename T, int D>
