@@ -209,6 +209,24 @@ __global__ void __launch_bounds__(384, 1)
     const float* lse_s = reinterpret_cast<const float*>(gbase + Cfg::OFF_L);
     uint4* xpa = reinterpret_cast<uint4*>(gbase + Cfg::OFF_XPA);
     uint4* xda = reinterpret_cast<uint4*>(gbase + Cfg::OFF_XDA);
+    // This warpgroup's HQ query columns of an S^T-shaped fragment f (P^T or dS^T) as bf16/fp16
+    // A-fragment slices into the exchange buffer x, the named barrier `bar` of both warpgroups,
+    // then all BM / 16 slices (both warpgroups' columns) back into a.
+    auto swap_slices = [&](const float (&f)[HR], uint4* x, int bar, uint32_t (&a)[BM / 16][4]) {
+#pragma unroll
+      for (int kl = 0; kl < HQ / 16; ++kl) {
+        uint32_t w[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) w[c] = pack2<T>(f[8 * kl + 2 * c], f[8 * kl + 2 * c + 1]);
+        x[(cw * (HQ / 16) + kl) * 128 + t] = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+      ws::bar_sync(bar, NC);
+#pragma unroll
+      for (int kt = 0; kt < BM / 16; ++kt) {
+        const uint4 v = x[kt * 128 + t];
+        a[kt][0] = v.x, a[kt][1] = v.y, a[kt][2] = v.z, a[kt][3] = v.w;
+      }
+    };
 
     ws::mbar_wait(bKV, 0);
     int it_end = 0;  // the block index of the end record
@@ -251,20 +269,8 @@ __global__ void __launch_bounds__(384, 1)
       }
       mask_fragment<HR>(msk, visible, [&](int i) { sc[i] = 0.f; });
       // This warpgroup's two 16-query slices of P^T to shared memory, then all four back.
-#pragma unroll
-      for (int kl = 0; kl < HQ / 16; ++kl) {
-        uint32_t w[4];
-#pragma unroll
-        for (int c = 0; c < 4; ++c) w[c] = pack2<T>(sc[8 * kl + 2 * c], sc[8 * kl + 2 * c + 1]);
-        xpa[(cw * (HQ / 16) + kl) * 128 + t] = make_uint4(w[0], w[1], w[2], w[3]);
-      }
-      ws::bar_sync(1, NC);
       uint32_t pa[BM / 16][4];
-#pragma unroll
-      for (int kt = 0; kt < BM / 16; ++kt) {
-        const uint4 v = xpa[kt * 128 + t];
-        pa[kt][0] = v.x, pa[kt][1] = v.y, pa[kt][2] = v.z, pa[kt][3] = v.w;
-      }
+      swap_slices(sc, xpa, 1, pa);
       fence_regs(pa);
       fence_regs(dv);
       wg_fence();
@@ -275,20 +281,8 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
       for (int i = 0; i < HR; ++i) dp[i] = sc[i] * (dp[i] - del_c[qc_of(i)]) * (kCap ? dc[i] : 1.f);
       if constexpr (!kFusedDq) {
-#pragma unroll
-        for (int kl = 0; kl < HQ / 16; ++kl) {
-          uint32_t w[4];
-#pragma unroll
-          for (int c = 0; c < 4; ++c) w[c] = pack2<T>(dp[8 * kl + 2 * c], dp[8 * kl + 2 * c + 1]);
-          xda[(cw * (HQ / 16) + kl) * 128 + t] = make_uint4(w[0], w[1], w[2], w[3]);
-        }
-        ws::bar_sync(2, NC);
         uint32_t da[BM / 16][4];
-#pragma unroll
-        for (int kt = 0; kt < BM / 16; ++kt) {
-          const uint4 v = xda[kt * 128 + t];
-          da[kt][0] = v.x, da[kt][1] = v.y, da[kt][2] = v.z, da[kt][3] = v.w;
-        }
+        swap_slices(dp, xda, 2, da);
         fence_regs(da);
         fence_regs(dk);
         wg_fence();
