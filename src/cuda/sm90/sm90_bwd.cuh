@@ -191,14 +191,8 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
         dp[i] = pr * (dp[i] - delta_of(i)) * dcap;
       }
       mask_fragment<SR>(msk, visible, [&](int i) { s[i] = dp[i] = 0.f; });
-#pragma unroll
-      for (int kt = 0; kt < BM / 16; ++kt) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          pa[kt][c] = pack2<T>(s[8 * kt + 2 * c], s[8 * kt + 2 * c + 1]);
-          da[kt][c] = pack2<T>(dp[8 * kt + 2 * c], dp[8 * kt + 2 * c + 1]);
-        }
-      }
+      pack_a_frag<T>(pa, s);
+      pack_a_frag<T>(da, dp);
       fence_regs(pa);
       fence_regs(da);
       fence_regs(dv);
@@ -379,10 +373,7 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const __grid_constant__
         },
         [&](int i) { dp[i] = 0.f; });
     uint32_t da[BN / 16][4];
-#pragma unroll
-    for (int kt = 0; kt < BN / 16; ++kt)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) da[kt][c] = pack2<T>(dp[8 * kt + 2 * c], dp[8 * kt + 2 * c + 1]);
+    pack_a_frag<T>(da, dp);
     fence_regs(da);
     fence_regs(acc);
     wg_fence();

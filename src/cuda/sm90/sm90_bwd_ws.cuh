@@ -504,11 +504,7 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
         for (int i = 0; i < SR; ++i) sc[i] = prob(i, score_log2<false>(p, sc[i]));
         mask_fragment<SR>(msk, visible, [&](int i) { sc[i] = 0.f; });
-#pragma unroll
-        for (int kt = 0; kt < BM / 16; ++kt)
-#pragma unroll
-          for (int c = 0; c < 4; ++c)
-            pa[kt][c] = pack2<T>(sc[8 * kt + 2 * c], sc[8 * kt + 2 * c + 1]);
+        pack_a_frag<T>(pa, sc);
         fence_regs(pa);
         fence_regs(dv);
         wg_fence();
@@ -520,11 +516,7 @@ __global__ void __launch_bounds__(384, 1)
         fence_regs(dp);
 #pragma unroll
         for (int i = 0; i < SR; ++i) dp[i] = dsc(i, sc[i], 1.f);
-#pragma unroll
-        for (int kt = 0; kt < BM / 16; ++kt)
-#pragma unroll
-          for (int c = 0; c < 4; ++c)
-            da[kt][c] = pack2<T>(dp[8 * kt + 2 * c], dp[8 * kt + 2 * c + 1]);
+        pack_a_frag<T>(da, dp);
         if constexpr (kFusedDq) {
           stash_ds();  // for dQ, below
         } else {

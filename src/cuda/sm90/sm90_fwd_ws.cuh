@@ -157,18 +157,6 @@ __device__ __forceinline__ void reg_alloc() {
 
 }  // namespace ws
 
-// P of a thread's S fragment (s, BN / 2 floats of a 64 x BN product) as the A fragments of the
-// P V product (BN / 16 K-steps of 4 packed pairs).
-template <typename T, int SR, int KT>
-__device__ __forceinline__ void pack_p_frag(uint32_t (&pa)[KT][4], const float (&s)[SR]) {
-  static_assert(SR == 8 * KT, "P of a 64 x BN block: BN / 16 K-steps");
-#pragma unroll
-  for (int kt = 0; kt < KT; ++kt) {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) pa[kt][c] = pack2<T>(s[8 * kt + 2 * c], s[8 * kt + 2 * c + 1]);
-  }
-}
-
 // The warp-specialised forwards' consumer mainloop over the walk's `total` key blocks (after the
 // Q wait, inside the ping-pong's start/finish): block 0's S, then per block j the products
 // S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued together, block j's softmax overlapping P V, and
@@ -200,7 +188,7 @@ __device__ __forceinline__ void ws_fwd_mainloop(int total, const PingPong<NC>& p
   combine(0);
   float corr[2];
   softmax(0, corr);
-  pack_p_frag<T>(pa, s);
+  pack_a_frag<T>(pa, s);
 
   for (int j = 1; j < total; ++j) {
     const int st = Ring<S>::stage(j), pst = Ring<S>::stage(j - 1);
@@ -233,7 +221,7 @@ __device__ __forceinline__ void ws_fwd_mainloop(int total, const PingPong<NC>& p
 #pragma unroll
       for (int r = 0; r < 2; ++r) rescale_o_row<ND>(o, r, corr[r]);
     }
-    pack_p_frag<T>(pa, s);
+    pack_a_frag<T>(pa, s);
   }
 
   // Last block's P V.
