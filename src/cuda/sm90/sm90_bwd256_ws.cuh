@@ -133,11 +133,11 @@ __global__ void __launch_bounds__(384, 1)
 
   if (tid == 0) {
     ws::mbar_init(bKV, 1);
+    // kFusedDq: the empty barriers also count the two reducer lanes.
+    ws::ring_init<S>(full, empty, Cfg::FULL_COUNT, kFusedDq ? NC + 2 : NC);
+    if constexpr (kFusedDq) {
 #pragma unroll
-    for (int s = 0; s < S; ++s) {
-      ws::mbar_init(full(s), Cfg::FULL_COUNT);
-      ws::mbar_init(empty(s), kFusedDq ? NC + 2 : NC);  // kFusedDq: + the two reducer lanes
-      if constexpr (kFusedDq) {
+      for (int s = 0; s < S; ++s) {
         ws::mbar_init(dq_full(s, 0), NC / 2);
         ws::mbar_init(dq_full(s, 1), NC / 2);
       }

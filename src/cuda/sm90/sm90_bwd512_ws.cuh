@@ -138,11 +138,8 @@ struct Ws512Bars {
     constexpr uint32_t NC = Ws512Cfg::CONSUMERS;
     if (tid == 0) {
       ws::mbar_init(b0, 1);
-#pragma unroll
-      for (int s = 0; s < S; ++s) {
-        ws::mbar_init(full(s), full_count);
-        ws::mbar_init(empty(s), NC);
-      }
+      ws::ring_init<S>([&](int s) { return full(s); }, [&](int s) { return empty(s); }, full_count,
+                       NC);
       ws::mbar_init(xfull(0), 1);  // the local arrive.expect_tx; the peer's bytes complete it
       ws::mbar_init(xfull(1), 1);
       ws::mbar_init(xfree(), NC / 32);  // one arrival per consumer warp of the peer

@@ -305,11 +305,7 @@ __global__ void __launch_bounds__(384, 1)
 
   if (tid == 0) {
     ws::mbar_init(bKV, 1);
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-      ws::mbar_init(full(s), Cfg::FULL_COUNT);
-      ws::mbar_init(empty(s), NC);
-    }
+    ws::ring_init<S>(full, empty, Cfg::FULL_COUNT, NC);
     if constexpr (kFusedDq) {
       for (int c = 0; c < 2; ++c)
         for (int b = 0; b < NB; ++b) {

@@ -108,13 +108,10 @@ struct FwdD512Bars {
   __device__ __forceinline__ void init(int tid) const {
     if (tid == 0) {
       ws::mbar_init(q(), 1);
-#pragma unroll
-      for (int s = 0; s < Cfg::STAGES; ++s) {
-        ws::mbar_init(full_k(s), 1);
-        ws::mbar_init(full_v(s), 1);
-        ws::mbar_init(empty_k(s), Cfg::CONSUMERS);
-        ws::mbar_init(empty_v(s), Cfg::CONSUMERS);
-      }
+      ws::ring_init<Cfg::STAGES>([&](int s) { return full_k(s); },
+                                 [&](int s) { return empty_k(s); }, 1, Cfg::CONSUMERS);
+      ws::ring_init<Cfg::STAGES>([&](int s) { return full_v(s); },
+                                 [&](int s) { return empty_v(s); }, 1, Cfg::CONSUMERS);
 #pragma unroll
       for (int w = 0; w < 2; ++w) {
         ws::mbar_init(xfull(w), 1);

@@ -282,13 +282,8 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
 
   if (tid == 0) {
     ws::mbar_init(bQ, 1);
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-      ws::mbar_init(full_k(s), 1);
-      ws::mbar_init(full_v(s), 1);
-      ws::mbar_init(empty_k(s), kEmptyCount);
-      ws::mbar_init(empty_v(s), kEmptyCount);
-    }
+    ws::ring_init<S>(full_k, empty_k, 1, kEmptyCount);
+    ws::ring_init<S>(full_v, empty_v, 1, kEmptyCount);
     ws::mbar_init_fence();
   }
   if constexpr (CLUSTER > 1) {
