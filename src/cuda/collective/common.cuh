@@ -89,6 +89,16 @@ __device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
   __half2 v = __floats2half2_rn(a, b);
   return *reinterpret_cast<uint32_t*>(&v);
 }
+// K-step kt of an n-tiled fp32 fragment f (its n-tiles 2 kt, 2 kt + 1) as the A fragment of an
+// mma.sync m16n8k16.
+template <typename T, int NT>
+__device__ __forceinline__ void pack_a_ktile(uint32_t (&a)[4], const float (&f)[NT][4], int kt) {
+  a[0] = pack2<T>(f[2 * kt][0], f[2 * kt][1]);
+  a[1] = pack2<T>(f[2 * kt][2], f[2 * kt][3]);
+  a[2] = pack2<T>(f[2 * kt + 1][0], f[2 * kt + 1][1]);
+  a[3] = pack2<T>(f[2 * kt + 1][2], f[2 * kt + 1][3]);
+}
+
 template <typename T>
 __device__ __forceinline__ float2 unpack2(uint32_t u);
 template <>

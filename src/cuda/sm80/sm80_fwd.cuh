@@ -162,12 +162,7 @@ __global__ void __launch_bounds__(FwdCfg<D>::THREADS, FwdCfg<D>::MIN_BLOCKS)
     for (int kt = 0; kt < BN / 16; ++kt) {
       uint32_t a[MT][4];
 #pragma unroll
-      for (int m = 0; m < MT; ++m) {
-        a[m][0] = pack2<T>(s[m][2 * kt][0], s[m][2 * kt][1]);
-        a[m][1] = pack2<T>(s[m][2 * kt][2], s[m][2 * kt][3]);
-        a[m][2] = pack2<T>(s[m][2 * kt + 1][0], s[m][2 * kt + 1][1]);
-        a[m][3] = pack2<T>(s[m][2 * kt + 1][2], s[m][2 * kt + 1][3]);
-      }
+      for (int m = 0; m < MT; ++m) pack_a_ktile<T>(a[m], s[m], kt);
 #pragma unroll
       for (int n2 = 0; n2 < DC / 16; ++n2) {
         uint32_t b[4];
