@@ -202,30 +202,13 @@ __global__ void __launch_bounds__(384, 1)
     // ---- producer warpgroup: one thread issues every copy (this CTA's column half) -----------
     ws::reg_dealloc<Cfg::PRODUCER_REGS>();
     if (tid == 0) {
-      ws::prefetch_tmap(&a.tq);
-      ws::prefetch_tmap(&a.tk);
-      ws::prefetch_tmap(&a.tv);
-      ws::mbar_expect_tx(bars.q(), Cfg::Q_BYTES);
-#pragma unroll
-      for (int c = 0; c < DH / 64; ++c)
-        ws::tma_load3(sQ + c * (BM * 128), &a.tq, bars.q(), cb0 + c * 64, h, q0);
-      for (int j = 0; j < total; ++j) {
-        const int s = Ring<S>::stage(j);
-        const uint32_t ph = Ring<S>::empty_parity(j);
-        const int row = int(walk.at(j).row());
-        ws::mbar_wait(bars.empty_k(s), ph);
-        ws::mbar_expect_tx(bars.full_k(s), Cfg::KV_BYTES);
-#pragma unroll
-        for (int c = 0; c < DH / 64; ++c)
-          ws::tma_load3(sK0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tk, bars.full_k(s),
-                        cb0 + c * 64, hk, row);
-        ws::mbar_wait(bars.empty_v(s), ph);
-        ws::mbar_expect_tx(bars.full_v(s), Cfg::KV_BYTES);
-#pragma unroll
-        for (int c = 0; c < DH / 64; ++c)
-          ws::tma_load3(sV0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tv, bars.full_v(s),
-                        cb0 + c * 64, hk, row);
-      }
+      ws_fwd_producer<S, DH / 64, BM, Cfg::Q_BYTES, Cfg::KV_BYTES>(
+          a, walk, sQ, sK0, sV0, bars.q(), cb0, h, q0, [&](int s) { return bars.full_k(s); },
+          [&](int s) { return bars.full_v(s); }, [&](int s) { return bars.empty_k(s); },
+          [&](int s) { return bars.empty_v(s); },
+          [&](const CUtensorMap* map, uint32_t dst, uint32_t bar, int row) {
+            ws::tma_load3_cols<DH / 64, BN>(dst, map, bar, cb0, hk, row);
+          });
     }
   } else {
     // ---- consumer warpgroups: cw owns query rows [64 cw, 64 cw + 64), the CTA's 256 columns --

@@ -114,6 +114,14 @@ __device__ __forceinline__ void tma_load3(uint32_t dst, const CUtensorMap* map, 
       "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
 }
+// The NB column blocks of 64 from column col0 (coordinates {col, c1, c2}) of a tile into dst
+// (SW128 blocks of ROWS x 128 bytes), completing on bar.
+template <int NB, int ROWS>
+__device__ __forceinline__ void tma_load3_cols(uint32_t dst, const CUtensorMap* map, uint32_t bar,
+                                               int col0, int c1, int c2) {
+#pragma unroll
+  for (int c = 0; c < NB; ++c) tma_load3(dst + c * (ROWS * 128), map, bar, col0 + c * 64, c1, c2);
+}
 // The NB column blocks of 64 from column col0 (coordinates {col, c1, c2}) of two tiles that
 // complete on the same barrier: map_a's into dst_a, map_b's into dst_b (SW128 blocks of ROWS x 128
 // bytes), one block of each in turn.
@@ -156,6 +164,37 @@ __device__ __forceinline__ void reg_alloc() {
 #endif
 
 }  // namespace ws
+
+// The warp-specialised forwards' producer (one thread): the Q tile (NQB column blocks from
+// column qcol0 of query rows q0.., q head h, on bar_q), then per key block j of the walk its K
+// and V tiles into ring stage Ring<S>::stage(j): each waits for the stage's release, expects
+// KVB bytes on its full barrier and issues its copies through load_kv(map, stage tile, full
+// barrier, first key row) (the kernel's own column blocks: all of them, its column half, or its
+// share multicast to the cluster).
+template <int S, int NQB, int BM, int QB, int KVB, int BN, class FullK, class FullV, class EmptyK,
+          class EmptyV, class LoadKV>
+__device__ __forceinline__ void ws_fwd_producer(const FwdWsArgs& a, const KeyBlockWalk<BN>& walk,
+                                                uint32_t sQ, uint32_t sK0, uint32_t sV0,
+                                                uint32_t bar_q, int qcol0, int h, int q0,
+                                                FullK&& full_k, FullV&& full_v, EmptyK&& empty_k,
+                                                EmptyV&& empty_v, LoadKV&& load_kv) {
+  ws::prefetch_tmap(&a.tq);
+  ws::prefetch_tmap(&a.tk);
+  ws::prefetch_tmap(&a.tv);
+  ws::mbar_expect_tx(bar_q, QB);
+  ws::tma_load3_cols<NQB, BM>(sQ, &a.tq, bar_q, qcol0, h, q0);
+  for (int j = 0; j < walk.total; ++j) {
+    const int s = Ring<S>::stage(j);
+    const uint32_t ph = Ring<S>::empty_parity(j);
+    const int row = int(walk.at(j).row());
+    ws::mbar_wait(empty_k(s), ph);
+    ws::mbar_expect_tx(full_k(s), KVB);
+    load_kv(&a.tk, sK0 + s * KVB, full_k(s), row);
+    ws::mbar_wait(empty_v(s), ph);
+    ws::mbar_expect_tx(full_v(s), KVB);
+    load_kv(&a.tv, sV0 + s * KVB, full_v(s), row);
+  }
+}
 
 // The warp-specialised forwards' consumer mainloop over the walk's `total` key blocks (after the
 // Q wait, inside the ping-pong's start/finish): block 0's S, then per block j the products
@@ -296,52 +335,21 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
     // ---- producer warpgroup: one thread issues every copy ------------------------------------
     ws::reg_dealloc<Cfg::PRODUCER_REGS>();
     if (tid == 0) {
-      ws::prefetch_tmap(&a.tq);
-      ws::prefetch_tmap(&a.tk);
-      ws::prefetch_tmap(&a.tv);
-      ws::mbar_expect_tx(bQ, Cfg::Q_BYTES);
+      ws_fwd_producer<S, D / 64, BM, Cfg::Q_BYTES, Cfg::KV_BYTES>(
+          a, walk, sQ, sK0, sV0, bQ, 0, h, q0, full_k, full_v, empty_k, empty_v,
+          [&](const CUtensorMap* map, uint32_t dst, uint32_t bar, int row) {
+            if constexpr (CLUSTER > 1) {
+              // This CTA's share of the column blocks, multicast to both; each CTA's full
+              // barrier expects the whole block (half from each producer).
+              constexpr int CB = D / 64 / CLUSTER;
+              constexpr uint16_t kAll = (1u << CLUSTER) - 1u;
 #pragma unroll
-      for (int c = 0; c < D / 64; ++c) ws::tma_load3(sQ + c * (BM * 128), &a.tq, bQ, c * 64, h, q0);
-      for (int j = 0; j < total; ++j) {
-        const int s = Ring<S>::stage(j);
-        const uint32_t ph = Ring<S>::empty_parity(j);
-        const int row = int(walk.at(j).row());
-        if constexpr (CLUSTER > 1) {
-          // This CTA's share of the column blocks, multicast to both; each CTA's full barrier
-          // expects the whole block (half from each producer).
-          constexpr int CB = D / 64 / CLUSTER;
-          constexpr uint16_t kAll = (1u << CLUSTER) - 1u;
-          ws::mbar_wait(empty_k(s), ph);
-          ws::mbar_expect_tx(full_k(s), Cfg::KV_BYTES);
-#pragma unroll
-          for (int c = int(rank) * CB; c < int(rank) * CB + CB; ++c) {
-            ws::tma_load3_multicast(sK0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tk, full_k(s),
-                                    c * 64, hk, row, kAll);
-          }
-          ws::mbar_wait(empty_v(s), ph);
-          ws::mbar_expect_tx(full_v(s), Cfg::KV_BYTES);
-#pragma unroll
-          for (int c = int(rank) * CB; c < int(rank) * CB + CB; ++c) {
-            ws::tma_load3_multicast(sV0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tv, full_v(s),
-                                    c * 64, hk, row, kAll);
-          }
-        } else {
-          ws::mbar_wait(empty_k(s), ph);
-          ws::mbar_expect_tx(full_k(s), Cfg::KV_BYTES);
-#pragma unroll
-          for (int c = 0; c < D / 64; ++c) {
-            ws::tma_load3(sK0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tk, full_k(s), c * 64, hk,
-                          row);
-          }
-          ws::mbar_wait(empty_v(s), ph);
-          ws::mbar_expect_tx(full_v(s), Cfg::KV_BYTES);
-#pragma unroll
-          for (int c = 0; c < D / 64; ++c) {
-            ws::tma_load3(sV0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tv, full_v(s), c * 64, hk,
-                          row);
-          }
-        }
-      }
+              for (int c = int(rank) * CB; c < int(rank) * CB + CB; ++c)
+                ws::tma_load3_multicast(dst + c * (BN * 128), map, bar, c * 64, hk, row, kAll);
+            } else {
+              ws::tma_load3_cols<D / 64, BN>(dst, map, bar, 0, hk, row);
+            }
+          });
     }
   } else {
     // ---- consumer warpgroups -----------------------------------------------------------------
