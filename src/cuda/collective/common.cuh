@@ -215,6 +215,17 @@ __device__ __forceinline__ void load_tile(uint32_t s_base, const T* base, int64_
                                        [](int r, int c) { return swz<D>(r, c); });
 }
 
+// The tile layout a synchronous kernel's cp.async loads write (a policy for the loaders below and
+// in query_walk.cuh): the sm_80 kernels' swz<D> layout (SW128Tiles, sm90/sm90_common.cuh: the
+// synchronous wgmma kernels').
+struct SwzTiles {
+  template <int ROWS, int D, int THREADS, typename T>
+  static __device__ __forceinline__ void load(uint32_t s_base, const T* base, int64_t row_stride,
+                                              int valid) {
+    load_tile<ROWS, D, THREADS>(s_base, base, row_stride, valid);
+  }
+};
+
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
@@ -298,6 +309,17 @@ struct KeyBlockWalk {
     return needs_mask(nq, BM, kb.count(), B, pq_first, pq_last, kb.pos(), kb.pos() + B - 1, m);
   }
 };
+
+// A synchronous kernel's cp.async of key block kb's K and V rows (kg / vg: row 0 of the kv head)
+// into the stage tiles sK, sV (BN rows of D columns, in Tiles' layout).
+template <class Tiles, int BN, int D, int THREADS, typename T, int B>
+__device__ __forceinline__ void load_kv_block(const Params& p, const KeyBlock<B>& kb, uint32_t sK,
+                                              uint32_t sV, const T* kg, const T* vg) {
+  const int nk = kb.count();
+  const int64_t ks = kb.row();
+  Tiles::template load<BN, D, THREADS>(sK, kg + ks * p.k_tok, p.k_tok, nk);
+  Tiles::template load<BN, D, THREADS>(sV, vg + ks * p.v_tok, p.v_tok, nk);
+}
 
 // The backward's statistics of a thread's query rows row0 and row0 + 8 (queries q0 + row of nq,
 // q head h): lse in log2 units (+inf past nq, so that P = 0 there) and delta = rowsum(dO * O).

@@ -150,20 +150,8 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, BwdCfg<D>::MIN_BLOCKS)
       sV, static_cast<const T*>(p.v) + int64_t(k0) * p.v_tok + int64_t(hk) * p.v_head, p.v_tok, nk);
 
   auto issue = [&](const QIter& it, int stage) {
-    const int h = hk * p.group + it.hi;
-    const int qs = it.row(BM);
-    const int nq = it.count(BM);
-    load_tile<BM, D, THREADS>(
-        sQ0 + stage * BM * D * 2,
-        static_cast<const T*>(p.q) + int64_t(qs) * p.q_tok + int64_t(h) * p.q_head, p.q_tok, nq);
-    load_tile<BM, D, THREADS>(sdO0 + stage * BM * D * 2,
-                              static_cast<const T*>(p.dout) + (int64_t(qs) * p.Hq + h) * D,
-                              int64_t(p.Hq) * D, nq);
-    if (tid < 2 * BM) {
-      const int r = tid % BM;
-      const float* src = (tid < BM ? p.lse2 : p.delta) + int64_t(h) * p.T + qs + (r < nq ? r : 0);
-      cp_async4(sL0 + ((tid < BM ? 0 : 2 * BM) + stage * BM + r) * 4, src, r < nq);
-    }
+    load_query_block<T, SwzTiles, BM, D, THREADS, BM * D * 2>(p, it, hk, tid, stage, sQ0, sdO0,
+                                                              sL0);
   };
   auto advance = [&](QIter& it) {
     return query_walk_next<BM>(p, kseg, ksi, pk_first, pk_last, it);
@@ -333,11 +321,8 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, DqCfg<D>::MIN_BLOCKS)
   const KeyBlockWalk<BN> walk(seg, q0, nq, p.mask);
   const int total = walk.total, pq_first = walk.pq_first;
   auto load_kv = [&](int j, int stage) {
-    const auto kb = walk.at(j);
-    const int nk = kb.count();
-    const int64_t ks = kb.row();
-    load_tile<BN, D, THREADS>(sK0 + stage * BN * D * 2, kg + ks * p.k_tok, p.k_tok, nk);
-    load_tile<BN, D, THREADS>(sV0 + stage * BN * D * 2, vg + ks * p.v_tok, p.v_tok, nk);
+    load_kv_block<SwzTiles, BN, D, THREADS>(p, walk.at(j), sK0 + stage * BN * D * 2,
+                                            sV0 + stage * BN * D * 2, kg, vg);
   };
   if (total > 0) load_kv(0, 0);
   cp_commit();

@@ -70,11 +70,8 @@ __global__ void __launch_bounds__(FwdCfg<D>::THREADS, FwdCfg<D>::MIN_BLOCKS)
   const KeyBlockWalk<BN> walk(seg, q0, nq, p.mask);
   const int total = walk.total, pq_first = walk.pq_first;
   auto load_kv = [&](int j, int stage) {
-    const auto kb = walk.at(j);
-    const int nk = kb.count();
-    const int64_t ks = kb.row();
-    load_tile<BN, D, THREADS>(sK0 + stage * BN * D * 2, kg + ks * p.k_tok, p.k_tok, nk);
-    load_tile<BN, D, THREADS>(sV0 + stage * BN * D * 2, vg + ks * p.v_tok, p.v_tok, nk);
+    load_kv_block<SwzTiles, BN, D, THREADS>(p, walk.at(j), sK0 + stage * BN * D * 2,
+                                            sV0 + stage * BN * D * 2, kg, vg);
   };
 
   if (total > 0) load_kv(0, 0);

@@ -84,6 +84,14 @@ __device__ __forceinline__ void load_tile_sw128(uint32_t s_base, const T* base, 
   load_tile_swizzled<ROWS, D, THREADS>(s_base, base, row_stride, valid,
                                        [](int r, int c) { return sw128<ROWS>(r, c); });
 }
+// The tile policy of the loaders (collective SwzTiles) for SW128 tiles.
+struct SW128Tiles {
+  template <int ROWS, int D, int THREADS, typename T>
+  static __device__ __forceinline__ void load(uint32_t s_base, const T* base, int64_t row_stride,
+                                              int valid) {
+    load_tile_sw128<ROWS, D, THREADS>(s_base, base, row_stride, valid);
+  }
+};
 
 // Shared-memory matrix descriptor, 128-byte swizzle. lbo/sbo in bytes.
 __device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
