@@ -125,14 +125,7 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
   while (valid) {
     QIter nxt = cur;
     const bool has_next = advance(nxt);
-    // cp_pipeline_step spelled out: through the helper nvcc schedules this loop differently
-    if (has_next) {
-      issue(nxt, stage ^ 1);
-      cp_commit();
-      cp_wait<1>();
-    } else {
-      cp_wait<0>();
-    }
+    cp_pipeline_step(has_next, [&] { issue(nxt, stage ^ 1); });
     fence_proxy_async();
     __syncthreads();
 
