@@ -485,13 +485,9 @@ __global__ void __launch_bounds__(384, 1)
         fence_regs(dv);
         fence_regs(dk);
         wg_fence();
-#pragma unroll
-        for (int kt = 0; kt < BM / 16; ++kt)
-          Wgmma<T, D>::template rs<1>(dv, pa[kt], desc_mnmajor<BM>(sdO, kt * 16), 1);
+        wgmma_rs_acc<T, D, BM>(dv, pa, sdO);
         if constexpr (!kFusedDq) {
-#pragma unroll
-          for (int kt = 0; kt < BM / 16; ++kt)
-            Wgmma<T, D>::template rs<1>(dk, da[kt], desc_mnmajor<BM>(sQ, kt * 16), 1);
+          wgmma_rs_acc<T, D, BM>(dk, da, sQ);
         }
         wg_commit();
       } else {
@@ -504,9 +500,7 @@ __global__ void __launch_bounds__(384, 1)
         fence_regs(pa);
         fence_regs(dv);
         wg_fence();
-#pragma unroll
-        for (int kt = 0; kt < BM / 16; ++kt)
-          Wgmma<T, D>::template rs<1>(dv, pa[kt], desc_mnmajor<BM>(sdO, kt * 16), 1);
+        wgmma_rs_acc<T, D, BM>(dv, pa, sdO);
         wg_commit();
         wg_wait<1>();  // dP^T done, dV in flight
         fence_regs(dp);
@@ -519,9 +513,7 @@ __global__ void __launch_bounds__(384, 1)
           fence_regs(da);
           fence_regs(dk);
           wg_fence();
-#pragma unroll
-          for (int kt = 0; kt < BM / 16; ++kt)
-            Wgmma<T, D>::template rs<1>(dk, da[kt], desc_mnmajor<BM>(sQ, kt * 16), 1);
+          wgmma_rs_acc<T, D, BM>(dk, da, sQ);
           wg_commit();
         }
       }
@@ -546,9 +538,7 @@ __global__ void __launch_bounds__(384, 1)
         wg_commit();
         // dK += dS^T Q with dS^T from registers, committed last: it runs on while dQ is handed
         // over, and is retired at the end of this block (which then releases the stage).
-#pragma unroll
-        for (int kt = 0; kt < BM / 16; ++kt)
-          Wgmma<T, D>::template rs<1>(dk, da[kt], desc_mnmajor<BM>(sQ, kt * 16), 1);
+        wgmma_rs_acc<T, D, BM>(dk, da, sQ);
         wg_commit();
         wg_wait<1>();  // dV and dQ done
         fence_regs(dv);

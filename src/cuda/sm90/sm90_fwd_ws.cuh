@@ -422,9 +422,7 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
     auto issue_pv = [&](int st) {
       // V's columns [col0, col0 + DC): SW128 column blocks of BN rows x 64 columns.
       const uint32_t sV = sV0 + st * Cfg::KV_BYTES + (col0 / 64) * (BN * 128);
-#pragma unroll
-      for (int kt = 0; kt < BN / 16; ++kt)
-        Wgmma<T, DC>::template rs<1>(o, pa[kt], desc_mnmajor<BN>(sV, kt * 16), 1);
+      wgmma_rs_acc<T, DC, BN>(o, pa, sV);
       wg_commit();
     };
 
