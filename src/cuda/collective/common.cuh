@@ -321,6 +321,17 @@ __device__ __forceinline__ void load_kv_block(const Params& p, const KeyBlock<B>
   Tiles::template load<BN, D, THREADS>(sV, vg + ks * p.v_tok, p.v_tok, nk);
 }
 
+// A synchronous backward kernel's cp.async of the Q and dO rows [qs, qs + nq) of q head h into
+// the tiles sQ, sdO (BM rows of D columns, in Tiles' layout).
+template <typename T, class Tiles, int BM, int D, int THREADS>
+__device__ __forceinline__ void load_q_do_rows(const BwdParams& p, int qs, int nq, int h,
+                                               uint32_t sQ, uint32_t sdO) {
+  Tiles::template load<BM, D, THREADS>(
+      sQ, static_cast<const T*>(p.q) + int64_t(qs) * p.q_tok + int64_t(h) * p.q_head, p.q_tok, nq);
+  Tiles::template load<BM, D, THREADS>(
+      sdO, static_cast<const T*>(p.dout) + (int64_t(qs) * p.Hq + h) * D, int64_t(p.Hq) * D, nq);
+}
+
 // The backward's statistics of a thread's query rows row0 and row0 + 8 (queries q0 + row of nq,
 // q head h): lse in log2 units (+inf past nq, so that P = 0 there) and delta = rowsum(dO * O).
 __device__ __forceinline__ void load_row_stats(const BwdParams& p, int h, int q0, int nq, int row0,

@@ -70,12 +70,7 @@ __device__ __forceinline__ void load_query_block(const BwdParams& p, const QIter
   const int h = hk * p.group + it.hi;
   const int qs = it.row(BM);
   const int nq = it.count(BM);
-  Tiles::template load<BM, D, THREADS>(
-      sQ0 + stage * QB, static_cast<const T*>(p.q) + int64_t(qs) * p.q_tok + int64_t(h) * p.q_head,
-      p.q_tok, nq);
-  Tiles::template load<BM, D, THREADS>(sdO0 + stage * QB,
-                                       static_cast<const T*>(p.dout) + (int64_t(qs) * p.Hq + h) * D,
-                                       int64_t(p.Hq) * D, nq);
+  load_q_do_rows<T, Tiles, BM, D, THREADS>(p, qs, nq, h, sQ0 + stage * QB, sdO0 + stage * QB);
   if (tid < 2 * BM) {
     const int r = tid % BM;
     const float* src = (tid < BM ? p.lse2 : p.delta) + int64_t(h) * p.T + qs + (r < nq ? r : 0);

@@ -306,10 +306,7 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, DqCfg<D>::MIN_BLOCKS)
   const T* kg = static_cast<const T*>(p.k) + int64_t(hk) * p.k_head;
   const T* vg = static_cast<const T*>(p.v) + int64_t(hk) * p.v_head;
 
-  load_tile<BM, D, THREADS>(
-      sQ, static_cast<const T*>(p.q) + int64_t(q0) * p.q_tok + int64_t(h) * p.q_head, p.q_tok, nq);
-  load_tile<BM, D, THREADS>(sdO, static_cast<const T*>(p.dout) + (int64_t(q0) * p.Hq + h) * D,
-                            int64_t(p.Hq) * D, nq);
+  load_q_do_rows<T, SwzTiles, BM, D, THREADS>(p, q0, nq, h, sQ, sdO);
 
   const KeyBlockWalk<BN> walk(seg, q0, nq, p.mask);
   const int total = walk.total, pq_first = walk.pq_first;
