@@ -93,6 +93,16 @@ __device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
   __half2 v = __floats2half2_rn(a, b);
   return *reinterpret_cast<uint32_t*>(&v);
 }
+// K-step kt of an n-tiled fp32 fragment f (its n-tiles 2 kt, 2 kt + 1) as the A fragment of an
+// mma.sync m16n8k16.
+template <typename T, int NT>
+__device__ __forceinline__ void pack_a_ktile(uint32_t (&a)[4], const float (&f)[NT][4], int kt) {
+  a[0] = pack2<T>(f[2 * kt][0], f[2 * kt][1]);
+  a[1] = pack2<T>(f[2 * kt][2], f[2 * kt][3]);
+  a[2] = pack2<T>(f[2 * kt + 1][0], f[2 * kt + 1][1]);
+  a[3] = pack2<T>(f[2 * kt + 1][2], f[2 * kt + 1][3]);
+}
+
 template <typename T>
 __device__ __forceinline__ float2 unpack2(uint32_t u);
 template <>
@@ -209,6 +219,17 @@ __device__ __forceinline__ void load_tile(uint32_t s_base, const T* base, int64_
                                        [](int r, int c) { return swz<D>(r, c); });
 }
 
+// The tile layout a synchronous kernel's cp.async loads write (a policy for the loaders below and
+// in query_walk.cuh): the sm_80 kernels' swz<D> layout (SW128Tiles, sm90/sm90_common.cuh: the
+// synchronous wgmma kernels').
+struct SwzTiles {
+  template <int ROWS, int D, int THREADS, typename T>
+  static __device__ __forceinline__ void load(uint32_t s_base, const T* base, int64_t row_stride,
+                                              int valid) {
+    load_tile<ROWS, D, THREADS>(s_base, base, row_stride, valid);
+  }
+};
+
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
@@ -292,6 +313,28 @@ struct KeyBlockWalk {
     return needs_mask(nq, BM, kb.count(), B, pq_first, pq_last, kb.pos(), kb.pos() + B - 1, m);
   }
 };
+
+// A synchronous kernel's cp.async of key block kb's K and V rows (kg / vg: row 0 of the kv head)
+// into the stage tiles sK, sV (BN rows of D columns, in Tiles' layout).
+template <class Tiles, int BN, int D, int THREADS, typename T, int B>
+__device__ __forceinline__ void load_kv_block(const Params& p, const KeyBlock<B>& kb, uint32_t sK,
+                                              uint32_t sV, const T* kg, const T* vg) {
+  const int nk = kb.count();
+  const int64_t ks = kb.row();
+  Tiles::template load<BN, D, THREADS>(sK, kg + ks * p.k_tok, p.k_tok, nk);
+  Tiles::template load<BN, D, THREADS>(sV, vg + ks * p.v_tok, p.v_tok, nk);
+}
+
+// A synchronous backward kernel's cp.async of the Q and dO rows [qs, qs + nq) of q head h into
+// the tiles sQ, sdO (BM rows of D columns, in Tiles' layout).
+template <typename T, class Tiles, int BM, int D, int THREADS>
+__device__ __forceinline__ void load_q_do_rows(const BwdParams& p, int qs, int nq, int h,
+                                               uint32_t sQ, uint32_t sdO) {
+  Tiles::template load<BM, D, THREADS>(
+      sQ, static_cast<const T*>(p.q) + int64_t(qs) * p.q_tok + int64_t(h) * p.q_head, p.q_tok, nq);
+  Tiles::template load<BM, D, THREADS>(
+      sdO, static_cast<const T*>(p.dout) + (int64_t(qs) * p.Hq + h) * D, int64_t(p.Hq) * D, nq);
+}
 
 // The backward's statistics of a thread's query rows row0 and row0 + 8 (queries q0 + row of nq,
 // q head h): lse in log2 units (+inf past nq, so that P = 0 there) and delta = rowsum(dO * O).

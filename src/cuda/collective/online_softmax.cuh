@@ -8,6 +8,7 @@
 
 #include "collective/common.cuh"
 #include "collective/fragment.cuh"
+#include "collective/score_mod.cuh"
 
 namespace dualkv::cuda::detail {
 
@@ -72,6 +73,38 @@ __device__ __forceinline__ float online_softmax_row(Frag& s, int r, float& m_run
     l_run = l_run * corr + sum;
     return corr;
   }
+}
+
+// The warp-specialised forwards' step (sm_90a WS and D = 512 cluster kernels) from key block kb's
+// raw scores s (a thread's m64nBN fragment: rows at logical positions pq_row0 and pq_row0 + 8,
+// columns 8 nt + 2 tq + {0, 1}) to its unnormalised probabilities, in place: the score modifier
+// (kCap, or the pre-scale when sl = 1), the fragment mask (`masked`: KeyBlockWalk::masked) and
+// the online softmax of both rows; corr[r] = the factor by which row r of O must be rescaled
+// (the caller rescales after its P V wait). kExactKeep: corr = 1 exactly where the max did not
+// move (online_softmax_row).
+template <int BN, bool kCap, bool kExactKeep, int SR, int B>
+__device__ __forceinline__ void ws_fwd_block_softmax(const Params& p, float (&s)[SR],
+                                                     const KeyBlock<B>& kb, bool masked,
+                                                     bool prescale, int pq_row0, int tq, float sl,
+                                                     float (&m_run)[2], float (&l_run)[2],
+                                                     float (&corr)[2]) {
+  if (kCap || prescale) {
+#pragma unroll
+    for (int i = 0; i < SR; ++i) s[i] = score_log2<kCap>(p, s[i]);
+  }
+  if (masked) {
+#pragma unroll
+    for (int i = 0; i < SR; ++i) {
+      const int nt = i >> 2, e = i & 3;
+      const int pq = pq_row0 + (e >> 1) * 8;
+      const int kr = kb.off + nt * 8 + 2 * tq + (e & 1);
+      if (!DUALKV_VISIBLE(p.mask, kb, pq, kr)) s[i] = -INFINITY;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+    corr[r] =
+        online_softmax_row<BN / 8, true, kExactKeep>(s, r, m_run[r], l_run[r], sl, [](float) {});
 }
 
 }  // namespace dualkv::cuda::detail

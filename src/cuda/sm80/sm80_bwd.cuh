@@ -28,6 +28,32 @@ namespace dualkv::cuda::detail {
 
 // ---- 1. preprocess: collective/bwd_preprocess.cuh (shared by every backward path) ----------
 
+// The two products of a backward step over KSTEPS 16-column steps of the head dim from column
+// c0, for the warp's 16 rows of A / Ao (ldmatrix rows a_row, a_col) and all NB rows of B / Bo:
+// x += A B^T, y += Ao Bo^T (n-tiled mma.sync fragments). dK/dV: S^T = K Q^T and dP^T = V dO^T;
+// dQ: S = Q K^T and dP = dO V^T.
+template <typename T, int D, int KSTEPS, int NT>
+__device__ __forceinline__ void two_products(float (&x)[NT][4], float (&y)[NT][4], uint32_t sA,
+                                             uint32_t sAo, uint32_t sB, uint32_t sBo, uint32_t c0,
+                                             int a_row, int a_col, int b_row, int b_col) {
+#pragma unroll
+  for (int kk = 0; kk < KSTEPS; ++kk) {
+    uint32_t a[4], ao[4];
+    ldsm_x4(a, sA + c0 + swz<D>(a_row, kk * 16 + a_col));
+    ldsm_x4(ao, sAo + c0 + swz<D>(a_row, kk * 16 + a_col));
+#pragma unroll
+    for (int n2 = 0; n2 < NT / 2; ++n2) {
+      uint32_t b[4], bo[4];
+      ldsm_x4(b, sB + c0 + swz<D>(n2 * 16 + b_row, kk * 16 + b_col));
+      mma<T>(x[2 * n2], a, b[0], b[1]);
+      mma<T>(x[2 * n2 + 1], a, b[2], b[3]);
+      ldsm_x4(bo, sBo + c0 + swz<D>(n2 * 16 + b_row, kk * 16 + b_col));
+      mma<T>(y[2 * n2], ao, bo[0], bo[1]);
+      mma<T>(y[2 * n2 + 1], ao, bo[2], bo[3]);
+    }
+  }
+}
+
 // The DSPLIT warps of one slab (warps slab * DSPLIT + [0, DSPLIT)) have each computed a partial
 // sum of the same two fragment arrays (over their share of the reduction dim): afterwards every
 // one of them holds the full sums, added in the same order (so bitwise equal in all of them).
@@ -124,20 +150,8 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, BwdCfg<D>::MIN_BLOCKS)
       sV, static_cast<const T*>(p.v) + int64_t(k0) * p.v_tok + int64_t(hk) * p.v_head, p.v_tok, nk);
 
   auto issue = [&](const QIter& it, int stage) {
-    const int h = hk * p.group + it.hi;
-    const int qs = it.row(BM);
-    const int nq = it.count(BM);
-    load_tile<BM, D, THREADS>(
-        sQ0 + stage * BM * D * 2,
-        static_cast<const T*>(p.q) + int64_t(qs) * p.q_tok + int64_t(h) * p.q_head, p.q_tok, nq);
-    load_tile<BM, D, THREADS>(sdO0 + stage * BM * D * 2,
-                              static_cast<const T*>(p.dout) + (int64_t(qs) * p.Hq + h) * D,
-                              int64_t(p.Hq) * D, nq);
-    if (tid < 2 * BM) {
-      const int r = tid % BM;
-      const float* src = (tid < BM ? p.lse2 : p.delta) + int64_t(h) * p.T + qs + (r < nq ? r : 0);
-      cp_async4(sL0 + ((tid < BM ? 0 : 2 * BM) + stage * BM + r) * 4, src, r < nq);
-    }
+    load_query_block<T, SwzTiles, BM, D, THREADS, BM * D * 2>(p, it, hk, tid, stage, sQ0, sdO0,
+                                                              sL0);
   };
   auto advance = [&](QIter& it) {
     return query_walk_next<BM>(p, kseg, ksi, pk_first, pk_last, it);
@@ -167,14 +181,7 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, BwdCfg<D>::MIN_BLOCKS)
   while (valid) {
     QIter nxt = cur;
     const bool has_next = advance(nxt);
-    // cp_pipeline_step spelled out: through the helper nvcc schedules this loop differently
-    if (has_next) {
-      issue(nxt, stage ^ 1);
-      cp_commit();
-      cp_wait<1>();
-    } else {
-      cp_wait<0>();
-    }
+    cp_pipeline_step(has_next, [&] { issue(nxt, stage ^ 1); });
     __syncthreads();
 
     const int nq = cur.count(BM);
@@ -198,22 +205,7 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, BwdCfg<D>::MIN_BLOCKS)
     // Byte offset of the warp's first column (a multiple of 64 columns: the swizzle's 8-chunk
     // pattern is unchanged, so the offset just adds).
     const uint32_t c0 = Cfg::XCHG ? uint32_t(dpart * KSTEPS * 16 * 2) : 0u;
-#pragma unroll
-    for (int kk = 0; kk < KSTEPS; ++kk) {
-      uint32_t a[4], av[4];
-      ldsm_x4(a, sK + c0 + swz<D>(a_row, kk * 16 + a_col));
-      ldsm_x4(av, sV + c0 + swz<D>(a_row, kk * 16 + a_col));
-#pragma unroll
-      for (int n2 = 0; n2 < BM / 16; ++n2) {
-        uint32_t b[4], bo[4];
-        ldsm_x4(b, sQ + c0 + swz<D>(n2 * 16 + b_row, kk * 16 + b_col));
-        mma<T>(s[2 * n2], a, b[0], b[1]);
-        mma<T>(s[2 * n2 + 1], a, b[2], b[3]);
-        ldsm_x4(bo, sdO + c0 + swz<D>(n2 * 16 + b_row, kk * 16 + b_col));
-        mma<T>(dp[2 * n2], av, bo[0], bo[1]);
-        mma<T>(dp[2 * n2 + 1], av, bo[2], bo[3]);
-      }
-    }
+    two_products<T, D, KSTEPS>(s, dp, sK, sV, sQ, sdO, c0, a_row, a_col, b_row, b_col);
 
     if constexpr (Cfg::XCHG)
       sum_slab_partials<Cfg::DSPLIT>(reinterpret_cast<float4*>(smem + Cfg::OFF_X), s, dp, warp,
@@ -238,14 +230,9 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, BwdCfg<D>::MIN_BLOCKS)
     // dV += P^T dO, dK += dS^T Q (this warp's DC columns).
 #pragma unroll
     for (int kt = 0; kt < BM / 16; ++kt) {
-      const uint32_t ap[4] = {pack2<T>(s[2 * kt][0], s[2 * kt][1]),
-                              pack2<T>(s[2 * kt][2], s[2 * kt][3]),
-                              pack2<T>(s[2 * kt + 1][0], s[2 * kt + 1][1]),
-                              pack2<T>(s[2 * kt + 1][2], s[2 * kt + 1][3])};
-      const uint32_t ad[4] = {pack2<T>(dp[2 * kt][0], dp[2 * kt][1]),
-                              pack2<T>(dp[2 * kt][2], dp[2 * kt][3]),
-                              pack2<T>(dp[2 * kt + 1][0], dp[2 * kt + 1][1]),
-                              pack2<T>(dp[2 * kt + 1][2], dp[2 * kt + 1][3])};
+      uint32_t ap[4], ad[4];
+      pack_a_ktile<T>(ap, s, kt);
+      pack_a_ktile<T>(ad, dp, kt);
 #pragma unroll
       for (int n2 = 0; n2 < DC / 16; ++n2) {
         uint32_t b[4];
@@ -319,19 +306,13 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, DqCfg<D>::MIN_BLOCKS)
   const T* kg = static_cast<const T*>(p.k) + int64_t(hk) * p.k_head;
   const T* vg = static_cast<const T*>(p.v) + int64_t(hk) * p.v_head;
 
-  load_tile<BM, D, THREADS>(
-      sQ, static_cast<const T*>(p.q) + int64_t(q0) * p.q_tok + int64_t(h) * p.q_head, p.q_tok, nq);
-  load_tile<BM, D, THREADS>(sdO, static_cast<const T*>(p.dout) + (int64_t(q0) * p.Hq + h) * D,
-                            int64_t(p.Hq) * D, nq);
+  load_q_do_rows<T, SwzTiles, BM, D, THREADS>(p, q0, nq, h, sQ, sdO);
 
   const KeyBlockWalk<BN> walk(seg, q0, nq, p.mask);
   const int total = walk.total, pq_first = walk.pq_first;
   auto load_kv = [&](int j, int stage) {
-    const auto kb = walk.at(j);
-    const int nk = kb.count();
-    const int64_t ks = kb.row();
-    load_tile<BN, D, THREADS>(sK0 + stage * BN * D * 2, kg + ks * p.k_tok, p.k_tok, nk);
-    load_tile<BN, D, THREADS>(sV0 + stage * BN * D * 2, vg + ks * p.v_tok, p.v_tok, nk);
+    load_kv_block<SwzTiles, BN, D, THREADS>(p, walk.at(j), sK0 + stage * BN * D * 2,
+                                            sV0 + stage * BN * D * 2, kg, vg);
   };
   if (total > 0) load_kv(0, 0);
   cp_commit();
@@ -364,22 +345,7 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, DqCfg<D>::MIN_BLOCKS)
     // XCHG: over this warp's D / DSPLIT columns, then summed over the slab's warps.
     constexpr int KSTEPS = Cfg::XCHG ? D / 16 / Cfg::DSPLIT : D / 16;
     const uint32_t c0 = Cfg::XCHG ? uint32_t(dpart * KSTEPS * 16 * 2) : 0u;  // as in dkdv
-#pragma unroll
-    for (int kk = 0; kk < KSTEPS; ++kk) {
-      uint32_t a[4], ao[4];
-      ldsm_x4(a, sQ + c0 + swz<D>(a_row, kk * 16 + a_col));
-      ldsm_x4(ao, sdO + c0 + swz<D>(a_row, kk * 16 + a_col));
-#pragma unroll
-      for (int n2 = 0; n2 < BN / 16; ++n2) {
-        uint32_t b[4];
-        ldsm_x4(b, sK + c0 + swz<D>(n2 * 16 + b_row, kk * 16 + b_col));
-        mma<T>(s[2 * n2], a, b[0], b[1]);
-        mma<T>(s[2 * n2 + 1], a, b[2], b[3]);
-        ldsm_x4(b, sV + c0 + swz<D>(n2 * 16 + b_row, kk * 16 + b_col));
-        mma<T>(dp[2 * n2], ao, b[0], b[1]);
-        mma<T>(dp[2 * n2 + 1], ao, b[2], b[3]);
-      }
-    }
+    two_products<T, D, KSTEPS>(s, dp, sQ, sdO, sK, sV, c0, a_row, a_col, b_row, b_col);
     if constexpr (Cfg::XCHG)
       sum_slab_partials<Cfg::DSPLIT>(reinterpret_cast<float4*>(smem + Cfg::OFF_X), s, dp, warp,
                                      lane);
@@ -405,10 +371,8 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, DqCfg<D>::MIN_BLOCKS)
     // dQ += dS K.
 #pragma unroll
     for (int kt = 0; kt < BN / 16; ++kt) {
-      const uint32_t a[4] = {pack2<T>(dp[2 * kt][0], dp[2 * kt][1]),
-                             pack2<T>(dp[2 * kt][2], dp[2 * kt][3]),
-                             pack2<T>(dp[2 * kt + 1][0], dp[2 * kt + 1][1]),
-                             pack2<T>(dp[2 * kt + 1][2], dp[2 * kt + 1][3])};
+      uint32_t a[4];
+      pack_a_ktile<T>(a, dp, kt);
 #pragma unroll
       for (int n2 = 0; n2 < DC / 16; ++n2) {
         uint32_t b[4];
@@ -421,18 +385,7 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, DqCfg<D>::MIN_BLOCKS)
   }
   cp_wait<0>();
 
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int row = row0 + 8 * i;
-    if (row < nq) {
-      T* dst = static_cast<T*>(p.dq) + (int64_t(q0 + row) * p.Hq + h) * D + dbase + 2 * tq;
-#pragma unroll
-      for (int nd = 0; nd < DC / 8; ++nd) {
-        *reinterpret_cast<uint32_t*>(dst + nd * 8) =
-            pack2<T>(acc[nd][2 * i] * p.scale, acc[nd][2 * i + 1] * p.scale);
-      }
-    }
-  }
+  store_dq_rows<T, D, DC>(p, acc, q0, nq, h, row0, dbase, tq);
 }
 
 template <typename T, int D>

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "collective/epilogue.cuh"
 #include "collective/online_softmax.cuh"
 #include "collective/score_mod.cuh"
 #include "launch.h"
@@ -69,11 +70,8 @@ __global__ void __launch_bounds__(FwdCfg<D>::THREADS, FwdCfg<D>::MIN_BLOCKS)
   const KeyBlockWalk<BN> walk(seg, q0, nq, p.mask);
   const int total = walk.total, pq_first = walk.pq_first;
   auto load_kv = [&](int j, int stage) {
-    const auto kb = walk.at(j);
-    const int nk = kb.count();
-    const int64_t ks = kb.row();
-    load_tile<BN, D, THREADS>(sK0 + stage * BN * D * 2, kg + ks * p.k_tok, p.k_tok, nk);
-    load_tile<BN, D, THREADS>(sV0 + stage * BN * D * 2, vg + ks * p.v_tok, p.v_tok, nk);
+    load_kv_block<SwzTiles, BN, D, THREADS>(p, walk.at(j), sK0 + stage * BN * D * 2,
+                                            sV0 + stage * BN * D * 2, kg, vg);
   };
 
   if (total > 0) load_kv(0, 0);
@@ -161,12 +159,7 @@ __global__ void __launch_bounds__(FwdCfg<D>::THREADS, FwdCfg<D>::MIN_BLOCKS)
     for (int kt = 0; kt < BN / 16; ++kt) {
       uint32_t a[MT][4];
 #pragma unroll
-      for (int m = 0; m < MT; ++m) {
-        a[m][0] = pack2<T>(s[m][2 * kt][0], s[m][2 * kt][1]);
-        a[m][1] = pack2<T>(s[m][2 * kt][2], s[m][2 * kt][3]);
-        a[m][2] = pack2<T>(s[m][2 * kt + 1][0], s[m][2 * kt + 1][1]);
-        a[m][3] = pack2<T>(s[m][2 * kt + 1][2], s[m][2 * kt + 1][3]);
-      }
+      for (int m = 0; m < MT; ++m) pack_a_ktile<T>(a[m], s[m], kt);
 #pragma unroll
       for (int n2 = 0; n2 < DC / 16; ++n2) {
         uint32_t b[4];
@@ -184,26 +177,9 @@ __global__ void __launch_bounds__(FwdCfg<D>::THREADS, FwdCfg<D>::MIN_BLOCKS)
 
   // Epilogue: O / l and lse, rows < nq.
 #pragma unroll
-  for (int m = 0; m < MT; ++m) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const float l = quad_sum(l_run[m][i]);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      const int row = wrow + 16 * m + g + 8 * i;
-      if (row < nq) {
-        T* og = static_cast<T*>(p.out) + (int64_t(q0 + row) * p.Hq + h) * D + dbase;
-#pragma unroll
-        for (int nd = 0; nd < DC / 8; ++nd) {
-          *reinterpret_cast<uint32_t*>(og + nd * 8 + 2 * tq) =
-              pack2<T>(o[m][nd][2 * i] * inv, o[m][nd][2 * i + 1] * inv);
-        }
-        if (tq == 0 && dpart == 0) {
-          p.lse[int64_t(h) * p.T + q0 + row] =
-              l > 0.f ? (m_run[m][i] + log2f(l)) * kLn2 : -INFINITY;
-        }
-      }
-    }
-  }
+  for (int m = 0; m < MT; ++m)
+    store_out_rows<T, D, DC>(p, o[m], m_run[m], l_run[m], 1.f, q0, nq, h, wrow + 16 * m + g, tq,
+                             dbase, dpart == 0);
 }
 
 template <typename T, int D>

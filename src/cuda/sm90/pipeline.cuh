@@ -44,6 +44,17 @@ __device__ __forceinline__ void mbar_init_fence() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   fence_proxy_async();
 }
+// A ring's barriers (thread 0, before mbar_init_fence): full(s) of S stages expecting
+// full_count arrivals, empty(s) expecting empty_count (a stage's releases).
+template <int S, class Full, class Empty>
+__device__ __forceinline__ void ring_init(Full&& full, Empty&& empty, uint32_t full_count,
+                                          uint32_t empty_count) {
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    mbar_init(full(s), full_count);
+    mbar_init(empty(s), empty_count);
+  }
+}
 __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
                : "memory");

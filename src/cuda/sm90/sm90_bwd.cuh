@@ -101,20 +101,8 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
       sV, static_cast<const T*>(p.v) + int64_t(k0) * p.v_tok + int64_t(hk) * p.v_head, p.v_tok, nk);
 
   auto issue = [&](const QIter& it, int stage) {
-    const int h = hk * p.group + it.hi;
-    const int qs = it.row(BM);
-    const int nq = it.count(BM);
-    load_tile_sw128<BM, D, THREADS>(
-        sQ0 + stage * Cfg::Q_BYTES,
-        static_cast<const T*>(p.q) + int64_t(qs) * p.q_tok + int64_t(h) * p.q_head, p.q_tok, nq);
-    load_tile_sw128<BM, D, THREADS>(sdO0 + stage * Cfg::Q_BYTES,
-                                    static_cast<const T*>(p.dout) + (int64_t(qs) * p.Hq + h) * D,
-                                    int64_t(p.Hq) * D, nq);
-    if (tid < 2 * BM) {
-      const int r = tid % BM;
-      const float* src = (tid < BM ? p.lse2 : p.delta) + int64_t(h) * p.T + qs + (r < nq ? r : 0);
-      cp_async4(sL0 + ((tid < BM ? 0 : 2 * BM) + stage * BM + r) * 4, src, r < nq);
-    }
+    load_query_block<T, SW128Tiles, BM, D, THREADS, Cfg::Q_BYTES>(p, it, hk, tid, stage, sQ0, sdO0,
+                                                                  sL0);
   };
   auto advance = [&](QIter& it) {
     return query_walk_next<BM>(p, kseg, ksi, pk_first, pk_last, it);
@@ -137,14 +125,7 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
   while (valid) {
     QIter nxt = cur;
     const bool has_next = advance(nxt);
-    // cp_pipeline_step spelled out: through the helper nvcc schedules this loop differently
-    if (has_next) {
-      issue(nxt, stage ^ 1);
-      cp_commit();
-      cp_wait<1>();
-    } else {
-      cp_wait<0>();
-    }
+    cp_pipeline_step(has_next, [&] { issue(nxt, stage ^ 1); });
     fence_proxy_async();
     __syncthreads();
 
@@ -191,14 +172,8 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
         dp[i] = pr * (dp[i] - delta_of(i)) * dcap;
       }
       mask_fragment<SR>(msk, visible, [&](int i) { s[i] = dp[i] = 0.f; });
-#pragma unroll
-      for (int kt = 0; kt < BM / 16; ++kt) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          pa[kt][c] = pack2<T>(s[8 * kt + 2 * c], s[8 * kt + 2 * c + 1]);
-          da[kt][c] = pack2<T>(dp[8 * kt + 2 * c], dp[8 * kt + 2 * c + 1]);
-        }
-      }
+      pack_a_frag<T>(pa, s);
+      pack_a_frag<T>(da, dp);
       fence_regs(pa);
       fence_regs(da);
       fence_regs(dv);
@@ -320,19 +295,13 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const __grid_constant__
   const T* kg = static_cast<const T*>(p.k) + int64_t(hk) * p.k_head;
   const T* vg = static_cast<const T*>(p.v) + int64_t(hk) * p.v_head;
 
-  load_tile_sw128<BM, D, THREADS>(
-      sQ, static_cast<const T*>(p.q) + int64_t(q0) * p.q_tok + int64_t(h) * p.q_head, p.q_tok, nq);
-  load_tile_sw128<BM, D, THREADS>(sdO, static_cast<const T*>(p.dout) + (int64_t(q0) * p.Hq + h) * D,
-                                  int64_t(p.Hq) * D, nq);
+  load_q_do_rows<T, SW128Tiles, BM, D, THREADS>(p, q0, nq, h, sQ, sdO);
 
   const KeyBlockWalk<BN> walk(seg, q0, nq, p.mask);
   const int total = walk.total, pq_first = walk.pq_first;
   auto load_kv = [&](int j, int stage) {
-    const auto kb = walk.at(j);
-    const int nk = kb.count();
-    const int64_t ks = kb.row();
-    load_tile_sw128<BN, D, THREADS>(sK0 + stage * Cfg::KV_BYTES, kg + ks * p.k_tok, p.k_tok, nk);
-    load_tile_sw128<BN, D, THREADS>(sV0 + stage * Cfg::KV_BYTES, vg + ks * p.v_tok, p.v_tok, nk);
+    load_kv_block<SW128Tiles, BN, D, THREADS>(p, walk.at(j), sK0 + stage * Cfg::KV_BYTES,
+                                              sV0 + stage * Cfg::KV_BYTES, kg, vg);
   };
   if (total > 0) load_kv(0, 0);
   cp_commit();
@@ -379,10 +348,7 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const __grid_constant__
         },
         [&](int i) { dp[i] = 0.f; });
     uint32_t da[BN / 16][4];
-#pragma unroll
-    for (int kt = 0; kt < BN / 16; ++kt)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) da[kt][c] = pack2<T>(dp[8 * kt + 2 * c], dp[8 * kt + 2 * c + 1]);
+    pack_a_frag<T>(da, dp);
     fence_regs(da);
     fence_regs(acc);
     wg_fence();

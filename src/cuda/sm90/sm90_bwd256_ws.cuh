@@ -133,11 +133,11 @@ __global__ void __launch_bounds__(384, 1)
 
   if (tid == 0) {
     ws::mbar_init(bKV, 1);
+    // kFusedDq: the empty barriers also count the two reducer lanes.
+    ws::ring_init<S>(full, empty, Cfg::FULL_COUNT, kFusedDq ? NC + 2 : NC);
+    if constexpr (kFusedDq) {
 #pragma unroll
-    for (int s = 0; s < S; ++s) {
-      ws::mbar_init(full(s), Cfg::FULL_COUNT);
-      ws::mbar_init(empty(s), kFusedDq ? NC + 2 : NC);  // kFusedDq: + the two reducer lanes
-      if constexpr (kFusedDq) {
+      for (int s = 0; s < S; ++s) {
         ws::mbar_init(dq_full(s, 0), NC / 2);
         ws::mbar_init(dq_full(s, 1), NC / 2);
       }
@@ -154,51 +154,15 @@ __global__ void __launch_bounds__(384, 1)
       const int hk = cta.hk, k0 = cta.k0, ksi = cta.ksi;
       const int pk_first = cta.pk_first, pk_last = cta.pk_last;
       const Segment& kseg = cta.kseg;
-      if (lane == 0) {
-        ws::prefetch_tmap(&a.tq);
-        ws::prefetch_tmap(&a.tdo);
-        ws::mbar_expect_tx(bKV, 2 * Cfg::K_BYTES);
-        ws::tma_load3_pair<D / 64, BN>(sK, &a.tk, sV, &a.tv, bKV, 0, hk, k0);
-      }
-      QIter cur;
-      bool valid = query_walk_begin<BM>(p, kseg, ksi, pk_first, pk_last, cur);
-      for (int it = 0;; ++it) {
-        const int s = Ring<S>::stage(it);
-        ws::mbar_wait(empty(s), Ring<S>::empty_parity(it));
-        if (!valid) {
-          if (lane == 0) {
-            meta(s)[0] = 0;  // end of the walk
-            ws::mbar_arrive(full(s));
-          }
-          ws::mbar_arrive(full(s));
-          break;
-        }
-        const int h = hk * p.group + cur.hi;
-        const int qs = cur.row(BM);
-        const int nq = cur.count(BM);
-        if (lane == 0) {
-          meta(s)[0] = 1 + cur.hi;
-          meta(s)[1] = nq;
-          meta(s)[2] = cur.pos(BM);
-          meta(s)[3] = qs;
-          ws::mbar_expect_tx(full(s), 2 * Cfg::Q_BYTES);
-          ws::tma_load3_pair<D / 64, BM>(sQ0 + s * Cfg::Q_BYTES, &a.tq, sdO0 + s * Cfg::Q_BYTES,
-                                         &a.tdo, full(s), 0, h, qs);
-        }
-#pragma unroll
-        for (int i = lane; i < 2 * BM; i += 32) {
-          const int r = i % BM;
-          const float* src = (i < BM ? p.lse2 : p.delta) + int64_t(h) * p.T + qs + (r < nq ? r : 0);
-          cp_async4(sL0 + (s * 2 * BM + i) * 4, src, r < nq);
-        }
-        ws::cp_async_mbar_arrive(full(s));
-        // pk_last through an empty asm, so that nothing derived from it is kept live across the
-        // loop (at 24 registers ptxas spilled it, as in dkdv_ws_kernel_sm90's producer).
-        int pkl = pk_last;
-        asm volatile("" : "+r"(pkl));
-        valid = query_walk_next<BM>(p, kseg, ksi, pk_first, pkl, cur);
-      }
-      cp_wait<0>();  // no lse/delta copy outlives its thread
+      dkdv_producer_warp<D / 64, BN, BM, S, Cfg::Q_BYTES, Cfg::K_BYTES>(
+          a, kseg, ksi, hk, k0, pk_first, pk_last, sK, sV, bKV, sQ0, sdO0, sL0, 0, lane, full,
+          empty, meta, [&](QIter& cur) {
+            // pk_last through an empty asm, so that nothing derived from it is kept live across
+            // the loop (at 24 registers ptxas spilled it, as in dkdv_ws_kernel_sm90's producer).
+            int pkl = pk_last;
+            asm volatile("" : "+r"(pkl));
+            return query_walk_next<BM>(p, kseg, ksi, pk_first, pkl, cur);
+          });
     } else if (kFusedDq && warp <= 2) {
       if constexpr (kFusedDq) {
         // ---- dQ reducers: lane 0 of warp 1 + c adds warpgroup c's blocks into dq_accum --------
@@ -245,6 +209,24 @@ __global__ void __launch_bounds__(384, 1)
     const float* lse_s = reinterpret_cast<const float*>(gbase + Cfg::OFF_L);
     uint4* xpa = reinterpret_cast<uint4*>(gbase + Cfg::OFF_XPA);
     uint4* xda = reinterpret_cast<uint4*>(gbase + Cfg::OFF_XDA);
+    // This warpgroup's HQ query columns of an S^T-shaped fragment f (P^T or dS^T) as bf16/fp16
+    // A-fragment slices into the exchange buffer x, the named barrier `bar` of both warpgroups,
+    // then all BM / 16 slices (both warpgroups' columns) back into a.
+    auto swap_slices = [&](const float (&f)[HR], uint4* x, int bar, uint32_t (&a)[BM / 16][4]) {
+#pragma unroll
+      for (int kl = 0; kl < HQ / 16; ++kl) {
+        uint32_t w[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) w[c] = pack2<T>(f[8 * kl + 2 * c], f[8 * kl + 2 * c + 1]);
+        x[(cw * (HQ / 16) + kl) * 128 + t] = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+      ws::bar_sync(bar, NC);
+#pragma unroll
+      for (int kt = 0; kt < BM / 16; ++kt) {
+        const uint4 v = x[kt * 128 + t];
+        a[kt][0] = v.x, a[kt][1] = v.y, a[kt][2] = v.z, a[kt][3] = v.w;
+      }
+    };
 
     ws::mbar_wait(bKV, 0);
     int it_end = 0;  // the block index of the end record
@@ -287,20 +269,8 @@ __global__ void __launch_bounds__(384, 1)
       }
       mask_fragment<HR>(msk, visible, [&](int i) { sc[i] = 0.f; });
       // This warpgroup's two 16-query slices of P^T to shared memory, then all four back.
-#pragma unroll
-      for (int kl = 0; kl < HQ / 16; ++kl) {
-        uint32_t w[4];
-#pragma unroll
-        for (int c = 0; c < 4; ++c) w[c] = pack2<T>(sc[8 * kl + 2 * c], sc[8 * kl + 2 * c + 1]);
-        xpa[(cw * (HQ / 16) + kl) * 128 + t] = make_uint4(w[0], w[1], w[2], w[3]);
-      }
-      ws::bar_sync(1, NC);
       uint32_t pa[BM / 16][4];
-#pragma unroll
-      for (int kt = 0; kt < BM / 16; ++kt) {
-        const uint4 v = xpa[kt * 128 + t];
-        pa[kt][0] = v.x, pa[kt][1] = v.y, pa[kt][2] = v.z, pa[kt][3] = v.w;
-      }
+      swap_slices(sc, xpa, 1, pa);
       fence_regs(pa);
       fence_regs(dv);
       wg_fence();
@@ -311,20 +281,8 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
       for (int i = 0; i < HR; ++i) dp[i] = sc[i] * (dp[i] - del_c[qc_of(i)]) * (kCap ? dc[i] : 1.f);
       if constexpr (!kFusedDq) {
-#pragma unroll
-        for (int kl = 0; kl < HQ / 16; ++kl) {
-          uint32_t w[4];
-#pragma unroll
-          for (int c = 0; c < 4; ++c) w[c] = pack2<T>(dp[8 * kl + 2 * c], dp[8 * kl + 2 * c + 1]);
-          xda[(cw * (HQ / 16) + kl) * 128 + t] = make_uint4(w[0], w[1], w[2], w[3]);
-        }
-        ws::bar_sync(2, NC);
         uint32_t da[BM / 16][4];
-#pragma unroll
-        for (int kt = 0; kt < BM / 16; ++kt) {
-          const uint4 v = xda[kt * 128 + t];
-          da[kt][0] = v.x, da[kt][1] = v.y, da[kt][2] = v.z, da[kt][3] = v.w;
-        }
+        swap_slices(dp, xda, 2, da);
         fence_regs(da);
         fence_regs(dk);
         wg_fence();

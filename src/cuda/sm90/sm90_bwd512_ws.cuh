@@ -138,11 +138,8 @@ struct Ws512Bars {
     constexpr uint32_t NC = Ws512Cfg::CONSUMERS;
     if (tid == 0) {
       ws::mbar_init(b0, 1);
-#pragma unroll
-      for (int s = 0; s < S; ++s) {
-        ws::mbar_init(full(s), full_count);
-        ws::mbar_init(empty(s), NC);
-      }
+      ws::ring_init<S>([&](int s) { return full(s); }, [&](int s) { return empty(s); }, full_count,
+                       NC);
       ws::mbar_init(xfull(0), 1);  // the local arrive.expect_tx; the peer's bytes complete it
       ws::mbar_init(xfull(1), 1);
       ws::mbar_init(xfree(), NC / 32);  // one arrival per consumer warp of the peer
@@ -296,53 +293,18 @@ __global__ void __launch_bounds__(384, 1)
     // ---- producer: warp 0 walks the query blocks (this CTA's column half) --------------------
     ws::reg_dealloc<Cfg::PRODUCER_REGS>();
     if (warp == 0) {
-      if (lane == 0) {
-        ws::prefetch_tmap(&a.tq);
-        ws::prefetch_tmap(&a.tdo);
-        ws::mbar_expect_tx(bKV, 2 * Cfg::K_BYTES);
-        ws::tma_load3_pair<DH / 64, BN>(sK, &a.tk, sV, &a.tv, bKV, cb0, hk, k0);
-      }
-      QIter cur;
-      bool valid = query_walk_begin<BM>(p, kseg, ksi, pk_first, pk_last, cur);
-      for (int it = 0;; ++it) {
-        const int s = Ring<S>::stage(it);
-        const uint32_t full = bars.full(s);
-        ws::mbar_wait(bars.empty(s), Ring<S>::empty_parity(it));
-        if (!valid) {
-          if (lane == 0) {
-            meta(s)[0] = 0;  // end of the walk
-            ws::mbar_arrive(full);
-          }
-          ws::mbar_arrive(full);
-          break;
-        }
-        const int h = hk * p.group + cur.hi;
-        const int qs = cur.row(BM);
-        const int nq = cur.count(BM);
-        if (lane == 0) {
-          meta(s)[0] = 1 + cur.hi;
-          meta(s)[1] = nq;
-          meta(s)[2] = cur.pos(BM);
-          meta(s)[3] = qs;
-          ws::mbar_expect_tx(full, 2 * Cfg::Q_BYTES);
-          ws::tma_load3_pair<DH / 64, BM>(sQ0 + s * Cfg::Q_BYTES, &a.tq, sdO0 + s * Cfg::Q_BYTES,
-                                          &a.tdo, full, cb0, h, qs);
-        }
-#pragma unroll
-        for (int i = lane; i < 2 * BM; i += 32) {
-          const int r = i % BM;
-          const float* src = (i < BM ? p.lse2 : p.delta) + int64_t(h) * p.T + qs + (r < nq ? r : 0);
-          cp_async4(sL0 + (s * 2 * BM + i) * 4, src, r < nq);
-        }
-        ws::cp_async_mbar_arrive(full);
-        // query_walk_next, spelled out (as dkdv_ws_kernel_sm90: the call made the producer spill
-        // at 24 registers).
-        if (++cur.qb < cur.qb_end) continue;
-        valid = seek_query_region<BM>(p, kseg, ksi, cur.si + 1, pk_first, pk_last, cur);
-        if (!valid && ++cur.hi < p.group)
-          valid = seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pk_last, cur);
-      }
-      cp_wait<0>();  // no lse/delta copy outlives its thread
+      dkdv_producer_warp<DH / 64, BN, BM, S, Cfg::Q_BYTES, Cfg::K_BYTES>(
+          a, kseg, ksi, hk, k0, pk_first, pk_last, sK, sV, bKV, sQ0, sdO0, sL0, cb0, lane,
+          [&](int s) { return bars.full(s); }, [&](int s) { return bars.empty(s); }, meta,
+          [&](QIter& cur) {
+            // query_walk_next, spelled out (as dkdv_ws_kernel_sm90: the call made the producer
+            // spill at 24 registers).
+            if (++cur.qb < cur.qb_end) return true;
+            bool valid = seek_query_region<BM>(p, kseg, ksi, cur.si + 1, pk_first, pk_last, cur);
+            if (!valid && ++cur.hi < p.group)
+              valid = seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pk_last, cur);
+            return valid;
+          });
     }
   } else {
     // ---- consumers ---------------------------------------------------------------------------

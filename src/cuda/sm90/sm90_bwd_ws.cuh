@@ -149,6 +149,83 @@ __device__ __forceinline__ void bulk_wait() {
 #endif
 }  // namespace ws
 
+#if DUALKV_SM90_BODY
+// One stage of a warp-specialised dK/dV kernel's producer warp (the D <= 128, D = 256 and D = 512
+// kernels): waits until ring stage s is free (`parity`: Ring::empty_parity), then, past the end
+// of the walk (valid = false), marks the stage's record 0 and returns false; else writes block
+// cur's record in meta (1 + q head within the group, rows, logical position, first packed row)
+// and loads into stage s, all on its full barrier: Q and dO columns [col0, col0 + 64 NCB) of the
+// block's QB-byte tiles through TMA (lane 0), its lse2 and delta rows through cp.async (every
+// lane).
+template <int NCB, int BM, int QB>
+__device__ __forceinline__ bool dkdv_produce_stage(const DkdvWsArgs& a, int s, uint32_t parity,
+                                                   bool valid, const QIter& cur, int hk,
+                                                   uint32_t full, uint32_t empty,
+                                                   volatile int* meta, uint32_t sQ0, uint32_t sdO0,
+                                                   uint32_t sL0, int col0, int lane) {
+  const BwdParams& p = a.p;
+  ws::mbar_wait(empty, parity);
+  if (!valid) {
+    if (lane == 0) {
+      meta[0] = 0;  // end of the walk
+      ws::mbar_arrive(full);
+    }
+    ws::mbar_arrive(full);
+    return false;
+  }
+  const int h = hk * p.group + cur.hi;
+  const int qs = cur.row(BM);
+  const int nq = cur.count(BM);
+  if (lane == 0) {
+    meta[0] = 1 + cur.hi;  // which q head of the GQA group
+    meta[1] = nq;
+    meta[2] = cur.pos(BM);
+    meta[3] = qs;
+    ws::mbar_expect_tx(full, 2 * QB);
+    ws::tma_load3_pair<NCB, BM>(sQ0 + s * QB, &a.tq, sdO0 + s * QB, &a.tdo, full, col0, h, qs);
+  }
+#pragma unroll
+  for (int i = lane; i < 2 * BM; i += 32) {
+    const int r = i % BM;
+    const float* src = (i < BM ? p.lse2 : p.delta) + int64_t(h) * p.T + qs + (r < nq ? r : 0);
+    cp_async4(sL0 + (s * 2 * BM + i) * 4, src, r < nq);
+  }
+  ws::cp_async_mbar_arrive(full);
+  return true;
+}
+
+// A warp-specialised dK/dV kernel's producer warp (warp 0; the D <= 128, D = 256 and D = 512
+// kernels): the key tile's K and V columns [col0, col0 + 64 NCB) (KB bytes each, on bKV), then
+// one ring stage per query block of the walk (dkdv_produce_stage) until a stage marks its end.
+// The walk starts at query_walk_begin; step(cur) advances it (false: past its end) and is the
+// kernel's own (its register-pressure workarounds at the producer's 24 registers differ).
+template <int NCB, int BN, int BM, int S, int QB, int KB, class Full, class Empty, class Meta,
+          class Step>
+__device__ __forceinline__ void dkdv_producer_warp(const DkdvWsArgs& a, const Segment& kseg,
+                                                   int ksi, int hk, int k0, int pk_first,
+                                                   int pk_last, uint32_t sK, uint32_t sV,
+                                                   uint32_t bKV, uint32_t sQ0, uint32_t sdO0,
+                                                   uint32_t sL0, int col0, int lane, Full&& full,
+                                                   Empty&& empty, Meta&& meta, Step&& step) {
+  if (lane == 0) {
+    ws::prefetch_tmap(&a.tq);
+    ws::prefetch_tmap(&a.tdo);
+    ws::mbar_expect_tx(bKV, 2 * KB);
+    ws::tma_load3_pair<NCB, BN>(sK, &a.tk, sV, &a.tv, bKV, col0, hk, k0);
+  }
+  QIter cur;
+  bool valid = query_walk_begin<BM>(a.p, kseg, ksi, pk_first, pk_last, cur);
+  for (int it = 0;; ++it) {
+    const int s = Ring<S>::stage(it);
+    if (!dkdv_produce_stage<NCB, BM, QB>(a, s, Ring<S>::empty_parity(it), valid, cur, hk, full(s),
+                                         empty(s), meta(s), sQ0, sdO0, sL0, col0, lane))
+      break;
+    valid = step(cur);
+  }
+  cp_wait<0>();  // no lse/delta copy outlives its thread
+}
+#endif
+
 template <typename T, int D, bool kCap, bool kFusedDq>
 __global__ void __launch_bounds__(384, 1)
     dkdv_ws_kernel_sm90(const __grid_constant__ DkdvWsArgs a) {
@@ -186,11 +263,7 @@ __global__ void __launch_bounds__(384, 1)
 
   if (tid == 0) {
     ws::mbar_init(bKV, 1);
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-      ws::mbar_init(full(s), Cfg::FULL_COUNT);
-      ws::mbar_init(empty(s), NC);
-    }
+    ws::ring_init<S>(full, empty, Cfg::FULL_COUNT, NC);
     if constexpr (kFusedDq) {
       for (int c = 0; c < 2; ++c) {
         ws::mbar_init(dq_full(c), NC / 2);
@@ -205,56 +278,22 @@ __global__ void __launch_bounds__(384, 1)
     // ---- producer: warp 0 walks the query blocks ---------------------------------------------
     ws::reg_dealloc<Cfg::PRODUCER_REGS>();
     if (warp == 0) {
-      if (lane == 0) {
-        ws::prefetch_tmap(&a.tq);
-        ws::prefetch_tmap(&a.tdo);
-        ws::mbar_expect_tx(bKV, 2 * Cfg::K_BYTES);
-        ws::tma_load3_pair<D / 64, BN>(sK, &a.tk, sV, &a.tv, bKV, 0, hk, k0);
-      }
-      QIter cur;
-      bool valid = query_walk_begin<BM>(p, kseg, ksi, pk_first, pk_last, cur);
-      for (int it = 0;; ++it) {
-        const int s = Ring<S>::stage(it);
-        ws::mbar_wait(empty(s), Ring<S>::empty_parity(it));
-        if (!valid) {
-          if (lane == 0) {
-            meta(s)[0] = 0;  // end of the walk
-            ws::mbar_arrive(full(s));
-          }
-          ws::mbar_arrive(full(s));
-          break;
-        }
-        const int h = hk * p.group + cur.hi;
-        const int qs = cur.row(BM);
-        const int nq = cur.count(BM);
-        if (lane == 0) {
-          meta(s)[0] = 1 + cur.hi;  // which q head of the GQA group
-          meta(s)[1] = nq;
-          meta(s)[2] = cur.pos(BM);
-          meta(s)[3] = qs;
-          ws::mbar_expect_tx(full(s), 2 * Cfg::Q_BYTES);
-          ws::tma_load3_pair<D / 64, BM>(sQ0 + s * Cfg::Q_BYTES, &a.tq, sdO0 + s * Cfg::Q_BYTES,
-                                         &a.tdo, full(s), 0, h, qs);
-        }
-#pragma unroll
-        for (int i = lane; i < 2 * BM; i += 32) {
-          const int r = i % BM;
-          const float* src = (i < BM ? p.lse2 : p.delta) + int64_t(h) * p.T + qs + (r < nq ? r : 0);
-          cp_async4(sL0 + (s * 2 * BM + i) * 4, src, r < nq);
-        }
-        ws::cp_async_mbar_arrive(full(s));
-        // query_walk_next, spelled out: as a call it changes this producer's machine code, which
-        // has not been run on a GPU that way yet.
-        if (++cur.qb < cur.qb_end) continue;
-        // kFusedDq: pk_last passed through an empty asm, so that nothing derived from it is kept
-        // live across the loop (ptxas hoisted its sign extension and spilled it at 24 registers).
-        int pkl = pk_last;
-        if constexpr (kFusedDq) asm volatile("" : "+r"(pkl));
-        valid = seek_query_region<BM>(p, kseg, ksi, cur.si + 1, pk_first, pkl, cur);
-        if (!valid && ++cur.hi < p.group)
-          valid = seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pkl, cur);
-      }
-      cp_wait<0>();  // no lse/delta copy outlives its thread
+      dkdv_producer_warp<D / 64, BN, BM, S, Cfg::Q_BYTES, Cfg::K_BYTES>(
+          a, kseg, ksi, hk, k0, pk_first, pk_last, sK, sV, bKV, sQ0, sdO0, sL0, 0, lane, full,
+          empty, meta, [&](QIter& cur) {
+            // query_walk_next, spelled out: as a call it changes this producer's machine code,
+            // which has not been run on a GPU that way yet.
+            if (++cur.qb < cur.qb_end) return true;
+            // kFusedDq: pk_last passed through an empty asm, so that nothing derived from it is
+            // kept live across the loop (ptxas hoisted its sign extension and spilled it at 24
+            // registers).
+            int pkl = pk_last;
+            if constexpr (kFusedDq) asm volatile("" : "+r"(pkl));
+            bool valid = seek_query_region<BM>(p, kseg, ksi, cur.si + 1, pk_first, pkl, cur);
+            if (!valid && ++cur.hi < p.group)
+              valid = seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pkl, cur);
+            return valid;
+          });
     } else if (kFusedDq && warp <= 2) {
       if constexpr (kFusedDq) {
         // ---- dQ reducers: lane 0 of warp 1 + c adds warpgroup c's blocks into dq_accum --------
@@ -384,13 +423,9 @@ __global__ void __launch_bounds__(384, 1)
         fence_regs(dv);
         fence_regs(dk);
         wg_fence();
-#pragma unroll
-        for (int kt = 0; kt < BM / 16; ++kt)
-          Wgmma<T, D>::template rs<1>(dv, pa[kt], desc_mnmajor<BM>(sdO, kt * 16), 1);
+        wgmma_rs_acc<T, D, BM>(dv, pa, sdO);
         if constexpr (!kFusedDq) {
-#pragma unroll
-          for (int kt = 0; kt < BM / 16; ++kt)
-            Wgmma<T, D>::template rs<1>(dk, da[kt], desc_mnmajor<BM>(sQ, kt * 16), 1);
+          wgmma_rs_acc<T, D, BM>(dk, da, sQ);
         }
         wg_commit();
       } else {
@@ -399,36 +434,24 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
         for (int i = 0; i < SR; ++i) sc[i] = prob(i, score_log2<false>(p, sc[i]));
         mask_fragment<SR>(msk, visible, [&](int i) { sc[i] = 0.f; });
-#pragma unroll
-        for (int kt = 0; kt < BM / 16; ++kt)
-#pragma unroll
-          for (int c = 0; c < 4; ++c)
-            pa[kt][c] = pack2<T>(sc[8 * kt + 2 * c], sc[8 * kt + 2 * c + 1]);
+        pack_a_frag<T>(pa, sc);
         fence_regs(pa);
         fence_regs(dv);
         wg_fence();
-#pragma unroll
-        for (int kt = 0; kt < BM / 16; ++kt)
-          Wgmma<T, D>::template rs<1>(dv, pa[kt], desc_mnmajor<BM>(sdO, kt * 16), 1);
+        wgmma_rs_acc<T, D, BM>(dv, pa, sdO);
         wg_commit();
         wg_wait<1>();  // dP^T done, dV in flight
         fence_regs(dp);
 #pragma unroll
         for (int i = 0; i < SR; ++i) dp[i] = dsc(i, sc[i], 1.f);
-#pragma unroll
-        for (int kt = 0; kt < BM / 16; ++kt)
-#pragma unroll
-          for (int c = 0; c < 4; ++c)
-            da[kt][c] = pack2<T>(dp[8 * kt + 2 * c], dp[8 * kt + 2 * c + 1]);
+        pack_a_frag<T>(da, dp);
         if constexpr (kFusedDq) {
           stash_ds();  // for dQ, below
         } else {
           fence_regs(da);
           fence_regs(dk);
           wg_fence();
-#pragma unroll
-          for (int kt = 0; kt < BM / 16; ++kt)
-            Wgmma<T, D>::template rs<1>(dk, da[kt], desc_mnmajor<BM>(sQ, kt * 16), 1);
+          wgmma_rs_acc<T, D, BM>(dk, da, sQ);
           wg_commit();
         }
       }
@@ -453,9 +476,7 @@ __global__ void __launch_bounds__(384, 1)
         wg_commit();
         // dK += dS^T Q with dS^T from registers, committed last: it runs on while dQ is handed
         // over, and is retired at the end of this block (which then releases the stage).
-#pragma unroll
-        for (int kt = 0; kt < BM / 16; ++kt)
-          Wgmma<T, D>::template rs<1>(dk, da[kt], desc_mnmajor<BM>(sQ, kt * 16), 1);
+        wgmma_rs_acc<T, D, BM>(dk, da, sQ);
         wg_commit();
         wg_wait<1>();  // dV and dQ done
         fence_regs(dv);

@@ -32,6 +32,18 @@ __device__ __forceinline__ void wg_commit() {}
 template <int N>
 __device__ __forceinline__ void wg_wait() {}
 #endif
+// A thread's 64 x N fp32 accumulator fragment f (N / 2 floats) as the A fragments of an RS
+// wgmma over those N as its K dimension (N / 16 K-steps of 4 packed T pairs): P of S for P V,
+// P^T / dS^T for the dV / dK products, dS for dQ.
+template <typename T, int R, int KT>
+__device__ __forceinline__ void pack_a_frag(uint32_t (&a)[KT][4], const float (&f)[R]) {
+  static_assert(R == 8 * KT, "an m64nN fragment: N / 16 K-steps");
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) a[kt][c] = pack2<T>(f[8 * kt + 2 * c], f[8 * kt + 2 * c + 1]);
+  }
+}
 // Keeps the compiler from moving accesses of accumulator registers across wgmma waits/fences.
 template <int R>
 __device__ __forceinline__ void fence_regs(float (&d)[R]) {
@@ -72,6 +84,14 @@ __device__ __forceinline__ void load_tile_sw128(uint32_t s_base, const T* base, 
   load_tile_swizzled<ROWS, D, THREADS>(s_base, base, row_stride, valid,
                                        [](int r, int c) { return sw128<ROWS>(r, c); });
 }
+// The tile policy of the loaders (collective SwzTiles) for SW128 tiles.
+struct SW128Tiles {
+  template <int ROWS, int D, int THREADS, typename T>
+  static __device__ __forceinline__ void load(uint32_t s_base, const T* base, int64_t row_stride,
+                                              int valid) {
+    load_tile_sw128<ROWS, D, THREADS>(s_base, base, row_stride, valid);
+  }
+};
 
 // Shared-memory matrix descriptor, 128-byte swizzle. lbo/sbo in bytes.
 __device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {

@@ -102,11 +102,7 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
 
   if (tid == 0) {
     ws::mbar_init(bQ, 1);
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-      ws::mbar_init(full(s), 1);
-      ws::mbar_init(empty(s), NC);
-    }
+    ws::ring_init<S>(full, empty, 1, NC);
     ws::mbar_init_fence();
   }
   __syncthreads();

@@ -108,13 +108,10 @@ struct FwdD512Bars {
   __device__ __forceinline__ void init(int tid) const {
     if (tid == 0) {
       ws::mbar_init(q(), 1);
-#pragma unroll
-      for (int s = 0; s < Cfg::STAGES; ++s) {
-        ws::mbar_init(full_k(s), 1);
-        ws::mbar_init(full_v(s), 1);
-        ws::mbar_init(empty_k(s), Cfg::CONSUMERS);
-        ws::mbar_init(empty_v(s), Cfg::CONSUMERS);
-      }
+      ws::ring_init<Cfg::STAGES>([&](int s) { return full_k(s); },
+                                 [&](int s) { return empty_k(s); }, 1, Cfg::CONSUMERS);
+      ws::ring_init<Cfg::STAGES>([&](int s) { return full_v(s); },
+                                 [&](int s) { return empty_v(s); }, 1, Cfg::CONSUMERS);
 #pragma unroll
       for (int w = 0; w < 2; ++w) {
         ws::mbar_init(xfull(w), 1);
@@ -205,30 +202,13 @@ __global__ void __launch_bounds__(384, 1)
     // ---- producer warpgroup: one thread issues every copy (this CTA's column half) -----------
     ws::reg_dealloc<Cfg::PRODUCER_REGS>();
     if (tid == 0) {
-      ws::prefetch_tmap(&a.tq);
-      ws::prefetch_tmap(&a.tk);
-      ws::prefetch_tmap(&a.tv);
-      ws::mbar_expect_tx(bars.q(), Cfg::Q_BYTES);
-#pragma unroll
-      for (int c = 0; c < DH / 64; ++c)
-        ws::tma_load3(sQ + c * (BM * 128), &a.tq, bars.q(), cb0 + c * 64, h, q0);
-      for (int j = 0; j < total; ++j) {
-        const int s = Ring<S>::stage(j);
-        const uint32_t ph = Ring<S>::empty_parity(j);
-        const int row = int(walk.at(j).row());
-        ws::mbar_wait(bars.empty_k(s), ph);
-        ws::mbar_expect_tx(bars.full_k(s), Cfg::KV_BYTES);
-#pragma unroll
-        for (int c = 0; c < DH / 64; ++c)
-          ws::tma_load3(sK0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tk, bars.full_k(s),
-                        cb0 + c * 64, hk, row);
-        ws::mbar_wait(bars.empty_v(s), ph);
-        ws::mbar_expect_tx(bars.full_v(s), Cfg::KV_BYTES);
-#pragma unroll
-        for (int c = 0; c < DH / 64; ++c)
-          ws::tma_load3(sV0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tv, bars.full_v(s),
-                        cb0 + c * 64, hk, row);
-      }
+      ws_fwd_producer<S, DH / 64, BM, Cfg::Q_BYTES, Cfg::KV_BYTES>(
+          a, walk, sQ, sK0, sV0, bars.q(), cb0, h, q0, [&](int s) { return bars.full_k(s); },
+          [&](int s) { return bars.full_v(s); }, [&](int s) { return bars.empty_k(s); },
+          [&](int s) { return bars.empty_v(s); },
+          [&](const CUtensorMap* map, uint32_t dst, uint32_t bar, int row) {
+            ws::tma_load3_cols<DH / 64, BN>(dst, map, bar, cb0, hk, row);
+          });
     }
   } else {
     // ---- consumer warpgroups: cw owns query rows [64 cw, 64 cw + 64), the CTA's 256 columns --
@@ -253,31 +233,8 @@ __global__ void __launch_bounds__(384, 1)
     // the row max did not move).
     auto softmax = [&](int j, float (&corr)[2]) {
       const auto kb = walk.at(j);
-      const bool msk = walk.masked(kb, nq, BM, p.mask);
-      if (kCap || a.prescale) {
-#pragma unroll
-        for (int i = 0; i < SR; ++i) s[i] = score_log2<kCap>(p, s[i]);
-      }
-      if (msk) {
-#pragma unroll
-        for (int i = 0; i < SR; ++i) {
-          const int nt = i >> 2, e = i & 3;
-          const int pq = pq_first + row0 + (e >> 1) * 8;
-          const int kr = kb.off + nt * 8 + 2 * tq + (e & 1);
-          if (!DUALKV_VISIBLE(p.mask, kb, pq, kr)) s[i] = -INFINITY;
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < 2; ++r)
-        corr[r] =
-            online_softmax_row<BN / 8, true, true>(s, r, m_run[r], l_run[r], sl, [](float) {});
-    };
-    auto pack_p = [&]() {
-#pragma unroll
-      for (int kt = 0; kt < BN / 16; ++kt) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) pa[kt][c] = pack2<T>(s[8 * kt + 2 * c], s[8 * kt + 2 * c + 1]);
-      }
+      ws_fwd_block_softmax<BN, kCap, true>(p, s, kb, walk.masked(kb, nq, BM, p.mask), a.prescale,
+                                           pq_first + row0, tq, sl, m_run, l_run, corr);
     };
     auto issue_s = [&](int st) {
       wgmma_rows_cols<T, BN, DH, BM, BN>(s, sQ, wrow, sK0 + st * Cfg::KV_BYTES, 0, 0);
@@ -290,66 +247,11 @@ __global__ void __launch_bounds__(384, 1)
 
     pp.start();
     ws::mbar_wait(bars.q(), 0);
-
-    if (total > 0) {
-      // Block 0: S only (O is still zero).
-      ws::mbar_wait(bars.full_k(0), 0);
-      pp.begin_turn();
-      wg_fence();
-      issue_s(0);
-      pp.end_turn();
-      wg_wait<0>();
-      fence_regs(s);
-      ws::mbar_arrive(bars.empty_k(0));
-      x.swap_add(s, 0);
-      float corr[2];
-      softmax(0, corr);
-      pack_p();
-
-      for (int j = 1; j < total; ++j) {
-        const int st = Ring<S>::stage(j), pst = Ring<S>::stage(j - 1);
-        ws::mbar_wait(bars.full_k(st), Ring<S>::full_parity(j));
-        ws::mbar_wait(bars.full_v(pst), Ring<S>::full_parity(j - 1));
-        pp.begin_turn();
-        fence_regs(pa);
-        fence_regs(o);
-        wg_fence();
-        issue_s(st);    // S_j = Q K_j^T over this CTA's columns
-        issue_pv(pst);  // O += P_{j-1} V_{j-1}
-        pp.end_turn();
-        wg_wait<1>();  // S_j done; P V still in flight
-        fence_regs(s);
-        ws::mbar_arrive(bars.empty_k(st));
-        x.swap_add(s, j);
-        softmax(j, corr);
-        // Keep the exp2s before the wait (ptxas hoists the wait over straight-line code; a
-        // never-taken branch on the row sums ends the basic block, as in fwd_ws_kernel_sm90).
-        fence_regs(s);
-        if (l_run[0] + l_run[1] < 0.f) asm volatile("nanosleep.u32 0;");
-        wg_wait<0>();
-        fence_regs(o);
-        fence_regs(pa);
-        ws::mbar_arrive(bars.empty_v(pst));
-        if (__any_sync(~0u, corr[0] != 1.f || corr[1] != 1.f)) {
-#pragma unroll
-          for (int r = 0; r < 2; ++r) rescale_o_row<DH / 8>(o, r, corr[r]);
-        }
-        pack_p();
-      }
-
-      // Last block's P V.
-      const int lst = Ring<S>::stage(total - 1);
-      ws::mbar_wait(bars.full_v(lst), Ring<S>::full_parity(total - 1));
-      pp.begin_turn();
-      fence_regs(pa);
-      fence_regs(o);
-      wg_fence();
-      issue_pv(lst);
-      pp.end_turn();
-      wg_wait<0>();
-      fence_regs(o);
-      fence_regs(pa);
-    }
+    ws_fwd_mainloop<T, S, DH / 8, true>(
+        total, pp, s, o, pa, l_run, [&](int st) { return bars.full_k(st); },
+        [&](int st) { return bars.full_v(st); }, [&](int st) { ws::mbar_arrive(bars.empty_k(st)); },
+        [&](int st) { ws::mbar_arrive(bars.empty_v(st)); }, issue_s, issue_pv,
+        [&](int j) { x.swap_add(s, j); }, softmax);
     pp.finish();
 
     // Both CTAs hold the same m_run / l_run: rank 0 writes lse.
@@ -368,15 +270,7 @@ bool launch_forward_sm90_d512c(const FwdParams& p, const KernelPolicy& policy,
   const int64_t grid = int64_t(p.nqt) * p.Hq * Cfg::CLUSTER;
   if (grid == 0) return true;
   FwdWsArgs a{};
-  if (!encode_tmap_thd(&a.tq, p.q, p.T, p.Hq, D, p.q_tok, p.q_head, Cfg::BM) ||
-      !encode_tmap_thd(&a.tk, p.k, p.T, p.Hkv, D, p.k_tok, p.k_head, Cfg::BN) ||
-      !encode_tmap_thd(&a.tv, p.v, p.T, p.Hkv, D, p.v_tok, p.v_head, Cfg::BN)) {
-    warn_ws_fallback("cuTensorMapEncodeTiled failed or is unavailable");
-    return false;
-  }
-  a.p = p;
-  a.pingpong = policy.pingpong;
-  a.prescale = !(p.scale_log2 > 0.f);
+  if (!make_fwd_ws_args(a, p, policy, D, Cfg::BM, Cfg::BN)) return false;
   auto kernel = p.softcap > 0.f ? fwd_d512_cluster_kernel_sm90<T, true>
                                 : fwd_d512_cluster_kernel_sm90<T, false>;
   launch_kernel(kernel, grid, Cfg::THREADS, Cfg::SMEM, stream, a,

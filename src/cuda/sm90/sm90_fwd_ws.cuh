@@ -114,6 +114,14 @@ __device__ __forceinline__ void tma_load3(uint32_t dst, const CUtensorMap* map, 
       "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
 }
+// The NB column blocks of 64 from column col0 (coordinates {col, c1, c2}) of a tile into dst
+// (SW128 blocks of ROWS x 128 bytes), completing on bar.
+template <int NB, int ROWS>
+__device__ __forceinline__ void tma_load3_cols(uint32_t dst, const CUtensorMap* map, uint32_t bar,
+                                               int col0, int c1, int c2) {
+#pragma unroll
+  for (int c = 0; c < NB; ++c) tma_load3(dst + c * (ROWS * 128), map, bar, col0 + c * 64, c1, c2);
+}
 // The NB column blocks of 64 from column col0 (coordinates {col, c1, c2}) of two tiles that
 // complete on the same barrier: map_a's into dst_a, map_b's into dst_b (SW128 blocks of ROWS x 128
 // bytes), one block of each in turn.
@@ -156,6 +164,118 @@ __device__ __forceinline__ void reg_alloc() {
 #endif
 
 }  // namespace ws
+
+// The warp-specialised forwards' producer (one thread): the Q tile (NQB column blocks from
+// column qcol0 of query rows q0.., q head h, on bar_q), then per key block j of the walk its K
+// and V tiles into ring stage Ring<S>::stage(j): each waits for the stage's release, expects
+// KVB bytes on its full barrier and issues its copies through load_kv(map, stage tile, full
+// barrier, first key row) (the kernel's own column blocks: all of them, its column half, or its
+// share multicast to the cluster).
+template <int S, int NQB, int BM, int QB, int KVB, int BN, class FullK, class FullV, class EmptyK,
+          class EmptyV, class LoadKV>
+__device__ __forceinline__ void ws_fwd_producer(const FwdWsArgs& a, const KeyBlockWalk<BN>& walk,
+                                                uint32_t sQ, uint32_t sK0, uint32_t sV0,
+                                                uint32_t bar_q, int qcol0, int h, int q0,
+                                                FullK&& full_k, FullV&& full_v, EmptyK&& empty_k,
+                                                EmptyV&& empty_v, LoadKV&& load_kv) {
+  ws::prefetch_tmap(&a.tq);
+  ws::prefetch_tmap(&a.tk);
+  ws::prefetch_tmap(&a.tv);
+  ws::mbar_expect_tx(bar_q, QB);
+  ws::tma_load3_cols<NQB, BM>(sQ, &a.tq, bar_q, qcol0, h, q0);
+  for (int j = 0; j < walk.total; ++j) {
+    const int s = Ring<S>::stage(j);
+    const uint32_t ph = Ring<S>::empty_parity(j);
+    const int row = int(walk.at(j).row());
+    ws::mbar_wait(empty_k(s), ph);
+    ws::mbar_expect_tx(full_k(s), KVB);
+    load_kv(&a.tk, sK0 + s * KVB, full_k(s), row);
+    ws::mbar_wait(empty_v(s), ph);
+    ws::mbar_expect_tx(full_v(s), KVB);
+    load_kv(&a.tv, sV0 + s * KVB, full_v(s), row);
+  }
+}
+
+// The warp-specialised forwards' consumer mainloop over the walk's `total` key blocks (after the
+// Q wait, inside the ping-pong's start/finish): block 0's S, then per block j the products
+// S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued together, block j's softmax overlapping P V, and
+// the last block's P V. The kernel supplies its stage barriers (full_k/full_v(stage): the address
+// waited on; release_k/release_v(stage): its consumers' release), the products (issue_s/issue_pv
+// (stage), committed), combine(s, j) (the peer's partial S added: the split head dim), softmax(j,
+// corr) (ws_fwd_block_softmax) and whether the O rescale is voted per warp (kVote: skipped where
+// no row of the warp moved its max) or always run.
+template <typename T, int S, int ND, bool kVote, int NC, int SR, int OR, int KT, class FullK,
+          class FullV, class ReleaseK, class ReleaseV, class IssueS, class IssuePV, class Combine,
+          class Softmax>
+__device__ __forceinline__ void ws_fwd_mainloop(int total, const PingPong<NC>& pp, float (&s)[SR],
+                                                float (&o)[OR], uint32_t (&pa)[KT][4],
+                                                const float (&l_run)[2], FullK&& full_k,
+                                                FullV&& full_v, ReleaseK&& release_k,
+                                                ReleaseV&& release_v, IssueS&& issue_s,
+                                                IssuePV&& issue_pv, Combine&& combine,
+                                                Softmax&& softmax) {
+  if (total <= 0) return;
+  // Block 0: S only (O is still zero).
+  ws::mbar_wait(full_k(0), 0);
+  pp.begin_turn();
+  wg_fence();
+  issue_s(0);
+  pp.end_turn();
+  wg_wait<0>();
+  fence_regs(s);
+  release_k(0);
+  combine(0);
+  float corr[2];
+  softmax(0, corr);
+  pack_a_frag<T>(pa, s);
+
+  for (int j = 1; j < total; ++j) {
+    const int st = Ring<S>::stage(j), pst = Ring<S>::stage(j - 1);
+    ws::mbar_wait(full_k(st), Ring<S>::full_parity(j));
+    ws::mbar_wait(full_v(pst), Ring<S>::full_parity(j - 1));
+    pp.begin_turn();
+    fence_regs(pa);
+    fence_regs(o);
+    wg_fence();
+    issue_s(st);    // S_j = Q K_j^T
+    issue_pv(pst);  // O += P_{j-1} V_{j-1}
+    pp.end_turn();
+    wg_wait<1>();  // S_j done; P V still in flight
+    fence_regs(s);
+    release_k(st);
+    combine(j);
+    softmax(j, corr);
+    // Keep the exp2s before the wait: ptxas hoists the wait over straight-line code, which
+    // would stall on P V before the softmax instead of overlapping it. A branch on the row
+    // sums (never taken: they are >= 0 or NaN) ends the basic block after the last exp2.
+    fence_regs(s);
+    if (l_run[0] + l_run[1] < 0.f) asm volatile("nanosleep.u32 0;");
+    wg_wait<0>();
+    fence_regs(o);
+    fence_regs(pa);
+    release_v(pst);
+    bool rescale = true;
+    if constexpr (kVote) rescale = __any_sync(~0u, corr[0] != 1.f || corr[1] != 1.f);
+    if (rescale) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) rescale_o_row<ND>(o, r, corr[r]);
+    }
+    pack_a_frag<T>(pa, s);
+  }
+
+  // Last block's P V.
+  const int lst = Ring<S>::stage(total - 1);
+  ws::mbar_wait(full_v(lst), Ring<S>::full_parity(total - 1));
+  pp.begin_turn();
+  fence_regs(pa);
+  fence_regs(o);
+  wg_fence();
+  issue_pv(lst);
+  pp.end_turn();
+  wg_wait<0>();
+  fence_regs(o);
+  fence_regs(pa);
+}
 
 template <typename T, int D, bool kCap>
 __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_constant__ FwdWsArgs a) {
@@ -201,13 +321,8 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
 
   if (tid == 0) {
     ws::mbar_init(bQ, 1);
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-      ws::mbar_init(full_k(s), 1);
-      ws::mbar_init(full_v(s), 1);
-      ws::mbar_init(empty_k(s), kEmptyCount);
-      ws::mbar_init(empty_v(s), kEmptyCount);
-    }
+    ws::ring_init<S>(full_k, empty_k, 1, kEmptyCount);
+    ws::ring_init<S>(full_v, empty_v, 1, kEmptyCount);
     ws::mbar_init_fence();
   }
   if constexpr (CLUSTER > 1) {
@@ -220,52 +335,21 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
     // ---- producer warpgroup: one thread issues every copy ------------------------------------
     ws::reg_dealloc<Cfg::PRODUCER_REGS>();
     if (tid == 0) {
-      ws::prefetch_tmap(&a.tq);
-      ws::prefetch_tmap(&a.tk);
-      ws::prefetch_tmap(&a.tv);
-      ws::mbar_expect_tx(bQ, Cfg::Q_BYTES);
+      ws_fwd_producer<S, D / 64, BM, Cfg::Q_BYTES, Cfg::KV_BYTES>(
+          a, walk, sQ, sK0, sV0, bQ, 0, h, q0, full_k, full_v, empty_k, empty_v,
+          [&](const CUtensorMap* map, uint32_t dst, uint32_t bar, int row) {
+            if constexpr (CLUSTER > 1) {
+              // This CTA's share of the column blocks, multicast to both; each CTA's full
+              // barrier expects the whole block (half from each producer).
+              constexpr int CB = D / 64 / CLUSTER;
+              constexpr uint16_t kAll = (1u << CLUSTER) - 1u;
 #pragma unroll
-      for (int c = 0; c < D / 64; ++c) ws::tma_load3(sQ + c * (BM * 128), &a.tq, bQ, c * 64, h, q0);
-      for (int j = 0; j < total; ++j) {
-        const int s = Ring<S>::stage(j);
-        const uint32_t ph = Ring<S>::empty_parity(j);
-        const int row = int(walk.at(j).row());
-        if constexpr (CLUSTER > 1) {
-          // This CTA's share of the column blocks, multicast to both; each CTA's full barrier
-          // expects the whole block (half from each producer).
-          constexpr int CB = D / 64 / CLUSTER;
-          constexpr uint16_t kAll = (1u << CLUSTER) - 1u;
-          ws::mbar_wait(empty_k(s), ph);
-          ws::mbar_expect_tx(full_k(s), Cfg::KV_BYTES);
-#pragma unroll
-          for (int c = int(rank) * CB; c < int(rank) * CB + CB; ++c) {
-            ws::tma_load3_multicast(sK0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tk, full_k(s),
-                                    c * 64, hk, row, kAll);
-          }
-          ws::mbar_wait(empty_v(s), ph);
-          ws::mbar_expect_tx(full_v(s), Cfg::KV_BYTES);
-#pragma unroll
-          for (int c = int(rank) * CB; c < int(rank) * CB + CB; ++c) {
-            ws::tma_load3_multicast(sV0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tv, full_v(s),
-                                    c * 64, hk, row, kAll);
-          }
-        } else {
-          ws::mbar_wait(empty_k(s), ph);
-          ws::mbar_expect_tx(full_k(s), Cfg::KV_BYTES);
-#pragma unroll
-          for (int c = 0; c < D / 64; ++c) {
-            ws::tma_load3(sK0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tk, full_k(s), c * 64, hk,
-                          row);
-          }
-          ws::mbar_wait(empty_v(s), ph);
-          ws::mbar_expect_tx(full_v(s), Cfg::KV_BYTES);
-#pragma unroll
-          for (int c = 0; c < D / 64; ++c) {
-            ws::tma_load3(sV0 + s * Cfg::KV_BYTES + c * (BN * 128), &a.tv, full_v(s), c * 64, hk,
-                          row);
-          }
-        }
-      }
+              for (int c = int(rank) * CB; c < int(rank) * CB + CB; ++c)
+                ws::tma_load3_multicast(dst + c * (BN * 128), map, bar, c * 64, hk, row, kAll);
+            } else {
+              ws::tma_load3_cols<D / 64, BN>(dst, map, bar, 0, hk, row);
+            }
+          });
     }
   } else {
     // ---- consumer warpgroups -----------------------------------------------------------------
@@ -326,33 +410,9 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
     // and sum; corr = factor by which O must be rescaled.
     auto softmax = [&](int j, float (&corr)[2]) {
       const auto kb = walk.at(j);
-      const bool msk = walk.masked(kb, wnq, CLUSTER > 1 ? kTileSize : BM, p.mask);
-      if (kCap || a.prescale) {
-#pragma unroll
-        for (int i = 0; i < SR; ++i) s[i] = score_log2<kCap>(p, s[i]);
-      }
-      if (msk) {
-#pragma unroll
-        for (int i = 0; i < SR; ++i) {
-          const int nt = i >> 2, e = i & 3;
-          const int pq = pq_first + row_base + row0 + (e >> 1) * 8;
-          const int kr = kb.off + nt * 8 + 2 * tq + (e & 1);
-          if (!DUALKV_VISIBLE(p.mask, kb, pq, kr)) s[i] = -INFINITY;
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        // O is rescaled by the caller, after the P V wait.
-        corr[r] = online_softmax_row<BN / 8, true, (KSPLIT > 1)>(s, r, m_run[r], l_run[r], sl,
-                                                                 [](float) {});
-      }
-    };
-    auto pack_p = [&]() {
-#pragma unroll
-      for (int kt = 0; kt < BN / 16; ++kt) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) pa[kt][c] = pack2<T>(s[8 * kt + 2 * c], s[8 * kt + 2 * c + 1]);
-      }
+      ws_fwd_block_softmax<BN, kCap, (KSPLIT > 1)>(
+          p, s, kb, walk.masked(kb, wnq, CLUSTER > 1 ? kTileSize : BM, p.mask), a.prescale,
+          pq_first + row_base + row0, tq, sl, m_run, l_run, corr);
     };
     auto issue_s = [&](int st) {
       const uint32_t sK = sK0 + st * Cfg::KV_BYTES;
@@ -362,77 +422,15 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
     auto issue_pv = [&](int st) {
       // V's columns [col0, col0 + DC): SW128 column blocks of BN rows x 64 columns.
       const uint32_t sV = sV0 + st * Cfg::KV_BYTES + (col0 / 64) * (BN * 128);
-#pragma unroll
-      for (int kt = 0; kt < BN / 16; ++kt)
-        Wgmma<T, DC>::template rs<1>(o, pa[kt], desc_mnmajor<BN>(sV, kt * 16), 1);
+      wgmma_rs_acc<T, DC, BN>(o, pa, sV);
       wg_commit();
     };
 
     pp.start();
     ws::mbar_wait(bQ, 0);
-
-    if (total > 0) {
-      // Block 0: S only (O is still zero).
-      ws::mbar_wait(full_k(0), 0);
-      pp.begin_turn();
-      wg_fence();
-      issue_s(0);
-      pp.end_turn();
-      wg_wait<0>();
-      fence_regs(s);
-      release(empty_k(0));
-      exchange(0);
-      float corr[2];
-      softmax(0, corr);
-      pack_p();
-
-      for (int j = 1; j < total; ++j) {
-        const int st = Ring<S>::stage(j), pst = Ring<S>::stage(j - 1);
-        ws::mbar_wait(full_k(st), Ring<S>::full_parity(j));
-        ws::mbar_wait(full_v(pst), Ring<S>::full_parity(j - 1));
-        pp.begin_turn();
-        fence_regs(pa);
-        fence_regs(o);
-        wg_fence();
-        issue_s(st);    // S_j = Q K_j^T
-        issue_pv(pst);  // O += P_{j-1} V_{j-1}
-        pp.end_turn();
-        wg_wait<1>();  // S_j done; P V still in flight
-        fence_regs(s);
-        release(empty_k(st));
-        exchange(j);
-        softmax(j, corr);
-        // Keep the exp2s before the wait: ptxas hoists the wait over straight-line code, which
-        // would stall on P V before the softmax instead of overlapping it. A branch on the row
-        // sums (never taken: they are >= 0 or NaN) ends the basic block after the last exp2.
-        fence_regs(s);
-        if (l_run[0] + l_run[1] < 0.f) asm volatile("nanosleep.u32 0;");
-        wg_wait<0>();
-        fence_regs(o);
-        fence_regs(pa);
-        release(empty_v(pst));
-        bool rescale = true;
-        if constexpr (KSPLIT > 1) rescale = __any_sync(~0u, corr[0] != 1.f || corr[1] != 1.f);
-        if (rescale) {
-#pragma unroll
-          for (int r = 0; r < 2; ++r) rescale_o_row<DC / 8>(o, r, corr[r]);
-        }
-        pack_p();
-      }
-
-      // Last block's P V.
-      const int lst = Ring<S>::stage(total - 1);
-      ws::mbar_wait(full_v(lst), Ring<S>::full_parity(total - 1));
-      pp.begin_turn();
-      fence_regs(pa);
-      fence_regs(o);
-      wg_fence();
-      issue_pv(lst);
-      pp.end_turn();
-      wg_wait<0>();
-      fence_regs(o);
-      fence_regs(pa);
-    }
+    ws_fwd_mainloop<T, S, DC / 8, (KSPLIT > 1)>(
+        total, pp, s, o, pa, l_run, full_k, full_v, [&](int st) { release(empty_k(st)); },
+        [&](int st) { release(empty_v(st)); }, issue_s, issue_pv, exchange, softmax);
     pp.finish();
 
     store_out_rows<T, D, DC>(p, o, m_run, l_run, sl, q0, nq, h, row0, tq, col0,
@@ -443,21 +441,30 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
 #endif
 }
 
-template <typename T, int D>
-bool launch_forward_sm90_ws(const FwdParams& p, const KernelPolicy& policy, cudaStream_t stream) {
-  using Cfg = FwdWsCfg<D>;
-  const int64_t grid = int64_t(p.nqt) * (kTileSize / Cfg::BM) * p.Hq;
-  if (grid == 0) return true;
-  FwdWsArgs a{};
-  if (!encode_tmap_thd(&a.tq, p.q, p.T, p.Hq, D, p.q_tok, p.q_head, Cfg::BM) ||
-      !encode_tmap_thd(&a.tk, p.k, p.T, p.Hkv, D, p.k_tok, p.k_head, Cfg::BN) ||
-      !encode_tmap_thd(&a.tv, p.v, p.T, p.Hkv, D, p.v_tok, p.v_head, Cfg::BN)) {
+// The forwards' kernel arguments: the Q / K / V tensor maps (boxes of bm query and bn key rows
+// of head dim d), the parameters, the ping-pong switch and whether the scores are pre-scaled.
+// False (after the fallback warning) when a map cannot be encoded.
+inline bool make_fwd_ws_args(FwdWsArgs& a, const FwdParams& p, const KernelPolicy& policy, int d,
+                             int bm, int bn) {
+  if (!encode_tmap_thd(&a.tq, p.q, p.T, p.Hq, d, p.q_tok, p.q_head, bm) ||
+      !encode_tmap_thd(&a.tk, p.k, p.T, p.Hkv, d, p.k_tok, p.k_head, bn) ||
+      !encode_tmap_thd(&a.tv, p.v, p.T, p.Hkv, d, p.v_tok, p.v_head, bn)) {
     warn_ws_fallback("cuTensorMapEncodeTiled failed or is unavailable");
     return false;
   }
   a.p = p;
   a.pingpong = policy.pingpong;
   a.prescale = !(p.scale_log2 > 0.f);
+  return true;
+}
+
+template <typename T, int D>
+bool launch_forward_sm90_ws(const FwdParams& p, const KernelPolicy& policy, cudaStream_t stream) {
+  using Cfg = FwdWsCfg<D>;
+  const int64_t grid = int64_t(p.nqt) * (kTileSize / Cfg::BM) * p.Hq;
+  if (grid == 0) return true;
+  FwdWsArgs a{};
+  if (!make_fwd_ws_args(a, p, policy, D, Cfg::BM, Cfg::BN)) return false;
   auto kernel = p.softcap > 0.f ? fwd_ws_kernel_sm90<T, D, true> : fwd_ws_kernel_sm90<T, D, false>;
   launch_kernel(kernel, grid, Cfg::THREADS, Cfg::SMEM, stream, a,
                 "dualkv forward (sm90a, warp-specialised)", Cfg::CLUSTER);
