@@ -165,6 +165,7 @@ __device__ __forceinline__ void reg_alloc() {
 
 }  // namespace ws
 
+#if DUALKV_SM90_BODY
 // The warp-specialised forwards' producer (one thread): the Q tile (NQB column blocks from
 // column qcol0 of query rows q0.., q head h, on bar_q), then per key block j of the walk its K
 // and V tiles into ring stage Ring<S>::stage(j): each waits for the stage's release, expects
@@ -276,6 +277,7 @@ __device__ __forceinline__ void ws_fwd_mainloop(int total, const PingPong<NC>& p
   fence_regs(o);
   fence_regs(pa);
 }
+#endif  // DUALKV_SM90_BODY
 
 template <typename T, int D, bool kCap>
 __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_constant__ FwdWsArgs a) {
