@@ -184,13 +184,17 @@ __device__ __forceinline__ uint32_t swz(int r,
 
 // Loads rows [0, valid) of a [ROWS][D] tile from gmem (row r at base + r * row_stride elements)
 // to shared memory with cp.async, zero-filling the rest; offset(r, c) is the byte offset of
-// element (r, c) in the tile's swizzle. All THREADS threads take part.
-template <int ROWS, int D, int THREADS, typename T, typename Offset>
+// element (r, c) in the tile's swizzle. All THREADS threads take part. kFreshAddr: the row
+// offsets are computed at each call (row_stride made opaque) instead of being hoisted out of the
+// caller's loop, where 8+ 64-bit offsets per tile stay live (D = 512's small sm_80 configs: the
+// difference between 0 and ~100 bytes of spills).
+template <int ROWS, int D, int THREADS, bool kFreshAddr = false, typename T, typename Offset>
 __device__ __forceinline__ void load_tile_swizzled(uint32_t s_base, const T* base,
                                                    int64_t row_stride, int valid, Offset offset) {
   constexpr int kChunks = D / 8;
   constexpr int kTotal = ROWS * kChunks;
   static_assert(kTotal % THREADS == 0, "tile chunks must divide by the thread count");
+  if constexpr (kFreshAddr) asm volatile("" : "+l"(row_stride));
 #pragma unroll
   for (int i = 0; i < kTotal / THREADS; ++i) {
     const int idx = i * THREADS + int(threadIdx.x);
@@ -202,11 +206,11 @@ __device__ __forceinline__ void load_tile_swizzled(uint32_t s_base, const T* bas
 }
 
 // load_tile_swizzled in the swz<D> layout of the ldmatrix (sm_80) kernels.
-template <int ROWS, int D, int THREADS, typename T>
+template <int ROWS, int D, int THREADS, bool kFreshAddr = false, typename T>
 __device__ __forceinline__ void load_tile(uint32_t s_base, const T* base, int64_t row_stride,
                                           int valid) {
-  load_tile_swizzled<ROWS, D, THREADS>(s_base, base, row_stride, valid,
-                                       [](int r, int c) { return swz<D>(r, c); });
+  load_tile_swizzled<ROWS, D, THREADS, kFreshAddr>(s_base, base, row_stride, valid,
+                                                   [](int r, int c) { return swz<D>(r, c); });
 }
 
 __device__ __forceinline__ float quad_max(float x) {
