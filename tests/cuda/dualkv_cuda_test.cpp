@@ -572,6 +572,11 @@ void run_case(const Case& c, std::mt19937_64& rng) {
     std::printf("    skipped: not built for this head dim\n");
     return;
   }
+  if (std::none_of(std::begin(kPaths), std::end(kPaths),
+                   [&](const KernelPath& k) { return path_selected(k, c.D); })) {
+    std::printf("    skipped: no --path selected runs head dim %d\n", c.D);
+    return;
+  }
   const Tables tb = make_tables(L);
   const Inputs in = make_inputs(c, T, rng);
   const HostOut ref = run_reference(c, in, tb);
