@@ -179,12 +179,18 @@ __global__ void __launch_bounds__(BwdCfg<D, kSmall>::THREADS, BwdCfg<D, kSmall>:
     dv[i][0] = dv[i][1] = dv[i][2] = dv[i][3] = 0.f;
   }
 
+  // XSTAGE: the walk steps after the exchange in sm_80 machine code, before it in sm_90a's (either
+  // order is correct; each is the one ptxas compiles without spills at 255 registers).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr bool kLateWalk = false;
+#else
+  constexpr bool kLateWalk = Cfg::XSTAGE;
+#endif
   int stage = 0;
   while (valid) {
     QIter nxt = cur;
-    // XSTAGE: the walk steps after the exchange (fewer registers live through S^T and dP^T).
     bool has_next = false;
-    if constexpr (!Cfg::XSTAGE) has_next = advance(nxt);
+    if constexpr (!kLateWalk) has_next = advance(nxt);
     // cp_pipeline_step spelled out: through the helper nvcc schedules this loop differently
     if (!Cfg::XSTAGE && has_next) {
       issue(nxt, stage ^ 1);
@@ -239,7 +245,7 @@ __global__ void __launch_bounds__(BwdCfg<D, kSmall>::THREADS, BwdCfg<D, kSmall>:
     }
     if constexpr (Cfg::XSTAGE) {
       __syncthreads();  // every warp has read its sums: the other stage is free
-      has_next = advance(nxt);
+      if constexpr (kLateWalk) has_next = advance(nxt);
       if (has_next) issue(nxt, stage ^ 1);
       cp_commit();
     }
