@@ -27,8 +27,8 @@ BIN=build/d512small/tests/cuda/dualkv_cuda_test
 : >"$OUT/test.log"
 : >"$OUT/summary.txt"
 check "sm80-d512-small, matrix, race 5" 150 --path sm80-d512-small --race 5
-check "sm80-d512-small, random 4" 90 --path sm80-d512-small --random 4
-check "sm80, quick" 60 --path sm80 --quick
+check "sm80-d512-small, random 4" 90 --path sm80-d512-small --random 4 --race 0
+check "sm80, quick, race 3" 60 --path sm80 --quick --race 3
 if step "racecheck: sm80-d512-small" 60; then
   timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 $BIN --small --seed 1 \
     --path sm80-d512-small >"$OUT/one.log" 2>&1
