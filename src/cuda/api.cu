@@ -88,8 +88,9 @@ void check_common(DType dtype, const Shape& s, const ScoreParams& sc, const Layo
                "layout has ", lv.num_segments, " segments, ", lv.num_query_tiles,
                " query tiles and ", lv.num_key_tiles, " key tiles: too few for ", s.tokens,
                " tokens (tiles of at most ", kTileSize, ")");
-  DUALKV_CHECK(int64_t(lv.num_query_tiles) * s.num_q_heads * 2 < (int64_t(1) << 31) &&
-                   int64_t(lv.num_key_tiles) * 4 * s.num_kv_heads < (int64_t(1) << 31),
+  // (Up to 8 CTAs per tile: D = 512's small sm_80 configs.)
+  DUALKV_CHECK(int64_t(lv.num_query_tiles) * s.num_q_heads * 8 < (int64_t(1) << 31) &&
+                   int64_t(lv.num_key_tiles) * 8 * s.num_kv_heads < (int64_t(1) << 31),
                "too many tiles x heads for one launch");
 }
 
@@ -164,6 +165,27 @@ bool sm90_device(bool force_sm80) {
 #endif
 }
 
+// The current device's opt-in shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin,
+// cached per device); 0 when it cannot be read (the launch then reports the error).
+int smem_optin() {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  static std::atomic<int> optin_of[64];  // 0 = unknown
+  int optin = dev < 64 ? optin_of[dev].load(std::memory_order_relaxed) : 0;
+  if (optin == 0) {
+    if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
+        cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    if (dev < 64) optin_of[dev].store(optin, std::memory_order_relaxed);
+  }
+  return optin;
+}
+
 // Prints `msg` on stderr, once per process for each distinct message.
 void warn_once(const std::string& msg) {
   static std::mutex mu;
@@ -194,7 +216,10 @@ KernelPolicy resolve_policy(bool deterministic) {
   }
   auto is = [](const char* name, char c) { return env_switch(name) == c - '0'; };
   KernelPolicy pol;
-  pol.sm90 = sm90_device(is("DUALKV_FORCE_SM80", '1'));
+  const bool small_smem = is("DUALKV_SM80_SMALL_SMEM", '1');
+  pol.sm90 = sm90_device(is("DUALKV_FORCE_SM80", '1') || small_smem);
+  const int optin = smem_optin();
+  pol.sm80_small_smem = small_smem || (optin > 0 && optin < kSmemHeadDim512);
   pol.pingpong = !is("DUALKV_SM90_PINGPONG", '0');
   pol.fused_dq = !deterministic && !is("DUALKV_FUSED_DQ", '0');
   pol.d512_bwd_sm90 = !is("DUALKV_SM90_D512_BWD", '0');
@@ -213,23 +238,19 @@ namespace {
 
 constexpr size_t align256(size_t n) { return (n + 255) & ~size_t(255); }
 
-// The D = 512 kernels ask for up to 227 KB of shared memory per block (Hopper-class GPUs): on a
-// GPU that offers less (A100: 163 KB, Ada/consumer parts: 99 KB) they cannot launch, so say so.
+// The D = 512 kernels ask for up to 227 KB of shared memory per block (Hopper-class GPUs); on a
+// GPU that offers less (A100: 163 KB, sm_86/89: 99 KB) the sm_80 path runs its small configs
+// (KernelPolicy::sm80_small_smem), which need kSmemHeadDim512Small: a GPU below that (none of
+// sm_80+) cannot run D = 512, so say so.
 void check_smem_for(int head_dim) {
   if (head_dim != 512) return;
-  int dev = 0, optin = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
-    cudaGetLastError();
-    return;  // the launch reports the error
-  }
-  DUALKV_CHECK(optin >= kSmemHeadDim512,
-               "head_dim 512 on this GPU is not supported yet: its "
-               "kernels need ",
-               kSmemHeadDim512 / 1024,
-               " KB of shared memory per block, the GPU "
-               "offers ",
-               optin / 1024, " KB (Hopper-class GPUs run it)");
+  const int optin = smem_optin();
+  if (optin == 0) return;  // unknown: the launch reports the error
+  DUALKV_CHECK(optin >= kSmemHeadDim512Small, "head_dim 512 needs at least ",
+               kSmemHeadDim512Small / 1024,
+               " KB of shared memory per block (the sm_80 kernels' small configs; Hopper-class "
+               "GPUs' kernels ",
+               kSmemHeadDim512 / 1024, " KB), this GPU offers ", optin / 1024, " KB");
 }
 
 template <typename F>
@@ -301,7 +322,7 @@ void attention_forward(const ForwardArgs& a, cudaStream_t stream) {
     // Warp-specialised FA3-style forward, every head dim (false: a TMA map could not be encoded).
     if (pol.sm90 && launch_forward_sm90_ws<T, D>(p, pol, stream)) return;
 #endif
-    launch_forward_sm80<T, D>(p, stream);
+    launch_forward_sm80<T, D>(p, pol.sm80_small_smem, stream);
   });
 }
 
@@ -360,7 +381,7 @@ void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t str
     }
 #endif
     // Any GPU other than sm_90, DUALKV_FORCE_SM80=1, or D = 512 with DUALKV_SM90_D512_BWD=0.
-    launch_backward_sm80<T, D>(p, stream);
+    launch_backward_sm80<T, D>(p, pol.sm80_small_smem, stream);
   });
 }
 

@@ -9,8 +9,13 @@
 
 namespace dualkv::cuda::detail {
 
-// The most shared memory per block any D = 512 kernel asks for (each config static_asserts it).
+// The most shared memory per block any D = 512 kernel asks for (each config static_asserts it):
+// Hopper's kernels and the regular sm_80 configs.
 constexpr int kSmemHeadDim512 = 227 * 1024;
+// ... and the small sm_80 D = 512 configs (FwdCfg / BwdCfg / DqCfg<512, true>), which run where
+// a GPU offers less than kSmemHeadDim512 (KernelPolicy::sm80_small_smem): 99 KB, what sm_86/89
+// GPUs offer (A100: 163 KB); every sm_80+ GPU runs D = 512.
+constexpr int kSmemHeadDim512Small = 99 * 1024;
 
 // Throws std::runtime_error naming `what` when the last launch failed.
 void check_launch(const char* what);
@@ -42,12 +47,14 @@ void launch_kernel(void (*kernel)(Arg), int64_t grid, int threads, int smem, cud
   check_launch(what);
 }
 
+// small_smem (KernelPolicy::sm80_small_smem): D = 512's small shared-memory configs (ignored at
+// the other head dims).
 template <typename T, int D>
-void launch_forward_sm80(const FwdParams& p, cudaStream_t stream);
+void launch_forward_sm80(const FwdParams& p, bool small_smem, cudaStream_t stream);
 
 // The sm_80 backward: separate dK/dV and dQ passes, bitwise reproducible.
 template <typename T, int D>
-void launch_backward_sm80(const BwdParams& p, cudaStream_t stream);
+void launch_backward_sm80(const BwdParams& p, bool small_smem, cudaStream_t stream);
 
 // sm_90a (wgmma) path: built when CMAKE_CUDA_ARCHITECTURES has 90a (DUALKV_HAS_SM90A), chosen at
 // run time when KernelPolicy::sm90 (compute capability 9.x, not DUALKV_FORCE_SM80=1). The

@@ -47,6 +47,13 @@ struct KernelPolicy {
   // walk the same kv head's queries (L2 reuse of Q, dO and dQ; an A/B experiment: at (32, 4096,
   // 2048) the fused dK/dV kernel read 29.9 GB from DRAM for ~2.5 GB of data).
   int bwd_key_chunk = 0;
+  // D = 512 on the sm_80 path: the small shared-memory configs (FwdCfg / BwdCfg / DqCfg<512,
+  // true>: at most kSmemHeadDim512Small = 99 KB per block instead of 227 KB), so that every
+  // sm_80+ GPU runs D = 512. True on a GPU whose opt-in shared memory per block is below
+  // kSmemHeadDim512 (A100: 163 KB, sm_86/89: 99 KB), or with DUALKV_SM80_SMALL_SMEM=1, which
+  // also forces the sm_80 path as DUALKV_FORCE_SM80=1 does (the cross-check on Hopper). Ignored
+  // at the other head dims.
+  bool sm80_small_smem = false;
 };
 
 // The policy for one call; deterministic = the call's `deterministic` (forces fused_dq off).

@@ -26,6 +26,8 @@ TEST(EnvSwitch, AcceptedDigits) {
   EXPECT_EQ(parse("DUALKV_SM90_D256_BWD", "\t0 ", &w), 0);
   EXPECT_EQ(parse("DUALKV_SM90_D512_BWD", "1", &w), 1);
   EXPECT_EQ(parse("DUALKV_FORCE_SM80", "1", &w), 1);
+  EXPECT_EQ(parse("DUALKV_SM80_SMALL_SMEM", "1", &w), 1);
+  EXPECT_EQ(parse("DUALKV_SM80_SMALL_SMEM", "0", &w), 0);
   EXPECT_TRUE(w.empty());
 }
 
@@ -55,6 +57,9 @@ TEST(EnvSwitch, OtherValuesWarnAndReadAsUnset) {
   EXPECT_NE(w.find("accepted: 0, 1 or 2"), std::string::npos) << w;
   EXPECT_EQ(parse("DUALKV_FORCE_SM80", "yes", &w), kSwitchUnset);
   EXPECT_NE(w.find("DUALKV_FORCE_SM80"), std::string::npos) << w;
+  // Not a shared-memory size in KB: a setting is one digit.
+  EXPECT_EQ(parse("DUALKV_SM80_SMALL_SMEM", "99", &w), kSwitchUnset);
+  EXPECT_NE(w.find("DUALKV_SM80_SMALL_SMEM='99' (accepted: 0 or 1)"), std::string::npos) << w;
 }
 
 TEST(EnvSwitch, EverySwitchTakesExactlyItsDigits) {

@@ -4,7 +4,7 @@
 //                    [--bench] [--bench-reps N]
 //                    [--path default|sm80|sm90-nopp|sm90-sepdq|sm90-d512-sm80|sm90-d512-nopipe|
 //                            sm90-d512fwd-1cta|sm90-d256-sync|sm90-d256ws-fdq|key-chunk16|
-//                            key-chunk32|key-chunk64]
+//                            key-chunk32|key-chunk64|sm80-d512-small]
 //                    [--shape N,P,R,Hq,Hkv,D]...
 //   (--small: the quick matrix and 3 race repeats, for compute-sanitizer; --path: those kernel
 //   paths only (comma-separated); --random N: instead of the matrix, N rounds of its random-layout
@@ -31,7 +31,9 @@
 // kPipe (sm90-d512-nopipe: DUALKV_SM90_D512_BWD=1); at D = 256 the synchronous backward
 // (sm90-d256-sync: DUALKV_SM90_D256_BWD=0) and the warp-specialised one with fused dQ
 // (sm90-d256ws-fdq: =2); the dK/dV CTAs in chunks of key tiles with the kv heads outer
-// (key-chunk16/32/64: DUALKV_BWD_KEY_ORDER=1/2/3; 32 at every head dim, the others at 64/128).
+// (key-chunk16/32/64: DUALKV_BWD_KEY_ORDER=1/2/3; 32 at every head dim, the others at 64/128);
+// at D = 512 the sm_80 kernels' small shared-memory configs, which GPUs with less than 227 KB per
+// block run (sm80-d512-small: DUALKV_SM80_SMALL_SMEM=1, which implies the sm_80 path).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -190,7 +192,8 @@ constexpr KernelPath kPaths[] = {{"default", nullptr, nullptr, 0, 512},
                                  {"sm90-d256ws-fdq", "DUALKV_SM90_D256_BWD", "2", 256, 256},
                                  {"key-chunk16", "DUALKV_BWD_KEY_ORDER", "1", 64, 128},
                                  {"key-chunk32", "DUALKV_BWD_KEY_ORDER", "2", 0, 512},
-                                 {"key-chunk64", "DUALKV_BWD_KEY_ORDER", "3", 64, 128}};
+                                 {"key-chunk64", "DUALKV_BWD_KEY_ORDER", "3", 64, 128},
+                                 {"sm80-d512-small", "DUALKV_SM80_SMALL_SMEM", "1", 512, 512}};
 // --path: run these only (a comma-separated list of names; empty: every path).
 std::vector<std::string> g_only_paths;
 bool path_listed(const char* name) {
@@ -567,6 +570,11 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   std::printf("%s\n", describe(c, T).c_str());
   if (!cuda::supports(c.dt, c.D)) {
     std::printf("    skipped: not built for this head dim\n");
+    return;
+  }
+  if (std::none_of(std::begin(kPaths), std::end(kPaths),
+                   [&](const KernelPath& k) { return path_selected(k, c.D); })) {
+    std::printf("    skipped: no --path selected runs head dim %d\n", c.D);
     return;
   }
   const Tables tb = make_tables(L);
@@ -971,11 +979,13 @@ int main(int argc, char** argv) {
   for (const std::string& name : g_only_paths) {
     if (std::none_of(std::begin(kPaths), std::end(kPaths),
                      [&](const KernelPath& k) { return name == k.name; })) {
-      std::fprintf(stderr,
-                   "unknown --path %s (default, sm80, sm90-nopp, sm90-sepdq, sm90-d512-sm80, "
-                   "sm90-d512-nopipe, sm90-d512fwd-1cta, sm90-d256-sync, sm90-d256ws-fdq; or a "
-                   "comma-separated list)\n",
-                   name.c_str());
+      std::fprintf(
+          stderr,
+          "unknown --path %s (default, sm80, sm90-nopp, sm90-sepdq, sm90-d512-sm80, "
+          "sm90-d512-nopipe, sm90-d512fwd-1cta, sm90-d256-sync, sm90-d256ws-fdq, key-chunk16, "
+          "key-chunk32, key-chunk64, sm80-d512-small; or a "
+          "comma-separated list)\n",
+          name.c_str());
       return 2;
     }
   }

@@ -194,13 +194,17 @@ __device__ __forceinline__ uint32_t swz(int r,
 
 // Loads rows [0, valid) of a [ROWS][D] tile from gmem (row r at base + r * row_stride elements)
 // to shared memory with cp.async, zero-filling the rest; offset(r, c) is the byte offset of
-// element (r, c) in the tile's swizzle. All THREADS threads take part.
-template <int ROWS, int D, int THREADS, typename T, typename Offset>
+// element (r, c) in the tile's swizzle. All THREADS threads take part. kFreshAddr: the row
+// offsets are computed at each call (row_stride made opaque) instead of being hoisted out of the
+// caller's loop, where 8+ 64-bit offsets per tile stay live (D = 512's small sm_80 configs: the
+// difference between 0 and ~100 bytes of spills).
+template <int ROWS, int D, int THREADS, bool kFreshAddr = false, typename T, typename Offset>
 __device__ __forceinline__ void load_tile_swizzled(uint32_t s_base, const T* base,
                                                    int64_t row_stride, int valid, Offset offset) {
   constexpr int kChunks = D / 8;
   constexpr int kTotal = ROWS * kChunks;
   static_assert(kTotal % THREADS == 0, "tile chunks must divide by the thread count");
+  if constexpr (kFreshAddr) asm volatile("" : "+l"(row_stride));
 #pragma unroll
   for (int i = 0; i < kTotal / THREADS; ++i) {
     const int idx = i * THREADS + int(threadIdx.x);
@@ -212,21 +216,21 @@ __device__ __forceinline__ void load_tile_swizzled(uint32_t s_base, const T* bas
 }
 
 // load_tile_swizzled in the swz<D> layout of the ldmatrix (sm_80) kernels.
-template <int ROWS, int D, int THREADS, typename T>
+template <int ROWS, int D, int THREADS, bool kFreshAddr = false, typename T>
 __device__ __forceinline__ void load_tile(uint32_t s_base, const T* base, int64_t row_stride,
                                           int valid) {
-  load_tile_swizzled<ROWS, D, THREADS>(s_base, base, row_stride, valid,
-                                       [](int r, int c) { return swz<D>(r, c); });
+  load_tile_swizzled<ROWS, D, THREADS, kFreshAddr>(s_base, base, row_stride, valid,
+                                                   [](int r, int c) { return swz<D>(r, c); });
 }
 
 // The tile layout a synchronous kernel's cp.async loads write (a policy for the loaders below and
 // in query_walk.cuh): the sm_80 kernels' swz<D> layout (SW128Tiles, sm90/sm90_common.cuh: the
 // synchronous wgmma kernels').
 struct SwzTiles {
-  template <int ROWS, int D, int THREADS, typename T>
+  template <int ROWS, int D, int THREADS, bool kFresh = false, typename T>
   static __device__ __forceinline__ void load(uint32_t s_base, const T* base, int64_t row_stride,
                                               int valid) {
-    load_tile<ROWS, D, THREADS>(s_base, base, row_stride, valid);
+    load_tile<ROWS, D, THREADS, kFresh>(s_base, base, row_stride, valid);
   }
 };
 
@@ -315,24 +319,24 @@ struct KeyBlockWalk {
 };
 
 // A synchronous kernel's cp.async of key block kb's K and V rows (kg / vg: row 0 of the kv head)
-// into the stage tiles sK, sV (BN rows of D columns, in Tiles' layout).
-template <class Tiles, int BN, int D, int THREADS, typename T, int B>
+// into the stage tiles sK, sV (BN rows of D columns, in Tiles' layout). kFresh: load_tile's.
+template <class Tiles, int BN, int D, int THREADS, bool kFresh = false, typename T, int B>
 __device__ __forceinline__ void load_kv_block(const Params& p, const KeyBlock<B>& kb, uint32_t sK,
                                               uint32_t sV, const T* kg, const T* vg) {
   const int nk = kb.count();
   const int64_t ks = kb.row();
-  Tiles::template load<BN, D, THREADS>(sK, kg + ks * p.k_tok, p.k_tok, nk);
-  Tiles::template load<BN, D, THREADS>(sV, vg + ks * p.v_tok, p.v_tok, nk);
+  Tiles::template load<BN, D, THREADS, kFresh>(sK, kg + ks * p.k_tok, p.k_tok, nk);
+  Tiles::template load<BN, D, THREADS, kFresh>(sV, vg + ks * p.v_tok, p.v_tok, nk);
 }
 
 // A synchronous backward kernel's cp.async of the Q and dO rows [qs, qs + nq) of q head h into
 // the tiles sQ, sdO (BM rows of D columns, in Tiles' layout).
-template <typename T, class Tiles, int BM, int D, int THREADS>
+template <typename T, class Tiles, int BM, int D, int THREADS, bool kFresh = false>
 __device__ __forceinline__ void load_q_do_rows(const BwdParams& p, int qs, int nq, int h,
                                                uint32_t sQ, uint32_t sdO) {
-  Tiles::template load<BM, D, THREADS>(
+  Tiles::template load<BM, D, THREADS, kFresh>(
       sQ, static_cast<const T*>(p.q) + int64_t(qs) * p.q_tok + int64_t(h) * p.q_head, p.q_tok, nq);
-  Tiles::template load<BM, D, THREADS>(
+  Tiles::template load<BM, D, THREADS, kFresh>(
       sdO, static_cast<const T*>(p.dout) + (int64_t(qs) * p.Hq + h) * D, int64_t(p.Hq) * D, nq);
 }
 

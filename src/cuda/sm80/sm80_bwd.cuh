@@ -13,6 +13,10 @@
 //      accumulates dQ in registers (fixed order). Every output is bitwise reproducible. (A fused
 //      variant adding dS K into an fp32 accumulator with atomics measured slower on an H200,
 //      47.8 vs 37.0 ms, and was deleted; src/cuda/NOTES.md.)
+// kSmall (D = 512 only; GPUs with less shared memory per block than the regular D = 512 configs
+// need, KernelPolicy::sm80_small_smem): 16-key dK/dV CTAs over 16-query blocks and 16-query dQ
+// CTAs (BwdCfg, DqCfg), each at most 96.3 KB; their slab exchange reuses the other stage's
+// buffer, whose next load is then issued after the exchange (XSTAGE).
 #pragma once
 
 #include <cstddef>
@@ -83,10 +87,14 @@ __device__ __forceinline__ void sum_slab_partials(float4* xb, float (&a)[NA][4],
 }
 
 // ---- 2. dK, dV over key blocks ------------------------------------------------------------------
-template <int D>
+// kSmall (D = 512): BN 16, BM 16; K + V 32 KB, two Q/dO stages 64 KB, lse/delta 256 B: 96.3 KB;
+// 4 warps (one slab, DSPLIT 4: dK + dV 16 x 128 fp32 per warp as in the regular config); the
+// exchange (8 KB) lives in the other stage's Q buffer (XSTAGE).
+template <int D, bool kSmall = false>
 struct BwdCfg {
-  static constexpr int BN = D >= 256 ? 32 : 64;  // keys per CTA
-  static constexpr int BM = D >= 128 ? 32 : 64;  // queries per iteration
+  static_assert(!kSmall || D == 512, "the small shared-memory config is D = 512's");
+  static constexpr int BN = kSmall ? 16 : D >= 256 ? 32 : 64;  // keys per CTA
+  static constexpr int BM = kSmall ? 16 : D >= 128 ? 32 : 64;  // queries per iteration
   static constexpr int DSPLIT = D >= 512 ? 4
                                 : D >= 256
                                     ? 2
@@ -100,7 +108,12 @@ struct BwdCfg {
   // of each computing them in full.
   static constexpr bool XCHG = D >= 512;
   static constexpr int X_VECS = WARPS * (BM / 8) * 2 * 32;  // float4s of the exchange (XCHG)
-  // Shared memory; the OFF_* offsets come from here. x is last: without XCHG SMEM ends before it.
+  // XSTAGE: the exchange in the Q buffer of the stage not being computed on (free between the
+  // previous iteration's end and this one's issue of the next block, which then follows the
+  // exchange instead of starting the iteration).
+  static constexpr bool XSTAGE = kSmall;
+  static constexpr bool X_OWN = XCHG && !XSTAGE;  // x has shared memory of its own
+  // Shared memory; the OFF_* offsets come from here. x is last: without X_OWN SMEM ends before it.
   struct SharedStorage {
     uint16_t k[BN * D];
     uint16_t v[BN * D];
@@ -110,26 +123,29 @@ struct BwdCfg {
     float delta[2][BM];
     // Unused since the atomic-dQ variant was deleted; kept (for now) so that x's offset, and with
     // it the D = 512 machine code, stays the same (removing it changes shared memory per CTA: an
-    // A/B of its own).
-    uint16_t ds[BN * PITCH];
-    float4 x[XCHG ? X_VECS : 1];
+    // A/B of its own). Not in the small config.
+    uint16_t ds[kSmall ? 1 : BN * PITCH];
+    float4 x[X_OWN ? X_VECS : 1];
   };
   static constexpr int OFF_V = int(offsetof(SharedStorage, v));
   static constexpr int OFF_Q = int(offsetof(SharedStorage, q));
   static constexpr int OFF_DO = int(offsetof(SharedStorage, dout));
   static constexpr int OFF_L = int(offsetof(SharedStorage, lse2));  // lse2[2][BM], delta[2][BM]
   static constexpr int OFF_X = int(offsetof(SharedStorage, x));
-  static constexpr int SMEM = OFF_X + (XCHG ? int(sizeof(SharedStorage::x)) : 0);
+  static constexpr int SMEM = OFF_X + (X_OWN ? int(sizeof(SharedStorage::x)) : 0);
   static constexpr int MIN_BLOCKS = D >= 512 ? 1 : 2;  // D = 512: dK + dV are 128 registers
+  static constexpr bool FRESH_ADDR = kSmall;  // load_tile's row offsets per call (0 spills)
   static_assert(2 * BM <= THREADS, "bad backward tile config");
+  static_assert(!XSTAGE || (XCHG && X_VECS * 16 <= BM * D * 2), "the exchange fits a Q stage");
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
 static_assert(BwdCfg<512>::SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
+static_assert(BwdCfg<512, true>::SMEM <= kSmemHeadDim512Small, "api.cu checks this much");
 
-template <typename T, int D, bool kCap>
-__global__ void __launch_bounds__(BwdCfg<D>::THREADS, BwdCfg<D>::MIN_BLOCKS)
+template <typename T, int D, bool kCap, bool kSmall>
+__global__ void __launch_bounds__(BwdCfg<D, kSmall>::THREADS, BwdCfg<D, kSmall>::MIN_BLOCKS)
     dkdv_kernel_sm80(const __grid_constant__ BwdParams p) {
-  using Cfg = BwdCfg<D>;
+  using Cfg = BwdCfg<D, kSmall>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, THREADS = Cfg::THREADS, DC = Cfg::DC;
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t sK = smem_u32(smem), sV = sK + Cfg::OFF_V;
@@ -144,14 +160,14 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, BwdCfg<D>::MIN_BLOCKS)
   const int pk_first = cta.pk_first, pk_last = cta.pk_last;
   const Segment& kseg = cta.kseg;
 
-  load_tile<BN, D, THREADS>(
+  load_tile<BN, D, THREADS, Cfg::FRESH_ADDR>(
       sK, static_cast<const T*>(p.k) + int64_t(k0) * p.k_tok + int64_t(hk) * p.k_head, p.k_tok, nk);
-  load_tile<BN, D, THREADS>(
+  load_tile<BN, D, THREADS, Cfg::FRESH_ADDR>(
       sV, static_cast<const T*>(p.v) + int64_t(k0) * p.v_tok + int64_t(hk) * p.v_head, p.v_tok, nk);
 
   auto issue = [&](const QIter& it, int stage) {
-    load_query_block<T, SwzTiles, BM, D, THREADS, BM * D * 2>(p, it, hk, tid, stage, sQ0, sdO0,
-                                                              sL0);
+    load_query_block<T, SwzTiles, BM, D, THREADS, BM * D * 2, Cfg::FRESH_ADDR>(
+        p, it, hk, tid, stage, sQ0, sdO0, sL0);
   };
   auto advance = [&](QIter& it) {
     return query_walk_next<BM>(p, kseg, ksi, pk_first, pk_last, it);
@@ -177,11 +193,26 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, BwdCfg<D>::MIN_BLOCKS)
     dv[i][0] = dv[i][1] = dv[i][2] = dv[i][3] = 0.f;
   }
 
+  // XSTAGE: the walk steps after the exchange in sm_80 machine code, before it in sm_90a's (either
+  // order is correct; each is the one ptxas compiles without spills at 255 registers).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr bool kLateWalk = false;
+#else
+  constexpr bool kLateWalk = Cfg::XSTAGE;
+#endif
   int stage = 0;
   while (valid) {
     QIter nxt = cur;
-    const bool has_next = advance(nxt);
-    cp_pipeline_step(has_next, [&] { issue(nxt, stage ^ 1); });
+    bool has_next = false;
+    if constexpr (!kLateWalk) has_next = advance(nxt);
+    // cp_pipeline_step spelled out: through the helper nvcc schedules this loop differently
+    if (!Cfg::XSTAGE && has_next) {
+      issue(nxt, stage ^ 1);
+      cp_commit();
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();  // XSTAGE: the next block is issued after the exchange
+    }
     __syncthreads();
 
     const int nq = cur.count(BM);
@@ -207,9 +238,16 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, BwdCfg<D>::MIN_BLOCKS)
     const uint32_t c0 = Cfg::XCHG ? uint32_t(dpart * KSTEPS * 16 * 2) : 0u;
     two_products<T, D, KSTEPS>(s, dp, sK, sV, sQ, sdO, c0, a_row, a_col, b_row, b_col);
 
-    if constexpr (Cfg::XCHG)
-      sum_slab_partials<Cfg::DSPLIT>(reinterpret_cast<float4*>(smem + Cfg::OFF_X), s, dp, warp,
-                                     lane);
+    if constexpr (Cfg::XCHG) {
+      const int x_off = Cfg::XSTAGE ? Cfg::OFF_Q + (stage ^ 1) * BM * D * 2 : Cfg::OFF_X;
+      sum_slab_partials<Cfg::DSPLIT>(reinterpret_cast<float4*>(smem + x_off), s, dp, warp, lane);
+    }
+    if constexpr (Cfg::XSTAGE) {
+      __syncthreads();  // every warp has read its sums: the other stage is free
+      if constexpr (kLateWalk) has_next = advance(nxt);
+      if (has_next) issue(nxt, stage ^ 1);
+      cp_commit();
+    }
 
     // P^T and dS^T (in place of s and dp).
 #pragma unroll
@@ -257,13 +295,16 @@ __global__ void __launch_bounds__(BwdCfg<D>::THREADS, BwdCfg<D>::MIN_BLOCKS)
 }
 
 // ---- 3'. deterministic dQ over query blocks -----------------------------------------------------
-template <int D>
+// kSmall (D = 512): BM 16; Q + dO 32 KB, two K/V stages 64 KB: 96 KB; 4 warps (one slab, DSPLIT
+// 4: dQ 16 x 128 fp32 per warp); the exchange (8 KB) in the other stage's K buffer (XSTAGE).
+template <int D, bool kSmall = false>
 struct DqCfg {
-  static constexpr int BM = 64;
+  static_assert(!kSmall || D == 512, "the small shared-memory config is D = 512's");
+  static constexpr int BM = kSmall ? 16 : 64;
   static constexpr int BN = D >= 512 ? 16 : D >= 256 ? 32 : 64;
   // Warps sharing a 16-query slab, each owning D / DSPLIT columns of dQ (each computes the
   // slab's S and dP in full).
-  static constexpr int DSPLIT = D >= 512 ? 2 : 1;
+  static constexpr int DSPLIT = kSmall ? 4 : D >= 512 ? 2 : 1;
   static constexpr int DC = D / DSPLIT;
   static constexpr int WARPS = BM / 16 * DSPLIT;
   static constexpr int THREADS = WARPS * 32;
@@ -271,28 +312,33 @@ struct DqCfg {
   // through shared memory (sum_slab_partials).
   static constexpr bool XCHG = D >= 512;
   static constexpr int X_VECS = WARPS * (BN / 8) * 2 * 32;  // float4s of the exchange (XCHG)
-  // Shared memory; the OFF_* offsets come from here. x is last: without XCHG SMEM ends before it.
+  static constexpr bool XSTAGE = kSmall;  // as in BwdCfg (the other stage's K buffer)
+  static constexpr bool X_OWN = XCHG && !XSTAGE;
+  // Shared memory; the OFF_* offsets come from here. x is last: without X_OWN SMEM ends before it.
   struct SharedStorage {
     uint16_t q[BM * D];
     uint16_t dout[BM * D];
     uint16_t k[2][BN * D];  // two stages
     uint16_t v[2][BN * D];
-    float4 x[XCHG ? X_VECS : 1];
+    float4 x[X_OWN ? X_VECS : 1];
   };
   static constexpr int OFF_DO = int(offsetof(SharedStorage, dout));
   static constexpr int OFF_K = int(offsetof(SharedStorage, k));
   static constexpr int OFF_V = int(offsetof(SharedStorage, v));
   static constexpr int OFF_X = int(offsetof(SharedStorage, x));
-  static constexpr int SMEM = OFF_X + (XCHG ? int(sizeof(SharedStorage::x)) : 0);
+  static constexpr int SMEM = OFF_X + (X_OWN ? int(sizeof(SharedStorage::x)) : 0);
   static constexpr int MIN_BLOCKS = D >= 512 ? 1 : 2;
+  static constexpr bool FRESH_ADDR = kSmall;  // as in BwdCfg
+  static_assert(!XSTAGE || (XCHG && X_VECS * 16 <= BN * D * 2), "the exchange fits a K stage");
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
 static_assert(DqCfg<512>::SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
+static_assert(DqCfg<512, true>::SMEM <= kSmemHeadDim512Small, "api.cu checks this much");
 
-template <typename T, int D, bool kCap>
-__global__ void __launch_bounds__(DqCfg<D>::THREADS, DqCfg<D>::MIN_BLOCKS)
+template <typename T, int D, bool kCap, bool kSmall>
+__global__ void __launch_bounds__(DqCfg<D, kSmall>::THREADS, DqCfg<D, kSmall>::MIN_BLOCKS)
     dq_kernel_sm80(const __grid_constant__ BwdParams p) {
-  using Cfg = DqCfg<D>;
+  using Cfg = DqCfg<D, kSmall>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, THREADS = Cfg::THREADS, DC = Cfg::DC;
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t sQ = smem_u32(smem), sdO = sQ + Cfg::OFF_DO;
@@ -306,13 +352,13 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, DqCfg<D>::MIN_BLOCKS)
   const T* kg = static_cast<const T*>(p.k) + int64_t(hk) * p.k_head;
   const T* vg = static_cast<const T*>(p.v) + int64_t(hk) * p.v_head;
 
-  load_q_do_rows<T, SwzTiles, BM, D, THREADS>(p, q0, nq, h, sQ, sdO);
+  load_q_do_rows<T, SwzTiles, BM, D, THREADS, Cfg::FRESH_ADDR>(p, q0, nq, h, sQ, sdO);
 
   const KeyBlockWalk<BN> walk(seg, q0, nq, p.mask);
   const int total = walk.total, pq_first = walk.pq_first;
   auto load_kv = [&](int j, int stage) {
-    load_kv_block<SwzTiles, BN, D, THREADS>(p, walk.at(j), sK0 + stage * BN * D * 2,
-                                            sV0 + stage * BN * D * 2, kg, vg);
+    load_kv_block<SwzTiles, BN, D, THREADS, Cfg::FRESH_ADDR>(
+        p, walk.at(j), sK0 + stage * BN * D * 2, sV0 + stage * BN * D * 2, kg, vg);
   };
   if (total > 0) load_kv(0, 0);
   cp_commit();
@@ -332,7 +378,11 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, DqCfg<D>::MIN_BLOCKS)
 
   for (int j = 0; j < total; ++j) {
     const int st = j & 1;
-    cp_pipeline_step(j + 1 < total, [&] { load_kv(j + 1, st ^ 1); });
+    if constexpr (Cfg::XSTAGE) {
+      cp_wait<0>();  // the next block is issued after the exchange
+    } else {
+      cp_pipeline_step(j + 1 < total, [&] { load_kv(j + 1, st ^ 1); });
+    }
     __syncthreads();
     const uint32_t sK = sK0 + st * BN * D * 2, sV = sV0 + st * BN * D * 2;
 
@@ -346,9 +396,15 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, DqCfg<D>::MIN_BLOCKS)
     constexpr int KSTEPS = Cfg::XCHG ? D / 16 / Cfg::DSPLIT : D / 16;
     const uint32_t c0 = Cfg::XCHG ? uint32_t(dpart * KSTEPS * 16 * 2) : 0u;  // as in dkdv
     two_products<T, D, KSTEPS>(s, dp, sQ, sdO, sK, sV, c0, a_row, a_col, b_row, b_col);
-    if constexpr (Cfg::XCHG)
-      sum_slab_partials<Cfg::DSPLIT>(reinterpret_cast<float4*>(smem + Cfg::OFF_X), s, dp, warp,
-                                     lane);
+    if constexpr (Cfg::XCHG) {
+      const int x_off = Cfg::XSTAGE ? Cfg::OFF_K + (st ^ 1) * BN * D * 2 : Cfg::OFF_X;
+      sum_slab_partials<Cfg::DSPLIT>(reinterpret_cast<float4*>(smem + x_off), s, dp, warp, lane);
+    }
+    if constexpr (Cfg::XSTAGE) {
+      __syncthreads();  // every warp has read its sums: the other stage is free
+      if (j + 1 < total) load_kv(j + 1, st ^ 1);
+      cp_commit();
+    }
 
     const auto kb = walk.at(j);
     const bool msk = walk.masked(kb, nq, BM, p.mask);
@@ -388,24 +444,35 @@ __global__ void __launch_bounds__(DqCfg<D>::THREADS, DqCfg<D>::MIN_BLOCKS)
   store_dq_rows<T, D, DC>(p, acc, q0, nq, h, row0, dbase, tq);
 }
 
-template <typename T, int D>
-void launch_backward_sm80(const BwdParams& p, cudaStream_t stream) {
+template <typename T, int D, bool kSmall>
+void launch_backward_sm80_cfg(const BwdParams& p, cudaStream_t stream) {
   if (int64_t(p.T) * p.Hq == 0) return;
   launch_bwd_pre<T, D>(p, false, stream);
   const bool cap = p.softcap > 0.f;
-  using BC = BwdCfg<D>;
+  using BC = BwdCfg<D, kSmall>;
   const int64_t grid_kv = int64_t(p.nkt) * (kTileSize / BC::BN) * p.Hkv;
   if (grid_kv > 0) {
-    auto kernel = cap ? dkdv_kernel_sm80<T, D, true> : dkdv_kernel_sm80<T, D, false>;
-    launch_kernel(kernel, grid_kv, BC::THREADS, BC::SMEM, stream, p,
-                  "dualkv backward dk/dv (sm80)");
+    auto kernel =
+        cap ? dkdv_kernel_sm80<T, D, true, kSmall> : dkdv_kernel_sm80<T, D, false, kSmall>;
+    launch_kernel(
+        kernel, grid_kv, BC::THREADS, BC::SMEM, stream, p,
+        kSmall ? "dualkv backward dk/dv (sm80, small smem)" : "dualkv backward dk/dv (sm80)");
   }
-  using QC = DqCfg<D>;
+  using QC = DqCfg<D, kSmall>;
   const int64_t grid_q = int64_t(p.nqt) * (kTileSize / QC::BM) * p.Hq;
   if (grid_q > 0) {
-    auto kernel = cap ? dq_kernel_sm80<T, D, true> : dq_kernel_sm80<T, D, false>;
-    launch_kernel(kernel, grid_q, QC::THREADS, QC::SMEM, stream, p, "dualkv backward dq (sm80)");
+    auto kernel = cap ? dq_kernel_sm80<T, D, true, kSmall> : dq_kernel_sm80<T, D, false, kSmall>;
+    launch_kernel(kernel, grid_q, QC::THREADS, QC::SMEM, stream, p,
+                  kSmall ? "dualkv backward dq (sm80, small smem)" : "dualkv backward dq (sm80)");
   }
+}
+
+template <typename T, int D>
+void launch_backward_sm80(const BwdParams& p, bool small_smem, cudaStream_t stream) {
+  if constexpr (D == 512) {
+    if (small_smem) return launch_backward_sm80_cfg<T, D, true>(p, stream);
+  }
+  launch_backward_sm80_cfg<T, D, false>(p, stream);
 }
 
 }  // namespace dualkv::cuda::detail

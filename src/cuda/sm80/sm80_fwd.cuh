@@ -6,6 +6,8 @@
 // on the causal diagonal, the window edge or a region end are masked element-wise (with MaskRule).
 // K/V blocks are double-buffered. D = 512: 64-row CTAs (half tiles), and two warps per 16-row slab
 // that split O's columns (each computes the slab's S in full: 1.5x the matrix work of one warp).
+// kSmall (D = 512 only, GPUs with less than 227 KB of shared memory per block: A100, sm_86/89):
+// 32-row CTAs and 16-key blocks, 96 KB (FwdCfg).
 #pragma once
 
 #include <cstddef>
@@ -18,14 +20,19 @@
 
 namespace dualkv::cuda::detail {
 
-template <int D>
+// kSmall: D = 512 on GPUs with less shared memory per block than the regular sm_80 D = 512
+// configs need (KernelPolicy::sm80_small_smem; at most kSmemHeadDim512Small): BM 32, BN 16, Q
+// 32 KB + two K/V stages of 2 x 16 KB = 96 KB; 4 warps (2 slabs x DSPLIT 2), each with O's
+// 16 x 256 fp32 (128 registers) as at BM 64, S 16 x 16.
+template <int D, bool kSmall = false>
 struct FwdCfg {
+  static_assert(!kSmall || D == 512, "the small shared-memory config is D = 512's");
   // Query rows per CTA: a 128-token tile, or half of one at D = 512 (Q and two K/V stages of
-  // 512 columns must fit in shared memory).
-  static constexpr int BM = D >= 512 ? 64 : kTileSize;
+  // 512 columns must fit in shared memory), a quarter with kSmall.
+  static constexpr int BM = kSmall ? 32 : D >= 512 ? 64 : kTileSize;
   static constexpr int MT =
       D >= 256 ? 1 : 2;  // 16-row m-tiles per warp (reuse of each K/V fragment)
-  static constexpr int BN = D >= 128 ? 32 : 64;  // D = 128 with 64 spills
+  static constexpr int BN = kSmall ? 16 : D >= 128 ? 32 : 64;  // D = 128 with 64 spills
   // Warps sharing a 16-row slab, each owning D / DSPLIT columns of O (a 16 x 512 fp32
   // accumulator would be 256 registers per thread); each computes the slab's S in full.
   static constexpr int DSPLIT = D >= 512 ? 2 : 1;
@@ -42,14 +49,16 @@ struct FwdCfg {
   static constexpr int OFF_V = int(offsetof(SharedStorage, v));
   static constexpr int SMEM = int(sizeof(SharedStorage));
   static constexpr int MIN_BLOCKS = D >= 256 ? 1 : 2;
+  static constexpr bool FRESH_ADDR = kSmall;  // load_tile's row offsets per call (0 spills)
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
 static_assert(FwdCfg<512>::SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
+static_assert(FwdCfg<512, true>::SMEM <= kSmemHeadDim512Small, "api.cu checks this much");
 
-template <typename T, int D, bool kCap>
-__global__ void __launch_bounds__(FwdCfg<D>::THREADS, FwdCfg<D>::MIN_BLOCKS)
+template <typename T, int D, bool kCap, bool kSmall>
+__global__ void __launch_bounds__(FwdCfg<D, kSmall>::THREADS, FwdCfg<D, kSmall>::MIN_BLOCKS)
     fwd_kernel_sm80(const __grid_constant__ FwdParams p) {
-  using Cfg = FwdCfg<D>;
+  using Cfg = FwdCfg<D, kSmall>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, THREADS = Cfg::THREADS;
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t sQ = smem_u32(smem);
@@ -65,13 +74,13 @@ __global__ void __launch_bounds__(FwdCfg<D>::THREADS, FwdCfg<D>::MIN_BLOCKS)
   const T* kg = static_cast<const T*>(p.k) + int64_t(hk) * p.k_head;
   const T* vg = static_cast<const T*>(p.v) + int64_t(hk) * p.v_head;
 
-  load_tile<BM, D, THREADS>(sQ, qg, p.q_tok, nq);
+  load_tile<BM, D, THREADS, Cfg::FRESH_ADDR>(sQ, qg, p.q_tok, nq);
 
   const KeyBlockWalk<BN> walk(seg, q0, nq, p.mask);
   const int total = walk.total, pq_first = walk.pq_first;
   auto load_kv = [&](int j, int stage) {
-    load_kv_block<SwzTiles, BN, D, THREADS>(p, walk.at(j), sK0 + stage * BN * D * 2,
-                                            sV0 + stage * BN * D * 2, kg, vg);
+    load_kv_block<SwzTiles, BN, D, THREADS, Cfg::FRESH_ADDR>(
+        p, walk.at(j), sK0 + stage * BN * D * 2, sV0 + stage * BN * D * 2, kg, vg);
   };
 
   if (total > 0) load_kv(0, 0);
@@ -182,13 +191,23 @@ __global__ void __launch_bounds__(FwdCfg<D>::THREADS, FwdCfg<D>::MIN_BLOCKS)
                              dbase, dpart == 0);
 }
 
-template <typename T, int D>
-void launch_forward_sm80(const FwdParams& p, cudaStream_t stream) {
-  using Cfg = FwdCfg<D>;
+template <typename T, int D, bool kSmall>
+void launch_forward_sm80_cfg(const FwdParams& p, cudaStream_t stream) {
+  using Cfg = FwdCfg<D, kSmall>;
   const int64_t grid = int64_t(p.nqt) * (kTileSize / Cfg::BM) * p.Hq;
   if (grid == 0) return;
-  auto kernel = p.softcap > 0.f ? fwd_kernel_sm80<T, D, true> : fwd_kernel_sm80<T, D, false>;
-  launch_kernel(kernel, grid, Cfg::THREADS, Cfg::SMEM, stream, p, "dualkv forward (sm80)");
+  auto kernel =
+      p.softcap > 0.f ? fwd_kernel_sm80<T, D, true, kSmall> : fwd_kernel_sm80<T, D, false, kSmall>;
+  launch_kernel(kernel, grid, Cfg::THREADS, Cfg::SMEM, stream, p,
+                kSmall ? "dualkv forward (sm80, small smem)" : "dualkv forward (sm80)");
+}
+
+template <typename T, int D>
+void launch_forward_sm80(const FwdParams& p, bool small_smem, cudaStream_t stream) {
+  if constexpr (D == 512) {
+    if (small_smem) return launch_forward_sm80_cfg<T, D, true>(p, stream);
+  }
+  launch_forward_sm80_cfg<T, D, false>(p, stream);
 }
 
 }  // namespace dualkv::cuda::detail

@@ -86,9 +86,10 @@ __device__ __forceinline__ void load_tile_sw128(uint32_t s_base, const T* base, 
 }
 // The tile policy of the loaders (collective SwzTiles) for SW128 tiles.
 struct SW128Tiles {
-  template <int ROWS, int D, int THREADS, typename T>
+  template <int ROWS, int D, int THREADS, bool kFresh = false, typename T>
   static __device__ __forceinline__ void load(uint32_t s_base, const T* base, int64_t row_stride,
                                               int valid) {
+    static_assert(!kFresh, "load_tile_sw128 has no fresh-address form (no caller needs one)");
     load_tile_sw128<ROWS, D, THREADS>(s_base, base, row_stride, valid);
   }
 };
