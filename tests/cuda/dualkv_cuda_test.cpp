@@ -1,7 +1,7 @@
 // Standalone test and benchmark of the CUDA library (no torch).
 //
 //   dualkv_cuda_test [--seed S] [--quick] [--small] [--no-check] [--race N] [--random N]
-//                    [--bench] [--bench-reps N]
+//                    [--bench] [--bench-reps N] [--bench-rounds N]
 //                    [--path default|sm80|sm90-nopp|sm90-sepdq|sm90-d512-sm80|sm90-d512-nopipe|
 //                            sm90-d512fwd-1cta|sm90-d256-sync|sm90-d256ws-fdq|key-chunk16|
 //                            key-chunk32|key-chunk64|sm80-d512-small]
@@ -805,7 +805,11 @@ float median(std::vector<float> v) {
 
 std::vector<BenchShape> g_shapes;  // --shape: bench only these
 
-void bench(int reps) {
+// --bench-rounds R: the paths of a shape take turns R times (path 1, path 2, ..., path 1, ...),
+// each row the median of its R per-round medians, so that a drift of the GPU's clocks (the first
+// path after the idle upload ran its forward ~12% faster than the same kernel in the next path)
+// reaches every path alike.
+void bench(int reps, int rounds) {
   const BenchShape all_shapes[] = {
       {16, 8192, 1024, 32, 8, 128, "3-pass cuDNN 21.0 ms (481 TF/s), Flex 26.5 ms"},
       {32, 4096, 2048, 32, 8, 128, "3-pass cuDNN 45.3 ms (435 TF/s), Flex 69.2 ms"},
@@ -885,30 +889,39 @@ void bench(int reps) {
       CK(cudaGetLastError());
       return median(ts);
     };
-    // Every kernel path of this head dim.
-    for (const KernelPath& kp : kPaths) {
-      if (!path_selected(kp, s.D)) continue;
-      select_path(kp);
+    // Every kernel path of this head dim, in `rounds` turns.
+    std::vector<const KernelPath*> paths;
+    for (const KernelPath& kp : kPaths)
+      if (path_selected(kp, s.D)) paths.push_back(&kp);
+    std::vector<std::vector<float>> t_fwd(paths.size()), t_bwd[2];
+    t_bwd[0].resize(paths.size()), t_bwd[1].resize(paths.size());
+    for (int round = 0; round < rounds; ++round) {
+      for (size_t i = 0; i < paths.size(); ++i) {
+        select_path(*paths[i]);
+        t_fwd[i].push_back(time([&] { cuda::attention_forward(f, nullptr); }));
+        for (int det = 0; det < 2; ++det) {
+          b.deterministic = det == 1;
+          t_bwd[det][i].push_back(time([&] { cuda::attention_backward(b, ws.p, nullptr); }));
+        }
+        b.deterministic = false;
+        std::printf("bench %s (round %d): fwd %.2f ms, bwd %.2f ms, bwd deterministic %.2f ms\n",
+                    paths[i]->name, round + 1, t_fwd[i].back(), t_bwd[0][i].back(),
+                    t_bwd[1][i].back());
+        std::fflush(stdout);
+      }
+    }
+    for (size_t i = 0; i < paths.size(); ++i) {
       Row r;
       char name[128];
-      std::snprintf(name, sizeof name, "%s N=%d P=%d R=%d Hq=%d Hkv=%d D=%d", kp.name, s.N, s.P,
-                    s.R, s.Hq, s.Hkv, s.D);
+      std::snprintf(name, sizeof name, "%s N=%d P=%d R=%d Hq=%d Hkv=%d D=%d", paths[i]->name, s.N,
+                    s.P, s.R, s.Hq, s.Hkv, s.D);
       r.name = name;
-      r.fwd = time([&] { cuda::attention_forward(f, nullptr); });
-      for (int det = 0; det < 2; ++det) {
-        b.deterministic = det == 1;
-        r.bwd[det] = time([&] { cuda::attention_backward(b, ws.p, nullptr); });
-      }
-      b.deterministic = false;
-      char line[96];
-      std::snprintf(line, sizeof line, ", bwd %.2f ms, bwd deterministic %.2f ms", r.bwd[0],
-                    r.bwd[1]);
+      r.fwd = median(t_fwd[i]);
+      r.bwd[0] = median(t_bwd[0][i]), r.bwd[1] = median(t_bwd[1][i]);
       r.ff = L.forward_flops(s.D, s.Hq);
       r.bf = L.backward_flops(s.D, s.Hq);
       r.ref = s.ref;
       rows.push_back(r);
-      std::printf("bench %s: fwd %.2f ms%s\n", name, r.fwd, line);
-      std::fflush(stdout);
     }
     select_path(kPaths[0]);
     CK(cudaEventDestroy(e0));
@@ -933,7 +946,7 @@ void bench(int reps) {
 int main(int argc, char** argv) {
   uint64_t seed = uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
   bool quick = false, check = true, do_bench = false;
-  int race = 100, bench_reps = 10, random_rounds = 0;
+  int race = 100, bench_reps = 10, bench_rounds = 1, random_rounds = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--seed" && i + 1 < argc)
@@ -950,6 +963,8 @@ int main(int argc, char** argv) {
       do_bench = true;
     else if (a == "--bench-reps" && i + 1 < argc)
       bench_reps = std::atoi(argv[++i]);
+    else if (a == "--bench-rounds" && i + 1 < argc)
+      bench_rounds = std::max(1, std::atoi(argv[++i]));
     else if (a == "--path" && i + 1 < argc)
       for (std::string rest = argv[++i]; !rest.empty();) {
         const size_t comma = rest.find(',');
@@ -970,7 +985,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: %s [--seed S] [--quick] [--small] [--no-check] [--race N] [--bench] "
-                   "[--bench-reps N] [--path NAME[,NAME...]] [--random N] "
+                   "[--bench-reps N] [--bench-rounds N] [--path NAME[,NAME...]] [--random N] "
                    "[--shape N,P,R,Hq,Hkv,D]...\n",
                    argv[0]);
       return 2;
@@ -1048,6 +1063,6 @@ int main(int argc, char** argv) {
       std::printf("reproduce with: --seed %llu (and the same switches)\n",
                   (unsigned long long)seed);
   }
-  if (do_bench) bench(bench_reps);
+  if (do_bench) bench(bench_reps, bench_rounds);
   return g_failures == 0 ? 0 : 1;
 }
