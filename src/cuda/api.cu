@@ -227,10 +227,11 @@ KernelPolicy resolve_policy(bool deterministic) {
   pol.d512_bwd_pipe = !is("DUALKV_SM90_D512_BWD", '1');
   const int d256 = is("DUALKV_SM90_D256_BWD", '0') ? 0 : is("DUALKV_SM90_D256_BWD", '2') ? 2 : 1;
   pol.d256_bwd_ws = deterministic && d256 == 2 ? 1 : d256;
-  pol.bwd_key_chunk = is("DUALKV_BWD_KEY_ORDER", '1')   ? 16
+  pol.bwd_key_chunk = is("DUALKV_BWD_KEY_ORDER", '0')   ? 0
+                      : is("DUALKV_BWD_KEY_ORDER", '1') ? 16
                       : is("DUALKV_BWD_KEY_ORDER", '2') ? 32
                       : is("DUALKV_BWD_KEY_ORDER", '3') ? 64
-                                                        : 0;
+                                                        : -1;
   return pol;
 }
 
@@ -360,7 +361,9 @@ void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t str
   p.lse2 = reinterpret_cast<float*>(ws + align256(rows * sizeof(float)));
   p.dq_accum = reinterpret_cast<float*>(ws + 2 * align256(rows * sizeof(float)));
   const KernelPolicy pol = resolve_policy(a.deterministic);
-  p.key_chunk = pol.bwd_key_chunk;
+  p.key_chunk = pol.bwd_key_chunk >= 0                               ? pol.bwd_key_chunk
+                : a.shape.head_dim == 64 && pol.sm90 && pol.fused_dq ? 32
+                                                                     : 0;
   dispatch(a.dtype, a.shape.head_dim, [&](auto t, auto d) {
     using T = decltype(t);
     constexpr int D = decltype(d)::value;

@@ -41,12 +41,14 @@ struct KernelPolicy {
   // with dQ fused (bulk reductions into dq_accum; deterministic=true makes it 1): measured no
   // faster (21.46 / 59.47 ms: its reductions, twice D = 128's bytes per FLOP), an A/B switch.
   int d256_bwd_ws = 1;
-  // The order of the dK/dV kernels' CTAs (Params::key_chunk; every backward path): 0 (default)
-  // the kv heads of a key tile next to each other; DUALKV_BWD_KEY_ORDER=1|2|3: key tiles in
-  // chunks of 16 / 32 / 64, kv heads outer within a chunk, so that the CTAs running together
-  // walk the same kv head's queries (L2 reuse of Q, dO and dQ; an A/B experiment: at (32, 4096,
-  // 2048) the fused dK/dV kernel read 29.9 GB from DRAM for ~2.5 GB of data).
-  int bwd_key_chunk = 0;
+  // The order of the dK/dV kernels' CTAs (Params::key_chunk; every backward path): key tiles in
+  // chunks of n, the kv heads outer within a chunk, so that the CTAs running together walk the
+  // same kv head's queries (L2 reuse of Q, dO and the dQ reductions), or n = 0: the kv heads of a
+  // key tile next to each other. -1 (unset): 32 for the fused sm_90a backward at D = 64, else 0
+  // (H200, paths in turn: D = 64 backward 3.06 -> 2.79 ms; D = 128 / 256 within +-3%, noise;
+  // ncu at (32, 4096, 2048) D = 128: L2 hit rate 63 -> 72%, DRAM reads 38.5 -> 27.6 GB);
+  // DUALKV_BWD_KEY_ORDER=0|1|2|3 sets n = 0 / 16 / 32 / 64 (A/B).
+  int bwd_key_chunk = -1;
   // D = 512 on the sm_80 path: the small shared-memory configs (FwdCfg / BwdCfg / DqCfg<512,
   // true>: at most kSmemHeadDim512Small = 99 KB per block instead of 227 KB), so that every
   // sm_80+ GPU runs D = 512. True on a GPU whose opt-in shared memory per block is below
