@@ -353,9 +353,10 @@ __device__ __forceinline__ void load_row_stats(const BwdParams& p, int h, int q0
 }
 
 // The rows one CTA of a tile kernel owns: index (blockIdx.x; in the D = 512 backward's 2-CTA
-// clusters, which split the head dim, blockIdx.x / 2) = (tile * SPLIT + part) * heads + head
-// (kPartInner: (tile * heads + head) * SPLIT + part, so that a tile's parts are neighbours, as a
-// thread-block cluster needs), each 128-token tile cut into SPLIT parts of B rows. `valid` is
+// clusters, which split the head dim, blockIdx.x / 2; for the key-tile kernels the index after
+// key_order, which renumbers the CTAs when Params::key_chunk > 0) = (tile * SPLIT + part) * heads +
+// head (kPartInner: (tile * heads + head) * SPLIT + part, so that a tile's parts are neighbours, as
+// a thread-block cluster needs), each 128-token tile cut into SPLIT parts of B rows. `valid` is
 // false for a part that lies past its tile's end (only possible with SPLIT > 1); begin is then the
 // part's would-be first row and count is unset. tile_begin/tile_end: the whole tile.
 template <int B, bool kPartInner = false>

@@ -276,8 +276,8 @@ __global__ void __launch_bounds__(384, 1)
     return reinterpret_cast<volatile int*>(gbase + Cfg::OFF_META + 16 * s);
   };
 
-  // blockIdx.x = ((tile * 2 + half) * Hkv + kv head) * 2 + rank: the two CTAs of a cluster share
-  // every index but the rank, so they agree on validity and on the query walk.
+  // blockIdx.x = unit * 2 + rank, the unit ((tile * 2 + half) * Hkv + kv head, after key_order's
+  // renumbering) shared by the two CTAs of a cluster, so they agree on validity and on the walk.
   const uint32_t rank = blockIdx.x & 1u, peer = rank ^ 1u;
   const KeyTileCta<BN> cta(p, blockIdx.x >> 1);
   if (!cta.valid) return;  // both CTAs of the cluster, before any cluster barrier
