@@ -19,11 +19,7 @@ source tests/cuda/run_lib.sh
 budget 540
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
 step build 200 || exit 1
-cmake -S . -B build/d512small -G Ninja -DDUALKV_BUILD_TORCH=OFF -DDUALKV_BUILD_TESTS=ON \
-  -DDUALKV_CUDA=ON -DDUALKV_CUDA_HEAD_DIMS=512 -DDUALKV_CUDA_ARCHS=90a >"$OUT/build.log" 2>&1
-timeout 300 cmake --build build/d512small -j16 --target dualkv_cuda_test >>"$OUT/build.log" 2>&1 ||
-  { tail -30 "$OUT/build.log"; exit 1; }
-BIN=build/d512small/tests/cuda/dualkv_cuda_test
+build_bin . build/d512small 512 300 || exit 1
 : >"$OUT/test.log"
 : >"$OUT/summary.txt"
 check "sm80-d512-small, matrix, race 5" 150 --path sm80-d512-small --race 5

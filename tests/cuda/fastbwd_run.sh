@@ -20,11 +20,7 @@ use_carried_libgomp
 BIN=.out/dualkv_cuda_test
 if ! $BIN --no-check >/dev/null 2>&1; then
   step build 150 || exit 1
-  cmake -S . -B build/dev -G Ninja -DDUALKV_BUILD_TORCH=OFF -DDUALKV_BUILD_TESTS=ON \
-    -DDUALKV_CUDA=ON "-DDUALKV_CUDA_HEAD_DIMS=128;64" -DDUALKV_CUDA_ARCHS=90a >"$OUT/build.log" 2>&1
-  timeout 240 cmake --build build/dev -j16 --target dualkv_cuda_test >>"$OUT/build.log" 2>&1 ||
-    { tail -30 "$OUT/build.log"; exit 1; }
-  BIN=build/dev/tests/cuda/dualkv_cuda_test
+  build_bin . build/dev "128;64" 240 || exit 1
 fi
 REF=(--shape 16,8192,1024,32,8,128)
 PATHS=(default sm90-sepdq)

@@ -13,11 +13,7 @@ source tests/cuda/run_lib.sh
 budget 560
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 step build 120 || exit 1
-cmake -S . -B build/prof -G Ninja -DDUALKV_BUILD_TORCH=OFF -DDUALKV_BUILD_TESTS=ON -DDUALKV_CUDA=ON \
-  "-DDUALKV_CUDA_HEAD_DIMS=64;128;256;512" -DDUALKV_CUDA_ARCHS=90a >"$OUT/build.log" 2>&1 &&
-  timeout 240 cmake --build build/prof -j16 --target dualkv_cuda_test >>"$OUT/build.log" 2>&1 ||
-  { tail -30 "$OUT/build.log"; exit 1; }
-BIN=build/prof/tests/cuda/dualkv_cuda_test
+build_bin . build/prof "64;128;256;512" 240 || exit 1
 R=/tmp/prof.ncu-rep
 for spec in "$@"; do
   IFS=: read -r name kern path shape <<<"$spec"

@@ -9,6 +9,17 @@
 #                           $OUT/summary.txt; a failure sets status=1, a timeout adds NAME to hung
 #   memcheck NAME PATH [TIMEOUT]
 #                           compute-sanitizer memcheck of $BIN --small on PATH, logged the same way
+#   build_bin SRC DIR DIMS TIMEOUT [JOBS]
+#                           configures and builds SRC's dualkv_cuda_test in DIR (head dims DIMS,
+#                           sm_90a; JOBS default 16), logged to $OUT/build.log, and sets BIN; on a
+#                           failure prints the log's tail and returns 1
+build_bin() {
+  cmake -S "$1" -B "$2" -G Ninja -DDUALKV_BUILD_TORCH=OFF -DDUALKV_BUILD_TESTS=ON -DDUALKV_CUDA=ON \
+    "-DDUALKV_CUDA_HEAD_DIMS=$3" -DDUALKV_CUDA_ARCHS=90a >>"$OUT/build.log" 2>&1 &&
+    timeout "$4" cmake --build "$2" -j"${5:-16}" --target dualkv_cuda_test >>"$OUT/build.log" 2>&1 ||
+    { tail -30 "$OUT/build.log"; return 1; }
+  BIN=$2/tests/cuda/dualkv_cuda_test
+}
 budget() {
   START=$(date +%s)
   BUDGET="${BUDGET:-$1}"

@@ -21,19 +21,15 @@ KEY_PATHS=${KEY_PATHS-key-chunk32,key-chunk16,key-chunk64}
 DIMS="64;128;256;512"
 T0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
-build() {  # SRC DIR
-  cmake -S "$1" -B "$2" -G Ninja -DDUALKV_BUILD_TORCH=OFF -DDUALKV_BUILD_TESTS=ON -DDUALKV_CUDA=ON \
-    "-DDUALKV_CUDA_HEAD_DIMS=$DIMS" -DDUALKV_CUDA_ARCHS=90a >>"$OUT/build.log" 2>&1 &&
-    timeout 300 cmake --build "$2" -j8 --target dualkv_cuda_test >>"$OUT/build.log" 2>&1
-}
-build . build/var-new & b1=$!
-build "$OLD_TREE" build/var-old & b2=$!
-wait $b1 || { tail -30 "$OUT/build.log"; exit 1; }
-wait $b2 || { tail -30 "$OUT/build.log"; exit 1; }
+source tests/cuda/run_lib.sh
+# Both trees at once, 8 jobs each (build_bin prints the log's tail if one fails).
+build_bin . build/var-new "$DIMS" 300 8 & b1=$!
+build_bin "$OLD_TREE" build/var-old "$DIMS" 300 8 & b2=$!
+wait $b1 || exit 1
+wait $b2 || exit 1
 NEW=build/var-new/tests/cuda/dualkv_cuda_test
 OLD=build/var-old/tests/cuda/dualkv_cuda_test
 echo "builds $(($(date +%s) - T0)) s"
-source tests/cuda/run_lib.sh
 BIN=$NEW
 : >"$OUT/test.log"
 : >"$OUT/summary.txt"
