@@ -536,7 +536,8 @@ def main(argv: list[str] | None = None) -> int:
                         results.append(res)
                     elif "times" in res and "times" in results[k]:
                         results[k]["times"] += res["times"]
-                        results[k]["peak"] = max(results[k]["peak"] or 0, res["peak"] or 0)
+                        if res["peak"] is not None:  # None on CPU
+                            results[k]["peak"] = max(results[k]["peak"], res["peak"])
                     if "times" in res:
                         per_round[path].append(statistics.median(res["times"]))
             for res in results:
