@@ -4,6 +4,7 @@
 # profiles the first launch of the kernel at that bench shape and writes
 # $OUT/NAME.txt (tools/ncu_summary.py of its raw and source pages) and $OUT/NAME.csv.gz (the source page,
 # for reading more lines here). Each profile has its own timeout; the script a deadline.
+#   PROF_DIMS="64;128" (default all four) limits the build's head dims.
 #   OUT=... bash tests/cuda/profile_run.sh d512fwd:fwd_d512_cluster:default:16,8192,1024,32,4,512 ...
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -13,7 +14,7 @@ source tests/cuda/run_lib.sh
 budget 560
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 step build 120 || exit 1
-build_bin . build/prof "64;128;256;512" 240 || exit 1
+build_bin . build/prof "${PROF_DIMS:-64;128;256;512}" 240 || exit 1
 R=/tmp/prof.ncu-rep
 for spec in "$@"; do
   IFS=: read -r name kern path shape <<<"$spec"
