@@ -4,12 +4,14 @@
 //                    [--bench] [--bench-reps N] [--bench-rounds N]
 //                    [--path default|sm80|sm90-nopp|sm90-sepdq|sm90-d512-sm80|sm90-d512-nopipe|
 //                            sm90-d512fwd-1cta|sm90-d256-sync|sm90-d256ws-fdq|key-chunk0|
-//                            key-chunk16|key-chunk32|key-chunk64|sm80-d512-small]
-//                    [--shape N,P,R,Hq,Hkv,D]...
+//                            key-chunk16|key-chunk32|key-chunk64|sm80-d512-small|
+//                            sm90-fwd-persist|sm90-fwd-persist3]
+//                    [--shape N,P,R,Hq,Hkv,D | multi,Hq,Hkv,D]...
 //   (--small: the quick matrix and 3 race repeats, for compute-sanitizer; --path: those kernel
 //   paths only (comma-separated); --random N: instead of the matrix, N rounds of its random-layout
 //   cases; a failed check prints where its largest error is, and the seed that reproduces the run;
-//   --shape: bench only these single-group shapes, with a 1-row reference)
+//   --shape: bench only these single-group shapes, with a 1-row reference; multi,Hq,Hkv,D: the
+//   realistic micro-batch of bench/attention.py)
 //
 // Correctness: random layouts over a case matrix; every output is compared with the CPU backend
 // run in float64 on the same (rounded) inputs (the reference), and the GPU's max error must be at
@@ -34,7 +36,9 @@
 // (key-chunk16/32/64: DUALKV_BWD_KEY_ORDER=1/2/3; 32 at every head dim, the others at 64/128;
 // key-chunk0 at D = 64, where the default is 32: the kv heads side by side);
 // at D = 512 the sm_80 kernels' small shared-memory configs, which GPUs with less than 227 KB per
-// block run (sm80-d512-small: DUALKV_SM80_SMALL_SMEM=1, which implies the sm_80 path).
+// block run (sm80-d512-small: DUALKV_SM80_SMALL_SMEM=1, which implies the sm_80 path); at D <=
+// 256 the persistent warp-specialised forward (sm90-fwd-persist: DUALKV_SM90_FWD_PERSIST=1; its
+// cross-check on 3 CTAs, sm90-fwd-persist3: =2).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -195,7 +199,9 @@ constexpr KernelPath kPaths[] = {{"default", nullptr, nullptr, 0, 512},
                                  {"key-chunk16", "DUALKV_BWD_KEY_ORDER", "1", 64, 128},
                                  {"key-chunk32", "DUALKV_BWD_KEY_ORDER", "2", 0, 512},
                                  {"key-chunk64", "DUALKV_BWD_KEY_ORDER", "3", 64, 128},
-                                 {"sm80-d512-small", "DUALKV_SM80_SMALL_SMEM", "1", 512, 512}};
+                                 {"sm80-d512-small", "DUALKV_SM80_SMALL_SMEM", "1", 512, 512},
+                                 {"sm90-fwd-persist", "DUALKV_SM90_FWD_PERSIST", "1", 0, 256},
+                                 {"sm90-fwd-persist3", "DUALKV_SM90_FWD_PERSIST", "2", 0, 256}};
 // --path: run these only (a comma-separated list of names; empty: every path).
 std::vector<std::string> g_only_paths;
 bool path_listed(const char* name) {
@@ -797,8 +803,20 @@ std::vector<Case> case_matrix(std::mt19937_64& rng, bool quick) {
 // ---- bench --------------------------------------------------------------------------------------
 struct BenchShape {
   int N, P, R, Hq, Hkv, D;
-  const char* ref;  // DESIGN.md figures
+  const char* ref;     // DESIGN.md figures
+  bool multi = false;  // the realistic micro-batch (multi_group_layout) instead of N, P, R
 };
+
+// bench/attention.py's realistic micro-batch (`realistic_groups(seed=0)`: 4 groups, prompts 1K -
+// 6K, 8-16 long-tailed responses each; T = 56,675), its lengths written out.
+Layout multi_group_layout() {
+  return Layout(
+      {1024, 2560, 4096, 6144},
+      {{235, 530, 450, 1427, 1239, 500, 99, 482, 213, 911, 877, 740, 2026, 1817, 532, 259},
+       {525, 1737, 967, 1416, 316, 325, 282, 929},
+       {650, 1748, 4096, 291, 543, 4096, 245, 2872, 2018},
+       {564, 652, 348, 1060, 204, 790, 1084, 90, 839, 263, 423, 850, 291}});
+}
 
 float median(std::vector<float> v) {
   std::sort(v.begin(), v.end());
@@ -835,7 +853,8 @@ void bench(int reps, int rounds) {
   std::vector<Row> rows;
   for (const BenchShape& s : shapes) {
     if (!cuda::supports(DType::kBFloat16, s.D)) continue;
-    const Layout L({s.P}, {std::vector<int64_t>(size_t(s.N), s.R)});
+    const Layout L =
+        s.multi ? multi_group_layout() : Layout({s.P}, {std::vector<int64_t>(size_t(s.N), s.R)});
     const int T = L.total_tokens();
     const Tables tb = make_tables(L);
     const size_t nq = size_t(T) * s.Hq * s.D, nk = size_t(T) * s.Hkv * s.D;
@@ -915,8 +934,13 @@ void bench(int reps, int rounds) {
     for (size_t i = 0; i < paths.size(); ++i) {
       Row r;
       char name[128];
-      std::snprintf(name, sizeof name, "%s N=%d P=%d R=%d Hq=%d Hkv=%d D=%d", paths[i]->name, s.N,
-                    s.P, s.R, s.Hq, s.Hkv, s.D);
+      if (s.multi) {
+        std::snprintf(name, sizeof name, "%s multi T=%d Hq=%d Hkv=%d D=%d", paths[i]->name, T, s.Hq,
+                      s.Hkv, s.D);
+      } else {
+        std::snprintf(name, sizeof name, "%s N=%d P=%d R=%d Hq=%d Hkv=%d D=%d", paths[i]->name, s.N,
+                      s.P, s.R, s.Hq, s.Hkv, s.D);
+      }
       r.name = name;
       r.fwd = median(t_fwd[i]);
       r.bwd[0] = median(t_bwd[0][i]), r.bwd[1] = median(t_bwd[1][i]);
@@ -977,9 +1001,15 @@ int main(int argc, char** argv) {
       random_rounds = std::atoi(argv[++i]);
     else if (a == "--shape" && i + 1 < argc) {
       BenchShape s{};
-      if (std::sscanf(argv[++i], "%d,%d,%d,%d,%d,%d", &s.N, &s.P, &s.R, &s.Hq, &s.Hkv, &s.D) != 6 ||
-          s.N < 0 || s.P < 0 || s.R < 0 || s.Hq <= 0 || s.Hkv <= 0 || s.Hq % s.Hkv != 0) {
-        std::fprintf(stderr, "--shape N,P,R,Hq,Hkv,D (Hkv divides Hq)\n");
+      const char* arg = argv[++i];
+      s.multi = std::strncmp(arg, "multi,", 6) == 0;
+      const bool ok = s.multi ? std::sscanf(arg + 6, "%d,%d,%d", &s.Hq, &s.Hkv, &s.D) == 3
+                              : std::sscanf(arg, "%d,%d,%d,%d,%d,%d", &s.N, &s.P, &s.R, &s.Hq,
+                                            &s.Hkv, &s.D) == 6;
+      if (!ok || s.N < 0 || s.P < 0 || s.R < 0 || s.Hq <= 0 || s.Hkv <= 0 || s.Hq % s.Hkv != 0) {
+        std::fprintf(stderr,
+                     "--shape N,P,R,Hq,Hkv,D or multi,Hq,Hkv,D (Hkv divides Hq; multi: the "
+                     "realistic micro-batch of bench/attention.py)\n");
         return 2;
       }
       s.ref = "-";
@@ -988,7 +1018,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: %s [--seed S] [--quick] [--small] [--no-check] [--race N] [--bench] "
                    "[--bench-reps N] [--bench-rounds N] [--path NAME[,NAME...]] [--random N] "
-                   "[--shape N,P,R,Hq,Hkv,D]...\n",
+                   "[--shape N,P,R,Hq,Hkv,D | multi,Hq,Hkv,D]...\n",
                    argv[0]);
       return 2;
     }
