@@ -455,6 +455,10 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
       if constexpr (kPersist) ws::mbar_arrive(bQfree);
     };
 
+    // One ping-pong over all of the CTA's items (both warpgroups take the same turns in each):
+    // a start per item would let warpgroup 1 arrive twice on warpgroup 0's barrier, which a named
+    // barrier counts as one full generation.
+    pp.start();
     int j0 = 0;
     for (int t = 0; t == 0 || kPersist; ++t) {
       const int idx = item(t);
@@ -475,18 +479,17 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
             pq_first + row_base + row0, tq, sl, m_run, l_run, corr);
       };
 
-      pp.start();
       ws::mbar_wait(bQ, uint32_t(t) & 1u);
       ws_fwd_mainloop<T, S, DC / 8, (KSPLIT > 1)>(
           total, j0, pp, s, o, pa, l_run, full_k, full_v, [&](int st) { release(empty_k(st)); },
           [&](int st) { release(empty_v(st)); }, q_free, issue_s, issue_pv, exchange, softmax);
       if (total <= 0) q_free();
-      pp.finish();
 
       store_out_rows<T, D, DC>(p, o, m_run, l_run, sl, w.q0, w.nq, w.h, row0, tq, col0,
                                KSPLIT == 1 || cw == 0);
       j0 += total;
     }
+    pp.finish();
   }
   // No CTA of a cluster exits while its peer may still arrive on its barriers.
   if constexpr (CLUSTER > 1) ws::cluster_sync();
