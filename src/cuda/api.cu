@@ -165,29 +165,26 @@ bool sm90_device(bool force_sm80) {
 #endif
 }
 
-// Attribute `attr` of the current device (cached per device and attribute); 0 when it cannot be
-// read (the launch then reports the error).
-template <cudaDeviceAttr kAttr>
-int device_attr() {
+// The current device's opt-in shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin,
+// cached per device); 0 when it cannot be read (the launch then reports the error).
+int smem_optin() {
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) {
     cudaGetLastError();
     return 0;
   }
-  static std::atomic<int> value_of[64];  // 0 = unknown
-  int v = dev < 64 ? value_of[dev].load(std::memory_order_relaxed) : 0;
-  if (v == 0) {
-    if (cudaDeviceGetAttribute(&v, kAttr, dev) != cudaSuccess) {
+  static std::atomic<int> optin_of[64];  // 0 = unknown
+  int optin = dev < 64 ? optin_of[dev].load(std::memory_order_relaxed) : 0;
+  if (optin == 0) {
+    if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
+        cudaSuccess) {
       cudaGetLastError();
       return 0;
     }
-    if (dev < 64) value_of[dev].store(v, std::memory_order_relaxed);
+    if (dev < 64) optin_of[dev].store(optin, std::memory_order_relaxed);
   }
-  return v;
+  return optin;
 }
-
-// The current device's opt-in shared memory per block; 0 when unknown.
-int smem_optin() { return device_attr<cudaDevAttrMaxSharedMemoryPerBlockOptin>(); }
 
 // Prints `msg` on stderr, once per process for each distinct message.
 void warn_once(const std::string& msg) {
@@ -224,10 +221,6 @@ KernelPolicy resolve_policy(bool deterministic) {
   const int optin = smem_optin();
   pol.sm80_small_smem = small_smem || (optin > 0 && optin < kSmemHeadDim512);
   pol.pingpong = !is("DUALKV_SM90_PINGPONG", '0');
-  pol.fwd_persist = is("DUALKV_SM90_FWD_PERSIST", '1')   ? 1
-                    : is("DUALKV_SM90_FWD_PERSIST", '2') ? 2
-                                                         : 0;
-  pol.sm_count = device_attr<cudaDevAttrMultiProcessorCount>();
   pol.fused_dq = !deterministic && !is("DUALKV_FUSED_DQ", '0');
   pol.d512_bwd_sm90 = !is("DUALKV_SM90_D512_BWD", '0');
   pol.d512_fwd_cluster = !is("DUALKV_SM90_D512_FWD", '0');

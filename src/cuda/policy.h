@@ -14,14 +14,6 @@ struct KernelPolicy {
   // Ping-pong of the two consumer warpgroups in the warp-specialised forward and dQ kernels (they
   // take turns issuing their GEMMs); DUALKV_SM90_PINGPONG=0 turns it off.
   bool pingpong = true;
-  // The warp-specialised forward at D <= 256 as a persistent kernel (a CTA per SM walking the
-  // query tiles in turn, the next tile's Q and K/V loads overlapping this tile's last blocks and
-  // epilogue): 0 off (default), DUALKV_SM90_FWD_PERSIST=1 on (A/B), =2 on with a grid of 3 CTAs
-  // (the cross-check: every CTA then walks many tiles, whatever the layout's size).
-  int fwd_persist = 0;
-  // The device's SM count (the persistent kernels' grid); 0 when unknown (they then launch one
-  // CTA per tile).
-  int sm_count = 0;
   // The sm_90a backward at D = 64, 128 computes dQ inside the dK/dV kernel (5 matmul units per
   // block pair instead of 7; bulk async fp32 reductions, so not bitwise reproducible): H200,
   // (16, 8192, 1024), Hq 32, Hkv 8, D 128: 13.98 ms backward vs 15.97 ms with the separate dQ

@@ -6,7 +6,7 @@
 # (--bench-rounds ROUNDS) and each other tree's default path, at BENCH_SHAPES (NEW only:
 # OTHER_SHAPES excludes shapes an older binary does not parse, e.g. multi,...). Every step has a
 # timeout, the script a deadline (BUDGET, default 540 s). Logs in $OUT (at most 8 files).
-#   OUT=... CHECK_PATHS=sm90-fwd-persist3 BENCH_PATHS=default,sm90-fwd-persist \
+#   OUT=... CHECK_PATHS=sm90-sepdq BENCH_PATHS=default,sm90-sepdq \
 #     bash tests/cuda/ab_run.sh OLD=.wt_old
 set -uo pipefail
 cd "$(dirname "$0")/../.."

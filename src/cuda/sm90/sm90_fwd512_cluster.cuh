@@ -203,7 +203,7 @@ __global__ void __launch_bounds__(384, 1)
     ws::reg_dealloc<Cfg::PRODUCER_REGS>();
     if (tid == 0) {
       ws_fwd_producer<S, DH / 64, BM, Cfg::Q_BYTES, Cfg::KV_BYTES>(
-          a, walk, sQ, sK0, sV0, bars.q(), cb0, h, q0, 0, [&](int s) { return bars.full_k(s); },
+          a, walk, sQ, sK0, sV0, bars.q(), cb0, h, q0, [&](int s) { return bars.full_k(s); },
           [&](int s) { return bars.full_v(s); }, [&](int s) { return bars.empty_k(s); },
           [&](int s) { return bars.empty_v(s); },
           [&](const CUtensorMap* map, uint32_t dst, uint32_t bar, int row) {
@@ -248,9 +248,9 @@ __global__ void __launch_bounds__(384, 1)
     pp.start();
     ws::mbar_wait(bars.q(), 0);
     ws_fwd_mainloop<T, S, DH / 8, true>(
-        total, 0, pp, s, o, pa, l_run, [&](int st) { return bars.full_k(st); },
+        total, pp, s, o, pa, l_run, [&](int st) { return bars.full_k(st); },
         [&](int st) { return bars.full_v(st); }, [&](int st) { ws::mbar_arrive(bars.empty_k(st)); },
-        [&](int st) { ws::mbar_arrive(bars.empty_v(st)); }, [] {}, issue_s, issue_pv,
+        [&](int st) { ws::mbar_arrive(bars.empty_v(st)); }, issue_s, issue_pv,
         [&](int j) { x.swap_add(s, j); }, softmax);
     pp.finish();
 

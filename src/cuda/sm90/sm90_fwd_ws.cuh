@@ -66,8 +66,8 @@ struct FwdWsCfg {
     uint16_t k[STAGES][BN * D];
     uint16_t v[STAGES][BN * D];
   };
-  struct Barriers {  // mbarriers (q_empty: the persistent kernel's Q buffer released)
-    uint64_t q, full_k[STAGES], full_v[STAGES], empty_k[STAGES], empty_v[STAGES], q_empty;
+  struct Barriers {  // mbarriers
+    uint64_t q, full_k[STAGES], full_v[STAGES], empty_k[STAGES], empty_v[STAGES];
   };
   struct SplitStorage {
     Tiles t;
@@ -168,16 +168,15 @@ __device__ __forceinline__ void reg_alloc() {
 #if DUALKV_SM90_BODY
 // The warp-specialised forwards' producer (one thread): the Q tile (NQB column blocks from
 // column qcol0 of query rows q0.., q head h, on bar_q), then per key block j of the walk its K
-// and V tiles into ring stage Ring<S>::stage(j0 + j) (j0: the ring position of the walk's first
-// block, which a persistent kernel carries from tile to tile): each waits for the stage's
-// release, expects KVB bytes on its full barrier and issues its copies through load_kv(map,
-// stage tile, full barrier, first key row) (the kernel's own column blocks: all of them, its
-// column half, or its share multicast to the cluster).
+// and V tiles into ring stage Ring<S>::stage(j): each waits for the stage's release, expects
+// KVB bytes on its full barrier and issues its copies through load_kv(map, stage tile, full
+// barrier, first key row) (the kernel's own column blocks: all of them, its column half, or its
+// share multicast to the cluster).
 template <int S, int NQB, int BM, int QB, int KVB, int BN, class FullK, class FullV, class EmptyK,
           class EmptyV, class LoadKV>
 __device__ __forceinline__ void ws_fwd_producer(const FwdWsArgs& a, const KeyBlockWalk<BN>& walk,
                                                 uint32_t sQ, uint32_t sK0, uint32_t sV0,
-                                                uint32_t bar_q, int qcol0, int h, int q0, int j0,
+                                                uint32_t bar_q, int qcol0, int h, int q0,
                                                 FullK&& full_k, FullV&& full_v, EmptyK&& empty_k,
                                                 EmptyV&& empty_v, LoadKV&& load_kv) {
   ws::prefetch_tmap(&a.tq);
@@ -186,8 +185,8 @@ __device__ __forceinline__ void ws_fwd_producer(const FwdWsArgs& a, const KeyBlo
   ws::mbar_expect_tx(bar_q, QB);
   ws::tma_load3_cols<NQB, BM>(sQ, &a.tq, bar_q, qcol0, h, q0);
   for (int j = 0; j < walk.total; ++j) {
-    const int s = Ring<S>::stage(j0 + j);
-    const uint32_t ph = Ring<S>::empty_parity(j0 + j);
+    const int s = Ring<S>::stage(j);
+    const uint32_t ph = Ring<S>::empty_parity(j);
     const int row = int(walk.at(j).row());
     ws::mbar_wait(empty_k(s), ph);
     ws::mbar_expect_tx(full_k(s), KVB);
@@ -201,41 +200,40 @@ __device__ __forceinline__ void ws_fwd_producer(const FwdWsArgs& a, const KeyBlo
 // The warp-specialised forwards' consumer mainloop over the walk's `total` key blocks (after the
 // Q wait, inside the ping-pong's start/finish): block 0's S, then per block j the products
 // S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued together, block j's softmax overlapping P V, and
-// the last block's P V. Block j sits in ring position j0 + j (ws_fwd_producer). The kernel
-// supplies its stage barriers (full_k/full_v(stage): the address waited on; release_k/release_v
-// (stage): its consumers' release), q_free() (called once the last S has read Q), the products
-// (issue_s/issue_pv(stage), committed), combine(s, j) (the peer's partial S added: the split head
-// dim), softmax(j, corr) (ws_fwd_block_softmax) and whether the O rescale is voted per warp
-// (kVote: skipped where no row of the warp moved its max) or always run.
+// the last block's P V. The kernel supplies its stage barriers (full_k/full_v(stage): the address
+// waited on; release_k/release_v(stage): its consumers' release), the products (issue_s/issue_pv
+// (stage), committed), combine(s, j) (the peer's partial S added: the split head dim), softmax(j,
+// corr) (ws_fwd_block_softmax) and whether the O rescale is voted per warp (kVote: skipped where
+// no row of the warp moved its max) or always run.
 template <typename T, int S, int ND, bool kVote, int NC, int SR, int OR, int KT, class FullK,
-          class FullV, class ReleaseK, class ReleaseV, class QFree, class IssueS, class IssuePV,
-          class Combine, class Softmax>
-__device__ __forceinline__ void ws_fwd_mainloop(
-    int total, int j0, const PingPong<NC>& pp, float (&s)[SR], float (&o)[OR],
-    uint32_t (&pa)[KT][4], const float (&l_run)[2], FullK&& full_k, FullV&& full_v,
-    ReleaseK&& release_k, ReleaseV&& release_v, QFree&& q_free, IssueS&& issue_s,
-    IssuePV&& issue_pv, Combine&& combine, Softmax&& softmax) {
+          class FullV, class ReleaseK, class ReleaseV, class IssueS, class IssuePV, class Combine,
+          class Softmax>
+__device__ __forceinline__ void ws_fwd_mainloop(int total, const PingPong<NC>& pp, float (&s)[SR],
+                                                float (&o)[OR], uint32_t (&pa)[KT][4],
+                                                const float (&l_run)[2], FullK&& full_k,
+                                                FullV&& full_v, ReleaseK&& release_k,
+                                                ReleaseV&& release_v, IssueS&& issue_s,
+                                                IssuePV&& issue_pv, Combine&& combine,
+                                                Softmax&& softmax) {
   if (total <= 0) return;
   // Block 0: S only (O is still zero).
-  const int st0 = Ring<S>::stage(j0);
-  ws::mbar_wait(full_k(st0), Ring<S>::full_parity(j0));
+  ws::mbar_wait(full_k(0), 0);
   pp.begin_turn();
   wg_fence();
-  issue_s(st0);
+  issue_s(0);
   pp.end_turn();
   wg_wait<0>();
   fence_regs(s);
-  release_k(st0);
-  if (total == 1) q_free();
+  release_k(0);
   combine(0);
   float corr[2];
   softmax(0, corr);
   pack_a_frag<T>(pa, s);
 
   for (int j = 1; j < total; ++j) {
-    const int st = Ring<S>::stage(j0 + j), pst = Ring<S>::stage(j0 + j - 1);
-    ws::mbar_wait(full_k(st), Ring<S>::full_parity(j0 + j));
-    ws::mbar_wait(full_v(pst), Ring<S>::full_parity(j0 + j - 1));
+    const int st = Ring<S>::stage(j), pst = Ring<S>::stage(j - 1);
+    ws::mbar_wait(full_k(st), Ring<S>::full_parity(j));
+    ws::mbar_wait(full_v(pst), Ring<S>::full_parity(j - 1));
     pp.begin_turn();
     fence_regs(pa);
     fence_regs(o);
@@ -246,7 +244,6 @@ __device__ __forceinline__ void ws_fwd_mainloop(
     wg_wait<1>();  // S_j done; P V still in flight
     fence_regs(s);
     release_k(st);
-    if (j == total - 1) q_free();
     combine(j);
     softmax(j, corr);
     // Keep the exp2s before the wait: ptxas hoists the wait over straight-line code, which
@@ -268,8 +265,8 @@ __device__ __forceinline__ void ws_fwd_mainloop(
   }
 
   // Last block's P V.
-  const int lst = Ring<S>::stage(j0 + total - 1);
-  ws::mbar_wait(full_v(lst), Ring<S>::full_parity(j0 + total - 1));
+  const int lst = Ring<S>::stage(total - 1);
+  ws::mbar_wait(full_v(lst), Ring<S>::full_parity(total - 1));
   pp.begin_turn();
   fence_regs(pa);
   fence_regs(o);
@@ -282,12 +279,7 @@ __device__ __forceinline__ void ws_fwd_mainloop(
 }
 #endif  // DUALKV_SM90_BODY
 
-// kPersist (KSPLIT = 1 only): one CTA per SM walks the work items (q head, query tile) blockIdx.x,
-// then on in rounds of gridDim.x, every other round in reverse (the items are longest first, so the
-// CTAs' totals stay level). The rings run on across items (ring position j0), the producer loads
-// the next item's Q once the consumers' last S of this one has read the buffer (q_empty) and its
-// K/V as stages free up, so loads overlap the previous item's last blocks and epilogue.
-template <typename T, int D, bool kCap, bool kPersist = false>
+template <typename T, int D, bool kCap>
 __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_constant__ FwdWsArgs a) {
 #if DUALKV_SM90_BODY
   using Cfg = FwdWsCfg<D>;
@@ -301,48 +293,30 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
   auto full_v = [&](int s) { return bQ + 8u * (1 + S + s); };
   auto empty_k = [&](int s) { return bQ + 8u * (1 + 2 * S + s); };
   auto empty_v = [&](int s) { return bQ + 8u * (1 + 3 * S + s); };
-  const uint32_t bQfree = bQ + 8u * (1 + 4 * S);
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   constexpr int CLUSTER = Cfg::CLUSTER;
-  static_assert(!kPersist || CLUSTER == 1, "the persistent kernel runs whole tiles per CTA");
-  // Work item t of this CTA (kPersist; else item 0 = blockIdx.x): its index, or -1 past the end.
-  const int items = int(p.nqt) * (kTileSize / BM) * p.Hq;
-  auto item = [&](int t) {
-    if constexpr (!kPersist) {
-      return int(blockIdx.x);
-    } else {
-      const int g = int(gridDim.x), b = int(blockIdx.x);
-      const int idx = t * g + ((t & 1) ? g - 1 - b : b);
-      return idx < items ? idx : -1;
-    }
-  };
-  // The rows an item owns and the walk they follow.
-  struct Item {
-    int h, hk, q0, nq;  // q head, kv head and query rows [q0, q0 + nq)
-    int wq0, wnq;       // the queries whose key walk the CTA follows (CLUSTER: the whole tile)
-    Segment seg;
-  };
-  auto decode = [&](int idx) {
-    Item w;
-    if constexpr (CLUSTER == 1) {
-      const QueryTileCta<BM> cta(p, unsigned(idx));
-      w.h = cta.h, w.hk = cta.hk, w.q0 = cta.q0, w.nq = cta.nq, w.seg = cta.seg;
-      w.wq0 = w.q0, w.wnq = w.nq;
-    } else {
-      // Both halves of the tile run, the second one also when the tile has <= 64 rows (nq = 0:
-      // it computes rows it does not write), since the pair shares every K/V load.
-      static_assert(CLUSTER == 2 && BM * 2 == kTileSize, "a cluster holds one tile's two halves");
-      const TilePart<BM, true> part(p.qtiles, p.Hq, unsigned(idx));
-      w.h = part.head, w.hk = w.h / p.group, w.q0 = part.begin, w.nq = part.valid ? part.count : 0;
-      w.seg = p.segs[part.segment];
-      w.wq0 = part.tile_begin, w.wnq = part.tile_end - part.tile_begin;
-    }
-    return w;
-  };
-  // KSPLIT = 1: BM = kTileSize, so every item is a whole tile (QueryTileCta::valid).
-  static_assert(CLUSTER > 1 || BM == kTileSize, "one CTA per query tile");
+  int h, hk, q0, nq;  // this CTA's q head, kv head and query rows [q0, q0 + nq)
+  int wq0, wnq;       // the queries whose key walk the CTA follows (CLUSTER: the whole tile)
+  Segment seg;
+  if constexpr (CLUSTER == 1) {
+    const QueryTileCta<BM> cta(p);
+    if (!cta.valid) return;
+    h = cta.h, hk = cta.hk, q0 = cta.q0, nq = cta.nq, seg = cta.seg;
+    wq0 = q0, wnq = nq;
+  } else {
+    // Both halves of the tile run, the second one also when the tile has <= 64 rows (nq = 0:
+    // it computes rows it does not write), since the pair shares every K/V load.
+    static_assert(CLUSTER == 2 && BM * 2 == kTileSize, "a cluster holds one tile's two halves");
+    const TilePart<BM, true> part(p.qtiles, p.Hq);
+    h = part.head, hk = h / p.group, q0 = part.begin, nq = part.valid ? part.count : 0;
+    seg = p.segs[part.segment];
+    wq0 = part.tile_begin, wnq = part.tile_end - part.tile_begin;
+  }
   const uint32_t rank = CLUSTER > 1 ? blockIdx.x % CLUSTER : 0u;  // = %cluster_ctarank
+
+  const KeyBlockWalk<BN> walk(seg, wq0, wnq, p.mask);
+  const int total = walk.total, pq_first = walk.pq_first;
   // Empty-barrier arrivals per phase: every consumer thread, or (CLUSTER) one per consumer warp
   // of each CTA of the cluster.
   constexpr uint32_t kEmptyCount = CLUSTER > 1 ? CLUSTER * (NC / 32) : NC;
@@ -351,7 +325,6 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
     ws::mbar_init(bQ, 1);
     ws::ring_init<S>(full_k, empty_k, 1, kEmptyCount);
     ws::ring_init<S>(full_v, empty_v, 1, kEmptyCount);
-    if constexpr (kPersist) ws::mbar_init(bQfree, NC);
     ws::mbar_init_fence();
   }
   if constexpr (CLUSTER > 1) {
@@ -364,30 +337,21 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
     // ---- producer warpgroup: one thread issues every copy ------------------------------------
     ws::reg_dealloc<Cfg::PRODUCER_REGS>();
     if (tid == 0) {
-      int j0 = 0;
-      for (int t = 0; t == 0 || kPersist; ++t) {
-        const int idx = item(t);
-        if (idx < 0) break;
-        const Item w = decode(idx);
-        const KeyBlockWalk<BN> walk(w.seg, w.wq0, w.wnq, p.mask);
-        if constexpr (kPersist) ws::mbar_wait(bQfree, (uint32_t(t) & 1u) ^ 1u);
-        ws_fwd_producer<S, D / 64, BM, Cfg::Q_BYTES, Cfg::KV_BYTES>(
-            a, walk, sQ, sK0, sV0, bQ, 0, w.h, w.q0, j0, full_k, full_v, empty_k, empty_v,
-            [&](const CUtensorMap* map, uint32_t dst, uint32_t bar, int row) {
-              if constexpr (CLUSTER > 1) {
-                // This CTA's share of the column blocks, multicast to both; each CTA's full
-                // barrier expects the whole block (half from each producer).
-                constexpr int CB = D / 64 / CLUSTER;
-                constexpr uint16_t kAll = (1u << CLUSTER) - 1u;
+      ws_fwd_producer<S, D / 64, BM, Cfg::Q_BYTES, Cfg::KV_BYTES>(
+          a, walk, sQ, sK0, sV0, bQ, 0, h, q0, full_k, full_v, empty_k, empty_v,
+          [&](const CUtensorMap* map, uint32_t dst, uint32_t bar, int row) {
+            if constexpr (CLUSTER > 1) {
+              // This CTA's share of the column blocks, multicast to both; each CTA's full
+              // barrier expects the whole block (half from each producer).
+              constexpr int CB = D / 64 / CLUSTER;
+              constexpr uint16_t kAll = (1u << CLUSTER) - 1u;
 #pragma unroll
-                for (int c = int(rank) * CB; c < int(rank) * CB + CB; ++c)
-                  ws::tma_load3_multicast(dst + c * (BN * 128), map, bar, c * 64, w.hk, row, kAll);
-              } else {
-                ws::tma_load3_cols<D / 64, BN>(dst, map, bar, 0, w.hk, row);
-              }
-            });
-        j0 += walk.total;
-      }
+              for (int c = int(rank) * CB; c < int(rank) * CB + CB; ++c)
+                ws::tma_load3_multicast(dst + c * (BN * 128), map, bar, c * 64, hk, row, kAll);
+            } else {
+              ws::tma_load3_cols<D / 64, BN>(dst, map, bar, 0, hk, row);
+            }
+          });
     }
   } else {
     // ---- consumer warpgroups -----------------------------------------------------------------
@@ -400,6 +364,7 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
     const int g = lane >> 2, tq = lane & 3;
     const int row0 = wrow + (warp & 3) * 16 + g;  // rows row0, row0 + 8
     const PingPong<NC> pp(KSPLIT == 1 && a.pingpong != 0, cw);
+    const int row_base = CLUSTER > 1 ? q0 - wq0 : 0;  // first row's offset in the walk's rows
     // A consumer's release of a stage: every thread arrives, or (CLUSTER) one per warp, on the
     // barrier of each CTA of the cluster.
     auto release = [&](uint32_t bar) {
@@ -417,6 +382,9 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
 
     constexpr int OR = DC / 2, SR = BN / 2;  // accumulator floats per thread
     float o[OR];
+#pragma unroll
+    for (int i = 0; i < OR; ++i) o[i] = 0.f;
+    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
     float s[SR];
     uint32_t pa[BN / 16][4];
 
@@ -440,6 +408,14 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
         }
       }
     };
+    // Scores of block j (in s) -> unnormalised probabilities (in place); updates the running max
+    // and sum; corr = factor by which O must be rescaled.
+    auto softmax = [&](int j, float (&corr)[2]) {
+      const auto kb = walk.at(j);
+      ws_fwd_block_softmax<BN, kCap, (KSPLIT > 1)>(
+          p, s, kb, walk.masked(kb, wnq, CLUSTER > 1 ? kTileSize : BM, p.mask), a.prescale,
+          pq_first + row_base + row0, tq, sl, m_run, l_run, corr);
+    };
     auto issue_s = [&](int st) {
       const uint32_t sK = sK0 + st * Cfg::KV_BYTES;
       wgmma_rows_cols<T, BN, DC, BM, BN>(s, sQ, wrow, sK, 0, col0);
@@ -451,45 +427,16 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
       wgmma_rs_acc<T, DC, BN>(o, pa, sV);
       wg_commit();
     };
-    auto q_free = [&] {
-      if constexpr (kPersist) ws::mbar_arrive(bQfree);
-    };
 
-    // One ping-pong over all of the CTA's items (both warpgroups take the same turns in each):
-    // a start per item would let warpgroup 1 arrive twice on warpgroup 0's barrier, which a named
-    // barrier counts as one full generation.
     pp.start();
-    int j0 = 0;
-    for (int t = 0; t == 0 || kPersist; ++t) {
-      const int idx = item(t);
-      if (idx < 0) break;
-      const Item w = decode(idx);
-      const KeyBlockWalk<BN> walk(w.seg, w.wq0, w.wnq, p.mask);
-      const int total = walk.total, pq_first = walk.pq_first;
-      const int row_base = CLUSTER > 1 ? w.q0 - w.wq0 : 0;  // first row's offset in the walk
-#pragma unroll
-      for (int i = 0; i < OR; ++i) o[i] = 0.f;
-      float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
-      // Scores of block j (in s) -> unnormalised probabilities (in place); updates the running
-      // max and sum; corr = factor by which O must be rescaled.
-      auto softmax = [&](int j, float (&corr)[2]) {
-        const auto kb = walk.at(j);
-        ws_fwd_block_softmax<BN, kCap, (KSPLIT > 1)>(
-            p, s, kb, walk.masked(kb, w.wnq, CLUSTER > 1 ? kTileSize : BM, p.mask), a.prescale,
-            pq_first + row_base + row0, tq, sl, m_run, l_run, corr);
-      };
-
-      ws::mbar_wait(bQ, uint32_t(t) & 1u);
-      ws_fwd_mainloop<T, S, DC / 8, (KSPLIT > 1)>(
-          total, j0, pp, s, o, pa, l_run, full_k, full_v, [&](int st) { release(empty_k(st)); },
-          [&](int st) { release(empty_v(st)); }, q_free, issue_s, issue_pv, exchange, softmax);
-      if (total <= 0) q_free();
-
-      store_out_rows<T, D, DC>(p, o, m_run, l_run, sl, w.q0, w.nq, w.h, row0, tq, col0,
-                               KSPLIT == 1 || cw == 0);
-      j0 += total;
-    }
+    ws::mbar_wait(bQ, 0);
+    ws_fwd_mainloop<T, S, DC / 8, (KSPLIT > 1)>(
+        total, pp, s, o, pa, l_run, full_k, full_v, [&](int st) { release(empty_k(st)); },
+        [&](int st) { release(empty_v(st)); }, issue_s, issue_pv, exchange, softmax);
     pp.finish();
+
+    store_out_rows<T, D, DC>(p, o, m_run, l_run, sl, q0, nq, h, row0, tq, col0,
+                             KSPLIT == 1 || cw == 0);
   }
   // No CTA of a cluster exits while its peer may still arrive on its barriers.
   if constexpr (CLUSTER > 1) ws::cluster_sync();
@@ -520,18 +467,7 @@ bool launch_forward_sm90_ws(const FwdParams& p, const KernelPolicy& policy, cuda
   if (grid == 0) return true;
   FwdWsArgs a{};
   if (!make_fwd_ws_args(a, p, policy, D, Cfg::BM, Cfg::BN)) return false;
-  const bool cap = p.softcap > 0.f;
-  if constexpr (Cfg::CLUSTER == 1) {
-    const int64_t ctas = policy.fwd_persist == 2 ? 3 : policy.fwd_persist ? policy.sm_count : 0;
-    if (ctas > 0) {
-      auto kernel =
-          cap ? fwd_ws_kernel_sm90<T, D, true, true> : fwd_ws_kernel_sm90<T, D, false, true>;
-      launch_kernel(kernel, grid < ctas ? grid : ctas, Cfg::THREADS, Cfg::SMEM, stream, a,
-                    "dualkv forward (sm90a, warp-specialised, persistent)");
-      return true;
-    }
-  }
-  auto kernel = cap ? fwd_ws_kernel_sm90<T, D, true> : fwd_ws_kernel_sm90<T, D, false>;
+  auto kernel = p.softcap > 0.f ? fwd_ws_kernel_sm90<T, D, true> : fwd_ws_kernel_sm90<T, D, false>;
   launch_kernel(kernel, grid, Cfg::THREADS, Cfg::SMEM, stream, a,
                 "dualkv forward (sm90a, warp-specialised)", Cfg::CLUSTER);
   return true;
