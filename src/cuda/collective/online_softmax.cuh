@@ -22,6 +22,19 @@ __device__ __forceinline__ void rescale_o_row(Frag& o, int r, float corr) {
   }
 }
 
+// v[0] = f over v[0..W) as a pairwise tree (a fixed order: ceil(log2 W) dependent steps).
+template <int W, class F>
+__device__ __forceinline__ float tree_reduce(float* v, F f) {
+  if constexpr (W > 1) {
+    constexpr int H = (W + 1) / 2;
+#pragma unroll
+    for (int i = 0; i < W / 2; ++i) v[i] = f(v[i], v[i + H]);
+    return tree_reduce<H>(v, f);
+  } else {
+    return v[0];
+  }
+}
+
 // One online-softmax step of row r over a block's NT n-tiles of scores s; returns corr.
 //   kFold = false (sm_80, synchronous sm_90a): the scores are log2-domain logits already
 //     (score_log2); l = l * corr, rescale_o(corr) runs, then l += each n-tile's p0 + p1.
@@ -29,14 +42,23 @@ __device__ __forceinline__ void rescale_o_row(Frag& o, int r, float corr) {
 //     one FFMA per element, or 1 after a pre-scale); l = l * corr + the block's sum; rescale_o
 //     still runs right after corr (the warp-specialised kernel passes a no-op and rescales O after
 //     its P V wait). kExactKeep: corr = 1 exactly when the row max did not move (lets a caller
-//     skip the rescale).
+//     skip the rescale). Its row max and sum are pairwise trees over the n-tiles (the serial
+//     chains were the warp-specialised forward's latency-bound dependency).
 template <int NT, bool kFold, bool kExactKeep = false, class Frag, class RescaleO>
 __device__ __forceinline__ float online_softmax_row(Frag& s, int r, float& m_run, float& l_run,
                                                     float sl, RescaleO&& rescale_o) {
   float mx = m_run;
+  if constexpr (kFold) {
+    float t[NT];
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-    mx = fmaxf(mx, fmaxf(frag_at(s, nt * 4 + 2 * r), frag_at(s, nt * 4 + 2 * r + 1)));
+    for (int nt = 0; nt < NT; ++nt)
+      t[nt] = fmaxf(frag_at(s, nt * 4 + 2 * r), frag_at(s, nt * 4 + 2 * r + 1));
+    mx = fmaxf(mx, tree_reduce<NT>(t, [](float a, float b) { return fmaxf(a, b); }));
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+      mx = fmaxf(mx, fmaxf(frag_at(s, nt * 4 + 2 * r), frag_at(s, nt * 4 + 2 * r + 1)));
+  }
   mx = quad_max(mx);
   if constexpr (!kFold) {
     const float mu = mx == -INFINITY ? 0.f : mx;
@@ -61,16 +83,16 @@ __device__ __forceinline__ float online_softmax_row(Frag& s, int r, float& m_run
     }
     m_run = mx;
     rescale_o(corr);
-    float sum = 0.f;
+    float t[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       const float p0 = fast_exp2(fmaf(frag_at(s, nt * 4 + 2 * r), sl, -mu));
       const float p1 = fast_exp2(fmaf(frag_at(s, nt * 4 + 2 * r + 1), sl, -mu));
       frag_at(s, nt * 4 + 2 * r) = p0;
       frag_at(s, nt * 4 + 2 * r + 1) = p1;
-      sum += p0 + p1;
+      t[nt] = p0 + p1;
     }
-    l_run = l_run * corr + sum;
+    l_run = l_run * corr + tree_reduce<NT>(t, [](float a, float b) { return a + b; });
     return corr;
   }
 }

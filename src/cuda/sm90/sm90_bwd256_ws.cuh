@@ -251,6 +251,14 @@ __global__ void __launch_bounds__(384, 1)
         return DUALKV_VISIBLE_KQ(p.mask, kr, nk, pk_first, qc_of(i), nq, pq_first);
       };
 
+      // This thread's lse2 columns, read before the GEMMs are issued (read after the S^T wait,
+      // the exponentials waited on the loads); not with softcap (register pressure).
+      float lse_r[kCap ? 1 : HR / 2];
+      if constexpr (!kCap) {
+#pragma unroll
+        for (int j = 0; j < HR / 2; ++j) lse_r[j] = lse_c[q_off + (j >> 1) * 8 + 2 * tq + (j & 1)];
+        fence_regs(lse_r);
+      }
       float sc[HR], dp[HR];
       wg_fence();
       wgmma_rows<T, HQ, D, BN, BM>(sc, sK, 0, sQ, q_off);
@@ -264,7 +272,11 @@ __global__ void __launch_bounds__(384, 1)
       for (int i = 0; i < HR; ++i) {
         float dcap = 1.f;
         const float x = score_log2<kCap>(p, sc[i], dcap);
-        sc[i] = fast_exp2(x - lse_c[qc_of(i)]);
+        if constexpr (kCap) {
+          sc[i] = fast_exp2(x - lse_c[qc_of(i)]);
+        } else {
+          sc[i] = fast_exp2(x - lse_r[((i >> 2) << 1) | (i & 1)]);
+        }
         if constexpr (kCap) dc[i] = dcap;
       }
       mask_fragment<HR>(msk, visible, [&](int i) { sc[i] = 0.f; });
