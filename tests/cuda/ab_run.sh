@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call for an A/B of kernel paths and trees: builds this tree (NEW) and each other tree
 # given as NAME=DIR (a copy of an older or another branch's tree, carried), checks NEW's paths
-# (CHECK_PATHS: the matrix + race 3; QUICK_PATHS: the quick matrix + race 3; MEMCHECK_PATHS:
-# compute-sanitizer memcheck on --small), then benches NEW's BENCH_PATHS with the paths in turn
+# (QUICK_PATHS: the quick matrix + race 3, first; CHECK_PATHS: the matrix + race 3;
+# MEMCHECK_PATHS: compute-sanitizer memcheck on --small; timeouts QUICK_TIMEOUT / CHECK_TIMEOUT;
+# a path that hangs is left out of the later steps and the bench), then benches NEW's BENCH_PATHS with the paths in turn
 # (--bench-rounds ROUNDS) and each other tree's default path, at BENCH_SHAPES (NEW only:
 # OTHER_SHAPES excludes shapes an older binary does not parse, e.g. multi,...). Every step has a
 # timeout, the script a deadline (BUDGET, default 540 s). Logs in $OUT (at most 8 files).
@@ -29,15 +30,28 @@ BIN=build/ab-new/tests/cuda/dualkv_cuda_test
 echo "builds $(($(date +%s) - START)) s"
 : >"$OUT/test.log"
 : >"$OUT/summary.txt"
-for p in ${CHECK_PATHS//,/ }; do check "$p" 150 --path "$p" --race 3; done
-for p in ${QUICK_PATHS//,/ }; do check "$p quick" 60 --path "$p" --quick --race 3; done
-for p in ${MEMCHECK_PATHS//,/ }; do memcheck "$p" "$p" 90; done
+# Quick checks first (a hang shows within QUICK_TIMEOUT); a path that hung anywhere is left out
+# of the later checks, memcheck and the bench.
+for p in ${QUICK_PATHS//,/ }; do check "$p" "${QUICK_TIMEOUT:-60}" --path "$p" --quick --race 3; done
+for p in ${CHECK_PATHS//,/ }; do
+  case " $hung " in *" $p "*) continue ;; esac
+  check "$p" "${CHECK_TIMEOUT:-150}" --path "$p" --race 3
+done
+for p in ${MEMCHECK_PATHS//,/ }; do
+  case " $hung " in *" $p "*) continue ;; esac
+  memcheck "$p" "$p" 90
+done
 rm -f "$OUT/one.log"
+kept=()
+for p in ${BENCH_PATHS//,/ }; do
+  case " $hung " in *" $p "*) echo "$p hung: not benched" ;; *) kept+=("$p") ;; esac
+done
+BENCH_PATHS=$(IFS=,; echo "${kept[*]}")
 shapes=()
 for s in $BENCH_SHAPES; do shapes+=(--shape "$s"); done
 oshapes=()
 for s in ${OTHER_SHAPES:-$BENCH_SHAPES}; do [[ $s == multi* ]] || oshapes+=(--shape "$s"); done
-if step "bench NEW ($BENCH_PATHS)" 60; then
+if [ -n "$BENCH_PATHS" ] && step "bench NEW ($BENCH_PATHS)" 60; then
   timeout $(($(left) - 20)) $BIN --no-check --bench --bench-reps 5 --bench-rounds "$ROUNDS" \
     --path "$BENCH_PATHS" "${shapes[@]}" >"$OUT/bench_NEW.log" 2>&1
   echo "bench NEW rc=$?"
