@@ -27,6 +27,19 @@ SLACK = {torch.float64: 1e-10, torch.float32: 2e-6, torch.bfloat16: 1e-4, torch.
 GRAD_SLACK = {**SLACK, torch.float32: 1e-5}
 
 
+def grad_atol(ref: torch.Tensor, dtype: torch.dtype) -> float:
+    """FlashAttention's tests' absolute tolerance of a gradient: twice the rounding of the
+    reference's values (offset by 0.3) in the test dtype, ~2 ulps of the gradient's magnitude.
+    In 16 bits it covers what delta = rowsum(dO * O) inherits from the rounded forward output O
+    (~eps * |O| * |dO| * sqrt(D) in every dS = P (dP - delta)): on a layout of one prompt token
+    and responses [1, 0, 1] (seed 1749036699, bf16, D = 64) dk erred 2.9e-2 where the plain
+    autograd path, which never forms delta, erred 8.1e-3; in float32 both are exact to 6e-7."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return 0.0
+    r = ref.to(dtype)
+    return 2 * max_err(r + 0.3 - 0.3, r)
+
+
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double().cpu() - b.double().cpu()).abs().max().item() if a.numel() else 0.0
 
@@ -121,7 +134,10 @@ def run_case(
     ):
         assert g.shape == r.shape, f"{name}: shape {tuple(g.shape)} != {tuple(r.shape)}"
         slack = (GRAD_SLACK if name.startswith("d") else SLACK)[dtype]
-        assert_close(name, g, r, p, factor, slack * (1 if name == "lse" else magnitude))
+        slack *= 1 if name == "lse" else magnitude
+        if name.startswith("d"):
+            slack = max(slack, grad_atol(r.masked_fill(~torch.isfinite(r), 0), dtype))
+        assert_close(name, g, r, p, factor, slack)
 
 
 @pytest.mark.parametrize("device", DEVICES)
