@@ -162,8 +162,7 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
       wgmma_rows<T, BM, D, BN, BM>(dp, sV, wg * 64, sdO, 0);
       wg_commit();
       wg_wait<0>();
-      fence_regs(s);
-      fence_regs(dp);
+      fence_regs(s, dp);
 #pragma unroll
       for (int i = 0; i < SR; ++i) {
         float dcap;
@@ -174,10 +173,7 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
       mask_fragment<SR>(msk, visible, [&](int i) { s[i] = dp[i] = 0.f; });
       pack_a_frag<T>(pa, s);
       pack_a_frag<T>(da, dp);
-      fence_regs(pa);
-      fence_regs(da);
-      fence_regs(dv);
-      fence_regs(dk);
+      fence_regs(pa, da, dv, dk);
       wg_fence();
       wgmma_rs_acc<T, D, BM>(dv, pa, sdO);
       wgmma_rs_acc<T, D, BM>(dk, da, sQ);
@@ -231,20 +227,15 @@ __global__ void __launch_bounds__(256, 1) dkdv_kernel_sm90(const __grid_constant
         pa[kt][0] = v.x, pa[kt][1] = v.y, pa[kt][2] = v.z, pa[kt][3] = v.w;
         da[kt][0] = w.x, da[kt][1] = w.y, da[kt][2] = w.z, da[kt][3] = w.w;
       }
-      fence_regs(pa);
-      fence_regs(dv);
+      fence_regs(pa, dv);
       wg_fence();
       wgmma_rs_acc<T, DW, BM>(dv, pa, sdO + half);
-      fence_regs(da);
-      fence_regs(dk);
+      fence_regs(da, dk);
       wgmma_rs_acc<T, DW, BM>(dk, da, sQ + half);
       wg_commit();
     }
     wg_wait<0>();
-    fence_regs(dv);
-    fence_regs(dk);
-    fence_regs(pa);
-    fence_regs(da);
+    fence_regs(dv, dk, pa, da);
     __syncthreads();
     cur = nxt;
     valid = has_next;
@@ -328,8 +319,7 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const __grid_constant__
     wgmma_rows<T, BN, D, BM, BN>(dp, sdO, wg * 64, sV, 0);
     wg_commit();
     wg_wait<0>();
-    fence_regs(s);
-    fence_regs(dp);
+    fence_regs(s, dp);
 
     const auto kb = walk.at(j);
     const bool msk = walk.masked(kb, nq, BM, p.mask);
@@ -349,14 +339,12 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const __grid_constant__
         [&](int i) { dp[i] = 0.f; });
     uint32_t da[BN / 16][4];
     pack_a_frag<T>(da, dp);
-    fence_regs(da);
-    fence_regs(acc);
+    fence_regs(da, acc);
     wg_fence();
     wgmma_rs_acc<T, D, BN>(acc, da, sK);
     wg_commit();
     wg_wait<0>();
-    fence_regs(acc);
-    fence_regs(da);
+    fence_regs(acc, da);
     __syncthreads();
   }
   cp_wait<0>();

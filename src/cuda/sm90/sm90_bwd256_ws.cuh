@@ -283,8 +283,7 @@ __global__ void __launch_bounds__(384, 1)
       // This warpgroup's two 16-query slices of P^T to shared memory, then all four back.
       uint32_t pa[BM / 16][4];
       swap_slices(sc, xpa, 1, pa);
-      fence_regs(pa);
-      fence_regs(dv);
+      fence_regs(pa, dv);
       wg_fence();
       wgmma_rs_acc<T, DW, BM>(dv, pa, sdO + half);
       wg_commit();
@@ -295,16 +294,12 @@ __global__ void __launch_bounds__(384, 1)
       if constexpr (!kFusedDq) {
         uint32_t da[BM / 16][4];
         swap_slices(dp, xda, 2, da);
-        fence_regs(da);
-        fence_regs(dk);
+        fence_regs(da, dk);
         wg_fence();
         wgmma_rs_acc<T, DW, BM>(dk, da, sQ + half);
         wg_commit();
         wg_wait<0>();  // dV, dK done: the stage (sQ, sdO, lse2/delta) is free
-        fence_regs(dv);
-        fence_regs(dk);
-        fence_regs(pa);
-        fence_regs(da);
+        fence_regs(dv, dk, pa, da);
       } else {
         // This warpgroup's 32 query columns of dS^T (key rows x query columns, SW128) to the
         // shared tile: conflict-free 32-bit stores, as sm90_bwd_ws.cuh's stash.
@@ -330,8 +325,7 @@ __global__ void __launch_bounds__(384, 1)
                                        desc_mnmajor<BM>(sQ + half, kt * 16), 1);
         wg_commit();
         wg_wait<1>();  // dV done
-        fence_regs(dv);
-        fence_regs(pa);
+        fence_regs(dv, pa);
         float dqa[64];  // dQ[64 queries][128 columns of this warpgroup], m64n128 fragment
         wg_fence();
 #pragma unroll
@@ -340,10 +334,7 @@ __global__ void __launch_bounds__(384, 1)
                                           desc_mnmajor<BN>(sK + khalf, kt * 16), kt > 0);
         wg_commit();
         wg_wait<0>();  // dV, dK, dQ done: this warpgroup's halves of sQ / sdO are free
-        fence_regs(dv);
-        fence_regs(dk);
-        fence_regs(pa);
-        fence_regs(dqa);
+        fence_regs(dv, dk, pa, dqa);
         // The dQ block into this warpgroup's halves of the stage's Q / dO tiles, row qr of slab
         // j at dq_stage(s, cw, j) + 256 qr, the 32-byte groups of columns permuted by the
         // token (dq_accum_at's swizzled layout: conflict-free 8-byte stores).

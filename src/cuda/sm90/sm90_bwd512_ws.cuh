@@ -327,19 +327,13 @@ __global__ void __launch_bounds__(384, 1)
     int prev_s = 0;
     // dV += P^T dO, dK += dS^T Q from stage st's tiles, waited for; then the stage is released.
     auto retire = [&](int st) {
-      fence_regs(pa);
-      fence_regs(da);
-      fence_regs(dv);
-      fence_regs(dk);
+      fence_regs(pa, da, dv, dk);
       wg_fence();
       wgmma_rs_acc<T, DW, BM>(dv, pa, sdO0 + st * Cfg::Q_BYTES + half);
       wgmma_rs_acc<T, DW, BM>(dk, da, sQ0 + st * Cfg::Q_BYTES + half);
       wg_commit();
       wg_wait<0>();
-      fence_regs(dv);
-      fence_regs(dk);
-      fence_regs(pa);
-      fence_regs(da);
+      fence_regs(dv, dk, pa, da);
       ws::mbar_arrive(bars.empty(st));
     };
 
@@ -371,10 +365,7 @@ __global__ void __launch_bounds__(384, 1)
           wgmma_rs_acc<T, DW, BM>(dk, da, pQ + half);
           wg_commit();
           x.swap_add_pipe<3>(sc, dp, it, [&] {
-            fence_regs(dv);
-            fence_regs(dk);
-            fence_regs(pa);
-            fence_regs(da);
+            fence_regs(dv, dk, pa, da);
             ws::mbar_arrive(bars.empty(prev_s));
           });
         } else {
@@ -529,14 +520,12 @@ __global__ void __launch_bounds__(384, 1)
     int prev_s = 0;
     // dQ += dS K from stage st's K tile, waited for; then the stage is released.
     auto retire = [&](int st) {
-      fence_regs(da);
-      fence_regs(acc);
+      fence_regs(da, acc);
       wg_fence();
       wgmma_rs_acc<T, DW, BN>(acc, da, sK0 + st * Cfg::KV_BYTES + half);
       wg_commit();
       wg_wait<0>();
-      fence_regs(acc);
-      fence_regs(da);
+      fence_regs(acc, da);
       ws::mbar_arrive(bars.empty(st));
     };
 
@@ -559,8 +548,7 @@ __global__ void __launch_bounds__(384, 1)
           wgmma_rs_acc<T, DW, BN>(acc, da, sK0 + prev_s * Cfg::KV_BYTES + half);
           wg_commit();
           x.swap_add_pipe<3>(sc, dp, j, [&] {
-            fence_regs(acc);
-            fence_regs(da);
+            fence_regs(acc, da);
             ws::mbar_arrive(bars.empty(prev_s));
           });
         } else {

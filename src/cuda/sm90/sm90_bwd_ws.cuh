@@ -399,8 +399,7 @@ __global__ void __launch_bounds__(384, 1)
       if constexpr (kCap) {
         // dS needs tanh'(S): wait for both products, then one pass (as the synchronous kernel).
         wg_wait<0>();
-        fence_regs(sc);
-        fence_regs(dp);
+        fence_regs(sc, dp);
         // Packed as computed, so each pair of S/dP registers dies at once (no spills).
 #pragma unroll
         for (int kt = 0; kt < BM / 16; ++kt)
@@ -418,10 +417,7 @@ __global__ void __launch_bounds__(384, 1)
             da[kt][c] = pack2<T>(ds[0], ds[1]);
           }
         if constexpr (kFusedDq) stash_ds();
-        fence_regs(pa);
-        fence_regs(da);
-        fence_regs(dv);
-        fence_regs(dk);
+        fence_regs(pa, da, dv, dk);
         wg_fence();
         wgmma_rs_acc<T, D, BM>(dv, pa, sdO);
         if constexpr (!kFusedDq) {
@@ -435,8 +431,7 @@ __global__ void __launch_bounds__(384, 1)
         for (int i = 0; i < SR; ++i) sc[i] = prob(i, score_log2<false>(p, sc[i]));
         mask_fragment<SR>(msk, visible, [&](int i) { sc[i] = 0.f; });
         pack_a_frag<T>(pa, sc);
-        fence_regs(pa);
-        fence_regs(dv);
+        fence_regs(pa, dv);
         wg_fence();
         wgmma_rs_acc<T, D, BM>(dv, pa, sdO);
         wg_commit();
@@ -448,8 +443,7 @@ __global__ void __launch_bounds__(384, 1)
         if constexpr (kFusedDq) {
           stash_ds();  // for dQ, below
         } else {
-          fence_regs(da);
-          fence_regs(dk);
+          fence_regs(da, dk);
           wg_fence();
           wgmma_rs_acc<T, D, BM>(dk, da, sQ);
           wg_commit();
@@ -465,8 +459,7 @@ __global__ void __launch_bounds__(384, 1)
         }
         const uint32_t a_tile = sDS + (kSplitD ? 0u : uint32_t(cw * 64 * 128));
         const uint32_t b_tile = sK + (kSplitD ? uint32_t(cw * BN * 128) : uint32_t(cw * 64 * 128));
-        fence_regs(dk);
-        fence_regs(da);
+        fence_regs(dk, da);
         wg_fence();
 #pragma unroll
         for (int kt = 0; kt < DQ_KEYS / 16; ++kt) {
@@ -479,8 +472,7 @@ __global__ void __launch_bounds__(384, 1)
         wgmma_rs_acc<T, D, BM>(dk, da, sQ);
         wg_commit();
         wg_wait<1>();  // dV and dQ done
-        fence_regs(dv);
-        fence_regs(pa);
+        fence_regs(dv, pa);
         // Hand the block to this warpgroup's reducer warp once it has read the previous one.
         fence_regs(dqa);
         ws::mbar_wait(dq_empty(cw), (uint32_t(it) & 1u) ^ 1u);
@@ -502,15 +494,11 @@ __global__ void __launch_bounds__(384, 1)
         fence_proxy_async();  // the bulk reduction reads through the async proxy
         ws::mbar_arrive(dq_full(cw));
         wg_wait<0>();  // dK done: the stage (sQ) and dS^T's registers are free
-        fence_regs(dk);
-        fence_regs(da);
+        fence_regs(dk, da);
         ws::mbar_arrive(empty(s));
       } else {
         wg_wait<0>();
-        fence_regs(dv);
-        fence_regs(dk);
-        fence_regs(pa);
-        fence_regs(da);
+        fence_regs(dv, dk, pa, da);
         ws::mbar_arrive(empty(s));
       }
     }

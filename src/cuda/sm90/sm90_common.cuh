@@ -59,6 +59,12 @@ __device__ __forceinline__ void fence_regs(uint32_t (&a)[R][C]) {
 #pragma unroll
     for (int j = 0; j < C; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
 }
+// Several fragments, fenced in the order given.
+template <class A, class B, class... Rest>
+__device__ __forceinline__ void fence_regs(A& a, B& b, Rest&... rest) {
+  fence_regs(a);
+  fence_regs(b, rest...);
+}
 // Orders this thread's generic-proxy shared-memory writes (cp.async, st.shared) before later
 // async-proxy reads (wgmma operands).
 __device__ __forceinline__ void fence_proxy_async() {

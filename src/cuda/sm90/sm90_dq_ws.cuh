@@ -215,8 +215,7 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
         const int st = Ring<S>::stage(j);
         ws::mbar_wait(full(st), Ring<S>::full_parity(j));
         pp.begin_turn();
-        fence_regs(da);
-        fence_regs(acc);
+        fence_regs(da, acc);
         wg_fence();
         issue_dq(j - 1, Ring<S>::stage(j - 1));
         issue_sdp(st);
@@ -225,14 +224,12 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
       }
       // The last block's dQ product: one more turn.
       pp.begin_turn();
-      fence_regs(da);
-      fence_regs(acc);
+      fence_regs(da, acc);
       wg_fence();
       issue_dq(total - 1, Ring<S>::stage(total - 1));
       pp.end_turn();
       wg_wait<0>();
-      fence_regs(acc);
-      fence_regs(da);
+      fence_regs(acc, da);
     }
     pp.finish();
 

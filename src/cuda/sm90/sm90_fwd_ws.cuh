@@ -235,8 +235,7 @@ __device__ __forceinline__ void ws_fwd_mainloop(int total, const PingPong<NC>& p
     ws::mbar_wait(full_k(st), Ring<S>::full_parity(j));
     ws::mbar_wait(full_v(pst), Ring<S>::full_parity(j - 1));
     pp.begin_turn();
-    fence_regs(pa);
-    fence_regs(o);
+    fence_regs(pa, o);
     wg_fence();
     issue_s(st);    // S_j = Q K_j^T
     issue_pv(pst);  // O += P_{j-1} V_{j-1}
@@ -252,8 +251,7 @@ __device__ __forceinline__ void ws_fwd_mainloop(int total, const PingPong<NC>& p
     fence_regs(s);
     if (l_run[0] + l_run[1] < 0.f) asm volatile("nanosleep.u32 0;");
     wg_wait<0>();
-    fence_regs(o);
-    fence_regs(pa);
+    fence_regs(o, pa);
     release_v(pst);
     bool rescale = true;
     if constexpr (kVote) rescale = __any_sync(~0u, corr[0] != 1.f || corr[1] != 1.f);
@@ -268,14 +266,12 @@ __device__ __forceinline__ void ws_fwd_mainloop(int total, const PingPong<NC>& p
   const int lst = Ring<S>::stage(total - 1);
   ws::mbar_wait(full_v(lst), Ring<S>::full_parity(total - 1));
   pp.begin_turn();
-  fence_regs(pa);
-  fence_regs(o);
+  fence_regs(pa, o);
   wg_fence();
   issue_pv(lst);
   pp.end_turn();
   wg_wait<0>();
-  fence_regs(o);
-  fence_regs(pa);
+  fence_regs(o, pa);
 }
 #endif  // DUALKV_SM90_BODY
 
