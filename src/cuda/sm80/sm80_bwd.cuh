@@ -86,6 +86,28 @@ __device__ __forceinline__ void sum_slab_partials(float4* xb, float (&a)[NA][4],
   }
 }
 
+// Both kernels' block step of the two products (dK/dV: S^T, dP^T; dQ: S, dP) with fresh
+// accumulators: over the whole head dim, or (Cfg::XCHG) over this warp's D / DSPLIT columns from
+// column block dpart, then summed over the slab's warps through the exchange buffer xb.
+template <class Cfg, typename T, int D, int NT>
+__device__ __forceinline__ void slab_products(float (&x)[NT][4], float (&y)[NT][4], uint32_t sA,
+                                              uint32_t sAo, uint32_t sB, uint32_t sBo, int dpart,
+                                              int a_row, int a_col, int b_row, int b_col,
+                                              unsigned char* xb, int warp, int lane) {
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {
+    x[i][0] = x[i][1] = x[i][2] = x[i][3] = 0.f;
+    y[i][0] = y[i][1] = y[i][2] = y[i][3] = 0.f;
+  }
+  constexpr int KSTEPS = Cfg::XCHG ? D / 16 / Cfg::DSPLIT : D / 16;
+  // Byte offset of the warp's first column (a multiple of 64 columns: the swizzle's 8-chunk
+  // pattern is unchanged, so the offset just adds).
+  const uint32_t c0 = Cfg::XCHG ? uint32_t(dpart * KSTEPS * 16 * 2) : 0u;
+  two_products<T, D, KSTEPS>(x, y, sA, sAo, sB, sBo, c0, a_row, a_col, b_row, b_col);
+  if constexpr (Cfg::XCHG)
+    sum_slab_partials<Cfg::DSPLIT>(reinterpret_cast<float4*>(xb), x, y, warp, lane);
+}
+
 // ---- 2. dK, dV over key blocks ------------------------------------------------------------------
 // kSmall (D = 512): BN 16, BM 16; K + V 32 KB, two Q/dO stages 64 KB, lse/delta 256 B: 96.3 KB;
 // 4 warps (one slab, DSPLIT 4: dK + dV 16 x 128 fp32 per warp as in the regular config); the
@@ -227,21 +249,9 @@ __global__ void __launch_bounds__(BwdCfg<D, kSmall>::THREADS, BwdCfg<D, kSmall>:
     // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys x BM queries (XCHG: over this warp's
     // D / DSPLIT columns, then summed over the slab's warps).
     float s[BM / 8][4], dp[BM / 8][4];
-#pragma unroll
-    for (int i = 0; i < BM / 8; ++i) {
-      s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-      dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
-    }
-    constexpr int KSTEPS = Cfg::XCHG ? D / 16 / Cfg::DSPLIT : D / 16;
-    // Byte offset of the warp's first column (a multiple of 64 columns: the swizzle's 8-chunk
-    // pattern is unchanged, so the offset just adds).
-    const uint32_t c0 = Cfg::XCHG ? uint32_t(dpart * KSTEPS * 16 * 2) : 0u;
-    two_products<T, D, KSTEPS>(s, dp, sK, sV, sQ, sdO, c0, a_row, a_col, b_row, b_col);
-
-    if constexpr (Cfg::XCHG) {
-      const int x_off = Cfg::XSTAGE ? Cfg::OFF_Q + (stage ^ 1) * BM * D * 2 : Cfg::OFF_X;
-      sum_slab_partials<Cfg::DSPLIT>(reinterpret_cast<float4*>(smem + x_off), s, dp, warp, lane);
-    }
+    slab_products<Cfg, T, D>(
+        s, dp, sK, sV, sQ, sdO, dpart, a_row, a_col, b_row, b_col,
+        smem + (Cfg::XSTAGE ? Cfg::OFF_Q + (stage ^ 1) * BM * D * 2 : Cfg::OFF_X), warp, lane);
     if constexpr (Cfg::XSTAGE) {
       __syncthreads();  // every warp has read its sums: the other stage is free
       if constexpr (kLateWalk) has_next = advance(nxt);
@@ -387,19 +397,9 @@ __global__ void __launch_bounds__(DqCfg<D, kSmall>::THREADS, DqCfg<D, kSmall>::M
     const uint32_t sK = sK0 + st * BN * D * 2, sV = sV0 + st * BN * D * 2;
 
     float s[BN / 8][4], dp[BN / 8][4];
-#pragma unroll
-    for (int i = 0; i < BN / 8; ++i) {
-      s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-      dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
-    }
-    // XCHG: over this warp's D / DSPLIT columns, then summed over the slab's warps.
-    constexpr int KSTEPS = Cfg::XCHG ? D / 16 / Cfg::DSPLIT : D / 16;
-    const uint32_t c0 = Cfg::XCHG ? uint32_t(dpart * KSTEPS * 16 * 2) : 0u;  // as in dkdv
-    two_products<T, D, KSTEPS>(s, dp, sQ, sdO, sK, sV, c0, a_row, a_col, b_row, b_col);
-    if constexpr (Cfg::XCHG) {
-      const int x_off = Cfg::XSTAGE ? Cfg::OFF_K + (st ^ 1) * BN * D * 2 : Cfg::OFF_X;
-      sum_slab_partials<Cfg::DSPLIT>(reinterpret_cast<float4*>(smem + x_off), s, dp, warp, lane);
-    }
+    slab_products<Cfg, T, D>(s, dp, sQ, sdO, sK, sV, dpart, a_row, a_col, b_row, b_col,
+                             smem + (Cfg::XSTAGE ? Cfg::OFF_K + (st ^ 1) * BN * D * 2 : Cfg::OFF_X),
+                             warp, lane);
     if constexpr (Cfg::XSTAGE) {
       __syncthreads();  // every warp has read its sums: the other stage is free
       if (j + 1 < total) load_kv(j + 1, st ^ 1);
