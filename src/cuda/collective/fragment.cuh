@@ -25,4 +25,14 @@ __device__ __forceinline__ float& frag_at(float (&f)[N][4], int i) {
   return f[i >> 2][i & 3];
 }
 
+// The per-column values (e.g. the lse2 of a query tile's columns, from v[0]) that a thread's
+// fragment of N / 4 n-tiles uses, in registers: columns 8 (j / 2) + 2 tq + j % 2 for j < N / 2;
+// element i of the fragment reads out[frag_col_slot(i)].
+template <int N>
+__device__ __forceinline__ void frag_cols_load(const float* v, int tq, float (&out)[N / 2]) {
+#pragma unroll
+  for (int j = 0; j < N / 2; ++j) out[j] = v[(j >> 1) * 8 + 2 * tq + (j & 1)];
+}
+__device__ __forceinline__ int frag_col_slot(int i) { return ((i >> 2) << 1) | (i & 1); }
+
 }  // namespace dualkv::cuda::detail

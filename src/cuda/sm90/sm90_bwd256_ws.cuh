@@ -255,8 +255,7 @@ __global__ void __launch_bounds__(384, 1)
       // the exponentials waited on the loads); not with softcap (register pressure).
       float lse_r[kCap ? 1 : HR / 2];
       if constexpr (!kCap) {
-#pragma unroll
-        for (int j = 0; j < HR / 2; ++j) lse_r[j] = lse_c[q_off + (j >> 1) * 8 + 2 * tq + (j & 1)];
+        frag_cols_load<HR>(lse_c + q_off, tq, lse_r);
         fence_regs(lse_r);
       }
       float sc[HR], dp[HR];
@@ -275,7 +274,7 @@ __global__ void __launch_bounds__(384, 1)
         if constexpr (kCap) {
           sc[i] = fast_exp2(x - lse_c[qc_of(i)]);
         } else {
-          sc[i] = fast_exp2(x - lse_r[((i >> 2) << 1) | (i & 1)]);
+          sc[i] = fast_exp2(x - lse_r[frag_col_slot(i)]);
         }
         if constexpr (kCap) dc[i] = dcap;
       }

@@ -350,8 +350,7 @@ __global__ void __launch_bounds__(384, 1)
       // on them, 8.6% of samples). Not with softcap: there the 16 registers spill.
       float lse_r[kCap ? 1 : SR / 2];
       if constexpr (!kCap) {
-#pragma unroll
-        for (int j = 0; j < SR / 2; ++j) lse_r[j] = lse_c[(j >> 1) * 8 + 2 * tq + (j & 1)];
+        frag_cols_load<SR>(lse_c, tq, lse_r);
         fence_regs(lse_r);
       }
       float sc[SR], dp[SR];
@@ -372,7 +371,7 @@ __global__ void __launch_bounds__(384, 1)
         if constexpr (kCap) {
           return fast_exp2(x - lse_c[qc_of(i)]);
         } else {
-          return fast_exp2(x - lse_r[((i >> 2) << 1) | (i & 1)]);
+          return fast_exp2(x - lse_r[frag_col_slot(i)]);
         }
       };
       // The softcap path masks inside its fused loop (it keeps few registers live there).
