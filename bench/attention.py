@@ -323,6 +323,13 @@ def main() -> None:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="time the methods in turn this many times (every other round in reverse) and "
+        "report the median of the rounds",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     args = ap.parse_args()
     methods = args.methods.split(",")
@@ -343,30 +350,48 @@ def main() -> None:
             shape = f"multi T={c.layout.total_tokens} Hq={hq} Hkv={hkv} D={d}"
             per_group = [(p, len(rs), sum(rs), max(rs)) for p, rs in groups]
             print(f"{shape}: (P, N, sum R, max R) per group {per_group}")
-        reference = None  # DualKV's output when it runs first: every method must agree with it
+        # The methods in turn, every other round in reverse (--rounds): a GPU's clocks follow its
+        # recent load, so a method timed right after an idle moment or after a heavy one is not
+        # timed like the others; each figure is the median over the rounds.
+        reference = None  # the first method's output (DualKV's by default): all must agree with it
+        times: dict[str, list[tuple[float, float]]] = {m: [] for m in methods}
+        diffs: dict[str, float] = {}
+        errors: dict[str, str] = {}
+        for rnd in range(args.rounds):
+            for m in methods if rnd % 2 == 0 else methods[::-1]:
+                if m in errors:
+                    continue
+                try:
+                    fwd, fb, packed_out = make_runner(m, c)
+                    with torch.no_grad():
+                        if rnd == 0:
+                            out = packed_out().float()
+                            reference = out if reference is None else reference
+                            diffs[m] = (out - reference).abs().max().item()
+                            del out
+                        t_f = time_ms(fwd, args.warmup, args.repeats)
+                    times[m].append((t_f, time_ms(fb, args.warmup, args.repeats)))
+                except Exception as e:  # a baseline that cannot run this shape (e.g. out of memory)
+                    errors[m] = f"{type(e).__name__}: {str(e)[:120]}"
+                torch.cuda.empty_cache()
         for m in methods:
-            try:
-                fwd, fb, packed_out = make_runner(m, c)
-                with torch.no_grad():
-                    out = packed_out().float()
-                    reference = out if reference is None else reference
-                    max_diff = (out - reference).abs().max().item()
-                    del out
-                    t_f = time_ms(fwd, args.warmup, args.repeats)
-                t_fb = time_ms(fb, args.warmup, args.repeats)
-                row = dict(
+            if m in errors:
+                rows.append(dict(shape=shape, method=m, error=errors[m]))
+                continue
+            t_f = statistics.median(t[0] for t in times[m])
+            t_fb = statistics.median(t[1] for t in times[m])
+            rows.append(
+                dict(
                     shape=shape,
                     method=m,
                     fwd_ms=t_f,
                     fwd_bwd_ms=t_fb,
                     fwd_tflops=c.flops_fwd / t_f / 1e9,
                     fwd_bwd_tflops=(c.flops_fwd + c.flops_bwd) / t_fb / 1e9,
-                    max_diff=max_diff,
+                    max_diff=diffs[m],
+                    rounds=len(times[m]),
                 )
-            except Exception as e:  # a baseline that cannot run this shape (e.g. out of memory)
-                row = dict(shape=shape, method=m, error=f"{type(e).__name__}: {str(e)[:120]}")
-            rows.append(row)
-            torch.cuda.empty_cache()
+            )
         del c
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
