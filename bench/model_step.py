@@ -290,14 +290,20 @@ def useful_flops(model: torch.nn.Module, layout: dualkv.Layout, resp_tokens: int
     return dense_flops + head_flops + 3.5 * attn
 
 
-def compile_layers(model: torch.nn.Module) -> None:
-    """``torch.compile`` each decoder layer in place (one graph per layer, reused by all layers)."""
+def allow_recompiles(n: int = 64) -> None:
+    """Lets dynamo keep ``n`` compiled graphs per function (default 8): one per (path, shape, grad
+    mode). Past the limit it runs the function uncompiled, which for FlexAttention means the
+    unfused kernel that materialises the scores."""
     import torch._dynamo
 
-    # One compiled graph per (path, shape): allow more than dynamo's default of 8.
     cfg = torch._dynamo.config
     name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-    setattr(cfg, name, max(64, getattr(cfg, name)))
+    setattr(cfg, name, max(n, getattr(cfg, name)))
+
+
+def compile_layers(model: torch.nn.Module) -> None:
+    """``torch.compile`` each decoder layer in place (one graph per layer, reused by all layers)."""
+    allow_recompiles()
     for layer in model.model.layers:
         layer.compile()
 
