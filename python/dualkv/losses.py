@@ -98,9 +98,10 @@ def _check_num_tokens(num_tokens: torch.Tensor | float) -> torch.Tensor:
         return num_tokens.reshape(())
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Real):
         raise TypeError(f"num_tokens must be a number or a tensor, got {num_tokens!r}")
-    if not num_tokens > 0 or not math.isfinite(num_tokens):
+    count = float(num_tokens)
+    if not count > 0 or not math.isfinite(count):
         raise ValueError(f"num_tokens must be a positive, finite token count, got {num_tokens}")
-    return torch.tensor(float(num_tokens))
+    return torch.tensor(count)
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -35,11 +35,10 @@ struct KernelPolicy {
   // kernel (A/B).
   bool d512_fwd_cluster = true;
   // D = 256 backward on sm_90a: 1 (default) sm90/sm90_bwd256_ws.cuh's warp-specialised dK/dV
-  // kernel (TMA producer warp, 2-stage ring) + the synchronous dQ pass (H200, Hq 16, Hkv 8:
-  // 21.53 vs 24.92 ms at (16, 8192, 1024), 51.11 vs 57.33 at (8, 16384, 2048));
-  // DUALKV_SM90_D256_BWD=0 the synchronous D = 256 backward (A/B); =2 the warp-specialised kernel
-  // with dQ fused (bulk reductions into dq_accum; deterministic=true makes it 1): measured no
-  // faster (21.46 / 59.47 ms: its reductions, twice D = 128's bytes per FLOP), an A/B switch.
+  // kernel (TMA producer warp, 2-stage ring) + the warp-specialised dQ pass (sm90_dq_ws.cuh, 3
+  // stages); DUALKV_SM90_D256_BWD=0 the synchronous D = 256 backward (A/B); =2 the
+  // warp-specialised kernel with dQ fused (bulk reductions into dq_accum; deterministic=true
+  // makes it 1): measured slower, an A/B switch (src/cuda/NOTES.md, bench/RESULTS.md).
   int d256_bwd_ws = 1;
   // The order of the dK/dV kernels' CTAs (Params::key_chunk; every backward path): key tiles in
   // chunks of n, the kv heads outer within a chunk, so that the CTAs running together walk the

@@ -18,15 +18,15 @@
 //     synchronous kernel's one swap + __syncthreads: a warpgroup writes a swap buffer again only
 //     after the other barrier, which the other warpgroup reaches after reading it, so one buffer
 //     each suffices (ws_protocol_sim.py, run_d256).
-// dQ, kDq = 0 (the default, and DUALKV_SM90_D256_BWD=2 with deterministic=true): the synchronous dQ
-// pass (as the default D = 256 backward; the warp-specialised dQ pass measured no faster at D =
-// 256). kDq = 1 (DUALKV_SM90_D256_BWD=2; measured no faster, an A/B switch): fused, as
-// sm90_bwd_ws.cuh's fused dQ (the D <= 128 default): dS^T goes to a 128B-swizzled tile (instead of
-// the fragment swap), dK += dS^T Q reads it as an SS product, and warpgroup c computes dQ's columns
-// 128c.. = dS K over the block's 64 keys (SS); after the block's final wait it writes that fp32 64
-// x 128 block into its own column halves of the stage's Q and dO tiles (which only its own dK / dV
-// products read after the dS^T swap), and lane 0 of producer warp 1 + c adds it into dq_accum (its
-// swizzled slab layout) with two bulk reductions and then releases the stage too (empty counts 256
+// dQ, kDq = 0 (the default, and DUALKV_SM90_D256_BWD=2 with deterministic=true): sm90_dq_ws.cuh's
+// warp-specialised dQ pass, as at D <= 128 with deterministic=true. kDq = 1
+// (DUALKV_SM90_D256_BWD=2; measured slower, an A/B switch): fused, as sm90_bwd_ws.cuh's fused dQ
+// (the D <= 128 default): dS^T goes to a 128B-swizzled tile (instead of the fragment swap), dK +=
+// dS^T Q reads it as an SS product, and warpgroup c computes dQ's columns 128c.. = dS K over the
+// block's 64 keys (SS); after the block's final wait it writes that fp32 64 x 128 block into its
+// own column halves of the stage's Q and dO tiles (which only its own dK / dV products read after
+// the dS^T swap), and lane 0 of producer warp 1 + c adds it into dq_accum (its swizzled slab
+// layout) with two bulk reductions and then releases the stage too (empty counts 256
 // + 2): no extra shared memory. Shared memory, registers and tensor cycles: src/cuda/NOTES.md, "D =
 // 256 warp-specialised backward".
 #pragma once
@@ -36,6 +36,7 @@
 
 #include "sm90/sm90_bwd.cuh"
 #include "sm90/sm90_bwd_ws.cuh"
+#include "sm90/sm90_dq_ws.cuh"
 
 namespace dualkv::cuda::detail {
 
@@ -368,7 +369,7 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
-// Preprocess, the warp-specialised D = 256 dK/dV kernel, then the synchronous dQ pass
+// Preprocess, the warp-specialised D = 256 dK/dV kernel, then the warp-specialised dQ pass
 // (policy.d256_bwd_ws 1) or the conversion of the dQ the kernel added up (2: fused dQ). False
 // (nothing launched) when a tensor map cannot be encoded (the caller runs the synchronous
 // backward).
@@ -393,7 +394,13 @@ bool launch_backward_sm90_d256ws(const BwdParams& p, const KernelPolicy& policy,
   if (fused) {
     launch_dq_convert<T, C::D>(p, stream);
   } else {
-    launch_dq_sm90<T, C::D>(p, stream);
+    // The warp-specialised dQ pass; the synchronous one if its tensor maps cannot be encoded.
+    DqWsArgs qa{};
+    if (make_dq_ws_args<C::D>(qa, p, policy)) {
+      launch_dq_sm90_ws<T, C::D>(qa, stream);
+    } else {
+      launch_dq_sm90<T, C::D>(p, stream);
+    }
   }
   return true;
 }

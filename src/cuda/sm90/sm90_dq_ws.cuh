@@ -20,7 +20,9 @@ template <int D>
 struct DqWsCfg {
   static constexpr int BM = kTileSize;  // 2 consumer warpgroups x 64 queries
   static constexpr int BN = D >= 256 ? 32 : 64;
-  static constexpr int STAGES = D >= 256 ? 2 : 3;
+  // The consumers hold two stages (K_{j-1} for the deferred dQ product, and block j), so a third
+  // keeps one load in flight; at D = 256 it still fits (Q + dO 128 KB + 3 x 32 KB).
+  static constexpr int STAGES = 3;
   static constexpr int THREADS = 384;
   static constexpr int CONSUMERS = 256;
   static constexpr int Q_BYTES = BM * D * 2;
