@@ -5,9 +5,8 @@
 // Kernels, chosen per call: on compute capability 9.x (built with 90a) the sm_90a kernels (TMA,
 // producer warps, wgmma); DUALKV_FORCE_SM80=1, or any other GPU, the sm_80 (mma.sync) ones. The
 // sm_90a backward at head dim 64/128 adds dQ up inside the dK/dV kernel (fp32 bulk reductions:
-// not bitwise reproducible), and so does head dim 256 with DUALKV_SM90_D256_BWD=2; `deterministic`
-// (or DUALKV_FUSED_DQ=0, DUALKV_SM90_D256_BWD unset) runs a separate dQ pass instead, as every
-// other path does: bitwise reproducible. README.md lists the switches.
+// not bitwise reproducible); `deterministic` (or DUALKV_FUSED_DQ=0) runs a separate dQ pass
+// instead, as every other path does: bitwise reproducible. README.md lists the switches.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -225,8 +225,7 @@ KernelPolicy resolve_policy(bool deterministic) {
   pol.d512_bwd_sm90 = !is("DUALKV_SM90_D512_BWD", '0');
   pol.d512_fwd_cluster = !is("DUALKV_SM90_D512_FWD", '0');
   pol.d512_bwd_pipe = !is("DUALKV_SM90_D512_BWD", '1');
-  const int d256 = is("DUALKV_SM90_D256_BWD", '0') ? 0 : is("DUALKV_SM90_D256_BWD", '2') ? 2 : 1;
-  pol.d256_bwd_ws = deterministic && d256 == 2 ? 1 : d256;
+  pol.d256_bwd_ws = !is("DUALKV_SM90_D256_BWD", '0');
   pol.bwd_key_chunk = is("DUALKV_BWD_KEY_ORDER", '0')   ? 0
                       : is("DUALKV_BWD_KEY_ORDER", '1') ? 16
                       : is("DUALKV_BWD_KEY_ORDER", '2') ? 32
@@ -374,8 +373,7 @@ void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t str
       if (pol.sm90 && launch_backward_sm90_ws<T, D>(p, pol, stream)) return;
     } else if constexpr (D == 256) {
       // The warp-specialised D = 256 backward (KernelPolicy::d256_bwd_ws; false: a TMA map failed).
-      if (pol.sm90 && pol.d256_bwd_ws != 0 && launch_backward_sm90_d256ws<T>(p, pol, stream))
-        return;
+      if (pol.sm90 && pol.d256_bwd_ws && launch_backward_sm90_d256ws<T>(p, pol, stream)) return;
       if (pol.sm90) return launch_backward_sm90<T, D>(p, stream);
     } else {
       if (pol.sm90 && pol.d512_bwd_sm90 &&

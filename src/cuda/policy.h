@@ -34,12 +34,10 @@ struct KernelPolicy {
   // (16, 8192, 1024)); DUALKV_SM90_D512_FWD=0 runs fwd_ws_kernel_sm90's single-CTA KSPLIT = 2
   // kernel (A/B).
   bool d512_fwd_cluster = true;
-  // D = 256 backward on sm_90a: 1 (default) sm90/sm90_bwd256_ws.cuh's warp-specialised dK/dV
-  // kernel (TMA producer warp, 2-stage ring) + the warp-specialised dQ pass (sm90_dq_ws.cuh, 3
-  // stages); DUALKV_SM90_D256_BWD=0 the synchronous D = 256 backward (A/B); =2 the
-  // warp-specialised kernel with dQ fused (bulk reductions into dq_accum; deterministic=true
-  // makes it 1): measured slower, an A/B switch (src/cuda/NOTES.md, bench/RESULTS.md).
-  int d256_bwd_ws = 1;
+  // D = 256 backward on sm_90a: sm90/sm90_bwd256_ws.cuh's warp-specialised dK/dV kernel (TMA
+  // producer warp, 2-stage ring) + the warp-specialised dQ pass (sm90_dq_ws.cuh, 3 stages);
+  // DUALKV_SM90_D256_BWD=0 the synchronous D = 256 backward (A/B, ~20% slower).
+  bool d256_bwd_ws = true;
   // The order of the dK/dV kernels' CTAs (Params::key_chunk; every backward path): key tiles in
   // chunks of n, the kv heads outer within a chunk, so that the CTAs running together walk the
   // same kv head's queries (L2 reuse of Q, dO and the dQ reductions), or n = 0: the kv heads of a

@@ -22,7 +22,7 @@ TEST(EnvSwitch, AcceptedDigits) {
   EXPECT_TRUE(w.empty());
   EXPECT_EQ(parse("DUALKV_FUSED_DQ", "1", &w), 1);
   EXPECT_EQ(parse("DUALKV_FUSED_DQ", " 0\n", &w), 0);  // blanks around it are ignored
-  EXPECT_EQ(parse("DUALKV_SM90_D256_BWD", "2", &w), 2);
+  EXPECT_EQ(parse("DUALKV_SM90_D256_BWD", "1", &w), 1);
   EXPECT_EQ(parse("DUALKV_SM90_D256_BWD", "\t0 ", &w), 0);
   EXPECT_EQ(parse("DUALKV_SM90_D512_BWD", "1", &w), 1);
   EXPECT_EQ(parse("DUALKV_FORCE_SM80", "1", &w), 1);
@@ -49,12 +49,14 @@ TEST(EnvSwitch, OtherValuesWarnAndReadAsUnset) {
     EXPECT_NE(w.find("accepted: 0 or 1"), std::string::npos) << w;
   }
   std::string w;
-  // A digit the switch does not take: DUALKV_SM90_D512_BWD has 0 and 1 (its mode 2 was
-  // removed); DUALKV_SM90_D256_BWD 0, 1 and 2.
+  // A digit the switch does not take: DUALKV_SM90_D512_BWD and DUALKV_SM90_D256_BWD have 0 and 1
+  // (their mode 2 was removed); DUALKV_BWD_KEY_ORDER 0 to 3.
   EXPECT_EQ(parse("DUALKV_SM90_D512_BWD", "2", &w), kSwitchUnset);
   EXPECT_NE(w.find("DUALKV_SM90_D512_BWD='2'"), std::string::npos) << w;
-  EXPECT_EQ(parse("DUALKV_SM90_D256_BWD", "3", &w), kSwitchUnset);
-  EXPECT_NE(w.find("accepted: 0, 1 or 2"), std::string::npos) << w;
+  EXPECT_EQ(parse("DUALKV_SM90_D256_BWD", "2", &w), kSwitchUnset);
+  EXPECT_NE(w.find("DUALKV_SM90_D256_BWD='2'"), std::string::npos) << w;
+  EXPECT_EQ(parse("DUALKV_BWD_KEY_ORDER", "4", &w), kSwitchUnset);
+  EXPECT_NE(w.find("accepted: 0, 1, 2 or 3"), std::string::npos) << w;
   EXPECT_EQ(parse("DUALKV_FORCE_SM80", "yes", &w), kSwitchUnset);
   EXPECT_NE(w.find("DUALKV_FORCE_SM80"), std::string::npos) << w;
   // Not a shared-memory size in KB: a setting is one digit.

@@ -1,16 +1,13 @@
 #!/usr/bin/env bash
 # Head dim 256, one device call for the warp-specialised D = 256 backward (sm90/sm90_bwd256_ws.cuh;
-# the default: its dK/dV kernel + the synchronous dQ pass; DUALKV_SM90_D256_BWD=2: --path
-# sm90-d256ws-fdq, dQ fused with bulk reductions; =0: --path sm90-d256-sync, the synchronous one).
-# The binary is
+# the default: its dK/dV kernel + the warp-specialised dQ pass; DUALKV_SM90_D256_BWD=0: --path
+# sm90-d256-sync, the synchronous one). The binary is
 # built on the dev machine (DUALKV_CUDA_HEAD_DIMS=256, sm_90a, static CUDA runtime) and carried in
 # .out/ (libgomp in .out/lib); without it the script builds it first (-j16, ~2 min).
 #   OUT=... bash tests/cuda/d256_run.sh
 # Steps (a hang, timeout rc 124, in the matrix skips the rest): the D = 256 matrix + race 20 on
-# both warp-specialised paths (100 s), compute-sanitizer memcheck on --small (the fused path, 50 s),
-# the bench of the default against the other two at two shapes in one process (40 s;
-# each backward in the default and the deterministic mode, where -fdq runs the dQ pass), ncu
-# durations of the backward kernels (50 s). Four files under $OUT; a short table last.
+# both paths (100 s), compute-sanitizer memcheck on --small (the default path, 50 s), the bench
+# of the two at two shapes in one process (40 s), ncu durations of the backward kernels (50 s). Four files under $OUT; a short table last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-.out/d256}"
@@ -28,7 +25,7 @@ fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
 date -u
 status=0
-PATHS=default,sm90-d256ws-fdq
+PATHS=default,sm90-d256-sync
 SHAPES=(--shape 16,8192,1024,16,8,256 --shape 8,16384,2048,16,8,256)
 declare -A res
 
@@ -42,25 +39,23 @@ res[test]="rc=$rc, $(grep -c ' ok$' "$OUT/test.log") ok, $(grep -c 'FAIL' "$OUT/
 if [ $rc = 124 ]; then
   echo "matrix timed out (a hang?): the remaining steps are skipped"
 else
-  # One path within the 50 s: the fused one (it runs every piece of the other but the dS^T
-  # fragment swap, plus the staging in the stage tiles, the bulk reductions and the conversion).
-  echo "== compute-sanitizer memcheck (--small, path sm90-d256ws-fdq) =="
+  echo "== compute-sanitizer memcheck (--small, default path) =="
   timeout 50 compute-sanitizer --tool memcheck --error-exitcode 9 $BIN --small --seed 1 \
-    --path sm90-d256ws-fdq >"$OUT/memcheck.log" 2>&1; rc=$?
+    --path default >"$OUT/memcheck.log" 2>&1; rc=$?
   grep -E "ERROR SUMMARY|correctness" "$OUT/memcheck.log" | tail -2; echo "rc=$rc"
   [ $rc = 0 ] || status=1
   res[memcheck]="rc=$rc, $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)"
 
-  echo "== bench: default (warp-specialised) vs sm90-d256-sync and sm90-d256ws-fdq, one process =="
-  timeout 40 $BIN --no-check --bench --bench-reps 5 --path "$PATHS,sm90-d256-sync" \
+  echo "== bench: default (warp-specialised) vs sm90-d256-sync, one process =="
+  timeout 40 $BIN --no-check --bench --bench-reps 5 --path "$PATHS" \
     "${SHAPES[@]}" >"$OUT/bench.log" 2>&1; rc=$?
   echo "rc=$rc"; [ $rc = 0 ] || status=1
 
   echo "== ncu backward kernel durations (first shape, $PATHS, sm90-d256-sync) =="
   timeout 50 ncu --clock-control none \
     --metrics gpu__time_duration.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
-    -k "regex:dkdv|dq_kernel|dq_convert|bwd_pre" $BIN --no-check --bench --bench-reps 1 \
-    --path "$PATHS,sm90-d256-sync" --shape 16,8192,1024,16,8,256 >"$OUT/ncu.log" 2>&1
+    -k "regex:dkdv|dq_kernel|dq_ws_kernel|bwd_pre" $BIN --no-check --bench --bench-reps 1 \
+    --path "$PATHS" --shape 16,8192,1024,16,8,256 >"$OUT/ncu.log" 2>&1
   rc=$?; echo "rc=$rc"
   for k in dkdv_ws256_kernel_sm90; do
     grep -q "$k" "$OUT/ncu.log" || { echo "FAIL: no $k kernel in the ncu log"; status=1; }
@@ -74,7 +69,7 @@ echo "memcheck: ${res[memcheck]:-not run}"
 echo "-- bench (ms, useful TF/s): layout | fwd | bwd | fwd+bwd | bwd det. | fwd+bwd det."
 [ -f "$OUT/bench.log" ] && grep "^| " "$OUT/bench.log" | grep -v "^| layout" | cut -d"|" -f2-7
 echo "-- ncu (first shape; mean over launches): kernel | launches | ms | tensor pipe %"
-# Grouped by kernel (the paths' dK/dV kernels differ; the default and sm90-d256-sync share dq_kernel).
+# Grouped by kernel (the paths' dK/dV and dQ kernels differ).
 [ -f "$OUT/ncu.log" ] && awk '
   /^  (void )?[a-z_]+.*\(/ {n=$0; sub(/^  (void )?/,"",n); sub(/\(.*/,"",n)}
   /gpu__time_duration/ {u=$(NF-1); v=$NF; gsub(/,/,"",v)

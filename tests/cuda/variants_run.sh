@@ -16,7 +16,7 @@ OUT="${OUT:-.out/variants}"
 mkdir -p "$OUT"
 OLD_TREE=${1:?usage: variants_run.sh OLD_TREE}
 D512_PATHS=${D512_PATHS-sm90-d512-nopipe}
-D256_PATHS=${D256_PATHS-sm90-d256-sync,sm90-d256ws-fdq}
+D256_PATHS=${D256_PATHS-sm90-d256-sync}
 KEY_PATHS=${KEY_PATHS-key-chunk32,key-chunk16,key-chunk64}
 DIMS="64;128;256;512"
 T0=$(date +%s)
@@ -40,7 +40,7 @@ check default-quick 60 --path default --quick --race 5
 [ -n "$KEY_PATHS" ] && check key-order 90 --path "$KEY_PATHS" --quick --race 5
 memcheck default default
 case "$hung" in *d512*) ;; *) for p in ${D512_PATHS//,/ }; do memcheck "$p" "$p"; done ;; esac
-case "$hung" in *d256*) ;; *) [ -n "$D256_PATHS" ] && memcheck d256ws-fdq sm90-d256ws-fdq ;; esac
+case "$hung" in *d256*) ;; *) for p in ${D256_PATHS//,/ }; do memcheck "$p" "$p"; done ;; esac
 rm -f "$OUT/one.log"
 D128=(--shape 16,8192,1024,32,8,128 --shape 32,4096,2048,32,8,128 --shape 8,16384,2048,32,8,128
   --shape 16,8192,1024,16,8,128 --shape 16,2048,2048,16,16,64)

@@ -17,7 +17,7 @@ run_fwd512c models the opt-in D = 512 cluster forward (split head dim, partial S
 st.async per block and warpgroup, xfree[w] of 4 warp arrivals, ping-pong); fwd512c_bugs_caught
 injects six errors into it. run_d256 models the D = 256 warp-specialised dK/dV kernel (P^T / dS^T
 swaps between its two consumer warpgroups through single buffers and named barriers 1, 2);
-d256_bugs_caught injects six errors into it and its fused-dQ variant.
+d256_bugs_caught injects three errors into it.
 
     python3 tests/cuda/ws_protocol_sim.py
 """
@@ -925,7 +925,7 @@ def fwd512c_bugs_caught(rng):
     return len(bugs)
 
 
-def run_d256(nblocks, S, rng, bug=None, fused=False):
+def run_d256(nblocks, S, rng, bug=None):
     """The D = 256 warp-specialised dK/dV kernel (sm90_bwd256_ws.cuh): run_dkdv's producer (TMA +
     cp.async arrivals on one full barrier per stage), two consumer warpgroups that own the same
     keys and swap their halves of P^T (buffer xpa, named barrier 1) and dS^T (named barrier 2) in
@@ -933,56 +933,28 @@ def run_d256(nblocks, S, rng, bug=None, fused=False):
     dV (after the P^T swap) or dK (after the dS^T swap); after the final wait it releases the
     stage. One buffer each: a warpgroup writes a swap buffer again only after the other barrier.
     S^T / dP^T read the whole stage (Q, dO) until the wait before dS; dV / dK only the warpgroup's
-    own column halves, until the final wait.
-    fused (kDq = 1): dS^T goes to one shared tile that dK and dQ read until the final wait; then
-    the warpgroup writes its dQ block into its own halves of the stage, a record, and arrives on
-    dq_full[stage][c]; reducer c (lane 0 of producer warp 1 + c) waits for it, reads the halves
-    (bulk reductions) and arrives on empty[stage] (count 2 consumers + 2 reducers); an end record
-    stops it. Injected bugs: no_bar2 (dS^T read without its barrier), one_swap_barrier (P^T and
-    dS^T both written before barrier 1, no barrier 2), early_release (the stage released after
-    dV's issue); fused: no_reducer_release (empty counts the consumers only), one_dq_full (one
-    dq_full barrier per warpgroup instead of per stage and warpgroup), stage_before_bar2 (dQ
-    staged before barrier 2, while the other warpgroup's dP^T may still read the stage). (With
-    fused dQ an early consumer release is harmless: the stage is refilled only after the reducers,
-    which read it after the consumers' final waits, have released it too.)"""
+    own column halves, until the final wait. Injected bugs: no_bar2 (dS^T read without its
+    barrier), one_swap_barrier (P^T and dS^T both written before barrier 1, no barrier 2),
+    early_release (the stage released after dV's issue). (Its fused-dQ variant was deleted in the
+    seventh session.)"""
     L = 3
     bKV = MBar(1)
     full = [MBar(1 + L) for _ in range(S)]
-    nempty = 4 if fused and bug != "no_reducer_release" else 2
-    empty = [MBar(nempty) for _ in range(S)]
+    empty = [MBar(2) for _ in range(S)]
     meta = [None] * S
     slot = [None] * S
     whole = [set() for _ in range(S)]  # warpgroups whose S^T / dP^T read the whole stage
     halves = [[set(), set()] for _ in range(S)]  # [stage][half]: who reads that column half
-    staged = [[None, None] for _ in range(S)]  # [stage][c]: dQ block staged in half c
     inflight = []
     xbuf = {"pa": [None, None], "da": [None, None]}
     xreaders = {"pa": set(), "da": set()}
     bar = [Named(2), Named(2)]
-    ndq = 1 if bug == "one_dq_full" else S
-    dq_full = [[MBar(1), MBar(1)] for _ in range(ndq)]  # count 128 (a warpgroup) modelled as 1
-    dq_meta = [[None, None] for _ in range(S)]
-    reduced = [[], []]
 
     def busy(s):
-        return whole[s] or halves[s][0] or halves[s][1] or staged[s] != [None, None]
+        return whole[s] or halves[s][0] or halves[s][1]
 
     def lane(ln):
         return dkdv_producer_lane(ln, S, nblocks, bKV, full, empty, meta, inflight, busy)
-
-    def reducer(c):
-        it = 0
-        while True:
-            s = it % S
-            yield from wait(dq_full[s % ndq][c], (it // S) & 1 if ndq == S else it & 1)
-            if dq_meta[s][c] == "end":
-                return
-            assert dq_meta[s][c] == it and staged[s][c] == it, (dq_meta[s][c], staged[s][c], it)
-            yield  # the bulk reductions read the staged block
-            staged[s][c] = None
-            reduced[c].append(it)
-            empty[s].arrive()
-            it += 1
 
     def write(x, cw, it):
         assert not (xreaders[x] - {cw}), f"{x} half overwritten while the other warpgroup reads it"
@@ -990,10 +962,6 @@ def run_d256(nblocks, S, rng, bug=None, fused=False):
 
     def read(x, it):
         assert xbuf[x] == [it, it], (x, xbuf[x], it)
-
-    def stage_dq(s, cw, it):
-        assert not (whole[s] - {cw}) and not (halves[s][cw] - {cw}), "dQ staged over a read"
-        staged[s][cw] = it
 
     def consumer(cw):
         yield from wait(bKV, 0)
@@ -1016,8 +984,6 @@ def run_d256(nblocks, S, rng, bug=None, fused=False):
             yield  # the shared loads of both P^T halves
             xreaders["pa"].discard(cw)
             yield  # dV issued; dS after dP^T's wait
-            if bug == "stage_before_bar2":
-                stage_dq(s, cw, it)
             whole[s].discard(cw)
             if bug == "early_release":
                 empty[s].arrive()  # while dV (and then dK) still read the stage
@@ -1027,24 +993,13 @@ def run_d256(nblocks, S, rng, bug=None, fused=False):
                     yield from bar[1].sync()
             read("da", it)
             xreaders["da"].add(cw)
-            yield  # the shared loads (fused: the dK and dQ wgmmas) of both dS^T halves
-            if not fused:
-                xreaders["da"].discard(cw)
-            yield  # dK (fused: and dQ) issued; they read the stage until the final wait
+            yield  # the shared loads of both dS^T halves
             xreaders["da"].discard(cw)
+            yield  # dK issued; dV and dK read the stage until the final wait
             halves[s][cw].discard(cw)
-            if fused:
-                if bug != "stage_before_bar2":
-                    stage_dq(s, cw, it)
-                dq_meta[s][cw] = it
-                dq_full[s % ndq][cw].arrive()
             if bug != "early_release":
                 empty[s].arrive()
             it += 1
-        if fused:
-            s = it % S
-            dq_meta[s][cw] = "end"
-            dq_full[s % ndq][cw].arrive()
 
     def land(x):
         if x[0] == "cp":
@@ -1057,11 +1012,7 @@ def run_d256(nblocks, S, rng, bug=None, fused=False):
         b.complete_tx(1)
 
     ths = [lane(i) for i in range(L)] + [consumer(0), consumer(1)]
-    if fused:
-        ths += [reducer(0), reducer(1)]
-    schedule(ths, inflight, land, rng, f"dkdv D = 256 (fused {fused})")
-    if fused:
-        assert reduced == [list(range(nblocks))] * 2, reduced
+    schedule(ths, inflight, land, rng, "dkdv D = 256")
     assert bar[0].cnt == 0 and bar[1].cnt == 0, "named barrier left half-arrived"
 
 
@@ -1105,25 +1056,18 @@ def variant_bugs_caught(rng):
 
 
 def d256_bugs_caught(rng):
-    """Each injected error of the D = 256 dK/dV kernel (swaps, release, fused-dQ hand-off) must be
-    caught by some schedule."""
-    bugs = (
-        ("no_bar2", False),
-        ("one_swap_barrier", False),
-        ("early_release", False),
-        ("no_reducer_release", True),
-        ("one_dq_full", True),
-        ("stage_before_bar2", True),
-    )
-    for bug, fused in bugs:
+    """Each injected error of the D = 256 dK/dV kernel (swaps, release) must be caught by some
+    schedule."""
+    bugs = ("no_bar2", "one_swap_barrier", "early_release")
+    for bug in bugs:
         caught = False
         for _ in range(400):
             try:
-                run_d256(rng.randrange(1, 7), 2, rng, bug, fused)
+                run_d256(rng.randrange(1, 7), 2, rng, bug)
             except (AssertionError, RuntimeError):
                 caught = True
                 break
-        assert caught, f"injected bug {bug} (fused {fused}) was not caught"
+        assert caught, f"injected bug {bug} was not caught"
     return len(bugs)
 
 
@@ -1146,14 +1090,13 @@ for _trial in range(3000):
     run_dkdv512(total, S, rng, dq=True, pipe=True)
     run_fwd512c(total, S, rng, rng.random() < 0.8)
     run_d256(total, 2, rng)
-    run_d256(total, 2, rng, fused=True)
     n += 1
 print(
     "ok",
     n,
     "random schedules each for fwd, fwd (2-CTA cluster), dq, dkdv (dq modes 0-5), "
     "dkdv and dq D = 512 (2-CTA clusters; and their kPipe order), fwd D = 512 (2-CTA cluster, "
-    "split D), dkdv D = 256 (warp-specialised, P^T / dS^T swaps; separate and fused dQ), "
+    "split D), dkdv D = 256 (warp-specialised, P^T / dS^T swaps), "
     "dkdv fused-dQ variants 1-3 (two dQ buffers, one reduction per block)",
 )
 print(
@@ -1164,6 +1107,4 @@ print(
 print("ok", injected_bugs_caught(rng), "injected D = 512 dK/dV protocol errors caught")
 print("ok", fwd512c_bugs_caught(rng), "injected D = 512 cluster forward exchange errors caught")
 print("ok", pipe_bugs_caught(rng), "injected D = 512 backward kPipe-order errors caught")
-print(
-    "ok", d256_bugs_caught(rng), "injected D = 256 dK/dV swap, release, dQ hand-off errors caught"
-)
+print("ok", d256_bugs_caught(rng), "injected D = 256 dK/dV swap and release errors caught")

@@ -18,17 +18,10 @@
 //     synchronous kernel's one swap + __syncthreads: a warpgroup writes a swap buffer again only
 //     after the other barrier, which the other warpgroup reaches after reading it, so one buffer
 //     each suffices (ws_protocol_sim.py, run_d256).
-// dQ, kDq = 0 (the default, and DUALKV_SM90_D256_BWD=2 with deterministic=true): sm90_dq_ws.cuh's
-// warp-specialised dQ pass, as at D <= 128 with deterministic=true. kDq = 1
-// (DUALKV_SM90_D256_BWD=2; measured slower, an A/B switch): fused, as sm90_bwd_ws.cuh's fused dQ
-// (the D <= 128 default): dS^T goes to a 128B-swizzled tile (instead of the fragment swap), dK +=
-// dS^T Q reads it as an SS product, and warpgroup c computes dQ's columns 128c.. = dS K over the
-// block's 64 keys (SS); after the block's final wait it writes that fp32 64 x 128 block into its
-// own column halves of the stage's Q and dO tiles (which only its own dK / dV products read after
-// the dS^T swap), and lane 0 of producer warp 1 + c adds it into dq_accum (its swizzled slab
-// layout) with two bulk reductions and then releases the stage too (empty counts 256
-// + 2): no extra shared memory. Shared memory, registers and tensor cycles: src/cuda/NOTES.md, "D =
-// 256 warp-specialised backward".
+// dQ: sm90_dq_ws.cuh's warp-specialised dQ pass (deterministic: no atomics). A variant with dQ
+// fused into this kernel (bulk reductions, as sm90_bwd_ws.cuh's) measured 13% slower and was
+// deleted. Shared memory, registers and tensor cycles: src/cuda/NOTES.md, "D = 256
+// warp-specialised backward".
 #pragma once
 
 #include <cstddef>
@@ -57,12 +50,10 @@ struct DkdvWs256Cfg {
     uint16_t q[STAGES][BM * D];
     uint16_t dout[STAGES][BM * D];
     uint4 xpa[BM / 16][128];       // P^T A fragments, slice kt of thread t (of either warpgroup)
-    uint4 xda[BM / 16][128];       // dS^T A fragments (kDq = 0)
-    uint16_t ds[BN * BM];          // dS^T [keys][queries], SW128 (kDq = 1)
+    uint4 xda[BM / 16][128];       // dS^T A fragments
     float l[STAGES][2 * BM];       // per stage: lse2, delta
     int meta[STAGES][4];           // per stage: the query block's record
-    int dq_meta[STAGES][2][4];     // kDq = 1, per stage and warpgroup: {valid, token, head, count}
-    uint64_t bar[1 + 4 * STAGES];  // kv, full[S], empty[S], dq_full[S][2]
+    uint64_t bar[1 + 2 * STAGES];  // kv, full[S], empty[S]
   };
   static_assert(sizeof(SharedStorage::k) == K_BYTES && sizeof(SharedStorage::q[0]) == Q_BYTES);
   static constexpr int OFF_V = int(offsetof(SharedStorage, v));
@@ -70,8 +61,6 @@ struct DkdvWs256Cfg {
   static constexpr int OFF_DO = int(offsetof(SharedStorage, dout));
   static constexpr int OFF_XPA = int(offsetof(SharedStorage, xpa));
   static constexpr int OFF_XDA = int(offsetof(SharedStorage, xda));
-  static constexpr int OFF_DS = int(offsetof(SharedStorage, ds));
-  static constexpr int OFF_DQMETA = int(offsetof(SharedStorage, dq_meta));
   static constexpr int OFF_L = int(offsetof(SharedStorage, l));
   static constexpr int OFF_META = int(offsetof(SharedStorage, meta));
   static constexpr int OFF_BAR = int(offsetof(SharedStorage, bar));
@@ -79,24 +68,18 @@ struct DkdvWs256Cfg {
   // Full barrier: the elected lane's arrive.expect_tx + the producer warp's 32 cp.async arrivals.
   static constexpr int FULL_COUNT = 1 + 32;
   // setmaxnreg splits the CTA's pool of 384 x 168 registers: producer + 2 x consumer <= 504.
-  // kDq = 1: at 24 registers the producer warp's query walk spilled (68 bytes, ptxas -v), so it
-  // gets 40 and the consumers 232 (which their fused-dQ loop fits without spills).
-  template <int kDq>
-  static constexpr int PRODUCER_REGS = kDq == 1 ? 40 : 24;
-  template <int kDq>
-  static constexpr int CONSUMER_REGS = kDq == 1 ? 232 : 240;
-  static_assert(PRODUCER_REGS<0> + 2 * CONSUMER_REGS<0> <= 3 * 168, "register pool of one CTA");
-  static_assert(PRODUCER_REGS<1> + 2 * CONSUMER_REGS<1> <= 3 * 168, "register pool of one CTA");
+  static constexpr int PRODUCER_REGS = 24;
+  static constexpr int CONSUMER_REGS = 240;
+  static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "register pool of one CTA");
   static_assert(OFF_BAR % 8 == 0, "mbarriers are 8-byte aligned");
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
   static_assert(DW % 64 == 0, "a warpgroup's dK/dV columns are whole SW128 column blocks");
 };
 
-template <typename T, bool kCap, int kDq>
+template <typename T, bool kCap>
 __global__ void __launch_bounds__(384, 1)
     dkdv_ws256_kernel_sm90(const __grid_constant__ DkdvWsArgs a) {
 #if DUALKV_SM90_BODY
-  constexpr bool kFusedDq = kDq == 1;
   using Cfg = DkdvWs256Cfg;
   constexpr int D = Cfg::D, BM = Cfg::BM, BN = Cfg::BN, HQ = Cfg::HQ, DW = Cfg::DW;
   constexpr int S = Cfg::STAGES, NC = Cfg::CONSUMERS;
@@ -112,18 +95,6 @@ __global__ void __launch_bounds__(384, 1)
   auto meta = [&](int s) {
     return reinterpret_cast<volatile int*>(gbase + Cfg::OFF_META + 16 * s);
   };
-  // kFusedDq: warpgroup c's dQ block of stage s is in the stage's tiles (128 arrivals), and its
-  // record. One barrier per stage: a stage is refilled only after the reducer has read it, so
-  // each barrier's phases stay in step with its reducer's waits.
-  auto dq_full = [&](int s, int c) { return bKV + 8u * (1 + 2 * S + 2 * s + c); };
-  auto dq_meta = [&](int s, int c) {
-    return reinterpret_cast<volatile int*>(gbase + Cfg::OFF_DQMETA + 32 * s + 16 * c);
-  };
-  // kFusedDq: warpgroup c's dQ slab j (columns 128c + 64j..) is staged in column blocks 2c, 2c + 1
-  // of the stage's Q tile (j = 0) or dO tile (j = 1): 16 KB, fp32 [64 rows][64], 256-byte rows.
-  auto dq_stage = [&](int s, int c, int j) {
-    return (j == 0 ? sQ0 : sdO0) + uint32_t(s) * Cfg::Q_BYTES + uint32_t(2 * c) * (BM * 128);
-  };
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   // Each role decodes its key block after the split (cta_of): a value kept live across the
@@ -134,22 +105,14 @@ __global__ void __launch_bounds__(384, 1)
 
   if (tid == 0) {
     ws::mbar_init(bKV, 1);
-    // kFusedDq: the empty barriers also count the two reducer lanes.
-    ws::ring_init<S>(full, empty, Cfg::FULL_COUNT, kFusedDq ? NC + 2 : NC);
-    if constexpr (kFusedDq) {
-#pragma unroll
-      for (int s = 0; s < S; ++s) {
-        ws::mbar_init(dq_full(s, 0), NC / 2);
-        ws::mbar_init(dq_full(s, 1), NC / 2);
-      }
-    }
+    ws::ring_init<S>(full, empty, Cfg::FULL_COUNT, NC);
     ws::mbar_init_fence();
   }
   __syncthreads();
 
   if (warp < 4) {
     // ---- producer: warp 0 walks the query blocks ---------------------------------------------
-    ws::reg_dealloc<Cfg::template PRODUCER_REGS<kDq>>();
+    ws::reg_dealloc<Cfg::PRODUCER_REGS>();
     if (warp == 0) {
       const KeyTileCta<BN> cta = cta_of();
       const int hk = cta.hk, k0 = cta.k0, ksi = cta.ksi;
@@ -164,34 +127,10 @@ __global__ void __launch_bounds__(384, 1)
             asm volatile("" : "+r"(pkl));
             return query_walk_next<BM>(p, kseg, ksi, pk_first, pkl, cur);
           });
-    } else if (kFusedDq && warp <= 2) {
-      if constexpr (kFusedDq) {
-        // ---- dQ reducers: lane 0 of warp 1 + c adds warpgroup c's blocks into dq_accum --------
-        const int c = warp - 1;
-        const uint64_t l2pol = ws::createpolicy_evict_last();
-        for (int it = 0; lane == 0; ++it) {
-          const int s = Ring<S>::stage(it);
-          ws::mbar_wait(dq_full(s, c), Ring<S>::full_parity(it));
-          volatile int* dm = dq_meta(s, c);
-          if (dm[0] == 0) break;
-          // Each slab's nq rows x 64 columns are contiguous in dq_accum's swizzled slab layout
-          // from the first row's start (dq_accum_at without the swizzle: column 0 of the row; the
-          // staged image already holds each row permuted).
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            float* dst = dq_accum_at<D>(p, dm[1], dm[2], c * DW + 64 * j);
-            ws::bulk_reduce_add_f32(dst, dq_stage(s, c, j), uint32_t(dm[3]) * 256, l2pol);
-          }
-          ws::bulk_commit();
-          ws::bulk_wait_read();
-          ws::mbar_arrive(empty(s));
-        }
-        ws::bulk_wait();  // every reduction has landed before the CTA ends
-      }
     }
   } else {
     // ---- consumers ---------------------------------------------------------------------------
-    ws::reg_alloc<Cfg::template CONSUMER_REGS<kDq>>();
+    ws::reg_alloc<Cfg::CONSUMER_REGS>();
     const KeyTileCta<BN> cta = cta_of();
     const int hk = cta.hk, k0 = cta.k0, nk = cta.nk;
     const int pk_first = cta.pk_first, pk_last = cta.pk_last;
@@ -201,8 +140,7 @@ __global__ void __launch_bounds__(384, 1)
     const int kr0 = (warp & 3) * 16 + g;  // key rows kr0, kr0 + 8 (both warpgroups)
     const int col0 = cw * DW;             // first dK/dV column
     const int q_off = cw * HQ;            // first query of this warpgroup's S^T / dP^T
-    const uint32_t half = uint32_t(col0 / 64) * (BM * 128);   // its column blocks of dO and Q
-    const uint32_t khalf = uint32_t(col0 / 64) * (BN * 128);  // ... and of K (kFusedDq)
+    const uint32_t half = uint32_t(col0 / 64) * (BM * 128);  // its column blocks of dO and Q
     constexpr int AR = DW / 2, HR = HQ / 2;
     float dk[AR], dv[AR];
 #pragma unroll
@@ -230,17 +168,11 @@ __global__ void __launch_bounds__(384, 1)
     };
 
     ws::mbar_wait(bKV, 0);
-    int it_end = 0;  // the block index of the end record
     for (int it = 0;; ++it) {
       const int s = Ring<S>::stage(it);
       ws::mbar_wait(full(s), Ring<S>::full_parity(it));
-      if (meta(s)[0] == 0) {
-        it_end = it;
-        break;
-      }
+      if (meta(s)[0] == 0) break;  // the end record
       const int nq = meta(s)[1], pq_first = meta(s)[2];
-      const int hq = hk * p.group + meta(s)[0] - 1, qs = meta(s)[3];  // kFusedDq
-      (void)hq, (void)qs;
       const bool msk =
           needs_mask(nq, BM, nk, BN, pq_first, pq_first + nq - 1, pk_first, pk_last, p.mask);
       const uint32_t sQ = sQ0 + s * Cfg::Q_BYTES, sdO = sdO0 + s * Cfg::Q_BYTES;
@@ -291,116 +223,44 @@ __global__ void __launch_bounds__(384, 1)
       fence_regs(dp);
 #pragma unroll
       for (int i = 0; i < HR; ++i) dp[i] = sc[i] * (dp[i] - del_c[qc_of(i)]) * (kCap ? dc[i] : 1.f);
-      if constexpr (!kFusedDq) {
-        uint32_t da[BM / 16][4];
-        swap_slices(dp, xda, 2, da);
-        fence_regs(da, dk);
-        wg_fence();
-        wgmma_rs_acc<T, DW, BM>(dk, da, sQ + half);
-        wg_commit();
-        wg_wait<0>();  // dV, dK done: the stage (sQ, sdO, lse2/delta) is free
-        fence_regs(dv, dk, pa, da);
-      } else {
-        // This warpgroup's 32 query columns of dS^T (key rows x query columns, SW128) to the
-        // shared tile: conflict-free 32-bit stores, as sm90_bwd_ws.cuh's stash.
-        const uint32_t sDS = base + Cfg::OFF_DS;
-#pragma unroll
-        for (int kl = 0; kl < HQ / 16; ++kl)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            const int kr = kr0 + 8 * (c & 1), qc = q_off + (2 * kl + (c >> 1)) * 8 + 2 * tq;
-            ws::st_shared_u32(sDS + sw128<BN>(kr, qc & ~7) + (qc & 7) * 2,
-                              pack2<T>(dp[8 * kl + 2 * c], dp[8 * kl + 2 * c + 1]));
-          }
-        fence_proxy_async();  // the wgmmas read the tile through the async proxy
-        ws::bar_sync(2, NC);
-        fence_regs(dk);
-        wg_fence();
-        // dK += dS^T Q (A = dS^T K-major from the tile); then, once dV has retired (P^T's
-        // registers free: with them live the dQ accumulator spilled), dQ = dS K (A = dS^T read
-        // MN-major, B = this warpgroup's two column blocks of K, MN-major) behind the running dK.
-#pragma unroll
-        for (int kt = 0; kt < BM / 16; ++kt)
-          Wgmma<T, DW>::template ss<1>(dk, desc_kmajor<BN>(sDS, 0, kt * 16),
-                                       desc_mnmajor<BM>(sQ + half, kt * 16), 1);
-        wg_commit();
-        wg_wait<1>();  // dV done
-        fence_regs(dv, pa);
-        float dqa[64];  // dQ[64 queries][128 columns of this warpgroup], m64n128 fragment
-        wg_fence();
-#pragma unroll
-        for (int kt = 0; kt < BN / 16; ++kt)
-          Wgmma<T, DW>::template ss<1, 1>(dqa, desc_mnmajor<BN>(sDS, kt * 16),
-                                          desc_mnmajor<BN>(sK + khalf, kt * 16), kt > 0);
-        wg_commit();
-        wg_wait<0>();  // dV, dK, dQ done: this warpgroup's halves of sQ / sdO are free
-        fence_regs(dv, dk, pa, dqa);
-        // The dQ block into this warpgroup's halves of the stage's Q / dO tiles, row qr of slab
-        // j at dq_stage(s, cw, j) + 256 qr, the 32-byte groups of columns permuted by the
-        // token (dq_accum_at's swizzled layout: conflict-free 8-byte stores).
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int qr = (warp & 3) * 16 + g + 8 * r;
-          const int sw = (qs + qr) & 7;
-#pragma unroll
-          for (int nd = 0; nd < DW / 8; ++nd)
-            ws::st_shared_f32x2(
-                dq_stage(s, cw, nd >> 3) + qr * 256 + (((nd & 7) ^ sw) * 8 + 2 * tq) * 4,
-                dqa[nd * 4 + 2 * r], dqa[nd * 4 + 2 * r + 1]);
-        }
-        if (t == 0) {
-          volatile int* dm = dq_meta(s, cw);
-          dm[0] = 1, dm[1] = qs, dm[2] = hq, dm[3] = nq;
-        }
-        fence_proxy_async();  // the bulk reductions read through the async proxy
-        ws::mbar_arrive(dq_full(s, cw));
-      }
+      uint32_t da[BM / 16][4];
+      swap_slices(dp, xda, 2, da);
+      fence_regs(da, dk);
+      wg_fence();
+      wgmma_rs_acc<T, DW, BM>(dk, da, sQ + half);
+      wg_commit();
+      wg_wait<0>();  // dV, dK done: the stage (sQ, sdO, lse2/delta) is free
+      fence_regs(dv, dk, pa, da);
       ws::mbar_arrive(empty(s));
-    }
-    if constexpr (kFusedDq) {
-      // Tells this warpgroup's reducer that the walk has ended (stage it % S: its record and
-      // barrier were last used by block it - S, which the reducer has released).
-      const int s = Ring<S>::stage(it_end);
-      if (t == 0) dq_meta(s, cw)[0] = 0;
-      ws::mbar_arrive(dq_full(s, cw));
     }
     store_dkdv_rows<T, D, DW>(p, dk, dv, k0, nk, hk, kr0, col0, tq);
   }
 #endif
 }
 
-// Preprocess, the warp-specialised D = 256 dK/dV kernel, then the warp-specialised dQ pass
-// (policy.d256_bwd_ws 1) or the conversion of the dQ the kernel added up (2: fused dQ). False
-// (nothing launched) when a tensor map cannot be encoded (the caller runs the synchronous
-// backward).
+// Preprocess, the warp-specialised D = 256 dK/dV kernel, then the warp-specialised dQ pass (the
+// synchronous one if its tensor maps cannot be encoded). False (nothing launched) when the dK/dV
+// kernel's tensor maps cannot be encoded (the caller runs the synchronous backward).
 template <typename T>
 bool launch_backward_sm90_d256ws(const BwdParams& p, const KernelPolicy& policy,
                                  cudaStream_t stream) {
   using C = DkdvWs256Cfg;
-  const bool fused = policy.d256_bwd_ws == 2;
   if (int64_t(p.T) * p.Hq == 0) return true;
   DkdvWsArgs a{};
   if (!make_bwd_ws_args(a, p, C::D, C::BM, C::BN)) return false;
-  launch_bwd_pre<T, C::D>(p, fused, stream);  // fused: also zeroes dq_accum
+  launch_bwd_pre<T, C::D>(p, false, stream);
   const int64_t grid = int64_t(p.nkt) * (kTileSize / C::BN) * p.Hkv;
   if (grid > 0) {
-    const bool cap = p.softcap > 0.f;
     auto kernel =
-        fused ? (cap ? dkdv_ws256_kernel_sm90<T, true, 1> : dkdv_ws256_kernel_sm90<T, false, 1>)
-              : (cap ? dkdv_ws256_kernel_sm90<T, true, 0> : dkdv_ws256_kernel_sm90<T, false, 0>);
+        p.softcap > 0.f ? dkdv_ws256_kernel_sm90<T, true> : dkdv_ws256_kernel_sm90<T, false>;
     launch_kernel(kernel, grid, C::THREADS, C::SMEM, stream, a,
                   "dualkv backward dk/dv (sm90a, warp-specialised, D = 256)");
   }
-  if (fused) {
-    launch_dq_convert<T, C::D>(p, stream);
+  DqWsArgs qa{};
+  if (make_dq_ws_args<C::D>(qa, p, policy)) {
+    launch_dq_sm90_ws<T, C::D>(qa, stream);
   } else {
-    // The warp-specialised dQ pass; the synchronous one if its tensor maps cannot be encoded.
-    DqWsArgs qa{};
-    if (make_dq_ws_args<C::D>(qa, p, policy)) {
-      launch_dq_sm90_ws<T, C::D>(qa, stream);
-    } else {
-      launch_dq_sm90<T, C::D>(p, stream);
-    }
+    launch_dq_sm90<T, C::D>(p, stream);
   }
   return true;
 }
