@@ -166,6 +166,15 @@ __global__ void __launch_bounds__(384, 1)
         a[kt][0] = v.x, a[kt][1] = v.y, a[kt][2] = v.z, a[kt][3] = v.w;
       }
     };
+    // The swap, then acc += (the swapped fragment) B over this warpgroup's DW columns of B.
+    auto swap_and_issue = [&](const float (&f)[HR], uint4* x, int bar, uint32_t (&a)[BM / 16][4],
+                              float (&acc)[AR], uint32_t b) {
+      swap_slices(f, x, bar, a);
+      fence_regs(a, acc);
+      wg_fence();
+      wgmma_rs_acc<T, DW, BM>(acc, a, b);
+      wg_commit();
+    };
 
     ws::mbar_wait(bKV, 0);
     for (int it = 0;; ++it) {
@@ -214,21 +223,13 @@ __global__ void __launch_bounds__(384, 1)
       mask_fragment<HR>(msk, visible, [&](int i) { sc[i] = 0.f; });
       // This warpgroup's two 16-query slices of P^T to shared memory, then all four back.
       uint32_t pa[BM / 16][4];
-      swap_slices(sc, xpa, 1, pa);
-      fence_regs(pa, dv);
-      wg_fence();
-      wgmma_rs_acc<T, DW, BM>(dv, pa, sdO + half);
-      wg_commit();
-      wg_wait<1>();  // dP^T done: dS while dV runs
+      swap_and_issue(sc, xpa, 1, pa, dv, sdO + half);  // dV += P^T dO
+      wg_wait<1>();                                    // dP^T done: dS while dV runs
       fence_regs(dp);
 #pragma unroll
       for (int i = 0; i < HR; ++i) dp[i] = sc[i] * (dp[i] - del_c[qc_of(i)]) * (kCap ? dc[i] : 1.f);
       uint32_t da[BM / 16][4];
-      swap_slices(dp, xda, 2, da);
-      fence_regs(da, dk);
-      wg_fence();
-      wgmma_rs_acc<T, DW, BM>(dk, da, sQ + half);
-      wg_commit();
+      swap_and_issue(dp, xda, 2, da, dk, sQ + half);  // dK += dS^T Q
       wg_wait<0>();  // dV, dK done: the stage (sQ, sdO, lse2/delta) is free
       fence_regs(dv, dk, pa, da);
       ws::mbar_arrive(empty(s));
