@@ -554,7 +554,7 @@ def run_dkdv(nblocks, S, rng, dq_mode=0, nbuf=1, onered=False, bug=None, d64=Fal
     assert bar1.cnt == 0, "named barrier left half-arrived"
 
 
-def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False):
+def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0):
     """The D = 512 dK/dV kernel (sm90_bwd512_ws.cuh): two CTAs of a cluster, each with its own
     producer ring (as run_dkdv), and per block and consumer warpgroup w: arm xfull[w] (local
     arrive.expect_tx), wait the local xfree barrier (the peer's 8 warps, modelled as its 2
@@ -570,6 +570,9 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False):
     behind block j + 1's partial products and read block j's stage until they complete, which is
     waited for after block j + 1's partials are sent; only then is block j's stage released (the
     last block's products run after the loop).
+    sv (dq only): V on a separate ring of sv stages (the kernel's: K on the S-stage ring, V on one
+    stage), each tile on its own full / empty barriers; the consumers release V_j once block j's
+    dP has read it (after the partials' waits), K_j after its dQ product.
     bug: None, or an injected protocol error that the checks must catch."""
     if bug == "pipe_one_stage":
         S = 1
@@ -580,6 +583,10 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False):
     meta = [[None] * S for _ in range(C)]
     slot = [[None] * S for _ in range(C)]
     readers = [[set() for _ in range(S)] for _ in range(C)]
+    full_v = [[MBar(1) for _ in range(sv)] for _ in range(C)]
+    empty_v = [[MBar(2) for _ in range(sv)] for _ in range(C)]
+    slot_v = [[None] * sv for _ in range(C)]
+    readers_v = [[set() for _ in range(sv)] for _ in range(C)]
     xfull = [[MBar(1) for _ in range(2)] for _ in range(C)]
     xfree = [MBar(1 if bug == "xfree_one_warpgroup" else 2) for _ in range(C)]
     # X[cta][w]: state "free" -> "partial" (pieces landing) -> "read" -> "slice" (being read)
@@ -618,6 +625,12 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False):
                 meta[c][s] = it
                 full[c][s].expect_tx(1)
                 inflight.append(("tma", c, full[c][s], s, it))
+            if sv:
+                t = it % sv
+                yield from wait(empty_v[c][t], ((it // sv) & 1) ^ 1)
+                assert not readers_v[c][t], "V stage overwritten while read"
+                full_v[c][t].expect_tx(1)
+                inflight.append(("tmav", c, full_v[c][t], t, it))
             if not dq:
                 inflight.append(("cp", c, full[c][s], None, None))
             it += 1
@@ -647,6 +660,14 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False):
                 break
             assert (dq or meta[c][s] == it) and slot[c][s] == it, (meta[c][s], slot[c][s], it)
             readers[c][s].add(w)
+            if sv:
+                t = it % sv
+                yield from wait(full_v[c][t], (it // sv) & 1)
+                assert slot_v[c][t] == it, (slot_v[c][t], it)
+                readers_v[c][t].add(w)
+                if bug == "v_early_release":  # released at the products' issue, before dP's wait
+                    readers_v[c][t].discard(w)
+                    empty_v[c][t].arrive()
             xfull[c][w].expect_tx(2)  # this block's phase: the arm + the peer's two pieces
             yield  # S^T and dP^T partials issued
             if bug != "no_xfree_wait":
@@ -658,6 +679,12 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False):
             if pipe and prev is not None:  # wait<0>: the previous block's products
                 yield from products(c, w, *prev)
                 prev = None
+            if sv:  # dP has read V: release it (swap_add_pipe's `done`, or after swap_add)
+                yield
+                assert slot_v[c][t] == it, ("dP read an overwritten V", slot_v[c][t], it)
+                if bug != "v_early_release":
+                    readers_v[c][t].discard(w)
+                    empty_v[c][t].arrive()
             yield from wait(xfull[c][w], it & 1)
             assert xstate[c][w] == "partial" and xblock[c][w] == it, (xstate[c][w], it)
             assert xparts[c][w] == {"s", "dp"}, "a partial read before it landed"
@@ -700,6 +727,9 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False):
             if b is not None:
                 slot[c][b] = v
             a.complete_tx(1)
+        elif kind == "tmav":
+            slot_v[c][b] = v
+            a.complete_tx(1)
         else:  # st.async piece b of block v into X[a] of CTA c
             if xstate[c][a] == "free":
                 xstate[c][a], xblock[c][a], xparts[c][a] = "partial", v, set()
@@ -726,7 +756,8 @@ def injected_bugs_caught(rng):
         caught = False
         for i in range(400):
             try:
-                run_dkdv512(rng.randrange(1, 6), rng.choice([2, 3]), rng, bug, dq=i % 2 == 1)
+                dq = i % 2 == 1
+                run_dkdv512(rng.randrange(1, 6), rng.choice([2, 3]), rng, bug, dq=dq, sv=int(dq))
             except (AssertionError, RuntimeError):
                 caught = True
                 break
@@ -736,17 +767,19 @@ def injected_bugs_caught(rng):
 
 def pipe_bugs_caught(rng):
     """Each injected error of the kPipe order must be caught: the previous block's stage released
-    before its deferred products ran, and a ring of one stage (the consumer holds two)."""
-    for bug in ("pipe_early_release", "pipe_one_stage"):
+    before its deferred products ran, a ring of one stage (the consumer holds two), and (the dQ
+    kernel's V ring) V released before block j's dP has read it."""
+    for bug in ("pipe_early_release", "pipe_one_stage", "v_early_release"):
         caught = False
         for i in range(400):
+            dq = i % 2 == 1 or bug == "v_early_release"
             try:
-                run_dkdv512(rng.randrange(2, 7), 2, rng, bug, dq=i % 2 == 1, pipe=True)
+                run_dkdv512(rng.randrange(2, 7), 2, rng, bug, dq=dq, pipe=True, sv=int(dq))
             except (AssertionError, RuntimeError):
                 caught = True
                 break
         assert caught, f"injected bug {bug} was not caught"
-    return 2
+    return 3
 
 
 def run_fwd512c(total, S, rng, pp=True, bug=None):
@@ -1085,9 +1118,9 @@ for _trial in range(3000):
     for nbuf, onered in ((2, False), (1, True), (2, True)):  # DUALKV_SM90_BWD_VARIANT=1, 2, 3
         run_dkdv(total, 2 if nbuf == 2 else 3, rng, 5, nbuf, onered, d64=rng.random() < 0.5)
     run_dkdv512(total, S, rng)
-    run_dkdv512(total, S, rng, dq=True)
+    run_dkdv512(total, S, rng, dq=True, sv=1)
     run_dkdv512(total, S, rng, pipe=True)
-    run_dkdv512(total, S, rng, dq=True, pipe=True)
+    run_dkdv512(total, S, rng, dq=True, pipe=True, sv=1)
     run_fwd512c(total, S, rng, rng.random() < 0.8)
     run_d256(total, 2, rng)
     n += 1

@@ -40,9 +40,9 @@
 namespace dualkv::cuda::detail {
 
 // What the two D = 512 kernels share: the split of the head dim over a 2-CTA cluster, blocks of
-// 64 rows on both sides, the 2-stage ring, the warp roles and register split, and the exchange
-// buffer X[w] of each consumer warpgroup (its HP = 32 rows of the S / dP partials: S^T and dP^T
-// for dK/dV, S and dP for dQ).
+// 64 rows on both sides, the 2-stage ring (the dQ kernel: K and V rings of its own), the warp roles
+// and register split, and the exchange buffer X[w] of each consumer warpgroup (its HP = 32 rows of
+// the S / dP partials: S^T and dP^T for dK/dV, S and dP for dQ).
 struct Ws512Cfg {
   static constexpr int D = 512;
   static constexpr int CLUSTER = 2;       // CTAs splitting the head dim
@@ -57,8 +57,8 @@ struct Ws512Cfg {
   static constexpr int CONSUMERS = 256;
   static constexpr int X_VECS = 2 * HR / 4;          // float4s per thread: the two partials
   static constexpr int X_BYTES = X_VECS * 128 * 16;  // per consumer warpgroup
-  // The barriers at OFF_BAR: the resident tiles', full[S], empty[S], xfull[2], xfree.
-  static constexpr int NBARS = 1 + 2 * STAGES + 3;
+  // The barriers of a ring of s stages (and sv of a separate V ring): Ws512Bars<s, sv>.
+  static constexpr int nbars(int s, int sv) { return 1 + 2 * s + 2 * sv + 3; }
   static constexpr int PRODUCER_REGS = 40;
   static constexpr int CONSUMER_REGS = 232;
   static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "register pool of one CTA");
@@ -79,7 +79,7 @@ struct DkdvWs512Cfg : Ws512Cfg {
     float x[2][X_BYTES / 4];  // X[w] per consumer warpgroup
     float l[STAGES][2 * BM];  // per stage: lse2[BM], delta[BM]
     int meta[STAGES][4];      // per stage: the query block's record
-    uint64_t bar[NBARS];
+    uint64_t bar[nbars(STAGES, 0)];
   };
   static_assert(sizeof(SharedStorage::k) == K_BYTES && sizeof(SharedStorage::q[0]) == Q_BYTES);
   static constexpr int OFF_V = int(offsetof(SharedStorage, v));
@@ -121,17 +121,23 @@ __device__ __forceinline__ void st_async_f32x4(uint32_t raddr, float a, float b,
 }  // namespace ws
 
 #if DUALKV_SM90_BODY
-// The barriers of a D = 512 CTA (Ws512Cfg::NBARS from `b0`): b0 itself for the resident tiles,
-// the ring's full[S] / empty[S], xfull[w] (the peer's partials for warpgroup w have arrived: the
-// local arrive.expect_tx plus the peer's bytes) and xfree (the peer's 8 consumer warps have read
-// their slices, so its X may be refilled).
+// The barriers of a D = 512 CTA (1 + 2 S + 2 SV + 3 from `b0`): b0 itself for the resident tiles,
+// the ring's full[S] / empty[S] (SV > 0: the K ring, and fullv[SV] / emptyv[SV] a separate V
+// ring; SV = 0: one ring for both streamed tiles), xfull[w] (the peer's partials for warpgroup w
+// have arrived: the local arrive.expect_tx plus the peer's bytes) and xfree (the peer's 8 consumer
+// warps have read their slices, so its X may be refilled).
+template <int S, int SV>
 struct Ws512Bars {
-  static constexpr int S = Ws512Cfg::STAGES;
+  static constexpr int NBARS = Ws512Cfg::nbars(S, SV);
   uint32_t b0;
   __device__ __forceinline__ uint32_t full(int s) const { return b0 + 8u * (1 + s); }
   __device__ __forceinline__ uint32_t empty(int s) const { return b0 + 8u * (1 + S + s); }
-  __device__ __forceinline__ uint32_t xfull(int w) const { return b0 + 8u * (1 + 2 * S + w); }
-  __device__ __forceinline__ uint32_t xfree() const { return b0 + 8u * (3 + 2 * S); }
+  __device__ __forceinline__ uint32_t fullv(int s) const { return b0 + 8u * (1 + 2 * S + s); }
+  __device__ __forceinline__ uint32_t emptyv(int s) const { return b0 + 8u * (1 + 2 * S + SV + s); }
+  __device__ __forceinline__ uint32_t xfull(int w) const {
+    return b0 + 8u * (1 + 2 * S + 2 * SV + w);
+  }
+  __device__ __forceinline__ uint32_t xfree() const { return b0 + 8u * (3 + 2 * S + 2 * SV); }
   // Thread 0 initialises them (full: `full_count` arrivals), then the cluster synchronises: the
   // peer's barriers are initialised before any st.async or remote arrival.
   __device__ __forceinline__ void init(int tid, uint32_t full_count) const {
@@ -140,6 +146,9 @@ struct Ws512Bars {
       ws::mbar_init(b0, 1);
       ws::ring_init<S>([&](int s) { return full(s); }, [&](int s) { return empty(s); }, full_count,
                        NC);
+      if constexpr (SV > 0)
+        ws::ring_init<SV>([&](int s) { return fullv(s); }, [&](int s) { return emptyv(s); },
+                          full_count, NC);
       ws::mbar_init(xfull(0), 1);  // the local arrive.expect_tx; the peer's bytes complete it
       ws::mbar_init(xfull(1), 1);
       ws::mbar_init(xfree(), NC / 32);  // one arrival per consumer warp of the peer
@@ -161,8 +170,9 @@ struct Ws512Exchange {
   uint32_t peer_x;                       // the same word of the peer's X[cw]
   uint32_t xfull, xfull_peer, xfree, peer;
   int t;
+  template <class Bars>
   __device__ __forceinline__ Ws512Exchange(unsigned char* gbase, uint32_t base, int off_x,
-                                           const Ws512Bars& bars, int cw, int t_, uint32_t peer_)
+                                           const Bars& bars, int cw, int t_, uint32_t peer_)
       : gx(gbase + off_x),
         mine(reinterpret_cast<float4*>(gbase + off_x + cw * Cfg::X_BYTES) + t_),
         peer_x(ws::mapa_shared(base + uint32_t(off_x + cw * Cfg::X_BYTES + t_ * 16), peer_)),
@@ -270,7 +280,7 @@ __global__ void __launch_bounds__(384, 1)
   unsigned char* gbase = smem + (base - smem_u32(smem));
   const uint32_t sK = base, sV = base + Cfg::OFF_V;
   const uint32_t sQ0 = base + Cfg::OFF_Q, sdO0 = base + Cfg::OFF_DO, sL0 = base + Cfg::OFF_L;
-  const Ws512Bars bars{base + Cfg::OFF_BAR};
+  const Ws512Bars<S, 0> bars{base + Cfg::OFF_BAR};
   const uint32_t bKV = bars.b0;
   auto meta = [&](int s) {
     return reinterpret_cast<volatile int*>(gbase + Cfg::OFF_META + 16 * s);
@@ -438,13 +448,17 @@ struct DqWs512Cfg : Ws512Cfg {
   static constexpr int HK = HP;                 // keys of a warpgroup's S / dP
   static constexpr int Q_BYTES = BM * DH * 2;   // one CTA's half of Q (and of dO)
   static constexpr int KV_BYTES = BN * DH * 2;  // its half of a K (and V) block
+  // K and V on separate rings: the consumers hold a K tile for two blocks (kPipe: block j's dQ
+  // product runs in block j + 1) but a V tile only until block j's dP, so 3 K stages + 1 V stage
+  // keep a load of each in flight in the 4 tiles that 2 stages of both used.
+  static constexpr int K_STAGES = 3, V_STAGES = 1;
   struct SharedStorage {  // from the 1024-byte aligned base, as DkdvWs512Cfg's
     uint16_t q[BM * DH];
     uint16_t dout[BM * DH];
-    uint16_t k[STAGES][BN * DH];
-    uint16_t v[STAGES][BN * DH];
+    uint16_t k[K_STAGES][BN * DH];
+    uint16_t v[V_STAGES][BN * DH];
     float x[2][X_BYTES / 4];  // X[w] per consumer warpgroup
-    uint64_t bar[NBARS];
+    uint64_t bar[nbars(K_STAGES, V_STAGES)];
   };
   static_assert(sizeof(SharedStorage::q) == Q_BYTES && sizeof(SharedStorage::k[0]) == KV_BYTES);
   static constexpr int OFF_DO = int(offsetof(SharedStorage, dout));
@@ -465,7 +479,8 @@ __global__ void __launch_bounds__(384, 1)
     dq_ws512_kernel_sm90(const __grid_constant__ DkdvWsArgs a) {
 #if DUALKV_SM90_BODY
   using Cfg = DqWs512Cfg;
-  constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::K_STAGES, SV = Cfg::V_STAGES;
+  constexpr int NC = Cfg::CONSUMERS;
   constexpr int DH = Cfg::DH, DW = Cfg::DW, HK = Cfg::HK, HR = Cfg::HR;
   const BwdParams& p = a.p;
   extern __shared__ __align__(1024) unsigned char smem[];
@@ -473,7 +488,7 @@ __global__ void __launch_bounds__(384, 1)
   unsigned char* gbase = smem + (base - smem_u32(smem));
   const uint32_t sQ = base, sdO = base + Cfg::OFF_DO, sK0 = base + Cfg::OFF_K,
                  sV0 = base + Cfg::OFF_V;
-  const Ws512Bars bars{base + Cfg::OFF_BAR};
+  const Ws512Bars<S, SV> bars{base + Cfg::OFF_BAR};
   const uint32_t bQ = bars.b0;
 
   // blockIdx.x = ((tile * 2 + half) * Hq + q head) * 2 + rank (see dkdv_ws512_kernel_sm90).
@@ -494,9 +509,10 @@ __global__ void __launch_bounds__(384, 1)
     // ---- producer: one thread, this CTA's column half ----------------------------------------
     ws::reg_dealloc<Cfg::PRODUCER_REGS>();
     if (tid == 0) {
-      dq_producer_thread<BM, BN, S, DH / 64>(
+      dq_producer_thread<BM, BN, S, DH / 64, SV>(
           a, walk, total, h, hk, q0, cb0, sQ, sdO, bQ, sK0, sV0,
-          [&](int s) { return bars.full(s); }, [&](int s) { return bars.empty(s); });
+          [&](int s) { return bars.full(s); }, [&](int s) { return bars.empty(s); },
+          [&](int s) { return bars.fullv(s); }, [&](int s) { return bars.emptyv(s); });
     }
   } else {
     // ---- consumers ---------------------------------------------------------------------------
@@ -531,9 +547,10 @@ __global__ void __launch_bounds__(384, 1)
 
     ws::mbar_wait(bQ, 0);
     for (int j = 0; j < total; ++j) {
-      const int s = Ring<S>::stage(j);
+      const int s = Ring<S>::stage(j), sv = Ring<SV>::stage(j);
       ws::mbar_wait(bars.full(s), Ring<S>::full_parity(j));
-      const uint32_t sK = sK0 + s * Cfg::KV_BYTES, sV = sV0 + s * Cfg::KV_BYTES;
+      ws::mbar_wait(bars.fullv(sv), Ring<SV>::full_parity(j));
+      const uint32_t sK = sK0 + s * Cfg::KV_BYTES, sV = sV0 + sv * Cfg::KV_BYTES;
       x.expect();
 
       float sc[HR], dp[HR];
@@ -550,12 +567,14 @@ __global__ void __launch_bounds__(384, 1)
           x.swap_add_pipe<3>(sc, dp, j, [&] {
             fence_regs(acc, da);
             ws::mbar_arrive(bars.empty(prev_s));
+            ws::mbar_arrive(bars.emptyv(sv));  // dP has read V_j
           });
         } else {
-          x.swap_add_pipe<2>(sc, dp, j, [] {});
+          x.swap_add_pipe<2>(sc, dp, j, [&] { ws::mbar_arrive(bars.emptyv(sv)); });
         }
       } else {
         x.swap_add(sc, dp, j);  // S and dP of the whole head dim
+        ws::mbar_arrive(bars.emptyv(sv));
       }
       const auto kb = walk.at(j);
       const bool msk = walk.masked(kb, nq, BM, p.mask);

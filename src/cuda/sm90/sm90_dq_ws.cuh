@@ -58,12 +58,15 @@ struct DqWsArgs {
 #if DUALKV_SM90_BODY
 // The producer thread of the dQ kernels (dq_ws_kernel_sm90, and per CTA of its cluster the D = 512
 // one: NB column blocks of 64 from col0): Q and dO of the CTA's queries once on bQ, then K and V
-// of each key block of the walk through the S-stage ring.
-template <int BM, int BN, int S, int NB, class Args, class Walk, class Full, class Empty>
+// of each key block of the walk: SV = 0, both through the S-stage ring (full / empty); SV > 0, K
+// through it and V through a separate SV-stage ring (full_v / empty_v).
+template <int BM, int BN, int S, int NB, int SV, class Args, class Walk, class Full, class Empty,
+          class FullV, class EmptyV>
 __device__ __forceinline__ void dq_producer_thread(const Args& a, const Walk& walk, int total,
                                                    int h, int hk, int q0, int col0, uint32_t sQ,
                                                    uint32_t sdO, uint32_t bQ, uint32_t sK0,
-                                                   uint32_t sV0, Full full, Empty empty) {
+                                                   uint32_t sV0, Full full, Empty empty,
+                                                   FullV full_v, EmptyV empty_v) {
   constexpr int Q_BYTES = BM * NB * 128, KV_BYTES = BN * NB * 128;
   ws::prefetch_tmap(&a.tk);
   ws::prefetch_tmap(&a.tv);
@@ -73,9 +76,18 @@ __device__ __forceinline__ void dq_producer_thread(const Args& a, const Walk& wa
     const int s = Ring<S>::stage(j);
     const int row = int(walk.at(j).row());
     ws::mbar_wait(empty(s), Ring<S>::empty_parity(j));
-    ws::mbar_expect_tx(full(s), 2 * KV_BYTES);
-    ws::tma_load3_pair<NB, BN>(sK0 + s * KV_BYTES, &a.tk, sV0 + s * KV_BYTES, &a.tv, full(s), col0,
-                               hk, row);
+    if constexpr (SV == 0) {
+      ws::mbar_expect_tx(full(s), 2 * KV_BYTES);
+      ws::tma_load3_pair<NB, BN>(sK0 + s * KV_BYTES, &a.tk, sV0 + s * KV_BYTES, &a.tv, full(s),
+                                 col0, hk, row);
+    } else {
+      const int sv = Ring<SV>::stage(j);
+      ws::mbar_expect_tx(full(s), KV_BYTES);
+      ws::tma_load3_cols<NB, BN>(sK0 + s * KV_BYTES, &a.tk, full(s), col0, hk, row);
+      ws::mbar_wait(empty_v(sv), Ring<SV>::empty_parity(j));
+      ws::mbar_expect_tx(full_v(sv), KV_BYTES);
+      ws::tma_load3_cols<NB, BN>(sV0 + sv * KV_BYTES, &a.tv, full_v(sv), col0, hk, row);
+    }
   }
 }
 #endif
@@ -113,8 +125,8 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
     // ---- producer warpgroup: one thread issues every copy ------------------------------------
     ws::reg_dealloc<Cfg::PRODUCER_REGS>();
     if (tid == 0) {
-      dq_producer_thread<BM, BN, S, D / 64>(a, walk, total, h, hk, q0, 0, sQ, sdO, bQ, sK0, sV0,
-                                            full, empty);
+      dq_producer_thread<BM, BN, S, D / 64, 0>(a, walk, total, h, hk, q0, 0, sQ, sdO, bQ, sK0, sV0,
+                                               full, empty, full, empty);
     }
   } else {
     // ---- consumer warpgroups -----------------------------------------------------------------
