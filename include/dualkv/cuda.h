@@ -24,7 +24,8 @@ bool supports(DType dtype, int head_dim);
 // Forward: out and lse for every token of the micro-batch, one launch.
 void attention_forward(const ForwardArgs& args, cudaStream_t stream);
 
-// Bytes of device workspace attention_backward needs (fp32 dq accumulator, rowsum(dO*O), ...).
+// Bytes of device workspace attention_backward needs (rowsum(dO*O), lse in log2 units, and at head
+// dim 64/128 the fp32 dq accumulator of the fused sm_90a backward).
 size_t backward_workspace_bytes(const Shape& shape);
 
 // Backward: dq, dk, dv. `workspace` holds backward_workspace_bytes(args.shape) bytes, 256-byte

@@ -326,11 +326,18 @@ void attention_forward(const ForwardArgs& a, cudaStream_t stream) {
   });
 }
 
+namespace {
+// The fp32 dQ accumulator: only the fused dQ of the sm_90a backward at head dim 64/128 adds into
+// it (every other path writes dq directly), so larger head dims do not allocate it.
+bool needs_dq_accum(int head_dim) { return head_dim <= 128; }
+}  // namespace
+
 size_t backward_workspace_bytes(const Shape& s) {
   const size_t rows =
       size_t(s.tokens > 0 ? s.tokens : 0) * size_t(s.num_q_heads > 0 ? s.num_q_heads : 0);
-  return 2 * detail::align256(rows * sizeof(float)) +
-         detail::align256(rows * size_t(s.head_dim) * sizeof(float));
+  const size_t accum =
+      needs_dq_accum(s.head_dim) ? rows * size_t(s.head_dim > 0 ? s.head_dim : 0) : 0;
+  return 2 * detail::align256(rows * sizeof(float)) + detail::align256(accum * sizeof(float));
 }
 
 void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t stream) {
@@ -358,7 +365,9 @@ void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t str
   char* ws = static_cast<char*>(workspace);
   p.delta = reinterpret_cast<float*>(ws);
   p.lse2 = reinterpret_cast<float*>(ws + align256(rows * sizeof(float)));
-  p.dq_accum = reinterpret_cast<float*>(ws + 2 * align256(rows * sizeof(float)));
+  p.dq_accum = needs_dq_accum(a.shape.head_dim)
+                   ? reinterpret_cast<float*>(ws + 2 * align256(rows * sizeof(float)))
+                   : nullptr;
   const KernelPolicy pol = resolve_policy(a.deterministic);
   p.key_chunk = pol.bwd_key_chunk >= 0                               ? pol.bwd_key_chunk
                 : a.shape.head_dim == 64 && pol.sm90 && pol.fused_dq ? 32

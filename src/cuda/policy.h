@@ -36,7 +36,7 @@ struct KernelPolicy {
   bool d512_fwd_cluster = true;
   // D = 256 backward on sm_90a: sm90/sm90_bwd256_ws.cuh's warp-specialised dK/dV kernel (TMA
   // producer warp, 2-stage ring) + the warp-specialised dQ pass (sm90_dq_ws.cuh, 3 stages);
-  // DUALKV_SM90_D256_BWD=0 the synchronous D = 256 backward (A/B, ~20% slower).
+  // DUALKV_SM90_D256_BWD=0 the synchronous D = 256 backward (A/B; backward 28-36% slower).
   bool d256_bwd_ws = true;
   // The order of the dK/dV kernels' CTAs (Params::key_chunk; every backward path): key tiles in
   // chunks of n, the kv heads outer within a chunk, so that the CTAs running together walk the

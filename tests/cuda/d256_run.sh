@@ -46,7 +46,7 @@ else
   [ $rc = 0 ] || status=1
   res[memcheck]="rc=$rc, $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)"
 
-  echo "== bench: default (warp-specialised) vs sm90-d256-sync, one process =="
+  echo "== bench: $PATHS, one process =="
   timeout 40 $BIN --no-check --bench --bench-reps 5 --path "$PATHS" \
     "${SHAPES[@]}" >"$OUT/bench.log" 2>&1; rc=$?
   echo "rc=$rc"; [ $rc = 0 ] || status=1
@@ -57,7 +57,7 @@ else
     -k "regex:dkdv|dq_kernel|dq_ws_kernel|bwd_pre" $BIN --no-check --bench --bench-reps 1 \
     --path "$PATHS" --shape 16,8192,1024,16,8,256 >"$OUT/ncu.log" 2>&1
   rc=$?; echo "rc=$rc"
-  for k in dkdv_ws256_kernel_sm90; do
+  for k in dkdv_ws256_kernel_sm90 dq_ws_kernel_sm90; do
     grep -q "$k" "$OUT/ncu.log" || { echo "FAIL: no $k kernel in the ncu log"; status=1; }
   done
 fi

@@ -368,10 +368,11 @@ def dkdv_producer_lane(ln, S, nblocks, bKV, full, empty, meta, inflight, busy):
 
 def run_dkdv(nblocks, S, rng, dq_mode=0, nbuf=1, onered=False, bug=None, d64=False):
     # full count: 1 (expect_tx lane) + 32 (cp.async lanes), modelled as 1 + L lanes.
-    # dq_mode (the kernel's kDq) 1, 2: each consumer writes its dS^T half into buffer it & 1,
-    # named barrier 1 (both warpgroups), both read both halves (the dQ product) until their
-    # wgmma wait; the dK product reads its own half and the stage until the next block's first
-    # wait, which then releases the stage (after the loop: a final wait and release).
+    # dq_mode 1, 2 (deleted kernel modes; 5 is today's kFusedDq): each consumer writes its dS^T
+    # half into buffer it & 1, named barrier 1 (both warpgroups), both read both halves (the dQ
+    # product) until their wgmma wait; the dK product reads its own half and the stage until the
+    # next block's first wait, which then releases the stage (after the loop: a final wait and
+    # release).
     # 2: then the consumer hands its dQ block to its reducer warp (dq_full[c],
     # dq_empty[c], a record with an end marker); the reducer's bulk reads end at its
     # wait_group.read. 4: the same protocol (only the stores' layout differs).
@@ -679,16 +680,22 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0):
             if pipe and prev is not None:  # wait<0>: the previous block's products
                 yield from products(c, w, *prev)
                 prev = None
-            if sv:  # dP has read V: release it (swap_add_pipe's `done`, or after swap_add)
+
+            def release_v(t, it):  # dP has read V (swap_add_pipe's `done`, or after swap_add)
                 yield
                 assert slot_v[c][t] == it, ("dP read an overwritten V", slot_v[c][t], it)
                 if bug != "v_early_release":
                     readers_v[c][t].discard(w)
                     empty_v[c][t].arrive()
+
+            if sv and pipe:
+                yield from release_v(t, it)
             yield from wait(xfull[c][w], it & 1)
             assert xstate[c][w] == "partial" and xblock[c][w] == it, (xstate[c][w], it)
             assert xparts[c][w] == {"s", "dp"}, "a partial read before it landed"
             xstate[c][w] = "read"
+            if sv and not pipe:
+                yield from release_v(t, it)
             yield  # P, dS
             xstate[c][w] = "slice"
             xslice_readers[c][w] = set()

@@ -19,8 +19,8 @@
 //     after the other barrier, which the other warpgroup reaches after reading it, so one buffer
 //     each suffices (ws_protocol_sim.py, run_d256).
 // dQ: sm90_dq_ws.cuh's warp-specialised dQ pass (deterministic: no atomics). A variant with dQ
-// fused into this kernel (bulk reductions, as sm90_bwd_ws.cuh's) measured 13% slower and was
-// deleted. Shared memory, registers and tensor cycles: src/cuda/NOTES.md, "D = 256
+// fused into this kernel (bulk reductions, as sm90_bwd_ws.cuh's) measured 20-22% slower backward
+// and was deleted. Shared memory, registers and tensor cycles: src/cuda/NOTES.md, "D = 256
 // warp-specialised backward".
 #pragma once
 
@@ -239,9 +239,9 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
-// Preprocess, the warp-specialised D = 256 dK/dV kernel, then the warp-specialised dQ pass (the
-// synchronous one if its tensor maps cannot be encoded). False (nothing launched) when the dK/dV
-// kernel's tensor maps cannot be encoded (the caller runs the synchronous backward).
+// Preprocess, the warp-specialised D = 256 dK/dV kernel, then the warp-specialised dQ pass. False
+// (nothing launched, with a warning) when a tensor map of either kernel cannot be encoded: the
+// caller then runs the synchronous backward.
 template <typename T>
 bool launch_backward_sm90_d256ws(const BwdParams& p, const KernelPolicy& policy,
                                  cudaStream_t stream) {
@@ -249,6 +249,11 @@ bool launch_backward_sm90_d256ws(const BwdParams& p, const KernelPolicy& policy,
   if (int64_t(p.T) * p.Hq == 0) return true;
   DkdvWsArgs a{};
   if (!make_bwd_ws_args(a, p, C::D, C::BM, C::BN)) return false;
+  DqWsArgs qa{};  // the dQ pass's maps, encoded before anything is launched
+  if (!make_dq_ws_args<C::D>(qa, p, policy)) {
+    warn_ws_fallback("cuTensorMapEncodeTiled failed for the dQ pass");
+    return false;
+  }
   launch_bwd_pre<T, C::D>(p, false, stream);
   const int64_t grid = int64_t(p.nkt) * (kTileSize / C::BN) * p.Hkv;
   if (grid > 0) {
@@ -257,12 +262,7 @@ bool launch_backward_sm90_d256ws(const BwdParams& p, const KernelPolicy& policy,
     launch_kernel(kernel, grid, C::THREADS, C::SMEM, stream, a,
                   "dualkv backward dk/dv (sm90a, warp-specialised, D = 256)");
   }
-  DqWsArgs qa{};
-  if (make_dq_ws_args<C::D>(qa, p, policy)) {
-    launch_dq_sm90_ws<T, C::D>(qa, stream);
-  } else {
-    launch_dq_sm90<T, C::D>(p, stream);
-  }
+  launch_dq_sm90_ws<T, C::D>(qa, stream);
   return true;
 }
 

@@ -452,7 +452,8 @@ struct DqWs512Cfg : Ws512Cfg {
   // product runs in block j + 1) but a V tile only until block j's dP, so 3 K stages + 1 V stage
   // keep a load of each in flight in the 4 tiles that 2 stages of both used.
   static constexpr int K_STAGES = 3, V_STAGES = 1;
-  struct SharedStorage {  // from the 1024-byte aligned base, as DkdvWs512Cfg's
+  static constexpr int STAGES = 0;  // hides Ws512Cfg::STAGES (the dK/dV kernel's ring)
+  struct SharedStorage {            // from the 1024-byte aligned base, as DkdvWs512Cfg's
     uint16_t q[BM * DH];
     uint16_t dout[BM * DH];
     uint16_t k[K_STAGES][BN * DH];

@@ -528,10 +528,9 @@ inline bool make_bwd_ws_args(DkdvWsArgs& a, const BwdParams& p, int d, int bm, i
 }
 
 // Preprocess, the warp-specialised dK/dV kernel, then (policy.fused_dq) the conversion of the dQ
-// it added up, or the separate dQ pass (sm90_dq_ws.cuh). False (nothing launched) for D = 256 or
-// when a tensor map cannot be encoded: the caller then runs the sm_80 backward. (D = 256 with this
-// dQ pass behind the synchronous dK/dV kernel measured no faster than the synchronous dQ pass:
-// 12.57 vs 12.56-12.72 ms backward.)
+// it added up, or the separate dQ pass (sm90_dq_ws.cuh). False (nothing launched) for D = 256 (its
+// own launcher, sm90_bwd256_ws.cuh) or when a tensor map cannot be encoded: the caller then runs
+// the sm_80 backward.
 template <typename T, int D>
 bool launch_backward_sm90_ws(const BwdParams& p, const KernelPolicy& policy, cudaStream_t stream) {
   if constexpr (D > 128) {

@@ -1,5 +1,6 @@
 // Warp-specialised sm_90a dQ pass: the separate dQ pass of the Hopper backward at D <= 128
-// (deterministic=True, or DUALKV_FUSED_DQ=0 for A/B; bitwise reproducible, no atomics). Same
+// (deterministic=True, or DUALKV_FUSED_DQ=0 for A/B) and the default one at D = 256 (BN = 32);
+// bitwise reproducible, no atomics. Same
 // schedule as dq_kernel_sm90 (one CTA per (128-query tile, q head),
 // the forward's key-block walk), with the forward's warp specialisation: a producer thread issues
 // TMA for Q and dO once and K/V blocks through a STAGES-deep ring; two consumer warpgroups of 64

@@ -44,8 +44,8 @@ template <typename T>
 bool launch_backward_sm90_d512(const BwdParams& p, cudaStream_t stream, bool pipe = false);
 
 // D = 256 backward with sm90_bwd256_ws.cuh's warp-specialised dK/dV kernel, then the
-// warp-specialised dQ pass (KernelPolicy::d256_bwd_ws, the default). False (nothing launched)
-// when a tensor map cannot be encoded.
+// warp-specialised dQ pass (KernelPolicy::d256_bwd_ws, the default). False (nothing launched,
+// with a warning) when a tensor map of either kernel cannot be encoded.
 template <typename T>
 bool launch_backward_sm90_d256ws(const BwdParams& p, const KernelPolicy& policy,
                                  cudaStream_t stream);
