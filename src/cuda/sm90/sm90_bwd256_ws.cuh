@@ -27,7 +27,6 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "sm90/sm90_bwd.cuh"
 #include "sm90/sm90_bwd_ws.cuh"
 #include "sm90/sm90_dq_ws.cuh"
 
