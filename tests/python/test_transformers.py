@@ -129,8 +129,7 @@ def test_packed_step_bf16_tolerance(seed, family, device):
     def err(a, b):
         return (a.double() - b.double()).abs().max().item()
 
-    e_r, e_p = err(lp_r, lp_ref), err(lp_p, lp_ref)
-    assert e_p <= 2.5 * e_r + 1e-2, ("logprobs", e_p, e_r)
+    e_p = check_bf16_logprobs(lp_p, lp_r, lp_ref)
     # the loss is one function of the log-probs on both paths (checked exactly in test_losses):
     # its error must stay within what the log-prob error allows, |dL| <= max|A * ratio| * |dlogp|
     # (x1.5 for the exp's curvature), or within 2x the rows' own loss error
@@ -144,6 +143,19 @@ def test_packed_step_bf16_tolerance(seed, family, device):
     for name, gref in g_ref.items():
         e_r, e_p = _rel_l2(g_r[name], gref), _rel_l2(g_p[name], gref)
         assert e_p <= 3 * e_r + 1e-3, (name, e_p, e_r)
+
+
+def check_bf16_logprobs(lp_p, lp_r, lp_ref) -> float:
+    """The packed bf16 log-probs' error against the fp64 reference within the bf16 rows' own:
+    RMS error <= 2x the rows' (the error that accumulates) and the max error <= 4x the rows' (a
+    backstop: one token's bf16 extreme is noisy and hardware-dependent -- seed 4209067847 gave a
+    max ratio of 1.2 here and 2.7 on CI's CPU, while over 40 seeds the RMS ratio stayed in
+    0.74-1.40). Returns the packed path's max error."""
+    d_r, d_p = (lp_r.double() - lp_ref).abs(), (lp_p.double() - lp_ref).abs()
+    rms_r, rms_p = d_r.pow(2).mean().sqrt().item(), d_p.pow(2).mean().sqrt().item()
+    assert rms_p <= 2 * rms_r + 1e-3, ("logprobs rms", rms_p, rms_r)
+    assert d_p.max().item() <= 4 * d_r.max().item() + 1e-2, ("logprobs max", d_p.max(), d_r.max())
+    return d_p.max().item()
 
 
 def _rel_l2(a, b):
