@@ -149,6 +149,17 @@ void check_rows(const Args& a, const char* fn) {
                ": temperature must be finite and > 0, got ", a.temperature);
   DUALKV_CHECK(a.softcap >= 0 && std::isfinite(a.softcap), fn,
                ": softcap must be finite and >= 0, got ", a.softcap);
+  if (a.dtype != DType::kFloat64) {
+    // Accumulated in float: a value float rounds to 0 or inf would drop the softcap silently or
+    // turn every log-prob into NaN.
+    constexpr double lo = std::numeric_limits<float>::min(), hi = std::numeric_limits<float>::max();
+    DUALKV_CHECK(a.temperature >= lo && a.temperature <= hi, fn, ": temperature=", a.temperature,
+                 " is outside float32's range for 16/32-bit logits: [", lo, ", ", hi, "]");
+    DUALKV_CHECK(
+        a.softcap == 0 || (a.softcap >= lo && a.softcap <= hi), fn, ": softcap=", a.softcap,
+        " is outside float32's range for 16/32-bit logits: use 0 (no softcap) or a value in [", lo,
+        ", ", hi, "]");
+  }
 }
 
 inline void check(const LogitStatsArgs& a, const char* fn) {

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ._ops import _NO_FUNCTORCH, ops
-from .layout import Layout
+from .layout import Layout, check_window
 
 
 def attention(
@@ -58,13 +58,9 @@ def attention(
         raise ValueError(f"head dim must be positive, got q of shape {tuple(q.shape)}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else _real(softmax_scale)
     cap = 0.0 if softcap is None else _real(softcap, "softcap")
-    if window is not None and (
-        isinstance(window, bool) or not isinstance(window, numbers.Integral)
-    ):
-        raise TypeError(f"window must be None or an int number of tokens, got {window!r}")
     out, lse = ops.fwd(
         q, k, v, layout.segments, layout.query_tiles, layout.key_tiles, layout.total_tokens,
-        scale, None if window is None else int(window), cap,
+        scale, check_window(window), cap,
         _flag(deterministic, "deterministic") or torch.are_deterministic_algorithms_enabled(),
     )  # fmt: skip
     return (out, lse) if _flag(return_lse, "return_lse") else out

@@ -29,10 +29,22 @@ def _int_list(value: Any, name: str) -> list[int]:
     for i, x in enumerate(value):
         if isinstance(x, bool) or not isinstance(x, numbers.Integral):
             raise TypeError(f"{name}[{i}] must be an int, got {type(x).__name__} ({x!r})")
-        if int(x) > _MAX_LEN:  # (negative lengths are reported by the C++ core)
+        if int(x) > _MAX_LEN:  # (negative lengths are reported by the C++ core ...)
             raise ValueError(f"{name}[{i}] = {int(x)} exceeds the int32 range of the layout")
+        if int(x) < -_MAX_LEN:  # (... where they fit its int64 arguments)
+            raise ValueError(f"{name}[{i}] = {int(x)} is negative")
         out.append(int(x))
     return out
+
+
+def check_window(window: Any) -> int | None:
+    """A sliding window as the op takes it: None, or an int number of tokens (a bool is refused;
+    the op checks the range)."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, numbers.Integral):
+        raise TypeError(f"window must be None or an int number of tokens, got {window!r}")
+    return int(window)
 
 
 def mark_per_batch(t: torch.Tensor, *dims: int) -> torch.Tensor:
@@ -163,7 +175,7 @@ class Layout:
         """Number of (query, key) pairs the mask allows (with an optional sliding window)."""
         counts = [len(r) for r in self._response_lens]
         flat = [x for r in self._response_lens for x in r]
-        return int(ops.layout_pairs(list(self._prefix_lens), counts, flat, window))
+        return int(ops.layout_pairs(list(self._prefix_lens), counts, flat, check_window(window)))
 
     def flops(
         self, head_dim: int, num_q_heads: int, window: int | None = None, backward: bool = False

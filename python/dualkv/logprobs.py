@@ -15,6 +15,7 @@ logits; it is the reference the packed path is checked against.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -275,8 +276,7 @@ def score_tokens(
             f"lm_head_weight must be [V, {hidden_states.shape[1]}], "
             f"got {tuple(lm_head_weight.shape)}"
         )
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    _check_temperature(temperature)
     per_token = max(lm_head_weight.shape[0], 1) * hidden_states.element_size()
     chunk = int(chunk_size) if chunk_size is not None else max(16, _CHUNK_BYTES // per_token)
     if chunk < 1:
@@ -288,6 +288,12 @@ def score_tokens(
         float(temperature), float(logit_softcap or 0.0), chunk, bool(return_entropy),
     )  # fmt: skip
     return logp, ent
+
+
+def _check_temperature(temperature: float) -> None:
+    """Both log-prob paths divide the logits by the temperature: it must be finite and > 0."""
+    if not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
 
 
 def logprobs_from_logits(
@@ -309,6 +315,7 @@ def logprobs_from_logits(
     Returns:
         float32 (float64 for float64 logits) ``logprobs`` (and ``entropy``) of the labels' shape.
     """
+    _check_temperature(temperature)
     z = logits.to(_acc_dtype(logits.dtype))
     if temperature != 1.0:
         z = z / temperature

@@ -99,16 +99,17 @@ std::vector<Tile> tiles_longest_first(const std::vector<Segment>& segments, int3
   for (size_t i = 0; i < segments.size(); ++i) {
     const Segment& s = segments[i];
     const int64_t group_response_tokens = response_tokens[size_t(s.group)];
-    for (int32_t b = 0; b < s.len; b += kTileSize) {
-      const int32_t e = std::min(s.len, b + kTileSize);
+    // 64-bit steps: a segment of up to INT32_MAX tokens ends within kTileSize of the int32 limit.
+    for (int64_t b = 0; b < s.len; b += kTileSize) {
+      const int64_t e = std::min<int64_t>(s.len, b + kTileSize);
       int64_t cost;
       if (!keys) {
         cost = (s.is_response() ? s.prompt_len : 0) + e;  // keys seen by the tile's last row
       } else {
         cost = (s.len - b) + group_response_tokens * (s.is_response() ? 0 : 1);
       }
-      tiles.push_back(
-          {int32_t(i), s.start + b, s.start + e, int32_t(std::min<int64_t>(cost, kMaxTokens))});
+      tiles.push_back({int32_t(i), int32_t(s.start + b), int32_t(s.start + e),
+                       int32_t(std::min<int64_t>(cost, kMaxTokens))});
     }
   }
   std::stable_sort(tiles.begin(), tiles.end(),

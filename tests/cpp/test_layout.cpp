@@ -40,6 +40,24 @@ TEST(Layout, Validation) {
   EXPECT_EQ(Layout({kInt32Max - 6}, {{6}}).total_tokens(), kInt32Max);
 }
 
+TEST(Layout, TilesOfTheLargestSegment) {
+  // A segment of INT32_MAX tokens: its last tile ends at the int32 limit (the tile walk steps
+  // past it; in 32 bits that step overflowed). A one-token response keeps the order checkable.
+  const Layout layout({kInt32Max - 1}, {{1}});
+  for (const std::vector<Tile>& tiles : {layout.query_tiles(), layout.key_tiles()}) {
+    ASSERT_EQ(int64_t(tiles.size()), (kInt32Max - 1 + kTileSize - 1) / kTileSize + 1);
+    int64_t covered = 0, last_end = 0;
+    for (const Tile& t : tiles) {
+      ASSERT_LT(t.begin, t.end);
+      ASSERT_LE(t.end - t.begin, kTileSize);
+      covered += t.end - t.begin;
+      last_end = std::max<int64_t>(last_end, t.end);
+    }
+    EXPECT_EQ(covered, kInt32Max);
+    EXPECT_EQ(last_end, kInt32Max);
+  }
+}
+
 TEST(Layout, SegmentsAndPositions) {
   // Group 0: P=3, responses 2, 0, 1. Group 1: no prompt, one response of 4. Group 2: prompt only.
   // Group 3: empty.

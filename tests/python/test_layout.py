@@ -116,6 +116,8 @@ def test_device_and_to() -> None:
         ([2**63], [[1]], ValueError, r"prefix_lens\[0\] = 9223372036854775808 exceeds the int32"),
         ([1], [[2**64]], ValueError, r"response_lens\[0\]\[0\] = .* exceeds the int32"),
         ("ab", [[1]], TypeError, "prefix_lens must be a list of ints"),
+        ([-(2**64)], [[1]], ValueError, r"prefix_lens\[0\] = -18446744073709551616 is negative"),
+        ([1], [[-(2**40)]], ValueError, r"response_lens\[0\]\[0\] = -1099511627776 is neg"),
     ],
 )
 def test_invalid_layouts(prefix, resp, exc, match) -> None:  # noqa: ANN001
@@ -126,6 +128,9 @@ def test_invalid_layouts(prefix, resp, exc, match) -> None:  # noqa: ANN001
 def test_window_must_be_positive() -> None:
     with pytest.raises(ValueError, match="window"):
         dualkv.Layout([2], [[1]]).allowed_pairs(0)
+    for bad in (True, 2.0, "4"):  # as dualkv.attention: a bool is not a window of 1
+        with pytest.raises(TypeError, match="window must be None or an int"):
+            dualkv.Layout([2], [[1]]).flops(64, 1, window=bad)
 
 
 def test_numpy_lengths() -> None:

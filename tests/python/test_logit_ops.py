@@ -119,6 +119,17 @@ def test_logit_ops_errors():
         ops.logit_stats(z, labels, 0.0, 0.0, False)
     with pytest.raises(ValueError, match="softcap"):
         ops.logit_stats(z, labels, 1.0, -1.0, False)
+    # float32 accumulation: values float rounds to 0 / inf are refused (a dropped softcap or NaN
+    # log-probs otherwise); float64 logits accumulate in double and take them
+    for temp, cap, what in [(1e-46, 0.0, "temperature"), (1e39, 0.0, "temperature"),
+                            (1.0, 1e-46, "softcap"), (1.0, 1e39, "softcap")]:  # fmt: skip
+        for zz in (z, z.bfloat16()):
+            with pytest.raises(ValueError, match=f"{what}=.*outside float32's range"):
+                ops.logit_stats(zz, labels, temp, cap, False)
+        with pytest.raises(ValueError, match=f"{what}=.*outside float32's range"):
+            ops.logit_grad_(z.clone(), labels, torch.zeros(4), torch.ones(4), None, None, temp, cap)
+        lp64, _, _ = ops.logit_stats(z.double(), labels, temp, cap, False)
+        assert not torch.isnan(lp64).any()
     with pytest.raises(TypeError, match="integer"):
         ops.logit_stats(z, labels.float(), 1.0, 0.0, False)
     with pytest.raises(TypeError, match="logits has dtype"):

@@ -133,8 +133,11 @@ def test_logprobs_errors():
         response_logprobs(h[1:], w, pk)
     with pytest.raises(ValueError, match="lm_head_weight"):
         response_logprobs(h, w[:, 1:], pk)
-    with pytest.raises(ValueError, match="temperature"):
-        response_logprobs(h, w, pk, temperature=0.0)
+    for temp in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="temperature"):
+            response_logprobs(h, w, pk, temperature=temp)
+        with pytest.raises(ValueError, match="temperature"):
+            logprobs_from_logits(torch.randn(2, 10), torch.tensor([1, 2]), temperature=temp)
     with pytest.raises(ValueError, match="chunk_size"):
         response_logprobs(h, w, pk, chunk_size=0)
 
