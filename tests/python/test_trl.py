@@ -67,6 +67,17 @@ def moe_config():
     )  # fmt: skip
 
 
+def gpt2_config():
+    """Absolute position embeddings: TRL's rows number the left padding too (0..L-1), and so
+    must the packed positions."""
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128, attn_pdrop=0.0,
+        resid_pdrop=0.0, embd_pdrop=0.0,
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     """Saved tiny random models (loaded by path, so TRL builds its reference model from it)."""
@@ -75,7 +86,9 @@ def model_dirs(tmp_path_factory):
     weights_seed = int(os.environ.get("DUALKV_SEED", int.from_bytes(os.urandom(4), "little")))
     print(f"[model_dirs] weights seed={weights_seed}")
     dirs = {}
-    for family, cfg in (("qwen3", tiny_config("qwen3")), ("qwen3-moe", moe_config())):
+    for family, cfg in (
+        ("qwen3", tiny_config("qwen3")), ("qwen3-moe", moe_config()), ("gpt2", gpt2_config()),
+    ):  # fmt: skip
         cfg.eos_token_id = EOS
         cfg.pad_token_id = PAD
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
@@ -177,6 +190,7 @@ def _assert_grads_close(got, want):
         ("qwen3", "grpo", {"beta": 0.04, "top_entropy_quantile": 0.5, "entropy_coef": 0.01}),
         ("qwen3", "bnpo", {"beta": 0.0, "importance_sampling_level": "sequence"}),
         ("qwen3-moe", "dapo", {"beta": 0.04}),
+        ("gpt2", "dapo", {"beta": 0.04}),
     ],
 )
 def test_logps_loss_and_grads_equal_trl(model_dirs, tmp_path, seed, family, loss_type, extra):

@@ -36,6 +36,7 @@ Typical step::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import weakref
 from collections.abc import Iterator
@@ -62,12 +63,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "LocalMask",
     "check_positions",
+    "check_token_mixers",
     "checkpoint_kwargs",
     "current_layout",
     "dualkv_attention_forward",
     "dualkv_mask",
     "enable_gradient_checkpointing",
+    "lm_head_softcap",
     "packed_hidden_states",
     "packed_response_logprobs",
     "register",
@@ -184,15 +188,32 @@ def dualkv_attention_forward(
             f"the layout has {layout.total_tokens} tokens but the attention got query length "
             f"{query.shape[2]} and key length {key.shape[2]} (a KV cache is not supported)"
         )
+    if isinstance(attention_mask, LocalMask):
+        # the batch's sliding-window / chunked mask: the layer must apply that window itself
+        if not sliding_window or int(sliding_window) != attention_mask.size:
+            raise NotImplementedError(
+                f"{type(module).__name__}'s mask limits attention to {attention_mask.size} "
+                f"tokens (a sliding window or chunked attention), but its attention call passes "
+                f"sliding_window={sliding_window}: a window applied through the mask only (e.g. "
+                "Qwen2-MoE's use_sliding_window, PhiMoE) or chunked attention (Llama 4) is not "
+                "supported yet by the dualkv attention"
+            )
+        attention_mask = None
     if attention_mask is not None:
         raise ValueError(
             "dualkv attention takes its mask from the layout; got an explicit attention_mask "
             f"of shape {tuple(attention_mask.shape)} (pass attention_mask=None)"
         )
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError(
+            f"{type(module).__name__} passes attention sinks (s_aux, e.g. GPT-OSS): not "
+            "supported yet by the dualkv attention"
+        )
+    check_token_mixers(getattr(module, "config", None))
     if dropout:
         raise ValueError(f"dualkv attention does not support attention dropout (got {dropout})")
     check_positions(kwargs.get("position_ids"), layout)
-    if not getattr(module, "is_causal", True):
+    if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
         raise ValueError(
             f"dualkv attention is causal; {type(module).__name__} is bidirectional (e.g. Gemma 4 "
             "with use_bidirectional_attention='all'), which a shared-prompt layout cannot pack"
@@ -263,8 +284,53 @@ def check_positions(position_ids: torch.Tensor | None, layout: Layout | ShardedL
     layout._checked_positions = weakref.ref(position_ids)
 
 
-def dualkv_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> None:
-    """Mask function of ``"dualkv"`` (transformers' mask interface): no mask, the layout is it.
+@dataclasses.dataclass(frozen=True)
+class LocalMask:
+    """What ``"dualkv"``'s mask function returns for a sliding-window or chunked mask of ``size``
+    tokens that matters on the batch: the attention function checks that the layer applies the
+    same window (a window dropped there would be a silent wrong answer)."""
+
+    size: int
+
+
+# Token mixers the packed stream is exact for: attention only. A recurrent or convolutional
+# mixer (Mamba, gated delta-net, short convolutions) would run along the packed stream, so a
+# response would see the previous responses' state.
+_PACKABLE_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+_SEQUENCE_MIXER_NAMES = ("Mamba", "DeltaNet", "ShortConv", "Rwkv", "Ssm", "SSM", "Recurrent")
+_MIXERS_CHECKED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # models scanned once
+
+
+def check_token_mixers(config: Any, model: torch.nn.Module | None = None) -> None:
+    """Refuse a model whose layers mix tokens by anything but attention (hybrid models).
+
+    Checks the config's ``layer_types`` and, given the model, its modules (``nn.Conv1d`` and
+    recurrent mixer classes); raises ``NotImplementedError`` naming what was found.
+    """
+    types = getattr(config, "layer_types", None)
+    other = sorted(set(types or ()) - _PACKABLE_LAYER_TYPES) if isinstance(types, list) else []
+    found = [f"layer types {other}"] if other else []
+    if model is not None and model not in _MIXERS_CHECKED:
+        for name, m in model.named_modules():
+            cls = type(m).__name__
+            if isinstance(m, torch.nn.Conv1d) or any(x in cls for x in _SEQUENCE_MIXER_NAMES):
+                found.append(f"{name} ({cls})")
+                break
+    if model is not None and not found:
+        _MIXERS_CHECKED.add(model)
+    if found:
+        raise NotImplementedError(
+            "DualKV packs a shared prompt for attention layers only; this model also mixes "
+            f"tokens otherwise ({', '.join(found)}: a hybrid linear-attention / state-space / "
+            "convolution model), which would run along the packed stream: not supported yet"
+        )
+
+
+def dualkv_mask(
+    *args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any
+) -> LocalMask | None:
+    """Mask function of ``"dualkv"`` (transformers' mask interface): no mask, the layout is it
+    (or a :class:`LocalMask` for a window that the layers' attention must apply).
 
     A padding mask with zeros cannot be honoured on a packed stream (there is no padding in
     it), so it is refused rather than ignored; an all-ones mask is accepted (checked with one
@@ -277,11 +343,17 @@ def dualkv_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs
     """
     config = kwargs.get("config")
     mask_function = kwargs.get("mask_function")
+    kv_length = int(kwargs.get("kv_length") or 0)
     bidirectional = getattr(config, "use_bidirectional_attention", None)
     if mask_function is not None and bidirectional == "vision":
-        _check_causal(mask_function, int(kwargs.get("kv_length") or 0), kwargs.get("device"))
+        _check_causal(mask_function, kv_length, kwargs.get("device"))
+    # A sliding-window or chunked mask (transformers passes its size as local_size) matters when
+    # it is shorter than the stream (logical distances are below T): the layer's attention must
+    # then apply that window itself, which dualkv_attention_forward checks.
+    local = kwargs.get("local_size")
+    marker = LocalMask(int(local)) if local is not None and int(local) < kv_length else None
     if attention_mask is None or kwargs.get("batch_size", 1) != 1:
-        return None  # (rows, not one packed stream: the attention function refuses them)
+        return marker  # (rows, not one packed stream: the attention function refuses them)
     if torch.compiler.is_compiling():
         raise ValueError(
             'attn_implementation="dualkv" takes its mask from the layout: call the model with '
@@ -294,7 +366,7 @@ def dualkv_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs
             "dualkv.pack(input_ids, attention_mask, prompt_width) and call the model with "
             "attention_mask=None"
         )
-    return None
+    return marker
 
 
 @functools.cache
@@ -445,16 +517,45 @@ def packed_hidden_states(
             'attn_implementation="dualkv"'
             ' or call model.set_attn_implementation("dualkv")'
         )
+    check_token_mixers(_text_config(model), model)
     out = _decoder(model)(**packed.model_inputs(), **kwargs)
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+def _logit_scale(text_config: Any) -> float:
+    """The multiplier a model applies to its logits before any soft-capping (1.0 for most)."""
+    scale = getattr(text_config, "logit_scale", None)
+    if scale is None:
+        scale = getattr(text_config, "output_multiplier", None)
+    if scale is None:
+        scale = getattr(text_config, "lm_head_multiplier", None)
+    if scale is None and getattr(text_config, "logits_scaling", None) is not None:
+        scaling = text_config.logits_scaling
+        scale = scaling if text_config.model_type == "hyperclovax" else 1 / scaling
+    return 1.0 if scale is None else float(scale)
+
+
+def lm_head_softcap(model: PreTrainedModel) -> float | None:
+    """The final logit soft-capping the packed LM head applies (Gemma's), or None.
+
+    Raises ``NotImplementedError`` for a model that scales its logits (Cohere's ``logit_scale``,
+    Granite's ``logits_scaling``, ...): scoring them unscaled would be a silent wrong answer.
+    """
+    text_config = _text_config(model)
+    scale = _logit_scale(text_config)
+    if scale != 1.0:
+        raise NotImplementedError(
+            f"{type(model).__name__} scales its logits by {scale} (logit_scale / logits_scaling "
+            "in its config); DualKV's packed LM head does not support logit scaling yet"
+        )
+    return getattr(text_config, "final_logit_softcapping", None)
 
 
 def _lm_head(model: PreTrainedModel) -> tuple[torch.Tensor, torch.Tensor | None, float | None]:
     head = model.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings (LM head)")
-    softcap = getattr(_text_config(model), "final_logit_softcapping", None)
-    return head.weight, getattr(head, "bias", None), softcap
+    return head.weight, getattr(head, "bias", None), lm_head_softcap(model)
 
 
 def packed_response_logprobs(

@@ -100,19 +100,6 @@ _MULTIMODAL_ARGS = (
 )
 
 
-def _logit_scale(text_config: Any) -> float:
-    """The pre-softcap logit multiplier TRL's fused LM head applies (1.0 for most models)."""
-    scale = getattr(text_config, "logit_scale", None)
-    if scale is None:
-        scale = getattr(text_config, "output_multiplier", None)
-    if scale is None:
-        scale = getattr(text_config, "lm_head_multiplier", None)
-    if scale is None and getattr(text_config, "logits_scaling", None) is not None:
-        scaling = text_config.logits_scaling
-        scale = scaling if text_config.model_type == "hyperclovax" else 1 / scaling
-    return 1.0 if scale is None else float(scale)
-
-
 def _token_weights(packed: PackedBatch) -> torch.Tensor:
     """``[1, T]`` float32: how many rows each packed token stands for (N_g on a prompt, 1 else)."""
     layout = packed.layout
@@ -149,14 +136,8 @@ def add_packed_lm_head(
             (TRL's ``cast_lm_head_to_fp32``).
     """
     text_config = model.config.get_text_config()
-    scale = _logit_scale(text_config)
-    if scale != 1.0:
-        raise NotImplementedError(
-            f"{type(model).__name__} scales its logits by {scale} (logit_scale / "
-            "logits_scaling in its config); DualKV's packed LM head does not support logit "
-            "scaling yet"
-        )
-    softcap = getattr(text_config, "final_logit_softcapping", None)
+    softcap = dkt.lm_head_softcap(model)
+    dkt.check_token_mixers(text_config, model)
     previous = model.forward
 
     @functools.wraps(type(model).forward)
@@ -473,7 +454,11 @@ class DualKVGRPOTrainer(GRPOTrainer):
             dev_idx = idx.to(input_ids.device)
             ids = input_ids if whole else input_ids.index_select(0, dev_idx)
             mask = attention_mask if whole else attention_mask.index_select(0, dev_idx)
-            packed = pack(ids, mask, prompt_width, group_ids=groups[idx])
+            # TRL's rows run with the model's default positions, 0..L-1 over the padded row: the
+            # same positions here (RoPE is relative, but absolute embeddings such as GPT-2's and
+            # length-dependent RoPE scaling see them)
+            positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+            packed = pack(ids, mask, prompt_width, group_ids=groups[idx], position_ids=positions)
             extra = {"output_router_logits": True} if compute_aux_loss else {}
             with self.accelerator.autocast():
                 out = model(**{PACKED_KWARG: packed}, dualkv_entropy=compute_entropy, **extra)

@@ -192,7 +192,8 @@ def _install_packed_forward(model: Any) -> None:
         raise _unsupported(f"a model without an LM head ({type(model).__name__})")
     lm_forward = model.forward
     head_forward = head.forward
-    softcap = getattr(_hf._text_config(model), "final_logit_softcapping", None)
+    softcap = _hf.lm_head_softcap(model)
+    _hf.check_token_mixers(_hf._text_config(model), model)
 
     def packed_head(
         hidden: torch.Tensor,

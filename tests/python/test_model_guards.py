@@ -1,0 +1,138 @@
+"""Models the packed path cannot run exactly raise, naming what they do, instead of giving other
+log-probs than their rows (each case was a silent wrong answer: packed vs rows log-probs 0.02-28
+apart on tiny random models). Controls: the same families without the feature agree with their
+rows, so the error is not raised for what works.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import transformers as T  # noqa: E402
+
+import dualkv  # noqa: E402
+from dualkv.integrations import transformers as dkt  # noqa: E402
+from hf_helpers import VOCAB  # noqa: E402
+
+COMMON = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+    num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=512, pad_token_id=0,
+)  # fmt: skip
+
+
+def _model(config: object, seed: int, impl: str = "sdpa") -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = T.AutoModelForCausalLM.from_config(config, attn_implementation=impl).eval()
+    with torch.no_grad():  # weights large enough that every feature moves the log-probs
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.5 if "embed" in name else 0.08)
+    return model
+
+
+def _rows(seed: int) -> tuple[torch.Tensor, torch.Tensor, int, list[int]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (7, 9)]
+    responses = [
+        [[rng.randrange(3, VOCAB) for _ in range(k)] for k in (5, 8, 2)],
+        [[rng.randrange(3, VOCAB) for _ in range(k)] for k in (6, 1)],
+    ]
+    return dualkv.rows_from_lists(prompts, responses, pad_id=0)
+
+
+def _packed_vs_rows(model: torch.nn.Module, seed: int, rows_impl: str = "sdpa") -> float:
+    ids, mask, pw, gid = _rows(seed)
+    model.set_attn_implementation(rows_impl)
+    lp_rows = dkt.rows_response_logprobs(model, ids, mask, pw)
+    model.set_attn_implementation("dualkv")
+    pk = dualkv.pack(ids, mask, pw, gid)
+    try:
+        lp = dkt.packed_response_logprobs(model, pk)
+    finally:
+        model.set_attn_implementation(rows_impl)
+    return (lp - lp_rows).abs().max().item()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        T.CohereConfig(logit_scale=0.0625, **COMMON),
+        T.GraniteConfig(logits_scaling=8.0, **COMMON),
+    ],
+    ids=["cohere", "granite"],
+)
+def test_scaled_logits_raise(config: object, seed: int) -> None:
+    with pytest.raises(NotImplementedError, match="scales its logits"):
+        _packed_vs_rows(_model(config, seed), seed)
+
+
+def _qwen2_moe(sliding: bool, window: int) -> object:
+    return T.Qwen2MoeConfig(
+        use_sliding_window=sliding, sliding_window=window, max_window_layers=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, **COMMON,
+    )  # fmt: skip
+
+
+def test_window_in_the_mask_only_raises(seed: int) -> None:
+    """Qwen2-MoE's use_sliding_window reaches the mask, not the attention call."""
+    with pytest.raises(NotImplementedError, match="limits attention to 4 tokens"):
+        _packed_vs_rows(_model(_qwen2_moe(True, 4), seed), seed)
+    # controls: no window, and a window longer than the packed stream (it changes nothing)
+    assert _packed_vs_rows(_model(_qwen2_moe(False, 4), seed), seed) < 1e-4
+    assert _packed_vs_rows(_model(_qwen2_moe(True, 4096), seed), seed) < 1e-4
+
+
+def test_chunked_attention_raises(seed: int) -> None:
+    def config(chunk: int) -> object:
+        return T.Llama4TextConfig(
+            **{**COMMON, "intermediate_size": 64}, intermediate_size_mlp=96, head_dim=16,
+            num_local_experts=2, attention_chunk_size=chunk, no_rope_layers=[1, 0],
+            moe_layers=[],
+        )  # fmt: skip
+
+    with pytest.raises(NotImplementedError, match="limits attention to 4 tokens"):
+        _packed_vs_rows(_model(config(4), seed), seed)
+    assert _packed_vs_rows(_model(config(10000), seed), seed) < 1e-4
+
+
+def test_window_passed_to_the_attention_still_runs(seed: int) -> None:
+    """Mistral passes its window to the attention as well as to the mask: it runs, exactly."""
+    config = T.MistralConfig(sliding_window=4, head_dim=16, **COMMON)
+    assert _packed_vs_rows(_model(config, seed), seed) < 1e-4
+
+
+def test_attention_sinks_raise(seed: int) -> None:
+    config = T.GptOssConfig(
+        **{**COMMON, "intermediate_size": 32}, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    with pytest.raises(NotImplementedError, match="attention sinks"):
+        _packed_vs_rows(_model(config, seed, "eager"), seed, "eager")
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "lfm2", "falcon_h1"])
+def test_hybrid_token_mixers_raise(family: str, seed: int) -> None:
+    """Linear attention, short convolutions and Mamba mixers would run along the packed stream."""
+    if family == "qwen3_next":
+        config = T.Qwen3NextConfig(
+            **COMMON, moe_intermediate_size=32, shared_expert_intermediate_size=32, head_dim=16,
+            layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+            linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+        )  # fmt: skip
+    elif family == "lfm2":
+        config = T.Lfm2Config(**COMMON, layer_types=["conv", "full_attention"])
+    else:
+        config = T.FalconH1Config(
+            **COMMON, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+            mamba_n_groups=1, mamba_chunk_size=16,
+        )  # fmt: skip
+    with pytest.raises(NotImplementedError, match="mixes tokens otherwise"):
+        _packed_vs_rows(_model(config, seed), seed)
