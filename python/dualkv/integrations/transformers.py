@@ -304,14 +304,15 @@ _MIXERS_CHECKED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # models 
 def check_token_mixers(config: Any, model: torch.nn.Module | None = None) -> None:
     """Refuse a model whose layers mix tokens by anything but attention (hybrid models).
 
-    Checks the config's ``layer_types`` and, given the model, its modules (``nn.Conv1d`` and
-    recurrent mixer classes); raises ``NotImplementedError`` naming what was found.
+    Checks the config's ``layer_types`` and, given the model, its decoder's modules
+    (``nn.Conv1d`` and recurrent mixer classes); raises ``NotImplementedError`` naming what was
+    found.
     """
     types = getattr(config, "layer_types", None)
     other = sorted(set(types or ()) - _PACKABLE_LAYER_TYPES) if isinstance(types, list) else []
     found = [f"layer types {other}"] if other else []
     if model is not None and model not in _MIXERS_CHECKED:
-        for name, m in model.named_modules():
+        for name, m in _decoder(model).named_modules():  # (not a vision / audio tower)
             cls = type(m).__name__
             if isinstance(m, torch.nn.Conv1d) or any(x in cls for x in _SEQUENCE_MIXER_NAMES):
                 found.append(f"{name} ({cls})")
