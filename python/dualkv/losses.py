@@ -9,7 +9,8 @@ from the packed shared-prompt forward or from the standard rows. Conventions fol
 * clipped surrogate ``max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``, optionally the dual clip
   ``min(., -A c)`` for negative advantages;
 * aggregation ``token-mean`` (DAPO), ``seq-mean-token-mean`` (GRPO), ``seq-mean-token-sum`` or
-  ``seq-mean-token-sum-norm`` (Dr. GRPO).
+  ``seq-mean-token-sum-norm`` (Dr. GRPO); the ``seq-mean`` modes average over the rows that have
+  a real token (veRL 0.9.1 leaves fully masked rows out).
 
 Nothing here synchronises with the host: statistics are returned as detached tensors.
 """
@@ -85,7 +86,9 @@ def aggregate(
         per_seq = seq_sum
     else:  # seq-mean-token-sum-norm
         per_seq = seq_sum / max(values.shape[-1], 1)
-    return per_seq.mean() if per_seq.numel() else per_seq.sum()
+    # the mean over the rows with a real token, as veRL's agg_loss (a fully masked row, e.g. an
+    # empty response, is left out instead of counting as a zero loss)
+    return per_seq.sum() / keep.any(-1).sum().clamp(min=1).to(values.dtype)
 
 
 def _check_num_tokens(num_tokens: torch.Tensor | float) -> torch.Tensor:

@@ -203,6 +203,9 @@ class ShardedLayout:
 
     # the last position-id tensor dualkv.integrations.transformers.check_positions accepted
     _checked_positions: Any = None
+    # this rank's slice of the batch's position ids (set by shard_batch): the positions the model
+    # must see here exactly (a per-group shift that differs between ranks would go unnoticed)
+    positions: torch.Tensor | None = None
 
     def __init__(self, layout: Layout, group: Any = None) -> None:
         if not isinstance(layout, Layout):
@@ -402,6 +405,7 @@ def shard_batch(packed: PackedBatch, group: Any = None, pad_id: int = 0) -> Shar
     sl = ShardedLayout(packed.layout, group)
     ids = sl.shard(packed.input_ids, dim=1, pad_value=pad_id)
     pos = sl.shard(packed.position_ids, dim=1, pad_value=0)
+    sl.positions = pos
     rows, sources, labels = packed.token_rows, packed.token_sources, packed.token_labels
     if sl.world_size > 1:
         local = (sources >= sl.start) & (sources < sl.start + sl.real_tokens)
@@ -472,7 +476,13 @@ def sequence_parallel_logprobs(
     shard, and every rank returns the global log-probs (see :func:`response_logprobs` for
     ``grad_scale`` and the gradients). ``kwargs`` go to the decoder's forward.
     """
-    from .integrations.transformers import ATTN_IMPLEMENTATION, _decoder, _lm_head, _text_config
+    from .integrations.transformers import (
+        ATTN_IMPLEMENTATION,
+        _decoder,
+        _lm_head,
+        _text_config,
+        check_token_mixers,
+    )
 
     impl = getattr(_text_config(model), "_attn_implementation", None)
     if impl != ATTN_IMPLEMENTATION:
@@ -480,6 +490,7 @@ def sequence_parallel_logprobs(
             f"the model uses attn_implementation={impl!r}; sequence parallelism needs "
             'attn_implementation="dualkv"'
         )
+    check_token_mixers(_text_config(model), model)
     batch = shard_batch(packed, group, pad_id=pad_id)
     out = _decoder(model)(**batch.model_inputs(), **kwargs)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]

@@ -348,6 +348,22 @@ def test_self_test_passes_and_can_fail(seed, monkeypatch) -> None:
     monkeypatch.setattr(dkt, "attention", lambda *a, **kw: real(*a, **kw) * 1.01)
     bad = check.self_test(model, seed=seed % 1000, out=None)
     assert not bad.passed and bad.max_logprob_diff > report.tolerances[0]
+    monkeypatch.setattr(dkt, "attention", real)
+    # a NaN in one parameter's packed gradient is a failure, whichever parameters follow it
+    emb = model.get_input_embeddings().weight
+
+    def poison(g: torch.Tensor) -> torch.Tensor:
+        if model.config._attn_implementation == "dualkv":
+            g = g.clone()
+            g[3, 0] = float("nan")
+        return g
+
+    handle = emb.register_hook(poison)
+    try:
+        nan = check.self_test(model, seed=seed % 1000, out=None)
+    finally:
+        handle.remove()
+    assert not nan.passed and nan.max_grad_error != nan.max_grad_error
 
 
 def test_check_cli(seed) -> None:

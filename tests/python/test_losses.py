@@ -20,6 +20,7 @@ from dualkv.losses import (
 def _batch(seed: int, b: int = 6, r: int = 9):
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(1, r + 1, (b,), generator=g)
+    lens[int(torch.randint(0, b, (1,), generator=g))] = 0  # a fully masked row (veRL skips it)
     mask = torch.arange(r)[None, :] < lens[:, None]
     logp = (-torch.rand(b, r, generator=g, dtype=torch.float64) * 3).requires_grad_(True)
     old = (logp.detach() + torch.randn(b, r, generator=g, dtype=torch.float64) * 0.3) * mask
@@ -45,14 +46,15 @@ def _reference(logp, old, adv, mask, lo, hi, c, mode, ref=None, kl_coef=0.0):
                 v = v + kl_coef * torch.clamp(torch.exp(d) - d - 1, -10, 10)
             per_tok[i][j] = v
     toks = [[per_tok[i][j] for j in range(r) if mask[i, j]] for i in range(b)]
+    toks = [row for row in toks if row]  # the seq-mean modes average the rows with a token
     if mode == "token-mean":
         flat = [t for row in toks for t in row]
         return sum(flat) / len(flat)
     if mode == "seq-mean-token-mean":
-        return sum(sum(row) / len(row) for row in toks) / b
+        return sum(sum(row) / len(row) for row in toks) / len(toks)
     if mode == "seq-mean-token-sum":
-        return sum(sum(row) for row in toks) / b
-    return sum(sum(row) / r for row in toks) / b
+        return sum(sum(row) for row in toks) / len(toks)
+    return sum(sum(row) / r for row in toks) / len(toks)
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)

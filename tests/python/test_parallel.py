@@ -321,6 +321,16 @@ def _model_run(group: Any, world: int, seed: int, checkpointing: bool) -> None:
                               use_cache=False).last_hidden_state[0]  # fmt: skip
         full = batch.layout.gather(got)
         torch.testing.assert_close(full, want, rtol=0, atol=1e-12)
+        # a shard's positions are checked exactly: a model called without position_ids numbers
+        # each shard 0..S-1, a shift per rank that a per-group rule could not see (one group of
+        # one response: rank 1's shard was accepted, log-probs off by up to 6.9)
+        dkt.check_positions(batch.position_ids.clone(), batch.layout)
+        one = parallel.shard_batch(
+            dualkv.pack(prompts=[list(range(3, 15))], responses=[[[5] * 4]]), group
+        )
+        if one.layout.rank > 0:
+            with pytest.raises(ValueError, match="this rank's slice"):
+                dkt.check_positions(torch.arange(one.layout.shard_tokens)[None], one.layout)
         # every scored token is scored on exactly one rank
         count = torch.tensor([batch.token_rows.numel()])
         dist.all_reduce(count, group=group)

@@ -594,3 +594,21 @@ def test_ulysses_heads_must_split(model_dirs):
     with pytest.raises(DualKVVerlError, match="ulysses_sequence_parallel_size=3"):
         _engine(DualKVFSDPEngineWithLMHead, model_dirs["qwen3"], "dualkv",
                 ulysses_sequence_parallel_size=3)  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_aggregate_is_verls_agg_loss(mode, seed):
+    """dualkv.losses.aggregate against veRL's own agg_loss on one rank (a mask with holes and a
+    fully masked row, which veRL leaves out of the seq-mean modes)."""
+    from verl.trainer.ppo.core_algos import agg_loss
+
+    from dualkv.losses import aggregate
+
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randn(5, 7, generator=g, dtype=torch.float64)
+    mask = torch.rand(5, 7, generator=g) < 0.6
+    mask[0] = True
+    mask[2] = False
+    want = agg_loss(values, mask.to(values.dtype), mode, batch_num_tokens=int(mask.sum()))
+    # (veRL divides a row by its token count + 1e-8: a relative 1e-8 at most)
+    torch.testing.assert_close(aggregate(values, mask, mode), want, rtol=1e-7, atol=1e-12)

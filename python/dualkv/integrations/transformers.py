@@ -247,7 +247,8 @@ def check_positions(position_ids: torch.Tensor | None, layout: Layout | ShardedL
     ``P..P+R-1``); a model called without ``position_ids`` numbers the packed tokens ``0..T-1``
     instead, which would silently shift every response. Positions that differ from the layout's
     by a constant per group (rows' own positions taken over by :func:`dualkv.pack`) are accepted
-    (RoPE is relative). On a :class:`dualkv.parallel.ShardedLayout` the rank's slice is checked.
+    (RoPE is relative). On a :class:`dualkv.parallel.ShardedLayout` the positions must be the
+    rank's slice of the sharded batch's (:func:`dualkv.parallel.shard_batch`) exactly.
 
     Free for the layout's own tensor (``packed.position_ids``); other tensors are compared once
     (one host synchronisation) and remembered. Not checked while torch.compile traces.
@@ -265,8 +266,19 @@ def check_positions(position_ids: torch.Tensor | None, layout: Layout | ShardedL
     if checked is not None and checked() is position_ids:
         return
     if isinstance(layout, ShardedLayout):
-        own = layout.shard(own)
-        first = layout.shard(first.to(torch.int8), pad_value=1).bool()
+        # a shard is checked exactly: a per-group shift is only visible within one rank's tokens,
+        # so shifts that differ between ranks (each rank numbering its shard 0..S-1) would pass
+        want = layout.positions if layout.positions is not None else layout.shard(own, pad_value=0)
+        want = want.reshape(-1)
+        if pos.numel() != want.numel() or not torch.equal(pos.to(want.device, torch.int64), want):
+            raise ValueError(
+                "position_ids are not this rank's slice of the sharded batch's positions "
+                f"(rank {layout.rank} of {layout.world_size}): the model was probably called "
+                "without position_ids, so each rank numbered its shard 0..S-1. Pass "
+                "position_ids=batch.position_ids (batch.model_inputs() does)"
+            )
+        layout._checked_positions = weakref.ref(position_ids)
+        return
     if pos.numel() != own.numel():
         raise ValueError(
             f"position_ids has {pos.numel()} positions but the layout has {own.numel()} tokens; "
