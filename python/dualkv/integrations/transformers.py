@@ -313,7 +313,7 @@ _SEQUENCE_MIXER_NAMES = ("Mamba", "DeltaNet", "ShortConv", "Rwkv", "Ssm", "SSM",
 _MIXERS_CHECKED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # models scanned once
 
 
-def check_token_mixers(config: Any, model: torch.nn.Module | None = None) -> None:
+def check_token_mixers(config: Any, model: PreTrainedModel | None = None) -> None:
     """Refuse a model whose layers mix tokens by anything but attention (hybrid models).
 
     Checks the config's ``layer_types`` and, given the model, its decoder's modules
