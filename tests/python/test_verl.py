@@ -5,8 +5,8 @@ and is skipped where verl is not installed. Both engines are built by veRL from 
 tiny random model (Qwen3, Qwen3-MoE); veRL's engine runs the rows with SDPA, DualKV's the packed
 groups. Compared: log-probs and entropy of compute_log_prob in veRL's layout, the PPO loss,
 every parameter's gradient, and the parameters after one optimizer step (fp32 tolerance); and
-that micro-batches hold whole groups within the packed-token budget. FSDP2 only: veRL's FSDP1
-setup (``sync_module_states=True``) needs a GPU.
+that micro-batches hold whole groups within the packed-token budget. FSDP2, and FSDP1 in one
+2-process test (veRL's FSDP1 setup checks module states with a GPU-only call, skipped there).
 
 veRL 0.9.1 has no CPU platform; the tests give it one through its own platform plugin API
 (``dualkv.integrations.verl.use_cpu_platform``), with gloo as the process group backend.
@@ -612,3 +612,55 @@ def test_aggregate_is_verls_agg_loss(mode, seed):
     want = agg_loss(values, mask.to(values.dtype), mode, batch_num_tokens=int(mask.sum()))
     # (veRL divides a row by its token count + 1e-8: a relative 1e-8 at most)
     torch.testing.assert_close(aggregate(values, mask, mode), want, rtol=1e-7, atol=1e-12)
+
+
+def _fsdp1_rank(rank: int, world: int, port: int, path: str, seed: int) -> None:
+    """One rank of FSDP1 with a size-based wrap policy (the LM head an FSDP unit of its own)."""
+    import torch.distributed.fsdp._init_utils as init_utils
+
+    # veRL's FSDP1 setup runs sync_module_states, whose check needs a GPU; the CPU test skips
+    # only that check (and the CUDA cache flush)
+    init_utils._check_module_states_for_sync_module_states = lambda *a, **k: None
+    torch.cpu.empty_cache = lambda: None  # type: ignore[attr-defined]
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        td, _ = _batch(random.Random(seed + rank), groups=3)
+        mask = td["response_mask"].bool()
+        wrap = {"wrap_policy": {"min_num_params": 1000}}
+        ref = _engine(FSDPEngineWithLMHead, path, "sdpa", strategy="fsdp", **wrap)
+        dkv = _engine(DualKVFSDPEngineWithLMHead, path, "dualkv", strategy="fsdp", **wrap)
+        assert type(dkv.module.lm_head).__name__ == "FullyShardedDataParallel"
+        logp_ref, ent_ref, _ = _infer(ref, td)
+        logp, ent, _ = _infer(dkv, td)
+        _close(logp * mask, logp_ref * mask, f"rank {rank}: log_probs")
+        _close(ent * mask, ent_ref * mask, f"rank {rank}: entropy")
+        torch.manual_seed(seed + rank)
+        td["old_log_probs"] = (logp_ref + 0.15 * torch.randn_like(logp_ref)) * mask
+        actor = _actor_config("fsdp", True, clip_ratio=0.1)
+        gbs = world * td.shape[0]
+        loss_r, g_r, _, _ = _train(ref, td, actor, global_batch_size=gbs)
+        loss_d, g_d, _, _ = _train(dkv, td, actor, global_batch_size=gbs)
+        assert abs(loss_d - loss_r) <= 1e-5 + 1e-4 * abs(loss_r), (loss_d, loss_r)
+        assert g_d.keys() == g_r.keys() and g_r
+        for name in g_r:
+            scale = max(g_r[name].abs().max().item(), 1.0)
+            _close(g_d[name], g_r[name], f"rank {rank}: grad {name}", rtol=1e-3, atol=2e-5 * scale)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_fsdp1_lm_head_wrapped_alone(tmp_path, seed):
+    """FSDP1 (strategy fsdp) with wrap_policy.min_num_params, 2 gloo processes: the packed path
+    calls the LM head through its own FSDP1 unit (it called the inner module, installed before
+    wrapping: a storage error, or a 2x head gradient with fsdp_size=1)."""
+    import torch.multiprocessing as mp
+
+    path = str(tmp_path / "qwen3")
+    _save_model("qwen3", path, seed % 1000)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ["OMP_NUM_THREADS"] = "1"
+    mp.start_processes(_fsdp1_rank, args=(2, port, path, seed), nprocs=2, start_method="spawn")

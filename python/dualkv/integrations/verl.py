@@ -234,7 +234,10 @@ def _install_packed_forward(model: Any) -> None:
             hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         else:
             hidden = _hf.packed_hidden_states(model, packed)
-        return head(
+        # the head as the model holds it now: FSDP1 may have wrapped it in a unit of its own
+        # (a size-based wrap policy) after this forward was installed, and only a call through
+        # that wrapper gathers its weight and hooks its gradient
+        return model.get_output_embeddings()(
             hidden, dualkv_packed=packed, dualkv_temperature=temperature, dualkv_entropy=entropy,
             dualkv_grad_scale=grad_scale,
         )  # fmt: skip
