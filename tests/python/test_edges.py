@@ -281,6 +281,18 @@ def test_missing_position_ids_raise(seed) -> None:
     shifted = model.model(input_ids=pk.input_ids, position_ids=pk.position_ids + shift,
                           dualkv_layout=pk.layout).last_hidden_state  # fmt: skip
     torch.testing.assert_close(shifted, ref, rtol=1e-4, atol=1e-4)
+    # an accepted tensor is remembered until it changes in place (then it is checked again)
+    pos = pk.position_ids.clone()
+    model.model(input_ids=pk.input_ids, position_ids=pos, dualkv_layout=pk.layout)
+    pos.copy_(torch.arange(pk.total_tokens)[None])
+    with pytest.raises(ValueError, match="position_ids are not the layout's logical positions"):
+        model.model(input_ids=pk.input_ids, position_ids=pos, dualkv_layout=pk.layout)
+    with torch.inference_mode():  # an inference tensor has no version counter: checked each time
+        inf = pk.position_ids.clone()
+        model.model(input_ids=pk.input_ids, position_ids=inf, dualkv_layout=pk.layout)
+        inf.copy_(torch.arange(pk.total_tokens)[None])
+        with pytest.raises(ValueError, match="position_ids are not the layout's logical"):
+            model.model(input_ids=pk.input_ids, position_ids=inf, dualkv_layout=pk.layout)
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])

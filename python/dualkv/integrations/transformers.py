@@ -240,6 +240,15 @@ def dualkv_attention_forward(
     return out.unsqueeze(0), None
 
 
+def _version(t: torch.Tensor) -> int | None:
+    """The tensor's in-place version counter (None for an inference tensor, which has none: such
+    a tensor is checked on every call)."""
+    try:
+        return int(t._version)
+    except RuntimeError:
+        return None
+
+
 def check_positions(position_ids: torch.Tensor | None, layout: Layout | ShardedLayout) -> None:
     """Refuse position ids that are not the layout's logical positions.
 
@@ -251,7 +260,8 @@ def check_positions(position_ids: torch.Tensor | None, layout: Layout | ShardedL
     rank's slice of the sharded batch's (:func:`dualkv.parallel.shard_batch`) exactly.
 
     Free for the layout's own tensor (``packed.position_ids``); other tensors are compared once
-    (one host synchronisation) and remembered. Not checked while torch.compile traces.
+    (one host synchronisation) and remembered until they are changed in place. Not checked while
+    torch.compile traces.
     """
     if position_ids is None or torch.compiler.is_compiling():
         return
@@ -262,9 +272,10 @@ def check_positions(position_ids: torch.Tensor | None, layout: Layout | ShardedL
         pos.data_ptr() == own.data_ptr() and pos.numel() == own.numel() and pos.stride(0) == 1
     ):
         return
-    checked = layout._checked_positions
-    if checked is not None and checked() is position_ids:
-        return
+    checked, version = layout._checked_positions, _version(position_ids)
+    if version is not None and checked is not None and checked[1] == version:
+        if checked[0]() is position_ids:  # (unchanged since it was checked)
+            return
     if isinstance(layout, ShardedLayout):
         # a shard is checked exactly: a per-group shift is only visible within one rank's tokens,
         # so shifts that differ between ranks (each rank numbering its shard 0..S-1) would pass
@@ -277,7 +288,7 @@ def check_positions(position_ids: torch.Tensor | None, layout: Layout | ShardedL
                 "without position_ids, so each rank numbered its shard 0..S-1. Pass "
                 "position_ids=batch.position_ids (batch.model_inputs() does)"
             )
-        layout._checked_positions = weakref.ref(position_ids)
+        layout._checked_positions = (weakref.ref(position_ids), version)
         return
     if pos.numel() != own.numel():
         raise ValueError(
@@ -293,7 +304,7 @@ def check_positions(position_ids: torch.Tensor | None, layout: Layout | ShardedL
             "packed tokens 0..T-1. Pass position_ids=packed.position_ids (model(**packed."
             "model_inputs()) does)"
         )
-    layout._checked_positions = weakref.ref(position_ids)
+    layout._checked_positions = (weakref.ref(position_ids), version)
 
 
 @dataclasses.dataclass(frozen=True)
