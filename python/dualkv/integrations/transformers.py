@@ -249,6 +249,21 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
+def _checked_before(position_ids: torch.Tensor, holder: Layout | ShardedLayout) -> bool:
+    """Whether ``holder`` accepted this very tensor, unchanged in place since."""
+    checked, version = holder._checked_positions, _version(position_ids)
+    return (
+        version is not None
+        and checked is not None
+        and checked[1] == version
+        and (checked[0]() is position_ids)
+    )
+
+
+def _remember(position_ids: torch.Tensor, holder: Layout | ShardedLayout) -> None:
+    holder._checked_positions = (weakref.ref(position_ids), _version(position_ids))
+
+
 def check_positions(position_ids: torch.Tensor | None, layout: Layout | ShardedLayout) -> None:
     """Refuse position ids that are not the layout's logical positions.
 
@@ -259,36 +274,19 @@ def check_positions(position_ids: torch.Tensor | None, layout: Layout | ShardedL
     (RoPE is relative). On a :class:`dualkv.parallel.ShardedLayout` the positions must be the
     rank's slice of the sharded batch's (:func:`dualkv.parallel.shard_batch`) exactly.
 
-    Free for the layout's own tensor (``packed.position_ids``); other tensors are compared once
-    (one host synchronisation) and remembered until they are changed in place. Not checked while
-    torch.compile traces.
+    Free for the layout's own tensor (``packed.position_ids``, or a shard's
+    ``batch.position_ids``); other tensors are compared once (one host synchronisation) and
+    remembered until they are changed in place. Not checked while torch.compile traces.
     """
     if position_ids is None or torch.compiler.is_compiling():
         return
-    base = layout.layout if isinstance(layout, ShardedLayout) else layout
-    own, first = base.position_ids, base.group_first_tokens()
-    pos = position_ids.reshape(-1)
-    if not isinstance(layout, ShardedLayout) and (
-        pos.data_ptr() == own.data_ptr() and pos.numel() == own.numel() and pos.stride(0) == 1
-    ):
-        return
-    checked, version = layout._checked_positions, _version(position_ids)
-    if version is not None and checked is not None and checked[1] == version:
-        if checked[0]() is position_ids:  # (unchanged since it was checked)
-            return
     if isinstance(layout, ShardedLayout):
-        # a shard is checked exactly: a per-group shift is only visible within one rank's tokens,
-        # so shifts that differ between ranks (each rank numbering its shard 0..S-1) would pass
-        want = layout.positions if layout.positions is not None else layout.shard(own, pad_value=0)
-        want = want.reshape(-1)
-        if pos.numel() != want.numel() or not torch.equal(pos.to(want.device, torch.int64), want):
-            raise ValueError(
-                "position_ids are not this rank's slice of the sharded batch's positions "
-                f"(rank {layout.rank} of {layout.world_size}): the model was probably called "
-                "without position_ids, so each rank numbered its shard 0..S-1. Pass "
-                "position_ids=batch.position_ids (batch.model_inputs() does)"
-            )
-        layout._checked_positions = (weakref.ref(position_ids), version)
+        _check_shard_positions(position_ids, layout)
+        return
+    own, pos = layout.position_ids, position_ids.reshape(-1)
+    if pos.data_ptr() == own.data_ptr() and pos.numel() == own.numel() and pos.stride(0) == 1:
+        return
+    if _checked_before(position_ids, layout):
         return
     if pos.numel() != own.numel():
         raise ValueError(
@@ -296,7 +294,7 @@ def check_positions(position_ids: torch.Tensor | None, layout: Layout | ShardedL
             "pass position_ids=packed.position_ids"
         )
     delta = pos.to(own.device, torch.int64) - own
-    same = (delta[1:] == delta[:-1]) | first[1:]
+    same = (delta[1:] == delta[:-1]) | layout.group_first_tokens()[1:]
     if not bool(same.all()):
         raise ValueError(
             "position_ids are not the layout's logical positions (prompt 0..P-1, each response "
@@ -304,7 +302,27 @@ def check_positions(position_ids: torch.Tensor | None, layout: Layout | ShardedL
             "packed tokens 0..T-1. Pass position_ids=packed.position_ids (model(**packed."
             "model_inputs()) does)"
         )
-    layout._checked_positions = (weakref.ref(position_ids), version)
+    _remember(position_ids, layout)
+
+
+def _check_shard_positions(position_ids: torch.Tensor, layout: ShardedLayout) -> None:
+    """A shard's positions, checked exactly: a per-group shift is only visible within one rank's
+    tokens, so shifts that differ between ranks (each rank numbering its shard 0..S-1) would
+    pass the per-group rule."""
+    if position_ids is layout.positions or _checked_before(position_ids, layout):
+        return
+    want = layout.positions
+    if want is None:  # (a ShardedLayout made by hand: the layout's logical positions)
+        want = layout.shard(layout.layout.position_ids, pad_value=0)
+    want, pos = want.reshape(-1), position_ids.reshape(-1)
+    if pos.numel() != want.numel() or not torch.equal(pos.to(want.device, torch.int64), want):
+        raise ValueError(
+            "position_ids are not this rank's slice of the sharded batch's positions "
+            f"(rank {layout.rank} of {layout.world_size}): the model was probably called "
+            "without position_ids, so each rank numbered its shard 0..S-1. Pass "
+            "position_ids=batch.position_ids (batch.model_inputs() does)"
+        )
+    _remember(position_ids, layout)
 
 
 @dataclasses.dataclass(frozen=True)
