@@ -97,6 +97,22 @@ def _group_size(group: Any) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
+def weighted_sum(x: torch.Tensor) -> torch.Tensor:
+    """An int64 fingerprint of ``x``'s values in order (``sum_i (i + 1) * x_i``, wrapping)."""
+    v = x.detach().reshape(-1).to(torch.int64)
+    return (v * torch.arange(1, v.numel() + 1, device=v.device)).sum()
+
+
+def same_on_ranks(values: torch.Tensor, group: Any = None) -> bool:
+    """Whether every rank of ``group`` holds the same int64 ``values`` (a small fingerprint, on
+    a device the group's backend takes). One all-reduce and one host synchronisation; every rank
+    gets the same answer, so all raise together."""
+    both = torch.cat([values, -values]).to(torch.int64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    n = values.numel()
+    return bool(torch.equal(both[:n], -both[n:]))
+
+
 # --- collectives with autograd ----------------------------------------------------------------
 def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Any) -> torch.Tensor:
     world = dist.get_world_size(group)
@@ -395,14 +411,33 @@ class ShardedBatch:
         }
 
 
+def _check_same_batch(packed: PackedBatch, group: Any) -> None:
+    """Refuse ranks that pass different batches: each would run attention on its heads with its
+    own layout, a silent wrong answer."""
+    layout = packed.layout
+    shape = hash((tuple(layout.prefix_lens), tuple(tuple(r) for r in layout.response_lens)))
+    fingerprint = torch.stack([
+        torch.tensor(shape, dtype=torch.int64, device=packed.input_ids.device),
+        weighted_sum(packed.input_ids), weighted_sum(packed.position_ids),
+    ])  # fmt: skip
+    if not same_on_ranks(fingerprint, group):
+        raise ValueError(
+            "shard_batch: the ranks of the sequence-parallel group passed different packed "
+            "batches (layouts, token ids or positions); every rank must pass the same global batch"
+        )
+
+
 def shard_batch(packed: PackedBatch, group: Any = None, pad_id: int = 0) -> ShardedBatch:
     """This rank's :class:`ShardedBatch` of a packed batch sharded by tokens over ``group``.
 
     Every rank of the group passes the same global ``packed`` batch (token ids are small; the
-    activations are what is sharded). One host synchronisation per batch (selecting this rank's
-    scored tokens), none for a group of size 1.
+    activations are what is sharded); a difference is refused (one small all-reduce). Two host
+    synchronisations per batch (that check, and selecting this rank's scored tokens), none for a
+    group of size 1.
     """
     sl = ShardedLayout(packed.layout, group)
+    if sl.world_size > 1:
+        _check_same_batch(packed, group)
     ids = sl.shard(packed.input_ids, dim=1, pad_value=pad_id)
     pos = sl.shard(packed.position_ids, dim=1, pad_value=0)
     sl.positions = pos

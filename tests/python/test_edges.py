@@ -295,6 +295,24 @@ def test_missing_position_ids_raise(seed) -> None:
             model.model(input_ids=pk.input_ids, position_ids=inf, dualkv_layout=pk.layout)
 
 
+def test_missing_position_ids_raise_with_one_response_per_group(seed) -> None:
+    # numbering the stream 0..T-1 is a constant shift per group here, which RoPE would not see,
+    # but absolute embeddings (GPT-2) and length-dependent RoPE scaling do: it is refused too
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed % 1000)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)).eval()
+    model.set_attn_implementation("dualkv")
+    rng = random.Random(seed)
+    prompts, responses = random_groups(rng, groups=3, p_range=(3, 10), n_range=(1, 1))
+    pk = pack(prompts=prompts, responses=responses)
+    with pytest.raises(ValueError, match="position_ids are not the layout's logical positions"):
+        model(input_ids=pk.input_ids, dualkv_layout=pk.layout)
+    model(**pk.model_inputs())  # the layout's positions
+    one = pack(prompts=prompts[:1], responses=responses[:1])  # one group: 0..T-1 is right
+    model(input_ids=one.input_ids, dualkv_layout=one.layout)
+
+
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_layout_reaching_another_backend_raises(impl, seed) -> None:  # noqa: ANN001
     model = tiny_model("qwen3", seed=seed % 1000)

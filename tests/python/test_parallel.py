@@ -331,6 +331,15 @@ def _model_run(group: Any, world: int, seed: int, checkpointing: bool) -> None:
         if one.layout.rank > 0:
             with pytest.raises(ValueError, match="this rank's slice"):
                 dkt.check_positions(torch.arange(one.layout.shard_tokens)[None], one.layout)
+        # ranks that pass different batches are refused on every rank (each would attend with
+        # its own layout): another split of the same tokens, then another token
+        rank = dist.get_rank(group)
+        for odd in ([[5] * 2, [5] * 2], [[5] * 3 + [6]]):
+            responses = odd if rank % 2 else [[5] * 4]
+            with pytest.raises(ValueError, match="passed different packed batches"):
+                parallel.shard_batch(
+                    dualkv.pack(prompts=[list(range(3, 15))], responses=[responses]), group
+                )
         # every scored token is scored on exactly one rank
         count = torch.tensor([batch.token_rows.numel()])
         dist.all_reduce(count, group=group)

@@ -456,6 +456,10 @@ def test_unsupported_options_raise(model_dirs, tmp_path):
     bad[:, -6] = 1
     with pytest.raises(ValueError, match="right-padded"):
         tr._get_per_token_logps_and_entropies(tr.model, ids, bad, 7)
+    no_prompt = mask.clone()
+    no_prompt[1, :-7] = 0  # row 1's prompt fully padded
+    with pytest.raises(NotImplementedError, match=r"rows \[1\] have an empty prompt"):
+        tr._get_per_token_logps_and_entropies(tr.model, ids, no_prompt, 7)
     # the packed model cannot be called on rows by mistake (no silent fallback)
     with pytest.raises((RuntimeError, ValueError), match=r"dualkv\.Layout|dualkv\.pack"):
         tr.model(input_ids=ids, attention_mask=mask)

@@ -271,8 +271,9 @@ def check_positions(position_ids: torch.Tensor | None, layout: Layout | ShardedL
     ``P..P+R-1``); a model called without ``position_ids`` numbers the packed tokens ``0..T-1``
     instead, which would silently shift every response. Positions that differ from the layout's
     by a constant per group (rows' own positions taken over by :func:`dualkv.pack`) are accepted
-    (RoPE is relative). On a :class:`dualkv.parallel.ShardedLayout` the positions must be the
-    rank's slice of the sharded batch's (:func:`dualkv.parallel.shard_batch`) exactly.
+    (RoPE is relative), except ``0..T-1`` itself. On a :class:`dualkv.parallel.ShardedLayout`
+    the positions must be the rank's slice of the sharded batch's
+    (:func:`dualkv.parallel.shard_batch`) exactly.
 
     Free for the layout's own tensor (``packed.position_ids``, or a shard's
     ``batch.position_ids``); other tensors are compared once (one host synchronisation) and
@@ -293,9 +294,13 @@ def check_positions(position_ids: torch.Tensor | None, layout: Layout | ShardedL
             f"position_ids has {pos.numel()} positions but the layout has {own.numel()} tokens; "
             "pass position_ids=packed.position_ids"
         )
-    delta = pos.to(own.device, torch.int64) - own
+    pos = pos.to(own.device, torch.int64)
+    delta = pos - own
     same = (delta[1:] == delta[:-1]) | layout.group_first_tokens()[1:]
-    if not bool(same.all()):
+    # 0..T-1 passes the per-group rule when every group has one response, yet it is what a call
+    # without position_ids gives (wrong for absolute embeddings and length-dependent RoPE)
+    numbered = bool(delta.any()) and torch.equal(pos, torch.arange(pos.numel(), device=pos.device))
+    if numbered or not bool(same.all()):
         raise ValueError(
             "position_ids are not the layout's logical positions (prompt 0..P-1, each response "
             "P..P+R-1): the model was probably called without position_ids, so RoPE numbered the "

@@ -442,7 +442,15 @@ class DualKVGRPOTrainer(GRPOTrainer):
                 )
         num_rows, width = input_ids.shape
         prompt_width = width - int(logits_to_keep)
-        groups = prompt_groups(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])
+        prompt_mask = attention_mask[:, :prompt_width]
+        empty = (prompt_mask.sum(1) == 0).nonzero().flatten().tolist()
+        if empty:
+            # TRL scores such a row's first completion token from a padding position; a packed
+            # group with no prompt has no token before it (DualKV leaves it out): they differ
+            raise NotImplementedError(
+                f"rows {empty[:8]} have an empty prompt: not supported yet by DualKVGRPOTrainer"
+            )
+        groups = prompt_groups(input_ids[:, :prompt_width], prompt_mask)
         chunks = _chunks_of_groups(groups, batch_size or num_rows)
         logps: list[torch.Tensor] = []
         ents: list[torch.Tensor] = []

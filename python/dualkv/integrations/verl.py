@@ -371,19 +371,11 @@ class DualKVFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         mismatch would shard different streams as one, so it is refused (one small all-reduce).
         """
         ids = data["input_ids"]
-        values = (ids.values() if ids.is_nested else ids).detach().reshape(-1)
-        values = values.to("cpu", torch.float64)
-        weights = torch.arange(1, values.numel() + 1, dtype=torch.float64)
+        values = ids.values() if ids.is_nested else ids
         fingerprint = torch.stack([
-            torch.tensor(float(plen.numel()), dtype=torch.float64),
-            plen.sum().to(torch.float64), rlen.sum().to(torch.float64), (values * weights).sum(),
-        ])  # fmt: skip
-        both = torch.cat([fingerprint, -fingerprint]).to(get_device_name())
-        torch.distributed.all_reduce(
-            both, op=torch.distributed.ReduceOp.MAX, group=self.ulysses_parallel_group
-        )
-        hi, lo = both[:4], -both[4:]
-        if not bool(torch.equal(hi, lo)):
+            torch.tensor(plen.numel()), plen.sum(), rlen.sum(), _sp.weighted_sum(values.cpu()),
+        ]).to(torch.int64)  # fmt: skip
+        if not _sp.same_on_ranks(fingerprint.to(get_device_name()), self.ulysses_parallel_group):
             raise DualKVVerlError(
                 "DualKV engine: the ranks of a Ulysses sequence-parallel group "
                 f"(ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size}) hold "
