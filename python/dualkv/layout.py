@@ -76,9 +76,8 @@ class Layout:
     or totals beyond the int32 range.
     """
 
-    # Caches: group_first_tokens, and the last position-id tensor that
+    # Cache: the last position-id tensor that
     # dualkv.integrations.transformers.check_positions accepted for this layout.
-    _group_first: torch.Tensor | None = None
     _checked_positions: Any = None
 
     def __init__(
@@ -155,21 +154,6 @@ class Layout:
         """rho = unshared tokens / packed tokens (1.0 for an empty layout)."""
         t = self.total_tokens
         return self.unshared_tokens / t if t else 1.0
-
-    def group_first_tokens(self) -> torch.Tensor:
-        """``[T]`` bool on the layout's device: True on each group's first packed token (built on
-        first use)."""
-        cached = self._group_first
-        if cached is None or cached.device != self._device:
-            first = torch.zeros(self.total_tokens, dtype=torch.bool)
-            t = 0
-            for p, r in zip(self._prefix_lens, self._response_lens):
-                if p + sum(r):
-                    first[t] = True
-                t += p + sum(r)
-            cached = first.to(self._device)
-            self._group_first = cached
-        return cached
 
     def allowed_pairs(self, window: int | None = None) -> int:
         """Number of (query, key) pairs the mask allows (with an optional sliding window)."""

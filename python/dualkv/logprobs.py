@@ -291,9 +291,14 @@ def score_tokens(
 
 
 def _check_temperature(temperature: float) -> None:
-    """Both log-prob paths divide the logits by the temperature: it must be finite and > 0."""
-    if not math.isfinite(temperature) or temperature <= 0:
-        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+    """Both log-prob paths divide the logits by the temperature: it must be finite and > 0
+    (traced by torch.compile, where it may be symbolic, as an assert in the graph)."""
+    msg = "temperature must be finite and > 0"
+    if torch.compiler.is_compiling():
+        t = torch.scalar_tensor(temperature, dtype=torch.float64)
+        torch._assert_async((t > 0) & torch.isfinite(t), msg)
+    elif not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"{msg}, got {temperature}")
 
 
 def logprobs_from_logits(
@@ -321,11 +326,12 @@ def logprobs_from_logits(
         z = z / temperature
     logp_all = torch.log_softmax(z, dim=-1)
     logp = logp_all.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
-    if mask is not None:
-        logp = logp * mask.to(logp.dtype)
+    if mask is not None:  # (a where, not a product: a non-finite masked value stays out)
+        logp = torch.where(mask.bool(), logp, 0.0)
     if not return_entropy:
         return logp
-    ent = -(logp_all.exp() * logp_all).sum(-1)
+    # p log p is 0 where p is 0 (a -inf logit; 0 * -inf would be NaN)
+    ent = -(logp_all.exp() * torch.where(logp_all > -math.inf, logp_all, 0.0)).sum(-1)
     if mask is not None:
-        ent = ent * mask.to(ent.dtype)
+        ent = torch.where(mask.bool(), ent, 0.0)
     return logp, ent

@@ -124,7 +124,7 @@ class PackedBatch:
         out = x.index_select(0, self.response_index.reshape(-1))
         out = out.view(self.num_rows, self.max_response_len, *x.shape[1:])
         mask = self.real_mask.view(self.num_rows, self.max_response_len, *([1] * (x.dim() - 1)))
-        return out * mask.to(out.dtype) if out.is_floating_point() else out * mask
+        return torch.where(mask, out, 0)  # (a non-finite value at the gathered pad stays out)
 
     def scatter_tokens(self, values: torch.Tensor) -> torch.Tensor:
         """Per-scored-token values ``[M]`` (in ``token_rows`` order) to rows ``[B, R_max]``.

@@ -155,3 +155,26 @@ def test_compile_response_logprobs_fullgraph(device: str, backend: str, seed: in
         err_c = (c.double().cpu() - r).abs().max().item()
         err_e = (e.double().cpu() - r).abs().max().item()
         assert err_c <= 3 * err_e + 1e-3 * r.abs().max().item(), (err_c, err_e)
+
+
+def test_compile_response_logprobs_changing_temperature(seed: int) -> None:
+    """A second temperature makes dynamo trace it as a symbolic float: the range check is then an
+    assert in the graph (it was a Python check, which fullgraph=True could not trace)."""
+    import torch._dynamo
+
+    torch.manual_seed(seed)
+    pk = dualkv.pack(prompts=[[5, 6, 7]], responses=[[[1, 2, 3], [4]]])
+    h, w = torch.randn(pk.total_tokens, 8), torch.randn(30, 8)
+
+    def step(h, w, t):  # noqa: ANN001, ANN202
+        return dualkv.response_logprobs(h, w, pk, temperature=t)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    try:
+        for t in (1.0, 0.5, 0.7, 1.3):
+            torch.testing.assert_close(compiled(h, w, t), step(h, w, t))
+        for t in (-1.0, 0.0, float("inf")):
+            with pytest.raises((RuntimeError, ValueError), match="temperature"):
+                compiled(h, w, t)
+    finally:
+        torch._dynamo.reset()

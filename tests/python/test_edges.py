@@ -313,6 +313,74 @@ def test_missing_position_ids_raise_with_one_response_per_group(seed) -> None:
     model(input_ids=one.input_ids, dualkv_layout=one.layout)
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["layers", "model"])
+def test_missing_position_ids_raise_under_compile(seed, whole) -> None:  # noqa: ANN001
+    # traced, the rule is a device-side assert (the eager check, skipped while tracing, let the
+    # compiled call run with positions 0..T-1: log-probs off by up to 1.1)
+    import torch._dynamo
+
+    model = tiny_model("qwen3", seed=seed % 1000)
+    model.set_attn_implementation("dualkv")
+    pk = _packed(seed)
+    want = model.model(**pk.model_inputs()).last_hidden_state
+    torch._dynamo.reset()
+    try:
+        if whole:
+            run = torch.compile(model.model, backend="aot_eager")
+        else:
+            for layer in model.model.layers:
+                layer.compile(backend="aot_eager")
+            run = model.model
+        torch.testing.assert_close(run(**pk.model_inputs()).last_hidden_state, want)
+        shifted = pk.position_ids.clone()
+        torch.testing.assert_close(
+            run(input_ids=pk.input_ids, position_ids=shifted + 0, dualkv_layout=pk.layout)
+            .last_hidden_state, want,
+        )  # fmt: skip
+        with pytest.raises(RuntimeError, match="position_ids are not the layout's logical"):
+            run(input_ids=pk.input_ids, dualkv_layout=pk.layout)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_empty_batch_through_the_model() -> None:
+    # transformers' forward cannot run on 0 tokens: an empty batch gives empty log-probs
+    model = tiny_model("qwen3")
+    model.set_attn_implementation("dualkv")
+    pk = pack(torch.zeros(0, 6, dtype=torch.long), torch.zeros(0, 6, dtype=torch.long), 3)
+    lp, ent = dkt.packed_response_logprobs(model, pk, return_entropy=True)
+    assert lp.shape == ent.shape == (0, 3)
+
+
+def test_multimodal_inputs_refused_by_the_packed_forward() -> None:
+    # the packed forward runs the text decoder, whose **kwargs would swallow them (a
+    # Gemma 3 vision model's log-probs were off by up to 3.0)
+    model = tiny_model("qwen3")
+    model.set_attn_implementation("dualkv")
+    pk = _packed(0)
+    for name in ("pixel_values", "token_type_ids", "input_features", "video_grid_thw"):
+        with pytest.raises(NotImplementedError, match=name):
+            dkt.packed_response_logprobs(model, pk, **{name: torch.zeros(1)})
+    dkt.packed_response_logprobs(model, pk, pixel_values=None)  # None is no input
+
+
+def test_positions_shift_per_response_without_prompt(seed) -> None:
+    # the responses of a group without a prompt never see each other: each may carry its own
+    # shift (RoPE is relative); a shift inside a stretch is refused
+    model = tiny_model("qwen3", seed=seed % 1000)
+    model.set_attn_implementation("dualkv")
+    pk = pack(prompts=[[], [5, 6, 7]], responses=[[[1, 2, 3], [4, 5]], [[8, 9]]])
+    ref = model.model(**pk.model_inputs()).last_hidden_state
+    shift = torch.tensor([[0, 0, 0, 7, 7, 2, 2, 2, 2, 2]])
+    got = model.model(input_ids=pk.input_ids, position_ids=pk.position_ids + shift,
+                      dualkv_layout=pk.layout).last_hidden_state  # fmt: skip
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    bad = torch.tensor([[0, 0, 1, 7, 7, 2, 2, 2, 2, 2]])
+    with pytest.raises(ValueError, match="position_ids are not the layout's logical positions"):
+        model.model(input_ids=pk.input_ids, position_ids=pk.position_ids + bad,
+                    dualkv_layout=pk.layout)  # fmt: skip
+
+
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_layout_reaching_another_backend_raises(impl, seed) -> None:  # noqa: ANN001
     model = tiny_model("qwen3", seed=seed % 1000)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -140,6 +141,27 @@ def test_logprobs_errors():
             logprobs_from_logits(torch.randn(2, 10), torch.tensor([1, 2]), temperature=temp)
     with pytest.raises(ValueError, match="chunk_size"):
         response_logprobs(h, w, pk, chunk_size=0)
+
+
+def test_rows_reference_with_minus_inf_logits_and_masked_nan(seed):
+    """logprobs_from_logits (the rows' yardstick): a -inf logit (a banned token) has p log p = 0,
+    as the chunked op has it, not NaN; a non-finite row at a masked position gives 0, not NaN."""
+    torch.manual_seed(seed)
+    pk = pack(prompts=[[1, 2, 3]], responses=[[[4, 5, 6], [7]]])
+    h, w = torch.randn(pk.total_tokens, 8), torch.randn(12, 8)
+    bias = torch.zeros(12)
+    bias[[0, 9]] = -math.inf
+    lp, ent = response_logprobs(h, w, pk, lm_head_bias=bias, return_entropy=True)
+    logits = torch.nn.functional.linear(h, w, bias)[pk.token_sources]
+    lp_r, ent_r = logprobs_from_logits(logits, pk.token_labels, return_entropy=True)
+    assert torch.isfinite(ent_r).all()
+    torch.testing.assert_close(pk.scatter_tokens(ent_r), ent)
+    torch.testing.assert_close(pk.scatter_tokens(lp_r), lp)
+    rows = torch.randn(2, 3, 12)
+    rows[1, 2] = math.nan
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    lp_m, ent_m = logprobs_from_logits(rows, torch.ones(2, 3, dtype=torch.long), mask, 1.0, True)
+    assert lp_m[1, 2] == 0 and ent_m[1, 2] == 0 and torch.isfinite(lp_m).all()
 
 
 def test_logprobs_save_no_vocab_sized_tensor(seed):

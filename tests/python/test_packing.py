@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -91,6 +92,11 @@ def test_pack_int_group_ids_positions_and_gather(seed):
     rows.sum().backward()
     assert x.grad is not None
     assert torch.equal(pk.gather_responses(x.unsqueeze(0)), rows)
+    # padding gathers packed token 0: a non-finite value there stays out of the padding
+    y = x.detach().clone()
+    y[0] = math.nan
+    rows_nan = pk.gather_responses(y)
+    assert (rows_nan[~pk.real_mask] == 0).all()
     inputs = pk.model_inputs()
     assert inputs["dualkv_layout"] is pk.layout and inputs["input_ids"] is pk.input_ids
 

@@ -40,7 +40,7 @@ import dataclasses
 import functools
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -264,31 +264,63 @@ def _remember(position_ids: torch.Tensor, holder: Layout | ShardedLayout) -> Non
     holder._checked_positions = (weakref.ref(position_ids), _version(position_ids))
 
 
+_POSITIONS_MSG = (
+    "position_ids are not the layout's logical positions (prompt 0..P-1, each response "
+    "P..P+R-1): the model was probably called without position_ids, so RoPE numbered the packed "
+    "tokens 0..T-1. Pass position_ids=packed.position_ids (model(**packed.model_inputs()) does)"
+)
+_SHARD_POSITIONS_MSG = (
+    "position_ids are not this rank's slice of the sharded batch's positions: the model was "
+    "probably called without position_ids, so each rank numbered its shard 0..S-1. Pass "
+    "position_ids=batch.position_ids (batch.model_inputs() does)"
+)
+
+
 def check_positions(position_ids: torch.Tensor | None, layout: Layout | ShardedLayout) -> None:
     """Refuse position ids that are not the layout's logical positions.
 
     A packed stream needs RoPE on the logical positions (prompt ``0..P-1``, each response
     ``P..P+R-1``); a model called without ``position_ids`` numbers the packed tokens ``0..T-1``
     instead, which would silently shift every response. Positions that differ from the layout's
-    by a constant per group (rows' own positions taken over by :func:`dualkv.pack`) are accepted
-    (RoPE is relative), except ``0..T-1`` itself. On a :class:`dualkv.parallel.ShardedLayout`
-    the positions must be the rank's slice of the sharded batch's
+    by a constant over each stretch that attention never crosses (a group; a response of a group
+    without a prompt) are accepted (rows' own positions taken over by :func:`dualkv.pack`; RoPE
+    is relative), except ``0..T-1`` itself. On a :class:`dualkv.parallel.ShardedLayout` the
+    positions must be the rank's slice of the sharded batch's
     (:func:`dualkv.parallel.shard_batch`) exactly.
 
-    Free for the layout's own tensor (``packed.position_ids``, or a shard's
+    Eager: free for the layout's own tensor (``packed.position_ids``, or a shard's
     ``batch.position_ids``); other tensors are compared once (one host synchronisation) and
-    remembered until they are changed in place. Not checked while torch.compile traces.
+    remembered until they are changed in place. Under torch.compile the same rule is traced into
+    the graph as a device-side assert (``torch._assert_async``; no host synchronisation).
     """
-    if position_ids is None or torch.compiler.is_compiling():
+    if position_ids is None:
         return
     if isinstance(layout, ShardedLayout):
-        _check_shard_positions(position_ids, layout)
+        if torch.compiler.is_compiling():
+            torch._assert_async(_shard_positions_ok(position_ids, layout), _SHARD_POSITIONS_MSG)
+            return
+        if position_ids is layout.positions or _checked_before(position_ids, layout):
+            return
+        if not bool(_shard_positions_ok(position_ids, layout)):
+            raise ValueError(f"{_SHARD_POSITIONS_MSG} (rank {layout.rank} of {layout.world_size})")
+        _remember(position_ids, layout)
+        return
+    if torch.compiler.is_compiling():
+        torch._assert_async(_positions_ok(position_ids, layout), _POSITIONS_MSG)
         return
     own, pos = layout.position_ids, position_ids.reshape(-1)
     if pos.data_ptr() == own.data_ptr() and pos.numel() == own.numel() and pos.stride(0) == 1:
         return
     if _checked_before(position_ids, layout):
         return
+    if not bool(_positions_ok(position_ids, layout)):
+        raise ValueError(_POSITIONS_MSG)
+    _remember(position_ids, layout)
+
+
+def _positions_ok(position_ids: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """The rule of :func:`check_positions` as tensor ops (a bool tensor; traceable)."""
+    own, pos = layout.position_ids, position_ids.reshape(-1)
     if pos.numel() != own.numel():
         raise ValueError(
             f"position_ids has {pos.numel()} positions but the layout has {own.numel()} tokens; "
@@ -296,38 +328,29 @@ def check_positions(position_ids: torch.Tensor | None, layout: Layout | ShardedL
         )
     pos = pos.to(own.device, torch.int64)
     delta = pos - own
-    same = (delta[1:] == delta[:-1]) | layout.group_first_tokens()[1:]
-    # 0..T-1 passes the per-group rule when every group has one response, yet it is what a call
+    # a logical position 0 starts a stretch attention never crosses: a group's prompt, or a
+    # response of a group without a prompt
+    same = ((delta[1:] == delta[:-1]) | (own[1:] == 0)).all()
+    # 0..T-1 passes the per-stretch rule when every group has one response, yet it is what a call
     # without position_ids gives (wrong for absolute embeddings and length-dependent RoPE)
-    numbered = bool(delta.any()) and torch.equal(pos, torch.arange(pos.numel(), device=pos.device))
-    if numbered or not bool(same.all()):
-        raise ValueError(
-            "position_ids are not the layout's logical positions (prompt 0..P-1, each response "
-            "P..P+R-1): the model was probably called without position_ids, so RoPE numbered the "
-            "packed tokens 0..T-1. Pass position_ids=packed.position_ids (model(**packed."
-            "model_inputs()) does)"
-        )
-    _remember(position_ids, layout)
+    numbered = delta.any() & (pos == torch.arange(pos.numel(), device=pos.device)).all()
+    return same & ~numbered
 
 
-def _check_shard_positions(position_ids: torch.Tensor, layout: ShardedLayout) -> None:
-    """A shard's positions, checked exactly: a per-group shift is only visible within one rank's
-    tokens, so shifts that differ between ranks (each rank numbering its shard 0..S-1) would
-    pass the per-group rule."""
-    if position_ids is layout.positions or _checked_before(position_ids, layout):
-        return
+def _shard_positions_ok(position_ids: torch.Tensor, layout: ShardedLayout) -> torch.Tensor:
+    """A shard's positions, compared exactly (a bool tensor; traceable): a per-group shift is
+    only visible within one rank's tokens, so shifts that differ between ranks (each rank
+    numbering its shard 0..S-1) would pass the per-group rule."""
     want = layout.positions
     if want is None:  # (a ShardedLayout made by hand: the layout's logical positions)
         want = layout.shard(layout.layout.position_ids, pad_value=0)
     want, pos = want.reshape(-1), position_ids.reshape(-1)
-    if pos.numel() != want.numel() or not torch.equal(pos.to(want.device, torch.int64), want):
+    if pos.numel() != want.numel():
         raise ValueError(
-            "position_ids are not this rank's slice of the sharded batch's positions "
-            f"(rank {layout.rank} of {layout.world_size}): the model was probably called "
-            "without position_ids, so each rank numbered its shard 0..S-1. Pass "
-            "position_ids=batch.position_ids (batch.model_inputs() does)"
+            f"position_ids has {pos.numel()} positions but this rank's shard has "
+            f"{want.numel()} tokens; pass position_ids=batch.position_ids"
         )
-    _remember(position_ids, layout)
+    return (pos.to(want.device, torch.int64) == want).all()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -565,8 +588,39 @@ def packed_hidden_states(
             ' or call model.set_attn_implementation("dualkv")'
         )
     check_token_mixers(_text_config(model), model)
+    refuse_multimodal(kwargs, "the packed forward")
+    if packed.total_tokens == 0:  # (an empty batch: transformers' forward cannot run on 0 tokens)
+        embed = cast(torch.Tensor, model.get_input_embeddings().weight)
+        return embed.new_zeros(1, 0, _text_config(model).hidden_size)
     out = _decoder(model)(**packed.model_inputs(), **kwargs)
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+# Image / video / audio inputs of transformers' multimodal models (and the token types that mark
+# their tokens). The packed forward runs the text decoder, which would take them in **kwargs and
+# ignore them.
+MULTIMODAL_ARGS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+_MULTIMODAL_PREFIXES = ("pixel_", "image_", "video_", "audio_", "input_features")
+
+
+def refuse_multimodal(kwargs: dict[str, Any], where: str) -> None:
+    """Raise ``NotImplementedError`` for a multimodal input in ``kwargs`` that is not None."""
+    for name, value in kwargs.items():
+        if value is not None and (name in MULTIMODAL_ARGS or name.startswith(_MULTIMODAL_PREFIXES)):
+            raise NotImplementedError(
+                f"{where} packs text only: {name!r} (a multimodal input) is not supported yet"
+            )
 
 
 def _logit_scale(text_config: Any) -> float:

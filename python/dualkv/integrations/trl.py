@@ -85,20 +85,6 @@ UNSUPPORTED_OPTIONS: tuple[tuple[str, Any, str], ...] = (
     ("use_liger_kernel", True, "Liger kernels are not supported yet"),
 )
 
-# Multimodal fields of _get_per_token_logps_and_entropies: text-only packing cannot place them.
-_MULTIMODAL_ARGS = (
-    "pixel_values",
-    "image_grid_thw",
-    "num_images",
-    "pixel_attention_mask",
-    "spatial_shapes",
-    "num_tiles",
-    "image_sizes",
-    "token_type_ids",
-    "mm_token_type_ids",
-    "image_position_ids",
-)
-
 
 def _token_weights(packed: PackedBatch) -> torch.Tensor:
     """``[1, T]`` float32: how many rows each packed token stands for (N_g on a prompt, 1 else)."""
@@ -433,13 +419,10 @@ class DualKVGRPOTrainer(GRPOTrainer):
         compute_aux_loss: bool = False,
         **multimodal: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        for name, value in multimodal.items():
-            if name not in _MULTIMODAL_ARGS:
+        for name in multimodal:
+            if name not in dkt.MULTIMODAL_ARGS:
                 raise TypeError(f"unexpected argument {name!r}")
-            if value is not None:
-                raise NotImplementedError(
-                    f"DualKVGRPOTrainer packs text only: {name!r} is not supported yet"
-                )
+        dkt.refuse_multimodal(multimodal, "DualKVGRPOTrainer")
         num_rows, width = input_ids.shape
         prompt_width = width - int(logits_to_keep)
         prompt_mask = attention_mask[:, :prompt_width]
