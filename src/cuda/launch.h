@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include "collective/common.cuh"
+#include "dualkv/error.h"
 #include "policy.h"
 
 namespace dualkv::cuda::detail {
@@ -26,7 +27,13 @@ void check_launch(const char* what);
 template <typename Arg>
 void launch_kernel(void (*kernel)(Arg), int64_t grid, int threads, int smem, cudaStream_t stream,
                    const Arg& arg, const char* what, int cluster = 1) {
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
+      cudaSuccess) {
+    cudaGetLastError();  // (e.g. head dim 256 on a GPU with 99 KB per block: sm_86/89)
+    DUALKV_CHECK(false, what, ": its kernel needs ", smem / 1024,
+                 " KB of shared memory per block, more than this GPU allows; this head dim is "
+                 "not supported yet on this GPU");
+  }
   if (cluster == 1) {
     kernel<<<unsigned(grid), threads, smem, stream>>>(arg);
   } else {

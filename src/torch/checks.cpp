@@ -52,6 +52,10 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   TORCH_CHECK_VALUE(d == k.sym_size(2), "q has head dim ", d, " but k and v have ", k.sym_size(2),
                     "; the head dim must be the same for q, k and v");
   TORCH_CHECK_VALUE(d > 0, "head dim must be positive, got ", d);
+  constexpr int64_t kMax32 = std::numeric_limits<int32_t>::max();
+  TORCH_CHECK_VALUE(d <= kMax32 && hq <= kMax32 && hkv <= kMax32,
+                    "head dim and head counts must fit in 32 bits, got D=", d, ", Hq=", hq,
+                    ", Hkv=", hkv);
   TORCH_CHECK_VALUE(hkv > 0 && hq > 0, "q and k need at least one head, got Hq=", hq,
                     ", Hkv=", hkv);
   TORCH_CHECK_VALUE(hq % hkv == 0, "Hq=", hq, " (q heads) must be a multiple of Hkv=", hkv,
@@ -100,14 +104,24 @@ ScoreParams check_score(const ScoreOptions& opts, at::ScalarType dtype) {
   return p;
 }
 
+namespace {
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+}  // namespace
+
+// A copy, not t.contiguous(): that returns t itself when torch calls it contiguous, which a view
+// starting off a 16-byte boundary, or a size-1 head dim with stride 1, can be.
 at::Tensor with_unit_inner_stride(const at::Tensor& t) {
   bool ok = t.stride(2) == 1;
   if (t.is_cuda()) {  // vector loads: 16-byte aligned rows
     const int64_t per16 = 16 / int64_t(t.element_size());
-    ok = ok && t.stride(0) % per16 == 0 && t.stride(1) % per16 == 0 &&
-         reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+    ok = ok && t.stride(0) % per16 == 0 && t.stride(1) % per16 == 0 && aligned16(t);
   }
-  return ok ? t : t.contiguous();
+  return ok ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
+at::Tensor dense_aligned(const at::Tensor& t) {
+  const bool ok = t.is_contiguous() && (!t.is_cuda() || aligned16(t));
+  return ok ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
 TokenHeadStrides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1)}; }

@@ -41,6 +41,8 @@ at::ScalarType lse_dtype(at::ScalarType input);
 
 // q/k/v with a unit stride on the head dimension (and, on CUDA, 16-byte aligned rows).
 at::Tensor with_unit_inner_stride(const at::Tensor& t);
+// A dense tensor (and, on CUDA, 16-byte aligned): t, or a copy of it (dout, out, lse, dlse).
+at::Tensor dense_aligned(const at::Tensor& t);
 TokenHeadStrides strides_of(const at::Tensor& t);
 LayoutView view_of(const LayoutTensors& layout);
 

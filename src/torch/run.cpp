@@ -63,13 +63,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(
       lse_in.scalar_type(), " ", lse_in.sizes());
   const at::Tensor q = with_unit_inner_stride(q_in), k = with_unit_inner_stride(k_in),
                    v = with_unit_inner_stride(v_in);
-  const at::Tensor dout = dout_in.contiguous(), out = out_in.contiguous(),
-                   lse = lse_in.contiguous();
+  const auto on_q = [&](const at::Tensor& t) { return t.device() == q_in.device(); };
+  TORCH_CHECK_VALUE(
+      on_q(dout_in) && on_q(out_in) && on_q(lse_in) && (!dlse_in.has_value() || on_q(*dlse_in)),
+      "dout, out, lse and dlse must be on q's device ", q_in.device());
+  const at::Tensor dout = dense_aligned(dout_in), out = dense_aligned(out_in),
+                   lse = dense_aligned(lse_in);
   at::Tensor dlse;
   if (dlse_in.has_value()) {
     TORCH_CHECK_VALUE(dlse_in->sizes() == lse.sizes(), "dlse must have lse's shape ", lse.sizes(),
                       ", got ", dlse_in->sizes());
-    dlse = dlse_in->to(lse_type).contiguous();
+    dlse = dense_aligned(dlse_in->to(lse_type));
   }
   at::Tensor dq = at::empty({shape.tokens, shape.num_q_heads, shape.head_dim}, q.options());
   at::Tensor dk = at::empty({shape.tokens, shape.num_kv_heads, shape.head_dim}, q.options());

@@ -87,6 +87,40 @@ def test_no_host_sync(seed: int) -> None:
         torch.cuda.set_sync_debug_mode("default")
 
 
+def test_views_the_kernels_cannot_read_in_place(seed: int) -> None:
+    """Tensors torch calls contiguous that the kernels cannot read in place: a view starting off
+    a 16-byte boundary (q, and the incoming gradient), a single kv head with head stride 1. They
+    are copied (they used to be refused as misaligned): the results are the dense inputs'."""
+    rng = random.Random(seed)
+    layout = dualkv.Layout(*random_layout_lens(rng, groups=2, max_p=300, max_r=200), device="cuda")
+    q, k, v, dout = inputs(layout, 4, 1, 128, seed)
+    want = fwd_bwd(q, k, v, dout, layout, deterministic=True)
+
+    def off_by_one(t: torch.Tensor) -> torch.Tensor:
+        buf = torch.empty(t.numel() + 1, device="cuda", dtype=t.dtype)
+        view = buf[1:].view_as(t)
+        view.copy_(t)
+        assert view.is_contiguous() and view.data_ptr() % 16 != 0
+        return view
+
+    k_unit = k.transpose(1, 2).contiguous().transpose(1, 2)  # [T, 1, D], strides (D, 1, 1)
+    assert k_unit.is_contiguous() and k_unit.stride(1) == 1
+    got = fwd_bwd(off_by_one(q), k_unit, v, off_by_one(dout), layout, deterministic=True)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    # the op itself: every tensor on q's device
+    leaves = [t.detach() for t in (q, k, v)]
+    out, lse = dualkv._ops.ops.fwd(
+        *leaves, layout.segments, layout.query_tiles, layout.key_tiles, layout.total_tokens,
+        128**-0.5, None, 0.0, False,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="q's device"):
+        dualkv._ops.ops.bwd(
+            dout.cpu(), *leaves, out, lse, None, layout.segments, layout.query_tiles,
+            layout.key_tiles, layout.total_tokens, 128**-0.5, None, 0.0, False,
+        )  # fmt: skip
+
+
 def test_unsupported_on_gpu() -> None:
     layout = dualkv.Layout([8], [[4]], device="cuda")
     T = layout.total_tokens

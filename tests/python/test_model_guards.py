@@ -136,3 +136,35 @@ def test_hybrid_token_mixers_raise(family: str, seed: int) -> None:
         )  # fmt: skip
     with pytest.raises(NotImplementedError, match="mixes tokens otherwise"):
         _packed_vs_rows(_model(config, seed), seed)
+
+
+@pytest.mark.parametrize("layers", ["sliding+full", "full"])
+def test_two_way_image_blocks_raise(layers: str, seed: int) -> None:
+    """Gemma 3 with image tokens (token_type_ids): transformers lets an image's tokens see each
+    other both ways (an or-overlay on the causal mask, Gemma 3 and PaliGemma); the packed causal
+    attention would drop it (log-probs 0.07 apart before). Text-only batches still run."""
+    image = 7
+    types = (
+        ["sliding_attention", "full_attention"]
+        if layers == "sliding+full"
+        else ["full_attention"] * 2
+    )
+    text = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=512,
+        query_pre_attn_scalar=16, layer_types=types, max_position_embeddings=512,
+    )  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
+    config = T.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                            image_token_id=image, boi_token_id=8, eoi_token_id=9)  # fmt: skip
+    torch.manual_seed(seed)
+    model = T.Gemma3ForConditionalGeneration(config).eval()
+    model.set_attn_implementation("dualkv")
+    rng = random.Random(seed)
+    prompt = [rng.randrange(10, VOCAB) for _ in range(3)] + [8] + [image] * 4 + [9]
+    pk = dualkv.pack(prompts=[prompt], responses=[[[11, 12, 13], [14, 15]]])
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="attend to later ones"):
+            model.model(**pk.model_inputs(), token_type_ids=(pk.input_ids == image).long())
+        model.model(**pk.model_inputs(), token_type_ids=torch.zeros_like(pk.input_ids))

@@ -415,7 +415,12 @@ def dualkv_mask(
     mask_function = kwargs.get("mask_function")
     kv_length = int(kwargs.get("kv_length") or 0)
     bidirectional = getattr(config, "use_bidirectional_attention", None)
-    if mask_function is not None and bidirectional == "vision":
+    relaxed = (
+        bidirectional == "vision"
+        or bool(kwargs.get("use_vmap"))  # (transformers' flag for or / and overlays)
+        or (not torch.compiler.is_compiling() and _has_or_overlay(mask_function))
+    )
+    if mask_function is not None and relaxed:
         _check_causal(mask_function, kv_length, kwargs.get("device"))
     # A sliding-window or chunked mask (transformers passes its size as local_size) matters when
     # it is shorter than the stream (logical distances are below T): the layer's attention must
@@ -458,6 +463,25 @@ def _refuse_layout(name: str, function: Any) -> Any:
     return guarded
 
 
+def _has_or_overlay(mask_function: Any, depth: int = 0) -> bool:
+    """Whether transformers composed ``mask_function`` with an ``or_masks`` overlay anywhere
+    (e.g. Gemma 3's two-way image blocks through ``block_sequence_ids``): a mask that may let a
+    token see later ones. Reads the closures only (no device work)."""
+    if not callable(mask_function) or depth > 8:
+        return False
+    if getattr(mask_function, "__name__", "") == "or_mask":
+        return True
+    for cell in getattr(mask_function, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        inner = value if isinstance(value, tuple | list) else (value,)
+        if any(_has_or_overlay(f, depth + 1) for f in inner):
+            return True
+    return False
+
+
 def _check_causal(mask_function: Any, length: int, device: Any) -> None:
     if length < 2:
         return
@@ -467,8 +491,8 @@ def _check_causal(mask_function: Any, length: int, device: Any) -> None:
     if bool(sees_next.any()):  # one host sync per mask, only for such models
         raise ValueError(
             "dualkv attention is causal, but this batch's mask lets tokens attend to later ones "
-            "(bidirectional attention among vision tokens: Gemma 4 "
-            "use_bidirectional_attention='vision' with image/video inputs); packing such "
+            "(bidirectional attention among image / video tokens: Gemma 3 or PaliGemma with "
+            "token_type_ids, Gemma 4 use_bidirectional_attention='vision'); packing such "
             "prompts is not supported yet"
         )
 
