@@ -243,6 +243,7 @@ class ShardedLayout:
 
     @property
     def device(self) -> torch.device:
+        """The device of the layout's metadata."""
         return self.layout.device
 
     def shard(self, x: torch.Tensor, dim: int = 0, pad_value: float = 0) -> torch.Tensor:
