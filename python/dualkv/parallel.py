@@ -512,21 +512,9 @@ def sequence_parallel_logprobs(
     shard, and every rank returns the global log-probs (see :func:`response_logprobs` for
     ``grad_scale`` and the gradients). ``kwargs`` go to the decoder's forward.
     """
-    from .integrations.transformers import (
-        ATTN_IMPLEMENTATION,
-        _decoder,
-        _lm_head,
-        _text_config,
-        check_token_mixers,
-    )
+    from .integrations.transformers import _decoder, _lm_head, check_packed_model
 
-    impl = getattr(_text_config(model), "_attn_implementation", None)
-    if impl != ATTN_IMPLEMENTATION:
-        raise ValueError(
-            f"the model uses attn_implementation={impl!r}; sequence parallelism needs "
-            'attn_implementation="dualkv"'
-        )
-    check_token_mixers(_text_config(model), model)
+    check_packed_model(model, kwargs)
     batch = shard_batch(packed, group, pad_id=pad_id)
     out = _decoder(model)(**batch.model_inputs(), **kwargs)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]

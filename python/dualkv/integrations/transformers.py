@@ -64,6 +64,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "LocalMask",
+    "check_packed_model",
     "check_positions",
     "check_token_mixers",
     "checkpoint_kwargs",
@@ -296,26 +297,28 @@ def check_positions(position_ids: torch.Tensor | None, layout: Layout | ShardedL
     if position_ids is None:
         return
     if isinstance(layout, ShardedLayout):
-        if torch.compiler.is_compiling():
-            torch._assert_async(_shard_positions_ok(position_ids, layout), _SHARD_POSITIONS_MSG)
-            return
-        if position_ids is layout.positions or _checked_before(position_ids, layout):
-            return
-        if not bool(_shard_positions_ok(position_ids, layout)):
-            raise ValueError(f"{_SHARD_POSITIONS_MSG} (rank {layout.rank} of {layout.world_size})")
-        _remember(position_ids, layout)
-        return
+        rule = functools.partial(_shard_positions_ok, position_ids, layout)
+        msg = f"{_SHARD_POSITIONS_MSG} (rank {layout.rank} of {layout.world_size})"
+    else:
+        rule = functools.partial(_positions_ok, position_ids, layout)
+        msg = _POSITIONS_MSG
     if torch.compiler.is_compiling():
-        torch._assert_async(_positions_ok(position_ids, layout), _POSITIONS_MSG)
+        torch._assert_async(rule(), msg)
         return
-    own, pos = layout.position_ids, position_ids.reshape(-1)
-    if pos.data_ptr() == own.data_ptr() and pos.numel() == own.numel() and pos.stride(0) == 1:
+    if _is_layouts_own(position_ids, layout) or _checked_before(position_ids, layout):
         return
-    if _checked_before(position_ids, layout):
-        return
-    if not bool(_positions_ok(position_ids, layout)):
-        raise ValueError(_POSITIONS_MSG)
+    if not bool(rule()):
+        raise ValueError(msg)
     _remember(position_ids, layout)
+
+
+def _is_layouts_own(position_ids: torch.Tensor, layout: Layout | ShardedLayout) -> bool:
+    """Whether ``position_ids`` is the layout's own tensor (``packed.position_ids``, or a
+    shard's ``batch.position_ids``): nothing to check."""
+    if isinstance(layout, ShardedLayout):
+        return position_ids is layout.positions
+    pos, own = position_ids.reshape(-1), layout.position_ids
+    return pos.data_ptr() == own.data_ptr() and pos.numel() == own.numel() and pos.stride(0) == 1
 
 
 def _positions_ok(position_ids: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -604,6 +607,17 @@ def packed_hidden_states(
 
     The model must use ``attn_implementation="dualkv"``; ``kwargs`` go to the decoder's forward.
     """
+    check_packed_model(model, kwargs)
+    if packed.total_tokens == 0:  # (an empty batch: transformers' forward cannot run on 0 tokens)
+        embed = cast(torch.Tensor, model.get_input_embeddings().weight)
+        return embed.new_zeros(1, 0, _text_config(model).hidden_size)
+    out = _decoder(model)(**packed.model_inputs(), **kwargs)
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+def check_packed_model(model: PreTrainedModel, kwargs: dict[str, Any]) -> None:
+    """What every packed forward of ``model``'s decoder (with keywords ``kwargs``) needs: the
+    ``"dualkv"`` attention, attention-only token mixers, and no multimodal input."""
     impl = getattr(_text_config(model), "_attn_implementation", None)
     if impl != ATTN_IMPLEMENTATION:
         raise ValueError(
@@ -613,11 +627,6 @@ def packed_hidden_states(
         )
     check_token_mixers(_text_config(model), model)
     refuse_multimodal(kwargs, "the packed forward")
-    if packed.total_tokens == 0:  # (an empty batch: transformers' forward cannot run on 0 tokens)
-        embed = cast(torch.Tensor, model.get_input_embeddings().weight)
-        return embed.new_zeros(1, 0, _text_config(model).hidden_size)
-    out = _decoder(model)(**packed.model_inputs(), **kwargs)
-    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
 # Image / video / audio inputs of transformers' multimodal models (and the token types that mark
