@@ -7,12 +7,13 @@ model (``--model PATH``, or :func:`self_test` from Python) after an upgrade of t
 transformers or DualKV, or before trusting a new model family: a wrong position, mask or
 attention dispatch shows up as a difference far above the tolerance.
 
-float32 and float64 models are compared with the rows directly, at tight tolerances. A 16-bit
-model is compared with a float32 copy of itself run on the rows (the yardstick): the packed path's
-error must stay within 3x the 16-bit rows' own error (plus a small floor), as FlashAttention's
-tests judge a kernel against the same-precision PyTorch computation. The batch has a prompt
-longer than one 128-token kernel tile, and a model's sliding window is shrunk for the check (on
-both paths) so that the batch reaches it.
+float32 and float64 models are compared with the rows directly, at tight tolerances
+(:data:`TOLERANCES`). A 16-bit model's log-probs and gradients are measured against a float32
+copy of itself run on the rows (the yardstick): their error must stay within a small multiple of
+the 16-bit rows' own (:data:`YARDSTICK`), as FlashAttention's tests judge a kernel against the
+same-precision PyTorch computation; its loss keeps a fixed tolerance against the 16-bit rows.
+The batch has a prompt longer than one 128-token kernel tile, and a model's sliding window is
+shrunk for the check (on both paths) so that the batch reaches it.
 """
 
 from __future__ import annotations
@@ -37,27 +38,31 @@ if TYPE_CHECKING:
 __all__ = ["CheckReport", "main", "self_test"]
 
 # (max |log-prob diff|, |loss diff|, max per-parameter gradient error / gradient scale) of the
-# packed path against the rows, for float32 / float64 models
+# packed path against the rows in the model's dtype (16-bit models: the loss only; their
+# log-probs and gradients are judged against a float32 copy, YARDSTICK)
 TOLERANCES: dict[torch.dtype, tuple[float, float, float]] = {
     torch.float64: (1e-8, 1e-9, 1e-6),
     torch.float32: (1e-3, 1e-4, 1e-2),
+    torch.bfloat16: (0.25, 0.05, 0.25),
+    torch.float16: (0.1, 0.02, 0.1),
 }
-# 16-bit models, against the float32 rows: (statistic, allowed multiple of the 16-bit rows' own
-# value, floor). bf16 noise dominates the maxima, so the RMS and the global gradient error decide
-# small errors (a tiny Qwen3 over 8 seeds: correct ratios <= 1.17 / 1.05; a 5% attention-scale
-# error 1.32-1.70 / 0.87-8.78, caught in 7 of 8 seeds; the old fixed tolerances caught 4).
+# 16-bit models against the float32 rows: (statistic, allowed multiple of the 16-bit rows' own
+# value, floor). A tiny bf16 Qwen3 over 48 seeds: correct ratios <= 1.17 (RMS log-prob), 1.24
+# (max), 1.71 (gradients); a 15% attention-scale error >= 2.77 / 2.32 / 1.67. The loss, one
+# number, is too noisy for a ratio (correct up to 6.5): it keeps TOLERANCES. So is a 16-bit
+# gradient's per-parameter maximum (0.25 against the bf16 rows: 1 false alarm in 48 seeds).
 YARDSTICK = (
     ("rms log-prob error", 1.5, 1e-3),
     ("max log-prob error", 4.0, 1e-3),
-    ("|loss error|", 3.0, 1e-4),
-    ("grad rel. L2 error", 2.0, 1e-3),
+    ("grad rel. L2 error", 3.0, 1e-3),
 )
 
 
 @dataclass
 class CheckReport:
     """What :func:`self_test` measured: the packed DualKV path against the rows (for a 16-bit
-    model: against a float32 copy's rows, with tolerances from the 16-bit rows' own error).
+    model, its log-probs and gradients against a float32 copy's rows, with tolerances from the
+    16-bit rows' own error).
 
     ``measures``: ``(name, value, tolerance)`` of each statistic; ``worst_parameter``: the
     parameter with the largest gradient error relative to its scale."""
@@ -101,7 +106,10 @@ def _loss_and_grads(
     adv: torch.Tensor,
     mask: torch.Tensor,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    loss, _ = grpo_loss(logp.float(), old, adv, mask)
+    # clip_eps 0.99: no token reaches the clip (|log-ratio| < 0.69 here). A clipped token's
+    # gradient drops to 0, so 16-bit log-prob noise of a few 1e-2 at the default 0.2 boundary
+    # moved the gradient far more than any path error (bf16: 50% vs 5% for the rows)
+    loss, _ = grpo_loss(logp.float(), old, adv, mask, clip_eps=0.99)
     model.zero_grad(set_to_none=True)
     loss.backward()
     grads = {
@@ -193,9 +201,9 @@ def self_test(
 
     Returns:
         A :class:`CheckReport`; ``report.passed`` says whether every statistic is within its
-        tolerance: :data:`TOLERANCES` for float32 / float64 models; for 16-bit models
-        :data:`YARDSTICK` (multiples of the 16-bit rows' own error against a float32 copy of
-        the model, which the check makes: 4 bytes per parameter).
+        tolerance: :data:`TOLERANCES` against the rows in the model's dtype; for 16-bit models
+        the loss so, and :data:`YARDSTICK` for the log-probs and gradients (against a float32
+        copy of the model, which the check makes: 4 bytes per parameter).
     """
     from .integrations.transformers import (
         ATTN_IMPLEMENTATION,
@@ -235,7 +243,11 @@ def self_test(
     finally:
         model.set_attn_implementation(previous)
         model.train(was_training)
-    if yardstick:  # the rows in float32: what both 16-bit paths are measured against
+    stats, worst_name = _differences((packed_lp, *got), (rows_lp, *rows), resp_mask)
+    tol = TOLERANCES.get(dtype, TOLERANCES[torch.float32])
+    names = ("max log-prob error", "|loss error|", "max grad error / scale")
+    measures = [(k, stats[k], t) for k, t in zip(names, tol, strict=True)]
+    if yardstick:  # the log-probs and gradients against a float32 copy's rows instead
         model32 = copy.deepcopy(model).float().eval()
         try:
             with _short_window(model32, window):
@@ -246,15 +258,10 @@ def self_test(
         finally:
             del model32
         base, _ = _differences((rows_lp, *rows), (lp32, *want), resp_mask)
-        stats, worst_name = _differences((packed_lp, *got), (lp32, *want), resp_mask)
-        measures = [(k, stats[k], ratio * base[k] + floor) for k, ratio, floor in YARDSTICK]
-        against = f"the float32 rows ({reference!r}), tolerances from the {dtype} rows' error"
-    else:
-        stats, worst_name = _differences((packed_lp, *got), (rows_lp, *rows), resp_mask)
-        tol = TOLERANCES.get(dtype, TOLERANCES[torch.float32])
-        names = ("max log-prob error", "|loss error|", "max grad error / scale")
-        measures = [(k, stats[k], t) for k, t in zip(names, tol, strict=True)]
-        against = f"the rows ({reference!r})"
+        vs32, worst_name = _differences((packed_lp, *got), (lp32, *want), resp_mask)
+        measures = [measures[1]] + [
+            (f"{k} vs fp32", vs32[k], ratio * base[k] + floor) for k, ratio, floor in YARDSTICK
+        ]
     report = CheckReport(
         dtype=dtype,
         tokens_rows=int(mask.sum()),
@@ -263,10 +270,11 @@ def self_test(
         worst_parameter=worst_name,
     )
     report.lines = [
-        f"dualkv.check: {type(model).__name__}, {dtype}, {device}; packed 'dualkv' vs {against}",
+        f"dualkv.check: {type(model).__name__}, {dtype}, {device}; packed 'dualkv' vs the rows "
+        f"({reference!r})" + (", and vs a float32 copy's rows" if yardstick else ""),
         f"  batch: {groups} groups x {n} responses, {report.tokens_rows} row tokens -> "
         f"{report.tokens_packed} packed",
-        *(f"  {k:<26}{v:.3e}  (tolerance {t:.1e})" for k, v, t in measures),
+        *(f"  {k:<30}{v:.3e}  (tolerance {t:.1e})" for k, v, t in measures),
         f"  worst gradient: {worst_name}",
         "  PASSED" if report.passed else "  FAILED: the packed path differs from the rows",
     ]
