@@ -24,13 +24,17 @@ bool supports(DType dtype, int head_dim);
 // Forward: out and lse for every token of the micro-batch, one launch.
 void attention_forward(const ForwardArgs& args, cudaStream_t stream);
 
-// Bytes of device workspace attention_backward needs (rowsum(dO*O), lse in log2 units, and at head
-// dim 64/128 the fp32 dq accumulator of the fused sm_90a backward).
-size_t backward_workspace_bytes(const Shape& shape);
+// Bytes of device workspace attention_backward needs for a call with this shape and
+// `deterministic` on the current device under the current switches: rowsum(dO*O) and lse in log2
+// units, plus, when the fused sm_90a dQ runs (head dim 64/128, not deterministic), its fp32 dq
+// accumulator (T x Hq x D x 4 bytes).
+size_t backward_workspace_bytes(const Shape& shape, bool deterministic = false);
 
-// Backward: dq, dk, dv. `workspace` holds backward_workspace_bytes(args.shape) bytes, 256-byte
-// aligned; its contents on entry do not matter.
-void attention_backward(const BackwardArgs& args, void* workspace, cudaStream_t stream);
+// Backward: dq, dk, dv. `workspace` holds `workspace_bytes` >= backward_workspace_bytes(args.shape,
+// args.deterministic) bytes (checked: fewer raise), 256-byte aligned; its contents on entry do not
+// matter.
+void attention_backward(const BackwardArgs& args, void* workspace, size_t workspace_bytes,
+                        cudaStream_t stream);
 
 // Log-prob statistics of a chunk of logit rows and their gradient, in place
 // (include/dualkv/logits.h); all pointers on the device. A label outside the vocabulary gives a

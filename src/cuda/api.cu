@@ -225,6 +225,7 @@ KernelPolicy resolve_policy(bool deterministic) {
   pol.d512_bwd_sm90 = !is("DUALKV_SM90_D512_BWD", '0');
   pol.d512_fwd_cluster = !is("DUALKV_SM90_D512_FWD", '0');
   pol.d512_bwd_pipe = !is("DUALKV_SM90_D512_BWD", '1');
+  pol.d512_dq_key_split = !is("DUALKV_SM90_D512_BWD", '2');
   pol.d256_bwd_ws = !is("DUALKV_SM90_D256_BWD", '0');
   pol.bwd_key_chunk = is("DUALKV_BWD_KEY_ORDER", '0')   ? 0
                       : is("DUALKV_BWD_KEY_ORDER", '1') ? 16
@@ -327,20 +328,25 @@ void attention_forward(const ForwardArgs& a, cudaStream_t stream) {
 }
 
 namespace {
-// The fp32 dQ accumulator: only the fused dQ of the sm_90a backward at head dim 64/128 adds into
-// it (every other path writes dq directly), so larger head dims do not allocate it.
-bool needs_dq_accum(int head_dim) { return head_dim <= 128; }
-}  // namespace
-
-size_t backward_workspace_bytes(const Shape& s) {
+// The fp32 dQ accumulator (T x Hq x D floats): only the fused dQ of the sm_90a backward at head
+// dim 64/128 adds into it (every other path, and deterministic calls, write dq directly).
+bool needs_dq_accum(int head_dim, const detail::KernelPolicy& pol) {
+  return head_dim <= 128 && pol.sm90 && pol.fused_dq;
+}
+size_t workspace_bytes(const Shape& s, const detail::KernelPolicy& pol) {
   const size_t rows =
       size_t(s.tokens > 0 ? s.tokens : 0) * size_t(s.num_q_heads > 0 ? s.num_q_heads : 0);
   const size_t accum =
-      needs_dq_accum(s.head_dim) ? rows * size_t(s.head_dim > 0 ? s.head_dim : 0) : 0;
+      needs_dq_accum(s.head_dim, pol) ? rows * size_t(s.head_dim > 0 ? s.head_dim : 0) : 0;
   return 2 * detail::align256(rows * sizeof(float)) + detail::align256(accum * sizeof(float));
 }
+}  // namespace
 
-void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t stream) {
+size_t backward_workspace_bytes(const Shape& s, bool deterministic) {
+  return workspace_bytes(s, detail::resolve_policy(deterministic));
+}
+
+void attention_backward(const BackwardArgs& a, void* workspace, size_t bytes, cudaStream_t stream) {
   using namespace detail;
   check_common(a.dtype, a.shape, a.score, a.layout);
   if (a.shape.tokens == 0) return;
@@ -354,6 +360,11 @@ void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t str
                "workspace must be a non-null, 256-byte aligned device pointer of "
                "backward_workspace_bytes()");
   check_smem_for(a.shape.head_dim);
+  const KernelPolicy pol = resolve_policy(a.deterministic);
+  const size_t needed = workspace_bytes(a.shape, pol);
+  DUALKV_CHECK(bytes >= needed, "the backward workspace holds " + std::to_string(bytes) +
+                                    " bytes; this call needs " + std::to_string(needed) +
+                                    " (backward_workspace_bytes(shape, deterministic))");
   BwdParams p{};
   static_cast<Params&>(p) = make_params(a);
   p.o = a.out;
@@ -365,10 +376,9 @@ void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t str
   char* ws = static_cast<char*>(workspace);
   p.delta = reinterpret_cast<float*>(ws);
   p.lse2 = reinterpret_cast<float*>(ws + align256(rows * sizeof(float)));
-  p.dq_accum = needs_dq_accum(a.shape.head_dim)
+  p.dq_accum = needs_dq_accum(a.shape.head_dim, pol)
                    ? reinterpret_cast<float*>(ws + 2 * align256(rows * sizeof(float)))
                    : nullptr;
-  const KernelPolicy pol = resolve_policy(a.deterministic);
   p.key_chunk = pol.bwd_key_chunk >= 0                               ? pol.bwd_key_chunk
                 : a.shape.head_dim == 64 && pol.sm90 && pol.fused_dq ? 32
                                                                      : 0;
@@ -386,7 +396,7 @@ void attention_backward(const BackwardArgs& a, void* workspace, cudaStream_t str
       if (pol.sm90) return launch_backward_sm90<T, D>(p, stream);
     } else {
       if (pol.sm90 && pol.d512_bwd_sm90 &&
-          launch_backward_sm90_d512<T>(p, stream, pol.d512_bwd_pipe))
+          launch_backward_sm90_d512<T>(p, stream, pol.d512_bwd_pipe, pol.d512_dq_key_split))
         return;
     }
 #endif

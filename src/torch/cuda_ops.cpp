@@ -39,9 +39,10 @@ BwdResult bwd_cuda(DUALKV_BWD_PARAMS) {
     return run_backward(
         dout, q, k, v, out, lse, dlse, {segments, query_tiles, key_tiles, total_tokens},
         {softmax_scale, window, softcap}, deterministic, [&](const BackwardArgs& a) {
-          const size_t bytes = cuda::backward_workspace_bytes(a.shape);
+          const size_t bytes = cuda::backward_workspace_bytes(a.shape, a.deterministic);
           at::Tensor workspace = at::empty({int64_t(bytes)}, q.options().dtype(at::kByte));
-          cuda::attention_backward(a, workspace.data_ptr(), at::cuda::getCurrentCUDAStream());
+          cuda::attention_backward(a, workspace.data_ptr(), bytes,
+                                   at::cuda::getCurrentCUDAStream());
         });
   });
 }

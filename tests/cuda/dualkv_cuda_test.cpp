@@ -3,6 +3,7 @@
 //   dualkv_cuda_test [--seed S] [--quick] [--small] [--no-check] [--race N] [--random N]
 //                    [--bench] [--bench-reps N] [--bench-rounds N]
 //                    [--path default|sm80|sm90-nopp|sm90-sepdq|sm90-d512-sm80|sm90-d512-nopipe|
+//                            sm90-d512-colsplit|
 //                            sm90-d512fwd-1cta|sm90-d256-sync|key-chunk0|
 //                            key-chunk16|key-chunk32|key-chunk64|sm80-d512-small]
 //                    [--shape N,P,R,Hq,Hkv,D | multi,Hq,Hkv,D]...
@@ -29,7 +30,8 @@
 // and dQ kernels), and for A/B: at D <= 128 the separate dQ pass in the default mode
 // (DUALKV_FUSED_DQ=0), at D = 512 the sm_80 backward (DUALKV_SM90_D512_BWD=0) and the single-CTA
 // forward instead of the 2-CTA cluster one (DUALKV_SM90_D512_FWD=0), the wgmma backward without
-// kPipe (sm90-d512-nopipe: DUALKV_SM90_D512_BWD=1); at D = 256 the synchronous backward
+// kPipe (sm90-d512-nopipe: DUALKV_SM90_D512_BWD=1) and the dQ kernel's column split
+// (sm90-d512-colsplit: DUALKV_SM90_D512_BWD=2); at D = 256 the synchronous backward
 // (sm90-d256-sync: DUALKV_SM90_D256_BWD=0); the dK/dV CTAs in chunks of key tiles with the kv heads
 // outer (key-chunk16/32/64: DUALKV_BWD_KEY_ORDER=1/2/3; 32 at every head dim, the others at 64/128;
 // key-chunk0 at D = 64, where the default is 32: the kv heads side by side);
@@ -47,6 +49,7 @@
 #include <iterator>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cpu/convert.h"
@@ -188,6 +191,7 @@ constexpr KernelPath kPaths[] = {{"default", nullptr, nullptr, 0, 512},
                                  {"sm90-sepdq", "DUALKV_FUSED_DQ", "0", 0, 128},
                                  {"sm90-d512-sm80", "DUALKV_SM90_D512_BWD", "0", 512, 512},
                                  {"sm90-d512-nopipe", "DUALKV_SM90_D512_BWD", "1", 512, 512},
+                                 {"sm90-d512-colsplit", "DUALKV_SM90_D512_BWD", "2", 512, 512},
                                  {"sm90-d512fwd-1cta", "DUALKV_SM90_D512_FWD", "0", 512, 512},
                                  {"sm90-d256-sync", "DUALKV_SM90_D256_BWD", "0", 256, 256},
                                  {"key-chunk0", "DUALKV_BWD_KEY_ORDER", "0", 64, 64},
@@ -462,6 +466,13 @@ HostOut run_plain(const Case& c, const Inputs& in, const Tables& tb) {
 }
 
 // ---- GPU runs -----------------------------------------------------------------------------------
+// ws grown to what a backward call with b needs under the switches set now (a path's switches
+// change it: the fused dQ's accumulator).
+void grow_workspace(DevBuf& ws, const BackwardArgs& b) {
+  const size_t need = cuda::backward_workspace_bytes(b.shape, b.deterministic);
+  if (ws.bytes < need) ws = DevBuf(need);
+}
+
 struct GpuCase {
   const Case& c;
   const Inputs& in;
@@ -520,9 +531,23 @@ struct GpuCase {
       CK(cudaMemset(dv.p, 0xFF, nk * 2));
       CK(cudaMemset(ws.p, 0xFF, ws.bytes));
     }
-    cuda::attention_backward(bargs(det), ws.p, nullptr);
+    grow_workspace(ws, bargs(det));
+    cuda::attention_backward(bargs(det), ws.p, ws.bytes, nullptr);
     CK(cudaGetLastError());
     CK(cudaDeviceSynchronize());
+  }
+  // A workspace one byte short of what the call needs is refused before any launch.
+  bool short_workspace_refused() {
+    const BackwardArgs b = bargs(false);
+    grow_workspace(ws, b);
+    try {
+      cuda::attention_backward(b, ws.p, cuda::backward_workspace_bytes(b.shape, false) - 1,
+                               nullptr);
+    } catch (const Error& e) {
+      std::printf("expected error: %s\n", e.what());
+      return true;
+    }
+    return false;
   }
 };
 
@@ -583,6 +608,9 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   const HostOut ref = run_reference(c, in, tb);
   const HostOut plain = run_plain(c, in, tb);
   GpuCase g(c, in, tb);
+  static bool short_workspace_checked = false;
+  if (!std::exchange(short_workspace_checked, true))
+    expect(g.short_workspace_refused(), "a backward workspace one byte short must be refused");
   for (int path = 0; path < int(std::size(kPaths)); ++path) {
     if (!path_selected(kPaths[path], c.D)) continue;
     select_path(kPaths[path]);
@@ -915,7 +943,9 @@ void bench(int reps, int rounds) {
         t_fwd[i].push_back(time([&] { cuda::attention_forward(f, nullptr); }));
         for (int det = 0; det < 2; ++det) {
           b.deterministic = det == 1;
-          t_bwd[det][i].push_back(time([&] { cuda::attention_backward(b, ws.p, nullptr); }));
+          grow_workspace(ws, b);
+          t_bwd[det][i].push_back(
+              time([&] { cuda::attention_backward(b, ws.p, ws.bytes, nullptr); }));
         }
         b.deterministic = false;
         std::printf("bench %s (round %d): fwd %.2f ms, bwd %.2f ms, bwd deterministic %.2f ms\n",
@@ -1021,7 +1051,7 @@ int main(int argc, char** argv) {
                      [&](const KernelPath& k) { return name == k.name; })) {
       std::fprintf(stderr,
                    "unknown --path %s (default, sm80, sm90-nopp, sm90-sepdq, sm90-d512-sm80, "
-                   "sm90-d512-nopipe, sm90-d512fwd-1cta, sm90-d256-sync, "
+                   "sm90-d512-nopipe, sm90-d512-colsplit, sm90-d512fwd-1cta, sm90-d256-sync, "
                    "key-chunk0, key-chunk16, "
                    "key-chunk32, key-chunk64, sm80-d512-small; or a "
                    "comma-separated list)\n",

@@ -555,7 +555,7 @@ def run_dkdv(nblocks, S, rng, dq_mode=0, nbuf=1, onered=False, bug=None, d64=Fal
     assert bar1.cnt == 0, "named barrier left half-arrived"
 
 
-def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0):
+def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0, keysplit=False):
     """The D = 512 dK/dV kernel (sm90_bwd512_ws.cuh): two CTAs of a cluster, each with its own
     producer ring (as run_dkdv), and per block and consumer warpgroup w: arm xfull[w] (local
     arrive.expect_tx), wait the local xfree barrier (the peer's 8 warps, modelled as its 2
@@ -574,6 +574,10 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0):
     sv (dq only): V on a separate ring of sv stages (the kernel's: K on the S-stage ring, V on one
     stage), each tile on its own full / empty barriers; the consumers release V_j once block j's
     dP has read it (after the partials' waits), K_j after its dQ product.
+    keysplit (dq only, the default dQ kernel): no slices and no named barrier in the loop; each
+    warpgroup frees its X[w] as soon as it has read the peer's partials, on a barrier of its own
+    (xfree[w]); after the loop named barrier 1, both warpgroups' dQ halves through the K ring
+    (nothing may still read or fill it), named barrier 1 again, the halves read back.
     bug: None, or an injected protocol error that the checks must catch."""
     if bug == "pipe_one_stage":
         S = 1
@@ -590,6 +594,7 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0):
     readers_v = [[set() for _ in range(sv)] for _ in range(C)]
     xfull = [[MBar(1) for _ in range(2)] for _ in range(C)]
     xfree = [MBar(1 if bug == "xfree_one_warpgroup" else 2) for _ in range(C)]
+    xfree_w = [[MBar(1) for _ in range(2)] for _ in range(C)]  # keysplit: one per warpgroup
     # X[cta][w]: state "free" -> "partial" (pieces landing) -> "read" -> "slice" (being read)
     xstate = [["free"] * 2 for _ in range(C)]
     xblock = [[None] * 2 for _ in range(C)]
@@ -673,7 +678,11 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0):
             yield  # S^T and dP^T partials issued
             if bug != "no_xfree_wait":
                 par = it & 1 if bug == "xfree_parity" else (it & 1) ^ 1
-                yield from wait(xfree[c], par)
+                yield from wait(xfree_w[c][w] if keysplit else xfree[c], par)
+            if (
+                keysplit and bug == "ks_early_free"
+            ):  # X[w] freed before the peer's partials are read
+                xfree_w[peer][w].arrive()
             for piece in ("s", "dp"):
                 yield  # wgmma wait, then st.async of this partial to the peer's X[w]
                 inflight.append(("x", peer, w, piece, it))
@@ -696,6 +705,18 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0):
             xstate[c][w] = "read"
             if sv and not pipe:
                 yield from release_v(t, it)
+            if keysplit:
+                xstate[c][w] = "free"
+                if bug != "ks_early_free":
+                    assert not exited[peer], "arrival on an exited CTA's barrier"
+                    xfree_w[peer][w].arrive()
+                yield  # P, dS: this warpgroup's own keys only
+                if pipe:
+                    prev = (s, it)
+                else:
+                    yield from products(c, w, s, it)
+                it += 1
+                continue
             yield  # P, dS
             xstate[c][w] = "slice"
             xslice_readers[c][w] = set()
@@ -721,6 +742,14 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0):
             it += 1
         if prev is not None:  # pipe: the last block's products
             yield from products(c, w, *prev)
+        if keysplit:  # the two warpgroups' dQ halves meet in the K ring
+            if bug != "ks_no_reduce_barrier":
+                yield from bar1[c].sync()
+            assert not any(readers[c]), "the K ring reused while a product reads it"
+            assert not any(x[0] == "tma" and x[1] == c for x in inflight), "a load into the K ring"
+            yield
+            yield from bar1[c].sync()
+            yield
         if bug != "no_final_cluster_barrier":
             yield from cluster.sync()
         finish(c)
@@ -787,6 +816,31 @@ def pipe_bugs_caught(rng):
                 break
         assert caught, f"injected bug {bug} was not caught"
     return 3
+
+
+def keysplit_bugs_caught(rng):
+    """Each injected error of the dQ kernel's key split must be caught: X[w] freed before the
+    peer's partials are read, and the K ring reused for the dQ halves without the barrier that
+    waits for both warpgroups' last products."""
+    for bug in ("ks_early_free", "ks_no_reduce_barrier"):
+        caught = False
+        for _ in range(400):
+            try:
+                run_dkdv512(
+                    rng.randrange(1, 7),
+                    3,
+                    rng,
+                    bug,
+                    dq=True,
+                    pipe=rng.random() < 0.5,
+                    sv=1,
+                    keysplit=True,
+                )
+            except (AssertionError, RuntimeError):
+                caught = True
+                break
+        assert caught, f"injected bug {bug} was not caught"
+    return 2
 
 
 def run_fwd512c(total, S, rng, pp=True, bug=None):
@@ -1128,6 +1182,8 @@ for _trial in range(3000):
     run_dkdv512(total, S, rng, dq=True, sv=1)
     run_dkdv512(total, S, rng, pipe=True)
     run_dkdv512(total, S, rng, dq=True, pipe=True, sv=1)
+    run_dkdv512(total, 3, rng, dq=True, pipe=True, sv=1, keysplit=True)
+    run_dkdv512(total, 3, rng, dq=True, sv=1, keysplit=True)
     run_fwd512c(total, S, rng, rng.random() < 0.8)
     run_d256(total, 2, rng)
     n += 1
@@ -1135,8 +1191,8 @@ print(
     "ok",
     n,
     "random schedules each for fwd, fwd (2-CTA cluster), dq, dkdv (dq modes 0-5), "
-    "dkdv and dq D = 512 (2-CTA clusters; and their kPipe order), fwd D = 512 (2-CTA cluster, "
-    "split D), dkdv D = 256 (warp-specialised, P^T / dS^T swaps), "
+    "dkdv and dq D = 512 (2-CTA clusters; their kPipe order; the dQ key split), "
+    "fwd D = 512 (2-CTA cluster, split D), dkdv D = 256 (warp-specialised, P^T / dS^T swaps), "
     "dkdv fused-dQ variants 1-3 (two dQ buffers, one reduction per block)",
 )
 print(
@@ -1147,4 +1203,5 @@ print(
 print("ok", injected_bugs_caught(rng), "injected D = 512 dK/dV protocol errors caught")
 print("ok", fwd512c_bugs_caught(rng), "injected D = 512 cluster forward exchange errors caught")
 print("ok", pipe_bugs_caught(rng), "injected D = 512 backward kPipe-order errors caught")
+print("ok", keysplit_bugs_caught(rng), "injected D = 512 dQ key-split errors caught")
 print("ok", d256_bugs_caught(rng), "injected D = 256 dK/dV swap and release errors caught")

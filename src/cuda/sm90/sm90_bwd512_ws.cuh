@@ -57,8 +57,9 @@ struct Ws512Cfg {
   static constexpr int CONSUMERS = 256;
   static constexpr int X_VECS = 2 * HR / 4;          // float4s per thread: the two partials
   static constexpr int X_BYTES = X_VECS * 128 * 16;  // per consumer warpgroup
-  // The barriers of a ring of s stages (and sv of a separate V ring): Ws512Bars<s, sv>.
-  static constexpr int nbars(int s, int sv) { return 1 + 2 * s + 2 * sv + 3; }
+  // The barriers of a ring of s stages (and sv of a separate V ring) and xf xfree barriers:
+  // Ws512Bars<s, sv, xf>.
+  static constexpr int nbars(int s, int sv, int xf = 1) { return 1 + 2 * s + 2 * sv + 2 + xf; }
   static constexpr int PRODUCER_REGS = 40;
   static constexpr int CONSUMER_REGS = 232;
   static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "register pool of one CTA");
@@ -121,14 +122,15 @@ __device__ __forceinline__ void st_async_f32x4(uint32_t raddr, float a, float b,
 }  // namespace ws
 
 #if DUALKV_SM90_BODY
-// The barriers of a D = 512 CTA (1 + 2 S + 2 SV + 3 from `b0`): b0 itself for the resident tiles,
-// the ring's full[S] / empty[S] (SV > 0: the K ring, and fullv[SV] / emptyv[SV] a separate V
-// ring; SV = 0: one ring for both streamed tiles), xfull[w] (the peer's partials for warpgroup w
-// have arrived: the local arrive.expect_tx plus the peer's bytes) and xfree (the peer's 8 consumer
-// warps have read their slices, so its X may be refilled).
-template <int S, int SV>
+// The barriers of a D = 512 CTA (1 + 2 S + 2 SV + 2 + XF from `b0`): b0 itself for the resident
+// tiles, the ring's full[S] / empty[S] (SV > 0: the K ring, and fullv[SV] / emptyv[SV] a separate
+// V ring; SV = 0: one ring for both streamed tiles), xfull[w] (the peer's partials for warpgroup w
+// have arrived: the local arrive.expect_tx plus the peer's bytes) and xfree (XF = 1: the peer's 8
+// consumer warps have read their slices, so its X may be refilled; XF = 2: xfree(w), the peer's
+// warpgroup w's 4 warps have read its partials).
+template <int S, int SV, int XF = 1>
 struct Ws512Bars {
-  static constexpr int NBARS = Ws512Cfg::nbars(S, SV);
+  static constexpr int NBARS = Ws512Cfg::nbars(S, SV, XF);
   uint32_t b0;
   __device__ __forceinline__ uint32_t full(int s) const { return b0 + 8u * (1 + s); }
   __device__ __forceinline__ uint32_t empty(int s) const { return b0 + 8u * (1 + S + s); }
@@ -137,7 +139,9 @@ struct Ws512Bars {
   __device__ __forceinline__ uint32_t xfull(int w) const {
     return b0 + 8u * (1 + 2 * S + 2 * SV + w);
   }
-  __device__ __forceinline__ uint32_t xfree() const { return b0 + 8u * (3 + 2 * S + 2 * SV); }
+  __device__ __forceinline__ uint32_t xfree(int w) const {
+    return b0 + 8u * (3 + 2 * S + 2 * SV + (XF > 1 ? w : 0));
+  }
   // Thread 0 initialises them (full: `full_count` arrivals), then the cluster synchronises: the
   // peer's barriers are initialised before any st.async or remote arrival.
   __device__ __forceinline__ void init(int tid, uint32_t full_count) const {
@@ -151,7 +155,7 @@ struct Ws512Bars {
                           full_count, NC);
       ws::mbar_init(xfull(0), 1);  // the local arrive.expect_tx; the peer's bytes complete it
       ws::mbar_init(xfull(1), 1);
-      ws::mbar_init(xfree(), NC / 32);  // one arrival per consumer warp of the peer
+      for (int w = 0; w < XF; ++w) ws::mbar_init(xfree(w), NC / 32 / XF);  // the peer's warps
       ws::mbar_init_fence();
     }
     ws::cluster_sync();
@@ -178,7 +182,7 @@ struct Ws512Exchange {
         peer_x(ws::mapa_shared(base + uint32_t(off_x + cw * Cfg::X_BYTES + t_ * 16), peer_)),
         xfull(bars.xfull(cw)),
         xfull_peer(ws::mapa_shared(bars.xfull(cw), peer_)),
-        xfree(bars.xfree()),
+        xfree(bars.xfree(cw)),
         peer(peer_),
         t(t_) {}
   // Before the block's products: this block's phase of xfull[cw] completes on this arrival plus
@@ -254,9 +258,10 @@ struct Ws512Exchange {
   }
   // Both warpgroups' X of this CTA may be refilled by the peer once every warp is here (the proxy
   // fence orders this thread's slice writes before the peer's st.async overwrites, in case those
-  // count as async-proxy writes).
+  // count as async-proxy writes; kSlices = false: X was only read).
+  template <bool kSlices = true>
   __device__ __forceinline__ void release(int lane) const {
-    fence_proxy_async();
+    if constexpr (kSlices) fence_proxy_async();
     __syncwarp();
     if (lane == 0) ws::mbar_arrive_cluster(xfree, peer);  // maps xfree into the peer itself
   }
@@ -440,10 +445,14 @@ __global__ void __launch_bounds__(384, 1)
 // block of the key walk (KeyBlockWalk over the CTA's 64 queries, as the forward), and owning those
 // columns of dQ. Consumer warpgroup w: the partial S and dP of the block's keys 32w..32w+31 over
 // the CTA's columns (m64n32k16 SS), exchanged with the peer exactly as in the dK/dV kernel
-// (Ws512Exchange: st.async into X[w], xfull / xfree), then P, dS of its 32 keys, its two 16-key
-// slices of dS (A fragments) into X[w], named barrier, all four back, and dQ += dS K on its 128
-// columns (m64n128k16 RS). Same accumulation order in every run (the walk is fixed):
-// deterministic.
+// (Ws512Exchange: st.async into X[w], xfull, xfree(w)), then P, dS of its 32 keys and
+// dQ_w += dS K[its 32 keys] on all 256 columns (m64n256k16 RS, 128 accumulator registers). The
+// two warpgroups never meet inside the loop (no shared slices, no named barrier, an xfree barrier
+// each), so one's exchange wait overlaps the other's products; after the loop they add their two
+// partial dQ through shared memory (the K ring's tiles), each finishing 128 columns. kKeySplit =
+// false (DUALKV_SM90_D512_BWD=2, A/B): the column split, both warpgroups' dS slices through X[w]
+// and a named barrier every block, dQ += dS K on 128 columns each. Same accumulation order in
+// every run (the walk is fixed): deterministic.
 struct DqWs512Cfg : Ws512Cfg {
   static constexpr int HK = HP;                 // keys of a warpgroup's S / dP
   static constexpr int Q_BYTES = BM * DH * 2;   // one CTA's half of Q (and of dO)
@@ -459,7 +468,7 @@ struct DqWs512Cfg : Ws512Cfg {
     uint16_t k[K_STAGES][BN * DH];
     uint16_t v[V_STAGES][BN * DH];
     float x[2][X_BYTES / 4];  // X[w] per consumer warpgroup
-    uint64_t bar[nbars(K_STAGES, V_STAGES)];
+    uint64_t bar[nbars(K_STAGES, V_STAGES, 2)];
   };
   static_assert(sizeof(SharedStorage::q) == Q_BYTES && sizeof(SharedStorage::k[0]) == KV_BYTES);
   static constexpr int OFF_DO = int(offsetof(SharedStorage, dout));
@@ -471,11 +480,14 @@ struct DqWs512Cfg : Ws512Cfg {
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
   static_assert(SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
   static_assert(X_VECS >= HK / 16, "the dS slices reuse the exchange buffer");
+  // kKeySplit: the two warpgroups' partial dQ (the other's half of the columns, 64 x 128 fp32
+  // each) meet in the K ring's tiles after the loop.
+  static_assert(2 * BM * DW * 4 <= K_STAGES * KV_BYTES, "the dQ halves fit in the K ring");
 };
 
 // kPipe: as in dkdv_ws512_kernel_sm90, block j's dQ product runs behind block j + 1's S / dP and
 // is retired inside block j + 1's exchange.
-template <typename T, bool kCap, bool kPipe = false>
+template <typename T, bool kCap, bool kPipe = false, bool kKeySplit = true>
 __global__ void __launch_bounds__(384, 1)
     dq_ws512_kernel_sm90(const __grid_constant__ DkdvWsArgs a) {
 #if DUALKV_SM90_BODY
@@ -489,7 +501,7 @@ __global__ void __launch_bounds__(384, 1)
   unsigned char* gbase = smem + (base - smem_u32(smem));
   const uint32_t sQ = base, sdO = base + Cfg::OFF_DO, sK0 = base + Cfg::OFF_K,
                  sV0 = base + Cfg::OFF_V;
-  const Ws512Bars<S, SV> bars{base + Cfg::OFF_BAR};
+  const Ws512Bars<S, SV, kKeySplit ? 2 : 1> bars{base + Cfg::OFF_BAR};
   const uint32_t bQ = bars.b0;
 
   // blockIdx.x = ((tile * 2 + half) * Hq + q head) * 2 + rank (see dkdv_ws512_kernel_sm90).
@@ -518,28 +530,34 @@ __global__ void __launch_bounds__(384, 1)
   } else {
     // ---- consumers ---------------------------------------------------------------------------
     ws::reg_alloc<Cfg::CONSUMER_REGS>();
-    const int cw = (warp >> 2) - 1;  // keys HK cw.. of each block, dQ columns DW cw..
+    const int cw = (warp >> 2) - 1;  // keys HK cw.. of each block (kKeySplit = false: and dQ
+                                     // columns DW cw..)
     const int t = tid & 127;
     const int g = lane >> 2, tq = lane & 3;
     const int row0 = (warp & 3) * 16 + g;  // query rows row0, row0 + 8
     const int k_off = cw * HK;
     float lse2[2], del[2];
     load_row_stats(p, h, q0, nq, row0, lse2, del);
-    constexpr int AR = DW / 2;
-    float acc[AR];
+    constexpr int NQ = kKeySplit ? DH : DW;  // dQ columns a warpgroup accumulates
+    constexpr int KQ = kKeySplit ? HK : BN;  // over this many keys of a block
+    float acc[NQ / 2];
 #pragma unroll
-    for (int i = 0; i < AR; ++i) acc[i] = 0.f;
+    for (int i = 0; i < NQ / 2; ++i) acc[i] = 0.f;
     const Ws512Exchange x(gbase, base, Cfg::OFF_X, bars, cw, t, peer);
-    const uint32_t half = uint32_t(cw * DW / 64) * (BN * 128);  // this warpgroup's column blocks
-    // The dS A fragments of all BN keys (kPipe: block j - 1's until its product has completed)
+    // The B operand's offset in a K tile: this warpgroup's key rows, or its column blocks.
+    const uint32_t b_off = kKeySplit ? uint32_t(k_off) * 128u : uint32_t(cw * DW / 64) * (BN * 128);
+    // The dS A fragments of the KQ keys (kPipe: block j - 1's until its product has completed)
     // and that block's stage.
-    uint32_t da[BN / 16][4];
+    uint32_t da[KQ / 16][4];
     int prev_s = 0;
+    auto product = [&](int st) {
+      wgmma_rs_acc<T, NQ, BN>(acc, da, sK0 + st * Cfg::KV_BYTES + b_off);
+    };
     // dQ += dS K from stage st's K tile, waited for; then the stage is released.
     auto retire = [&](int st) {
       fence_regs(da, acc);
       wg_fence();
-      wgmma_rs_acc<T, DW, BN>(acc, da, sK0 + st * Cfg::KV_BYTES + half);
+      product(st);
       wg_commit();
       wg_wait<0>();
       fence_regs(acc, da);
@@ -563,7 +581,7 @@ __global__ void __launch_bounds__(384, 1)
       if constexpr (kPipe) {
         if (j > 0) {   // block j - 1's dQ += dS K (its fragments, its stage)
           wg_fence();  // (ptxas injects it otherwise: the fragments' registers)
-          wgmma_rs_acc<T, DW, BN>(acc, da, sK0 + prev_s * Cfg::KV_BYTES + half);
+          product(prev_s);
           wg_commit();
           x.swap_add_pipe<3>(sc, dp, j, [&] {
             fence_regs(acc, da);
@@ -577,6 +595,7 @@ __global__ void __launch_bounds__(384, 1)
         x.swap_add(sc, dp, j);  // S and dP of the whole head dim
         ws::mbar_arrive(bars.emptyv(sv));
       }
+      if constexpr (kKeySplit) x.release<false>(lane);  // X[cw] held only the partials
       const auto kb = walk.at(j);
       const bool msk = walk.masked(kb, nq, BM, p.mask);
 #pragma unroll
@@ -593,13 +612,17 @@ __global__ void __launch_bounds__(384, 1)
             return DUALKV_VISIBLE(p.mask, kb, pq_first + row0 + 8 * ((i >> 1) & 1), kr);
           },
           [&](int i) { dp[i] = 0.f; });
-      // This warpgroup's two 16-key slices of dS into X[cw], then all four back.
+      if constexpr (kKeySplit) {
+        pack_a_frag<T>(da, dp);  // this warpgroup's own keys only
+      } else {
+        // This warpgroup's two 16-key slices of dS into X[cw], then all four back.
 #pragma unroll
-      for (int kl = 0; kl < HK / 16; ++kl) x.put_slice<T>(kl, dp, kl);
-      ws::bar_sync(1, NC);
+        for (int kl = 0; kl < HK / 16; ++kl) x.put_slice<T>(kl, dp, kl);
+        ws::bar_sync(1, NC);
 #pragma unroll
-      for (int kt = 0; kt < BN / 16; ++kt) x.get_slice(kt / (HK / 16), kt % (HK / 16), da[kt]);
-      x.release(lane);
+        for (int kt = 0; kt < BN / 16; ++kt) x.get_slice(kt / (HK / 16), kt % (HK / 16), da[kt]);
+        x.release(lane);
+      }
       if constexpr (kPipe) {
         fence_regs(da);  // in registers before the next block's wgmma.fence
         prev_s = s;
@@ -610,7 +633,35 @@ __global__ void __launch_bounds__(384, 1)
     if constexpr (kPipe) {
       if (total > 0) retire(prev_s);  // the last block's product
     }
-    store_dq_rows<T, Cfg::D, DW>(p, acc, q0, nq, h, row0, cb0 + cw * DW, tq);
+    if constexpr (kKeySplit) {
+      // acc holds this warpgroup's keys' share of all DH columns; warpgroup cw finishes columns
+      // [DW cw, DW cw + DW): it hands the other half to the other warpgroup through the K ring
+      // (free: every product has completed once both warpgroups pass the first barrier) and adds
+      // the other's share of its own half (own + other: the same two numbers in every run).
+      constexpr int HALF = DW / 2;  // floats per thread of 64 x DW
+      float4* red = reinterpret_cast<float4*>(gbase + Cfg::OFF_K);
+      // acc[i] of half hf, by selects (a run-time index would put acc in local memory).
+      auto half_at = [&](int hf, int i) { return hf == 0 ? acc[i] : acc[HALF + i]; };
+      ws::bar_sync(1, NC);
+#pragma unroll
+      for (int i = 0; i < HALF / 4; ++i) {
+        const int o = 4 * i, other = 1 - cw;
+        red[(cw * (HALF / 4) + i) * 128 + t] = make_float4(
+            half_at(other, o), half_at(other, o + 1), half_at(other, o + 2), half_at(other, o + 3));
+      }
+      ws::bar_sync(1, NC);
+      float fin[HALF];
+#pragma unroll
+      for (int i = 0; i < HALF / 4; ++i) {
+        const float4 v = red[((1 - cw) * (HALF / 4) + i) * 128 + t];
+        const int o = 4 * i;
+        fin[o] = half_at(cw, o) + v.x, fin[o + 1] = half_at(cw, o + 1) + v.y;
+        fin[o + 2] = half_at(cw, o + 2) + v.z, fin[o + 3] = half_at(cw, o + 3) + v.w;
+      }
+      store_dq_rows<T, Cfg::D, DW>(p, fin, q0, nq, h, row0, cb0 + cw * DW, tq);
+    } else {
+      store_dq_rows<T, Cfg::D, DW>(p, acc, q0, nq, h, row0, cb0 + cw * DW, tq);
+    }
   }
   ws::cluster_sync();
 #endif
@@ -618,9 +669,10 @@ __global__ void __launch_bounds__(384, 1)
 
 // D = 512 backward on wgmma: preprocess, the dK/dV kernel, then the dQ kernel above. Atomic-free
 // and bitwise reproducible. False (nothing launched) when a tensor map cannot be encoded: the
-// caller then runs the sm_80 backward. pipe: the kPipe kernels (KernelPolicy::d512_bwd_pipe).
+// caller then runs the sm_80 backward. pipe: the kPipe kernels (KernelPolicy::d512_bwd_pipe);
+// key_split: the dQ kernel's kKeySplit (KernelPolicy::d512_dq_key_split).
 template <typename T>
-bool launch_backward_sm90_d512(const BwdParams& p, cudaStream_t stream, bool pipe) {
+bool launch_backward_sm90_d512(const BwdParams& p, cudaStream_t stream, bool pipe, bool key_split) {
   using C = DkdvWs512Cfg;
   constexpr int D = C::D;
   if (int64_t(p.T) * p.Hq == 0) return true;
@@ -645,6 +697,9 @@ bool launch_backward_sm90_d512(const BwdParams& p, cudaStream_t stream, bool pip
   if (grid_q > 0) {
     auto* kq = cap ? dq_ws512_kernel_sm90<T, true, false> : dq_ws512_kernel_sm90<T, false, false>;
     if (pipe) kq = cap ? dq_ws512_kernel_sm90<T, true, true> : dq_ws512_kernel_sm90<T, false, true>;
+    if (pipe && !key_split)
+      kq = cap ? dq_ws512_kernel_sm90<T, true, true, false>
+               : dq_ws512_kernel_sm90<T, false, true, false>;
     launch_kernel(kq, grid_q, QW::THREADS, QW::SMEM, stream, a,
                   "dualkv backward dq D=512 (sm90a, warp-specialised, 2-CTA clusters)",
                   QW::CLUSTER);
