@@ -555,7 +555,7 @@ def run_dkdv(nblocks, S, rng, dq_mode=0, nbuf=1, onered=False, bug=None, d64=Fal
     assert bar1.cnt == 0, "named barrier left half-arrived"
 
 
-def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0, keysplit=False):
+def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0, keysplit=False, half=False):
     """The D = 512 dK/dV kernel (sm90_bwd512_ws.cuh): two CTAs of a cluster, each with its own
     producer ring (as run_dkdv), and per block and consumer warpgroup w: arm xfull[w] (local
     arrive.expect_tx), wait the local xfree barrier (the peer's 8 warps, modelled as its 2
@@ -578,6 +578,13 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0, keysplit=
     warpgroup frees its X[w] as soon as it has read the peer's partials, on a barrier of its own
     (xfree[w]); after the loop named barrier 1, both warpgroups' dQ halves through the K ring
     (nothing may still read or fill it), named barrier 1 again, the halves read back.
+    half (keysplit and pipe: the default dQ kernel): besides the partials, each CTA sends its dS
+    slice of block j to the peer's XD[w] (st.async completing xfull_d[w], once the peer has read
+    block j - 1's: xfree_d[w]); the peer waits for it in block j + 1 before the deferred product,
+    frees XD[w] and arms xfull_d[w] for block j + 1 (block 0's phase at the start, the last
+    block's slice after the loop). (The xfree_d wait is also implied by the order: the peer sends
+    block j + 1's slice only after this CTA's block j + 1 partials, which follow its receipt of
+    block j's slice; the model finds no schedule that needs it.)
     bug: None, or an injected protocol error that the checks must catch."""
     if bug == "pipe_one_stage":
         S = 1
@@ -595,6 +602,9 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0, keysplit=
     xfull = [[MBar(1) for _ in range(2)] for _ in range(C)]
     xfree = [MBar(1 if bug == "xfree_one_warpgroup" else 2) for _ in range(C)]
     xfree_w = [[MBar(1) for _ in range(2)] for _ in range(C)]  # keysplit: one per warpgroup
+    xfull_d = [[MBar(1) for _ in range(2)] for _ in range(C)]  # half: the dS slices
+    xfree_d = [[MBar(1) for _ in range(2)] for _ in range(C)]
+    xd = [[None] * 2 for _ in range(C)]  # half: the block whose dS slice XD[w] holds
     # X[cta][w]: state "free" -> "partial" (pieces landing) -> "read" -> "slice" (being read)
     xstate = [["free"] * 2 for _ in range(C)]
     xblock = [[None] * 2 for _ in range(C)]
@@ -654,6 +664,15 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0, keysplit=
 
     def consumer(c, w):
         peer = 1 - c
+
+        def recv_ds(blk):  # half: the peer's dS slice of block blk, then XD[w] is free
+            if bug != "half_no_recv_wait":
+                yield from wait(xfull_d[c][w], blk & 1)
+            assert xd[c][w] == blk, ("a dS slice read before it landed", xd[c][w], blk)
+            xd[c][w] = None
+            assert not exited[peer], "arrival on an exited CTA's barrier"
+            xfree_d[peer][w].arrive()
+
         yield from wait(bKV[c], 0)
         it = 0
         prev = None  # pipe: (stage, block) of the products still in flight
@@ -675,7 +694,14 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0, keysplit=
                     readers_v[c][t].discard(w)
                     empty_v[c][t].arrive()
             xfull[c][w].expect_tx(2)  # this block's phase: the arm + the peer's two pieces
+            if half and bug == "half_arm_early":  # armed before block it - 1's slice was received
+                xfull_d[c][w].expect_tx(1)
             yield  # S^T and dP^T partials issued
+            if half:
+                if prev is not None:  # the slice of block it - 1 before its deferred product
+                    yield from recv_ds(it - 1)
+                if bug != "half_arm_early":
+                    xfull_d[c][w].expect_tx(1)  # block it's phase
             if bug != "no_xfree_wait":
                 par = it & 1 if bug == "xfree_parity" else (it & 1) ^ 1
                 yield from wait(xfree_w[c][w] if keysplit else xfree[c], par)
@@ -711,6 +737,9 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0, keysplit=
                     assert not exited[peer], "arrival on an exited CTA's barrier"
                     xfree_w[peer][w].arrive()
                 yield  # P, dS: this warpgroup's own keys only
+                if half:
+                    yield from wait(xfree_d[c][w], (it & 1) ^ 1)
+                    inflight.append(("xd", peer, w, None, it))
                 if pipe:
                     prev = (s, it)
                 else:
@@ -741,6 +770,8 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0, keysplit=
                 empty[c][s].arrive()
             it += 1
         if prev is not None:  # pipe: the last block's products
+            if half:
+                yield from recv_ds(prev[1])
             yield from products(c, w, *prev)
         if keysplit:  # the two warpgroups' dQ halves meet in the K ring
             if bug != "ks_no_reduce_barrier":
@@ -766,6 +797,10 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0, keysplit=
         elif kind == "tmav":
             slot_v[c][b] = v
             a.complete_tx(1)
+        elif kind == "xd":  # a dS slice of block v into XD[a] of CTA c
+            assert xd[c][a] is None, ("a dS slice overwritten before it was read", xd[c][a], v)
+            xd[c][a] = v
+            xfull_d[c][a].complete_tx(1)
         else:  # st.async piece b of block v into X[a] of CTA c
             if xstate[c][a] == "free":
                 xstate[c][a], xblock[c][a], xparts[c][a] = "partial", v, set()
@@ -822,9 +857,11 @@ def keysplit_bugs_caught(rng):
     """Each injected error of the dQ kernel's key split must be caught: X[w] freed before the
     peer's partials are read, and the K ring reused for the dQ halves without the barrier that
     waits for both warpgroups' last products."""
-    for bug in ("ks_early_free", "ks_no_reduce_barrier"):
+    bugs = ("ks_early_free", "ks_no_reduce_barrier", "half_no_recv_wait", "half_arm_early")
+    for bug in bugs:
         caught = False
         for _ in range(400):
+            half = bug.startswith("half") or rng.random() < 0.5
             try:
                 run_dkdv512(
                     rng.randrange(1, 7),
@@ -832,15 +869,16 @@ def keysplit_bugs_caught(rng):
                     rng,
                     bug,
                     dq=True,
-                    pipe=rng.random() < 0.5,
+                    pipe=half or rng.random() < 0.5,
                     sv=1,
                     keysplit=True,
+                    half=half,
                 )
             except (AssertionError, RuntimeError):
                 caught = True
                 break
         assert caught, f"injected bug {bug} was not caught"
-    return 2
+    return len(bugs)
 
 
 def run_fwd512c(total, S, rng, pp=True, bug=None):
@@ -1184,6 +1222,7 @@ for _trial in range(3000):
     run_dkdv512(total, S, rng, dq=True, pipe=True, sv=1)
     run_dkdv512(total, 3, rng, dq=True, pipe=True, sv=1, keysplit=True)
     run_dkdv512(total, 3, rng, dq=True, sv=1, keysplit=True)
+    run_dkdv512(total, 3, rng, dq=True, pipe=True, sv=1, keysplit=True, half=True)
     run_fwd512c(total, S, rng, rng.random() < 0.8)
     run_d256(total, 2, rng)
     n += 1

@@ -57,9 +57,11 @@ struct Ws512Cfg {
   static constexpr int CONSUMERS = 256;
   static constexpr int X_VECS = 2 * HR / 4;          // float4s per thread: the two partials
   static constexpr int X_BYTES = X_VECS * 128 * 16;  // per consumer warpgroup
-  // The barriers of a ring of s stages (and sv of a separate V ring) and xf xfree barriers:
-  // Ws512Bars<s, sv, xf>.
-  static constexpr int nbars(int s, int sv, int xf = 1) { return 1 + 2 * s + 2 * sv + 2 + xf; }
+  // The barriers of a ring of s stages (and sv of a separate V ring), xf xfree barriers and xd
+  // pairs of dS-exchange barriers: Ws512Bars<s, sv, xf, xd>.
+  static constexpr int nbars(int s, int sv, int xf = 1, int xd = 0) {
+    return 1 + 2 * s + 2 * sv + 2 + xf + 2 * xd;
+  }
   static constexpr int PRODUCER_REGS = 40;
   static constexpr int CONSUMER_REGS = 232;
   static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "register pool of one CTA");
@@ -118,6 +120,13 @@ __device__ __forceinline__ void st_async_f32x4(uint32_t raddr, float a, float b,
       "f"(a), "f"(b), "f"(c), "f"(d), "r"(rbar)
       : "memory");
 }
+__device__ __forceinline__ void st_async_b32x4(uint32_t raddr, uint4 v, uint32_t rbar) {
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, "
+      "[%5];" ::"r"(raddr),
+      "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(rbar)
+      : "memory");
+}
 #endif
 }  // namespace ws
 
@@ -128,9 +137,9 @@ __device__ __forceinline__ void st_async_f32x4(uint32_t raddr, float a, float b,
 // have arrived: the local arrive.expect_tx plus the peer's bytes) and xfree (XF = 1: the peer's 8
 // consumer warps have read their slices, so its X may be refilled; XF = 2: xfree(w), the peer's
 // warpgroup w's 4 warps have read its partials).
-template <int S, int SV, int XF = 1>
+template <int S, int SV, int XF = 1, int XD = 0>
 struct Ws512Bars {
-  static constexpr int NBARS = Ws512Cfg::nbars(S, SV, XF);
+  static constexpr int NBARS = Ws512Cfg::nbars(S, SV, XF, XD);
   uint32_t b0;
   __device__ __forceinline__ uint32_t full(int s) const { return b0 + 8u * (1 + s); }
   __device__ __forceinline__ uint32_t empty(int s) const { return b0 + 8u * (1 + S + s); }
@@ -141,6 +150,14 @@ struct Ws512Bars {
   }
   __device__ __forceinline__ uint32_t xfree(int w) const {
     return b0 + 8u * (3 + 2 * S + 2 * SV + (XF > 1 ? w : 0));
+  }
+  // XD = 2 (the dQ kernel's kHalf): the peer's dS half for warpgroup w has arrived / w's 4 warps
+  // of the peer have read the dS half sent to them.
+  __device__ __forceinline__ uint32_t xfull_d(int w) const {
+    return b0 + 8u * (3 + 2 * S + 2 * SV + XF + w);
+  }
+  __device__ __forceinline__ uint32_t xfree_d(int w) const {
+    return b0 + 8u * (3 + 2 * S + 2 * SV + XF + XD + w);
   }
   // Thread 0 initialises them (full: `full_count` arrivals), then the cluster synchronises: the
   // peer's barriers are initialised before any st.async or remote arrival.
@@ -156,6 +173,10 @@ struct Ws512Bars {
       ws::mbar_init(xfull(0), 1);  // the local arrive.expect_tx; the peer's bytes complete it
       ws::mbar_init(xfull(1), 1);
       for (int w = 0; w < XF; ++w) ws::mbar_init(xfree(w), NC / 32 / XF);  // the peer's warps
+      for (int w = 0; w < XD; ++w) {
+        ws::mbar_init(xfull_d(w), 1);
+        ws::mbar_init(xfree_d(w), 4);
+      }
       ws::mbar_init_fence();
     }
     ws::cluster_sync();
@@ -264,6 +285,111 @@ struct Ws512Exchange {
     if constexpr (kSlices) fence_proxy_async();
     __syncwarp();
     if (lane == 0) ws::mbar_arrive_cluster(xfree, peer);  // maps xfree into the peer itself
+  }
+};
+
+// The dQ kernel's kHalf exchange (consumer warpgroup cw with the same warpgroup of the peer): of
+// the warpgroup's 32 keys, CTA rank r finalises the 16 keys 16r.. (fragment floats 8r..8r + 7 of
+// the m64n32 S / dP accumulators): it sends the peer the partials of the other 16 (8 KB per
+// warpgroup instead of 16), adds the peer's partials of its own, computes P and dS of its 16 keys
+// only, and sends that dS as the A fragment of its 16-key slice (2 KB) to the peer, which
+// receives it a block later (kPipe: the product of block j runs in block j + 1). One CTA computes
+// each dS element, so both use the same numbers. Words of X[cw] (16 bytes per thread): 0-1 the
+// S partial, 2-3 the dP partial, 4 the dS slice.
+struct Ws512HalfExchange {
+  using Cfg = Ws512Cfg;
+  static constexpr int H = Cfg::HR / 2;            // floats of one CTA's half of a partial
+  static constexpr int P_BYTES = 2 * H * 128 * 4;  // both partials' halves, per warpgroup
+  static constexpr int D_BYTES = 128 * 16;         // the dS slice, per warpgroup
+  static_assert(Cfg::X_VECS >= 2 * H / 4 + 1, "the halves and the slice fit in X[cw]");
+  const float4* mine;  // this thread's word 0 of X[cw] (generic address)
+  uint32_t peer_x;     // the same word of the peer's X[cw]
+  uint32_t xfull, xfull_peer, xfree, xfull_d, xfull_d_peer, xfree_d, peer, rank;
+  template <class Bars>
+  __device__ __forceinline__ Ws512HalfExchange(const unsigned char* gbase, uint32_t base, int off_x,
+                                               const Bars& bars, int cw, int t, uint32_t rank_)
+      : mine(reinterpret_cast<const float4*>(gbase + off_x + cw * Cfg::X_BYTES) + t),
+        peer_x(ws::mapa_shared(base + uint32_t(off_x + cw * Cfg::X_BYTES + t * 16), rank_ ^ 1u)),
+        xfull(bars.xfull(cw)),
+        xfull_peer(ws::mapa_shared(bars.xfull(cw), rank_ ^ 1u)),
+        xfree(bars.xfree(cw)),
+        xfull_d(bars.xfull_d(cw)),
+        xfull_d_peer(ws::mapa_shared(bars.xfull_d(cw), rank_ ^ 1u)),
+        xfree_d(bars.xfree_d(cw)),
+        peer(rank_ ^ 1u),
+        rank(rank_) {}
+  // Floats 0..H-1 <- this CTA's half (8 rank..), H.. <- the peer's, by selects.
+  __device__ __forceinline__ void own_half_first(float (&v)[Cfg::HR]) const {
+#pragma unroll
+    for (int i = 0; i < H; ++i) {
+      const float a = v[i], b = v[i + H];
+      v[i] = rank ? b : a;
+      v[i + H] = rank ? a : b;
+    }
+  }
+  __device__ __forceinline__ void arm_partials(int t) const {
+    if (t == 0) ws::mbar_expect_tx(xfull, P_BYTES);
+  }
+  __device__ __forceinline__ void arm_ds(int t) const {
+    if (t == 0) ws::mbar_expect_tx(xfull_d, D_BYTES);
+  }
+  __device__ __forceinline__ void send_half(const float (&v)[Cfg::HR], int w0) const {
+#pragma unroll
+    for (int i = 0; i < H / 4; ++i)
+      ws::st_async_f32x4(peer_x + uint32_t((w0 + i) * 128 * 16), v[H + 4 * i], v[H + 4 * i + 1],
+                         v[H + 4 * i + 2], v[H + 4 * i + 3], xfull_peer);
+  }
+  // Block j's partials a (S), b (dP) in flight as two commit groups, then (G = 3) the previous
+  // block's product: as Ws512Exchange::swap_add_pipe, but only the peer's half is sent and only
+  // the own half (floats 0..H-1 after own_half_first) receives the peer's partial; X[cw]'s
+  // partial words are then free for the peer's next block.
+  template <int G, typename F>
+  __device__ __forceinline__ void swap_add_pipe(float (&a)[Cfg::HR], float (&b)[Cfg::HR], int j,
+                                                int lane, F&& done) const {
+    static_assert(G == 2 || G == 3, "two or three commit groups");
+    ws::mbar_wait(xfree, (uint32_t(j) & 1u) ^ 1u);
+    wg_wait<G - 1>();
+    fence_regs(a);
+    own_half_first(a);
+    send_half(a, 0);
+    wg_wait<G - 2>();
+    fence_regs(b);
+    own_half_first(b);
+    send_half(b, H / 4);
+    wg_wait<0>();
+    done();
+    ws::mbar_wait_cluster(xfull, uint32_t(j) & 1u);
+#pragma unroll
+    for (int i = 0; i < H / 4; ++i) {
+      const float4 x = mine[i * 128], y = mine[(H / 4 + i) * 128];
+      a[4 * i] += x.x, a[4 * i + 1] += x.y, a[4 * i + 2] += x.z, a[4 * i + 3] += x.w;
+      b[4 * i] += y.x, b[4 * i + 1] += y.y, b[4 * i + 2] += y.z, b[4 * i + 3] += y.w;
+    }
+    __syncwarp();
+    if (lane == 0) ws::mbar_arrive_cluster(xfree, peer);
+  }
+  // This CTA's dS slice of block j to the peer, once the peer has read block j - 1's.
+  __device__ __forceinline__ void send_ds(const uint32_t (&f)[4], int j) const {
+    ws::mbar_wait(xfree_d, (uint32_t(j) & 1u) ^ 1u);
+    ws::st_async_b32x4(peer_x + uint32_t(2 * (H / 4) * 128 * 16),
+                       make_uint4(f[0], f[1], f[2], f[3]), xfull_d_peer);
+  }
+  // The peer's dS slice of block j (then the peer may send block j + 1's).
+  __device__ __forceinline__ void recv_ds(int j, int lane, uint32_t (&f)[4]) const {
+    ws::mbar_wait_cluster(xfull_d, uint32_t(j) & 1u);
+    const uint4 u = reinterpret_cast<const uint4*>(mine)[2 * (H / 4) * 128];
+    f[0] = u.x, f[1] = u.y, f[2] = u.z, f[3] = u.w;
+    __syncwarp();
+    if (lane == 0) ws::mbar_arrive_cluster(xfree_d, peer);
+  }
+  // The A fragments of the warpgroup's 32 keys in key order: slice 0 is rank 0's.
+  __device__ __forceinline__ void order(uint32_t (&da)[2][4], const uint32_t (&own)[4],
+                                        const uint32_t (&other)[4]) const {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      da[0][c] = rank ? other[c] : own[c];
+      da[1][c] = rank ? own[c] : other[c];
+    }
   }
 };
 #endif
@@ -468,7 +594,7 @@ struct DqWs512Cfg : Ws512Cfg {
     uint16_t k[K_STAGES][BN * DH];
     uint16_t v[V_STAGES][BN * DH];
     float x[2][X_BYTES / 4];  // X[w] per consumer warpgroup
-    uint64_t bar[nbars(K_STAGES, V_STAGES, 2)];
+    uint64_t bar[nbars(K_STAGES, V_STAGES, 2, 2)];
   };
   static_assert(sizeof(SharedStorage::q) == Q_BYTES && sizeof(SharedStorage::k[0]) == KV_BYTES);
   static constexpr int OFF_DO = int(offsetof(SharedStorage, dout));
@@ -487,9 +613,11 @@ struct DqWs512Cfg : Ws512Cfg {
 
 // kPipe: as in dkdv_ws512_kernel_sm90, block j's dQ product runs behind block j + 1's S / dP and
 // is retired inside block j + 1's exchange.
-template <typename T, bool kCap, bool kPipe = false, bool kKeySplit = true>
+// kHalf (with kPipe and kKeySplit): the exchange of Ws512HalfExchange.
+template <typename T, bool kCap, bool kPipe = false, bool kKeySplit = true, bool kHalf = false>
 __global__ void __launch_bounds__(384, 1)
     dq_ws512_kernel_sm90(const __grid_constant__ DkdvWsArgs a) {
+  static_assert(!kHalf || (kPipe && kKeySplit), "the half exchange runs in the kPipe key split");
 #if DUALKV_SM90_BODY
   using Cfg = DqWs512Cfg;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::K_STAGES, SV = Cfg::V_STAGES;
@@ -501,7 +629,7 @@ __global__ void __launch_bounds__(384, 1)
   unsigned char* gbase = smem + (base - smem_u32(smem));
   const uint32_t sQ = base, sdO = base + Cfg::OFF_DO, sK0 = base + Cfg::OFF_K,
                  sV0 = base + Cfg::OFF_V;
-  const Ws512Bars<S, SV, kKeySplit ? 2 : 1> bars{base + Cfg::OFF_BAR};
+  const Ws512Bars<S, SV, kKeySplit ? 2 : 1, kHalf ? 2 : 0> bars{base + Cfg::OFF_BAR};
   const uint32_t bQ = bars.b0;
 
   // blockIdx.x = ((tile * 2 + half) * Hq + q head) * 2 + rank (see dkdv_ws512_kernel_sm90).
@@ -544,6 +672,8 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
     for (int i = 0; i < NQ / 2; ++i) acc[i] = 0.f;
     const Ws512Exchange x(gbase, base, Cfg::OFF_X, bars, cw, t, peer);
+    const Ws512HalfExchange hx(gbase, base, Cfg::OFF_X, bars, cw, t, rank);
+    uint32_t ds_own[4], ds_other[4];  // kHalf: this CTA's dS slice of block j - 1, the peer's
     // The B operand's offset in a K tile: this warpgroup's key rows, or its column blocks.
     const uint32_t b_off = kKeySplit ? uint32_t(k_off) * 128u : uint32_t(cw * DW / 64) * (BN * 128);
     // The dS A fragments of the KQ keys (kPipe: block j - 1's until its product has completed)
@@ -570,7 +700,10 @@ __global__ void __launch_bounds__(384, 1)
       ws::mbar_wait(bars.full(s), Ring<S>::full_parity(j));
       ws::mbar_wait(bars.fullv(sv), Ring<SV>::full_parity(j));
       const uint32_t sK = sK0 + s * Cfg::KV_BYTES, sV = sV0 + sv * Cfg::KV_BYTES;
-      x.expect();
+      if constexpr (kHalf)
+        hx.arm_partials(t);
+      else
+        x.expect();
 
       float sc[HR], dp[HR];
       wg_fence();
@@ -578,7 +711,24 @@ __global__ void __launch_bounds__(384, 1)
       wg_commit();
       wgmma_rows_cols<T, HK, DH, BM, BN>(dp, sdO, 0, sV, k_off, 0);
       wg_commit();
-      if constexpr (kPipe) {
+      if constexpr (kHalf) {
+        if (j > 0) {  // block j - 1's dQ += dS K, once the peer's dS slice is here
+          hx.recv_ds(j - 1, lane, ds_other);
+          hx.order(da, ds_own, ds_other);
+          hx.arm_ds(t);  // block j's phase (block j - 1's has completed)
+          wg_fence();
+          product(prev_s);
+          wg_commit();
+          hx.swap_add_pipe<3>(sc, dp, j, lane, [&] {
+            fence_regs(acc, da);
+            ws::mbar_arrive(bars.empty(prev_s));
+            ws::mbar_arrive(bars.emptyv(sv));
+          });
+        } else {
+          hx.arm_ds(t);
+          hx.swap_add_pipe<2>(sc, dp, j, lane, [&] { ws::mbar_arrive(bars.emptyv(sv)); });
+        }
+      } else if constexpr (kPipe) {
         if (j > 0) {   // block j - 1's dQ += dS K (its fragments, its stage)
           wg_fence();  // (ptxas injects it otherwise: the fragments' registers)
           product(prev_s);
@@ -595,24 +745,31 @@ __global__ void __launch_bounds__(384, 1)
         x.swap_add(sc, dp, j);  // S and dP of the whole head dim
         ws::mbar_arrive(bars.emptyv(sv));
       }
-      if constexpr (kKeySplit) x.release<false>(lane);  // X[cw] held only the partials
+      if constexpr (kKeySplit && !kHalf) x.release<false>(lane);  // X[cw] held only the partials
       const auto kb = walk.at(j);
       const bool msk = walk.masked(kb, nq, BM, p.mask);
+      // P and dS (kHalf: of this CTA's 16 keys, floats 0..7 after own_half_first).
+      constexpr int NF = kHalf ? Ws512HalfExchange::H : HR;
+      const int kr0 = kb.off + k_off + (kHalf ? 16 * int(rank) : 0);
 #pragma unroll
-      for (int i = 0; i < HR; ++i) {
+      for (int i = 0; i < NF; ++i) {
         const int r = (i >> 1) & 1;
         float dcap;
         const float xl = score_log2<kCap>(p, sc[i], dcap);
         dp[i] = fast_exp2(xl - lse2[r]) * (dp[i] - del[r]) * dcap;
       }
-      mask_fragment<HR>(
+      mask_fragment<NF>(
           msk,
           [&](int i) {
-            const int kr = kb.off + k_off + (i >> 2) * 8 + 2 * tq + (i & 1);
+            const int kr = kr0 + (i >> 2) * 8 + 2 * tq + (i & 1);
             return DUALKV_VISIBLE(p.mask, kb, pq_first + row0 + 8 * ((i >> 1) & 1), kr);
           },
           [&](int i) { dp[i] = 0.f; });
-      if constexpr (kKeySplit) {
+      if constexpr (kHalf) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) ds_own[c] = pack2<T>(dp[2 * c], dp[2 * c + 1]);
+        hx.send_ds(ds_own, j);  // the product waits for the peer's slice (next block)
+      } else if constexpr (kKeySplit) {
         pack_a_frag<T>(da, dp);  // this warpgroup's own keys only
       } else {
         // This warpgroup's two 16-key slices of dS into X[cw], then all four back.
@@ -624,13 +781,19 @@ __global__ void __launch_bounds__(384, 1)
         x.release(lane);
       }
       if constexpr (kPipe) {
-        fence_regs(da);  // in registers before the next block's wgmma.fence
+        if constexpr (!kHalf) fence_regs(da);  // in registers before the next wgmma.fence
         prev_s = s;
         continue;  // the product goes behind the next block's S / dP
       }
       retire(s);
     }
-    if constexpr (kPipe) {
+    if constexpr (kHalf) {
+      if (total > 0) {  // the last block's product
+        hx.recv_ds(total - 1, lane, ds_other);
+        hx.order(da, ds_own, ds_other);
+        retire(prev_s);
+      }
+    } else if constexpr (kPipe) {
       if (total > 0) retire(prev_s);  // the last block's product
     }
     if constexpr (kKeySplit) {
@@ -670,9 +833,10 @@ __global__ void __launch_bounds__(384, 1)
 // D = 512 backward on wgmma: preprocess, the dK/dV kernel, then the dQ kernel above. Atomic-free
 // and bitwise reproducible. False (nothing launched) when a tensor map cannot be encoded: the
 // caller then runs the sm_80 backward. pipe: the kPipe kernels (KernelPolicy::d512_bwd_pipe);
-// key_split: the dQ kernel's kKeySplit (KernelPolicy::d512_dq_key_split).
+// dq_kind: the dQ kernel's split (KernelPolicy::d512_dq_kind: 0 columns, 1 keys, 2 keys with the
+// half exchange; kPipe only, the plain kernels run 1).
 template <typename T>
-bool launch_backward_sm90_d512(const BwdParams& p, cudaStream_t stream, bool pipe, bool key_split) {
+bool launch_backward_sm90_d512(const BwdParams& p, cudaStream_t stream, bool pipe, int dq_kind) {
   using C = DkdvWs512Cfg;
   constexpr int D = C::D;
   if (int64_t(p.T) * p.Hq == 0) return true;
@@ -697,9 +861,12 @@ bool launch_backward_sm90_d512(const BwdParams& p, cudaStream_t stream, bool pip
   if (grid_q > 0) {
     auto* kq = cap ? dq_ws512_kernel_sm90<T, true, false> : dq_ws512_kernel_sm90<T, false, false>;
     if (pipe) kq = cap ? dq_ws512_kernel_sm90<T, true, true> : dq_ws512_kernel_sm90<T, false, true>;
-    if (pipe && !key_split)
+    if (pipe && dq_kind == 0)
       kq = cap ? dq_ws512_kernel_sm90<T, true, true, false>
                : dq_ws512_kernel_sm90<T, false, true, false>;
+    if (pipe && dq_kind == 2)
+      kq = cap ? dq_ws512_kernel_sm90<T, true, true, true, true>
+               : dq_ws512_kernel_sm90<T, false, true, true, true>;
     launch_kernel(kq, grid_q, QW::THREADS, QW::SMEM, stream, a,
                   "dualkv backward dq D=512 (sm90a, warp-specialised, 2-CTA clusters)",
                   QW::CLUSTER);

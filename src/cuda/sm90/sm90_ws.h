@@ -42,7 +42,7 @@ bool launch_backward_sm90_ws(const BwdParams& p, const KernelPolicy& policy, cud
 // False (nothing launched) when a tensor map cannot be encoded.
 template <typename T>
 bool launch_backward_sm90_d512(const BwdParams& p, cudaStream_t stream, bool pipe = false,
-                               bool key_split = true);
+                               int dq_kind = 2);
 
 // D = 256 backward with sm90_bwd256_ws.cuh's warp-specialised dK/dV kernel, then the
 // warp-specialised dQ pass (KernelPolicy::d256_bwd_ws, the default). False (nothing launched,
