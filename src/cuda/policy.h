@@ -29,12 +29,6 @@ struct KernelPolicy {
   // dQ products; H200: 117.1 vs 121.1 ms at (16, 8192, 1024), 275.6 vs 291.0 at (8, 16384,
   // 2048)); DUALKV_SM90_D512_BWD=1 runs the kernels without it (A/B).
   bool d512_bwd_pipe = true;
-  // ... and its dQ kernel's split of the work (sm90_bwd512_ws.cuh): 2 (default) each warpgroup
-  // takes 32 keys of a block, each CTA finalising 16 of them and exchanging their dS slice (the
-  // half exchange); 1 (DUALKV_SM90_D512_BWD=3, and the kernels without kPipe) the same split
-  // with the whole partials exchanged; 0 (DUALKV_SM90_D512_BWD=2) the column split, both
-  // warpgroups' dS slices shared every block (A/B).
-  int d512_dq_kind = 2;
   // D = 512 forward on sm_90a: sm90/sm90_fwd512_cluster.cuh (2-CTA clusters splitting the head
   // dim, partial S over distributed shared memory, BN = 64, ping-pong; H200: 25.7 vs 29.0 ms at
   // (16, 8192, 1024)); DUALKV_SM90_D512_FWD=0 runs fwd_ws_kernel_sm90's single-CTA KSPLIT = 2

@@ -555,7 +555,7 @@ def run_dkdv(nblocks, S, rng, dq_mode=0, nbuf=1, onered=False, bug=None, d64=Fal
     assert bar1.cnt == 0, "named barrier left half-arrived"
 
 
-def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0, keysplit=False, half=False):
+def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0):
     """The D = 512 dK/dV kernel (sm90_bwd512_ws.cuh): two CTAs of a cluster, each with its own
     producer ring (as run_dkdv), and per block and consumer warpgroup w: arm xfull[w] (local
     arrive.expect_tx), wait the local xfree barrier (the peer's 8 warps, modelled as its 2
@@ -564,30 +564,30 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0, keysplit=
     xfull[w]), wait the own xfull[w], read the peer's partials, write the slices into the own X[w],
     named barrier 1 of both warpgroups, read both warpgroups' slices, arrive on the peer's xfree,
     release the stage; at the end a cluster barrier of every thread of both CTAs.
-    dq: the D = 512 dQ kernel instead (same exchange; one producer thread, Q/dO once, K/V blocks,
-    no records: the consumers know the walk's length).
+    dq: the D = 512 dQ kernel instead (one producer thread, Q/dO once, K/V blocks, no records:
+    the consumers know the walk's length), whose warpgroups split each block's keys: no slices
+    and no named barrier in the loop; each warpgroup frees its X[w] as soon as it has read the
+    peer's partials, on a barrier of its own (xfree[w]); after the loop named barrier 1, both
+    warpgroups' dQ halves through the K ring (nothing may still read or fill it), named barrier 1
+    again, the halves read back.
     pipe: the kPipe variants (the default; DUALKV_SM90_D512_BWD=1 runs the kernels without it):
-    block j's dV/dK (dQ) products are issued
-    behind block j + 1's partial products and read block j's stage until they complete, which is
-    waited for after block j + 1's partials are sent; only then is block j's stage released (the
-    last block's products run after the loop).
-    sv (dq only): V on a separate ring of sv stages (the kernel's: K on the S-stage ring, V on one
-    stage), each tile on its own full / empty barriers; the consumers release V_j once block j's
-    dP has read it (after the partials' waits), K_j after its dQ product.
-    keysplit (dq only, the default dQ kernel): no slices and no named barrier in the loop; each
-    warpgroup frees its X[w] as soon as it has read the peer's partials, on a barrier of its own
-    (xfree[w]); after the loop named barrier 1, both warpgroups' dQ halves through the K ring
-    (nothing may still read or fill it), named barrier 1 again, the halves read back.
-    half (keysplit and pipe: the default dQ kernel): besides the partials, each CTA sends its dS
+    block j's dV/dK (dQ) products are issued behind block j + 1's partial products and read
+    block j's stage until they complete, which is waited for after block j + 1's partials are
+    sent; only then is block j's stage released (the last block's products run after the loop).
+    The dQ kernel's kPipe also has the half exchange: besides the partials, each CTA sends its dS
     slice of block j to the peer's XD[w] (st.async completing xfull_d[w], once the peer has read
     block j - 1's: xfree_d[w]); the peer waits for it in block j + 1 before the deferred product,
     frees XD[w] and arms xfull_d[w] for block j + 1 (block 0's phase at the start, the last
     block's slice after the loop). (The xfree_d wait is also implied by the order: the peer sends
     block j + 1's slice only after this CTA's block j + 1 partials, which follow its receipt of
     block j's slice; the model finds no schedule that needs it.)
+    sv (dq only): V on a separate ring of sv stages (the kernel's: K on the S-stage ring, V on one
+    stage), each tile on its own full / empty barriers; the consumers release V_j once block j's
+    dP has read it (after the partials' waits), K_j after its dQ product.
     bug: None, or an injected protocol error that the checks must catch."""
     if bug == "pipe_one_stage":
         S = 1
+    keysplit, half = dq, dq and pipe
     C, L = 2, 1 if dq else 3
     bKV = [MBar(1) for _ in range(C)]
     full = [[MBar(1 if dq else 1 + L) for _ in range(S)] for _ in range(C)]
@@ -827,7 +827,7 @@ def injected_bugs_caught(rng):
         caught = False
         for i in range(400):
             try:
-                dq = i % 2 == 1
+                dq = i % 2 == 1 and bug != "xfree_one_warpgroup"  # the dQ kernel's xfree[w]
                 run_dkdv512(rng.randrange(1, 6), rng.choice([2, 3]), rng, bug, dq=dq, sv=int(dq))
             except (AssertionError, RuntimeError):
                 caught = True
@@ -855,25 +855,16 @@ def pipe_bugs_caught(rng):
 
 def keysplit_bugs_caught(rng):
     """Each injected error of the dQ kernel's key split must be caught: X[w] freed before the
-    peer's partials are read, and the K ring reused for the dQ halves without the barrier that
-    waits for both warpgroups' last products."""
+    peer's partials are read, the K ring reused for the dQ halves without the barrier that waits
+    for both warpgroups' last products, the peer's dS slice read without waiting for it, and its
+    barrier armed for the next block before the previous block's phase completed."""
     bugs = ("ks_early_free", "ks_no_reduce_barrier", "half_no_recv_wait", "half_arm_early")
     for bug in bugs:
         caught = False
         for _ in range(400):
-            half = bug.startswith("half") or rng.random() < 0.5
+            pipe = bug.startswith("half") or rng.random() < 0.5
             try:
-                run_dkdv512(
-                    rng.randrange(1, 7),
-                    3,
-                    rng,
-                    bug,
-                    dq=True,
-                    pipe=half or rng.random() < 0.5,
-                    sv=1,
-                    keysplit=True,
-                    half=half,
-                )
+                run_dkdv512(rng.randrange(1, 7), 3, rng, bug, dq=True, pipe=pipe, sv=1)
             except (AssertionError, RuntimeError):
                 caught = True
                 break
@@ -1220,9 +1211,6 @@ for _trial in range(3000):
     run_dkdv512(total, S, rng, dq=True, sv=1)
     run_dkdv512(total, S, rng, pipe=True)
     run_dkdv512(total, S, rng, dq=True, pipe=True, sv=1)
-    run_dkdv512(total, 3, rng, dq=True, pipe=True, sv=1, keysplit=True)
-    run_dkdv512(total, 3, rng, dq=True, sv=1, keysplit=True)
-    run_dkdv512(total, 3, rng, dq=True, pipe=True, sv=1, keysplit=True, half=True)
     run_fwd512c(total, S, rng, rng.random() < 0.8)
     run_d256(total, 2, rng)
     n += 1

@@ -569,16 +569,17 @@ __global__ void __launch_bounds__(384, 1)
 // The dQ pass of the same design: one cluster of two CTAs per (64-query half of a query tile, q
 // head), CTA rank r holding columns [256r, 256r + 256) of Q, dO (resident) and of every K / V
 // block of the key walk (KeyBlockWalk over the CTA's 64 queries, as the forward), and owning those
-// columns of dQ. Consumer warpgroup w: the partial S and dP of the block's keys 32w..32w+31 over
-// the CTA's columns (m64n32k16 SS), exchanged with the peer exactly as in the dK/dV kernel
-// (Ws512Exchange: st.async into X[w], xfull, xfree(w)), then P, dS of its 32 keys and
-// dQ_w += dS K[its 32 keys] on all 256 columns (m64n256k16 RS, 128 accumulator registers). The
-// two warpgroups never meet inside the loop (no shared slices, no named barrier, an xfree barrier
+// columns of dQ. Consumer warpgroup w takes keys 32w..32w+31 of each block: their partial S and dP
+// over the CTA's columns (m64n32k16 SS), exchanged with the peer; then P, dS and
+// dQ_w += dS K[its 32 keys] on all 256 columns (m64n256k16 RS, 128 accumulator registers). The two
+// warpgroups never meet inside the loop (no shared slices, no named barrier, an xfree barrier
 // each), so one's exchange wait overlaps the other's products; after the loop they add their two
-// partial dQ through shared memory (the K ring's tiles), each finishing 128 columns. kKeySplit =
-// false (DUALKV_SM90_D512_BWD=2, A/B): the column split, both warpgroups' dS slices through X[w]
-// and a named barrier every block, dQ += dS K on 128 columns each. Same accumulation order in
-// every run (the walk is fixed): deterministic.
+// partial dQ through shared memory (the K ring's tiles), each finishing 128 columns.
+//   - kPipe (the default): the half exchange (Ws512HalfExchange: each CTA finalises 16 of the 32
+//     keys and sends the peer their dS slice), block j's product behind block j + 1's S / dP.
+//   - otherwise (DUALKV_SM90_D512_BWD=1): the whole partials exchanged (Ws512Exchange), the
+//     product of each block in its own turn.
+// Same accumulation order in every run (the walk is fixed): deterministic.
 struct DqWs512Cfg : Ws512Cfg {
   static constexpr int HK = HP;                 // keys of a warpgroup's S / dP
   static constexpr int Q_BYTES = BM * DH * 2;   // one CTA's half of Q (and of dO)
@@ -605,19 +606,14 @@ struct DqWs512Cfg : Ws512Cfg {
   static constexpr int SMEM = int(sizeof(SharedStorage)) + 1024;
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
   static_assert(SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
-  static_assert(X_VECS >= HK / 16, "the dS slices reuse the exchange buffer");
-  // kKeySplit: the two warpgroups' partial dQ (the other's half of the columns, 64 x 128 fp32
-  // each) meet in the K ring's tiles after the loop.
+  // The two warpgroups' partial dQ (the other's half of the columns, 64 x 128 fp32 each) meet in
+  // the K ring's tiles after the loop.
   static_assert(2 * BM * DW * 4 <= K_STAGES * KV_BYTES, "the dQ halves fit in the K ring");
 };
 
-// kPipe: as in dkdv_ws512_kernel_sm90, block j's dQ product runs behind block j + 1's S / dP and
-// is retired inside block j + 1's exchange.
-// kHalf (with kPipe and kKeySplit): the exchange of Ws512HalfExchange.
-template <typename T, bool kCap, bool kPipe = false, bool kKeySplit = true, bool kHalf = false>
+template <typename T, bool kCap, bool kPipe = false>
 __global__ void __launch_bounds__(384, 1)
     dq_ws512_kernel_sm90(const __grid_constant__ DkdvWsArgs a) {
-  static_assert(!kHalf || (kPipe && kKeySplit), "the half exchange runs in the kPipe key split");
 #if DUALKV_SM90_BODY
   using Cfg = DqWs512Cfg;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::K_STAGES, SV = Cfg::V_STAGES;
@@ -629,7 +625,7 @@ __global__ void __launch_bounds__(384, 1)
   unsigned char* gbase = smem + (base - smem_u32(smem));
   const uint32_t sQ = base, sdO = base + Cfg::OFF_DO, sK0 = base + Cfg::OFF_K,
                  sV0 = base + Cfg::OFF_V;
-  const Ws512Bars<S, SV, kKeySplit ? 2 : 1, kHalf ? 2 : 0> bars{base + Cfg::OFF_BAR};
+  const Ws512Bars<S, SV, 2, kPipe ? 2 : 0> bars{base + Cfg::OFF_BAR};
   const uint32_t bQ = bars.b0;
 
   // blockIdx.x = ((tile * 2 + half) * Hq + q head) * 2 + rank (see dkdv_ws512_kernel_sm90).
@@ -658,32 +654,27 @@ __global__ void __launch_bounds__(384, 1)
   } else {
     // ---- consumers ---------------------------------------------------------------------------
     ws::reg_alloc<Cfg::CONSUMER_REGS>();
-    const int cw = (warp >> 2) - 1;  // keys HK cw.. of each block (kKeySplit = false: and dQ
-                                     // columns DW cw..)
+    const int cw = (warp >> 2) - 1;  // keys HK cw.. of each block
     const int t = tid & 127;
     const int g = lane >> 2, tq = lane & 3;
     const int row0 = (warp & 3) * 16 + g;  // query rows row0, row0 + 8
     const int k_off = cw * HK;
     float lse2[2], del[2];
     load_row_stats(p, h, q0, nq, row0, lse2, del);
-    constexpr int NQ = kKeySplit ? DH : DW;  // dQ columns a warpgroup accumulates
-    constexpr int KQ = kKeySplit ? HK : BN;  // over this many keys of a block
-    float acc[NQ / 2];
+    float acc[DH / 2];  // this warpgroup's keys' share of the CTA's DH columns of dQ
 #pragma unroll
-    for (int i = 0; i < NQ / 2; ++i) acc[i] = 0.f;
+    for (int i = 0; i < DH / 2; ++i) acc[i] = 0.f;
     const Ws512Exchange x(gbase, base, Cfg::OFF_X, bars, cw, t, peer);
     const Ws512HalfExchange hx(gbase, base, Cfg::OFF_X, bars, cw, t, rank);
-    uint32_t ds_own[4], ds_other[4];  // kHalf: this CTA's dS slice of block j - 1, the peer's
-    // The B operand's offset in a K tile: this warpgroup's key rows, or its column blocks.
-    const uint32_t b_off = kKeySplit ? uint32_t(k_off) * 128u : uint32_t(cw * DW / 64) * (BN * 128);
-    // The dS A fragments of the KQ keys (kPipe: block j - 1's until its product has completed)
-    // and that block's stage.
-    uint32_t da[KQ / 16][4];
+    // The dS A fragments of the warpgroup's HK keys (kPipe: block j - 1's until its product has
+    // completed; built from this CTA's slice and the peer's) and that block's stage.
+    uint32_t da[HK / 16][4], ds_own[4], ds_other[4];
     int prev_s = 0;
+    // dQ += dS K (rows k_off.. of the K tile of stage st), issued.
     auto product = [&](int st) {
-      wgmma_rs_acc<T, NQ, BN>(acc, da, sK0 + st * Cfg::KV_BYTES + b_off);
+      wgmma_rs_acc<T, DH, BN>(acc, da, sK0 + st * Cfg::KV_BYTES + uint32_t(k_off) * 128u);
     };
-    // dQ += dS K from stage st's K tile, waited for; then the stage is released.
+    // ... waited for; then the stage is released.
     auto retire = [&](int st) {
       fence_regs(da, acc);
       wg_fence();
@@ -700,7 +691,7 @@ __global__ void __launch_bounds__(384, 1)
       ws::mbar_wait(bars.full(s), Ring<S>::full_parity(j));
       ws::mbar_wait(bars.fullv(sv), Ring<SV>::full_parity(j));
       const uint32_t sK = sK0 + s * Cfg::KV_BYTES, sV = sV0 + sv * Cfg::KV_BYTES;
-      if constexpr (kHalf)
+      if constexpr (kPipe)
         hx.arm_partials(t);
       else
         x.expect();
@@ -711,7 +702,7 @@ __global__ void __launch_bounds__(384, 1)
       wg_commit();
       wgmma_rows_cols<T, HK, DH, BM, BN>(dp, sdO, 0, sV, k_off, 0);
       wg_commit();
-      if constexpr (kHalf) {
+      if constexpr (kPipe) {
         if (j > 0) {  // block j - 1's dQ += dS K, once the peer's dS slice is here
           hx.recv_ds(j - 1, lane, ds_other);
           hx.order(da, ds_own, ds_other);
@@ -722,35 +713,22 @@ __global__ void __launch_bounds__(384, 1)
           hx.swap_add_pipe<3>(sc, dp, j, lane, [&] {
             fence_regs(acc, da);
             ws::mbar_arrive(bars.empty(prev_s));
-            ws::mbar_arrive(bars.emptyv(sv));
+            ws::mbar_arrive(bars.emptyv(sv));  // dP has read V_j
           });
         } else {
           hx.arm_ds(t);
           hx.swap_add_pipe<2>(sc, dp, j, lane, [&] { ws::mbar_arrive(bars.emptyv(sv)); });
         }
-      } else if constexpr (kPipe) {
-        if (j > 0) {   // block j - 1's dQ += dS K (its fragments, its stage)
-          wg_fence();  // (ptxas injects it otherwise: the fragments' registers)
-          product(prev_s);
-          wg_commit();
-          x.swap_add_pipe<3>(sc, dp, j, [&] {
-            fence_regs(acc, da);
-            ws::mbar_arrive(bars.empty(prev_s));
-            ws::mbar_arrive(bars.emptyv(sv));  // dP has read V_j
-          });
-        } else {
-          x.swap_add_pipe<2>(sc, dp, j, [&] { ws::mbar_arrive(bars.emptyv(sv)); });
-        }
       } else {
         x.swap_add(sc, dp, j);  // S and dP of the whole head dim
         ws::mbar_arrive(bars.emptyv(sv));
+        x.release<false>(lane);  // X[cw] held only the partials
       }
-      if constexpr (kKeySplit && !kHalf) x.release<false>(lane);  // X[cw] held only the partials
+      // P and dS (kPipe: of this CTA's 16 keys, floats 0..7 after own_half_first).
       const auto kb = walk.at(j);
       const bool msk = walk.masked(kb, nq, BM, p.mask);
-      // P and dS (kHalf: of this CTA's 16 keys, floats 0..7 after own_half_first).
-      constexpr int NF = kHalf ? Ws512HalfExchange::H : HR;
-      const int kr0 = kb.off + k_off + (kHalf ? 16 * int(rank) : 0);
+      constexpr int NF = kPipe ? Ws512HalfExchange::H : HR;
+      const int kr0 = kb.off + k_off + (kPipe ? 16 * int(rank) : 0);
 #pragma unroll
       for (int i = 0; i < NF; ++i) {
         const int r = (i >> 1) & 1;
@@ -765,66 +743,48 @@ __global__ void __launch_bounds__(384, 1)
             return DUALKV_VISIBLE(p.mask, kb, pq_first + row0 + 8 * ((i >> 1) & 1), kr);
           },
           [&](int i) { dp[i] = 0.f; });
-      if constexpr (kHalf) {
+      if constexpr (kPipe) {
 #pragma unroll
         for (int c = 0; c < 4; ++c) ds_own[c] = pack2<T>(dp[2 * c], dp[2 * c + 1]);
         hx.send_ds(ds_own, j);  // the product waits for the peer's slice (next block)
-      } else if constexpr (kKeySplit) {
-        pack_a_frag<T>(da, dp);  // this warpgroup's own keys only
-      } else {
-        // This warpgroup's two 16-key slices of dS into X[cw], then all four back.
-#pragma unroll
-        for (int kl = 0; kl < HK / 16; ++kl) x.put_slice<T>(kl, dp, kl);
-        ws::bar_sync(1, NC);
-#pragma unroll
-        for (int kt = 0; kt < BN / 16; ++kt) x.get_slice(kt / (HK / 16), kt % (HK / 16), da[kt]);
-        x.release(lane);
-      }
-      if constexpr (kPipe) {
-        if constexpr (!kHalf) fence_regs(da);  // in registers before the next wgmma.fence
         prev_s = s;
-        continue;  // the product goes behind the next block's S / dP
+      } else {
+        pack_a_frag<T>(da, dp);
+        retire(s);
       }
-      retire(s);
     }
-    if constexpr (kHalf) {
+    if constexpr (kPipe) {
       if (total > 0) {  // the last block's product
         hx.recv_ds(total - 1, lane, ds_other);
         hx.order(da, ds_own, ds_other);
         retire(prev_s);
       }
-    } else if constexpr (kPipe) {
-      if (total > 0) retire(prev_s);  // the last block's product
     }
-    if constexpr (kKeySplit) {
-      // acc holds this warpgroup's keys' share of all DH columns; warpgroup cw finishes columns
-      // [DW cw, DW cw + DW): it hands the other half to the other warpgroup through the K ring
-      // (free: every product has completed once both warpgroups pass the first barrier) and adds
-      // the other's share of its own half (own + other: the same two numbers in every run).
-      constexpr int HALF = DW / 2;  // floats per thread of 64 x DW
-      float4* red = reinterpret_cast<float4*>(gbase + Cfg::OFF_K);
-      // acc[i] of half hf, by selects (a run-time index would put acc in local memory).
-      auto half_at = [&](int hf, int i) { return hf == 0 ? acc[i] : acc[HALF + i]; };
-      ws::bar_sync(1, NC);
+    // acc holds this warpgroup's keys' share of all DH columns; warpgroup cw finishes columns
+    // [DW cw, DW cw + DW): it hands the other half to the other warpgroup through the K ring
+    // (free: every product has completed once both warpgroups pass the first barrier) and adds
+    // the other's share of its own half (own + other: the same two numbers in every run).
+    constexpr int HALF = DW / 2;  // floats per thread of 64 x DW
+    float4* red = reinterpret_cast<float4*>(gbase + Cfg::OFF_K);
+    // acc[i] of half hf, by selects (a run-time index would put acc in local memory).
+    auto half_at = [&](int hf, int i) { return hf == 0 ? acc[i] : acc[HALF + i]; };
+    ws::bar_sync(1, NC);
 #pragma unroll
-      for (int i = 0; i < HALF / 4; ++i) {
-        const int o = 4 * i, other = 1 - cw;
-        red[(cw * (HALF / 4) + i) * 128 + t] = make_float4(
-            half_at(other, o), half_at(other, o + 1), half_at(other, o + 2), half_at(other, o + 3));
-      }
-      ws::bar_sync(1, NC);
-      float fin[HALF];
-#pragma unroll
-      for (int i = 0; i < HALF / 4; ++i) {
-        const float4 v = red[((1 - cw) * (HALF / 4) + i) * 128 + t];
-        const int o = 4 * i;
-        fin[o] = half_at(cw, o) + v.x, fin[o + 1] = half_at(cw, o + 1) + v.y;
-        fin[o + 2] = half_at(cw, o + 2) + v.z, fin[o + 3] = half_at(cw, o + 3) + v.w;
-      }
-      store_dq_rows<T, Cfg::D, DW>(p, fin, q0, nq, h, row0, cb0 + cw * DW, tq);
-    } else {
-      store_dq_rows<T, Cfg::D, DW>(p, acc, q0, nq, h, row0, cb0 + cw * DW, tq);
+    for (int i = 0; i < HALF / 4; ++i) {
+      const int o = 4 * i, other = 1 - cw;
+      red[(cw * (HALF / 4) + i) * 128 + t] = make_float4(
+          half_at(other, o), half_at(other, o + 1), half_at(other, o + 2), half_at(other, o + 3));
     }
+    ws::bar_sync(1, NC);
+    float fin[HALF];
+#pragma unroll
+    for (int i = 0; i < HALF / 4; ++i) {
+      const float4 v = red[((1 - cw) * (HALF / 4) + i) * 128 + t];
+      const int o = 4 * i;
+      fin[o] = half_at(cw, o) + v.x, fin[o + 1] = half_at(cw, o + 1) + v.y;
+      fin[o + 2] = half_at(cw, o + 2) + v.z, fin[o + 3] = half_at(cw, o + 3) + v.w;
+    }
+    store_dq_rows<T, Cfg::D, DW>(p, fin, q0, nq, h, row0, cb0 + cw * DW, tq);
   }
   ws::cluster_sync();
 #endif
@@ -833,10 +793,8 @@ __global__ void __launch_bounds__(384, 1)
 // D = 512 backward on wgmma: preprocess, the dK/dV kernel, then the dQ kernel above. Atomic-free
 // and bitwise reproducible. False (nothing launched) when a tensor map cannot be encoded: the
 // caller then runs the sm_80 backward. pipe: the kPipe kernels (KernelPolicy::d512_bwd_pipe);
-// dq_kind: the dQ kernel's split (KernelPolicy::d512_dq_kind: 0 columns, 1 keys, 2 keys with the
-// half exchange; kPipe only, the plain kernels run 1).
 template <typename T>
-bool launch_backward_sm90_d512(const BwdParams& p, cudaStream_t stream, bool pipe, int dq_kind) {
+bool launch_backward_sm90_d512(const BwdParams& p, cudaStream_t stream, bool pipe) {
   using C = DkdvWs512Cfg;
   constexpr int D = C::D;
   if (int64_t(p.T) * p.Hq == 0) return true;
@@ -861,12 +819,6 @@ bool launch_backward_sm90_d512(const BwdParams& p, cudaStream_t stream, bool pip
   if (grid_q > 0) {
     auto* kq = cap ? dq_ws512_kernel_sm90<T, true, false> : dq_ws512_kernel_sm90<T, false, false>;
     if (pipe) kq = cap ? dq_ws512_kernel_sm90<T, true, true> : dq_ws512_kernel_sm90<T, false, true>;
-    if (pipe && dq_kind == 0)
-      kq = cap ? dq_ws512_kernel_sm90<T, true, true, false>
-               : dq_ws512_kernel_sm90<T, false, true, false>;
-    if (pipe && dq_kind == 2)
-      kq = cap ? dq_ws512_kernel_sm90<T, true, true, true, true>
-               : dq_ws512_kernel_sm90<T, false, true, true, true>;
     launch_kernel(kq, grid_q, QW::THREADS, QW::SMEM, stream, a,
                   "dualkv backward dq D=512 (sm90a, warp-specialised, 2-CTA clusters)",
                   QW::CLUSTER);
