@@ -587,7 +587,8 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0):
     bug: None, or an injected protocol error that the checks must catch."""
     if bug == "pipe_one_stage":
         S = 1
-    keysplit, half = dq, dq and pipe
+    keysplit, half = dq, pipe
+    nread = 1 if dq else 2  # warpgroups that read each remote slice word (half)
     C, L = 2, 1 if dq else 3
     bKV = [MBar(1) for _ in range(C)]
     full = [[MBar(1 if dq else 1 + L) for _ in range(S)] for _ in range(C)]
@@ -602,9 +603,10 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0):
     xfull = [[MBar(1) for _ in range(2)] for _ in range(C)]
     xfree = [MBar(1 if bug == "xfree_one_warpgroup" else 2) for _ in range(C)]
     xfree_w = [[MBar(1) for _ in range(2)] for _ in range(C)]  # keysplit: one per warpgroup
-    xfull_d = [[MBar(1) for _ in range(2)] for _ in range(C)]  # half: the dS slices
-    xfree_d = [[MBar(1) for _ in range(2)] for _ in range(C)]
-    xd = [[None] * 2 for _ in range(C)]  # half: the block whose dS slice XD[w] holds
+    xfull_d = [[MBar(1) for _ in range(2)] for _ in range(C)]  # half: the peer's slices
+    xfree_d = [[MBar(nread) for _ in range(2)] for _ in range(C)]
+    xd = [[None] * 2 for _ in range(C)]  # half: the block whose slices XD[w] holds
+    xd_readers = [[set(), set()] for _ in range(C)]
     # X[cta][w]: state "free" -> "partial" (pieces landing) -> "read" -> "slice" (being read)
     xstate = [["free"] * 2 for _ in range(C)]
     xblock = [[None] * 2 for _ in range(C)]
@@ -665,13 +667,18 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0):
     def consumer(c, w):
         peer = 1 - c
 
-        def recv_ds(blk):  # half: the peer's dS slice of block blk, then XD[w] is free
-            if bug != "half_no_recv_wait":
-                yield from wait(xfull_d[c][w], blk & 1)
-            assert xd[c][w] == blk, ("a dS slice read before it landed", xd[c][w], blk)
-            xd[c][w] = None
-            assert not exited[peer], "arrival on an exited CTA's barrier"
-            xfree_d[peer][w].arrive()
+        def recv_ds(blk):  # half: the peer's slices of block blk (dQ: XD[w]; dK/dV: both)
+            for w2 in [w] if dq else [0, 1]:
+                if bug != "half_no_recv_wait":
+                    yield from wait(xfull_d[c][w2], blk & 1)
+                assert xd[c][w2] == blk, ("a slice read before it landed", xd[c][w2], blk)
+                xd_readers[c][w2].add(w)
+                yield
+                if len(xd_readers[c][w2]) == nread:
+                    xd[c][w2], xd_readers[c][w2] = None, set()
+            for w2 in [w] if dq else [0, 1]:
+                assert not exited[peer], "arrival on an exited CTA's barrier"
+                xfree_d[peer][w2].arrive()
 
         yield from wait(bKV[c], 0)
         it = 0
@@ -747,6 +754,9 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0):
                 it += 1
                 continue
             yield  # P, dS
+            if half:  # this CTA's slices to the peer
+                yield from wait(xfree_d[c][w], (it & 1) ^ 1)
+                inflight.append(("xd", peer, w, None, it))
             xstate[c][w] = "slice"
             xslice_readers[c][w] = set()
             yield from bar1[c].sync()
@@ -798,7 +808,7 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0):
             slot_v[c][b] = v
             a.complete_tx(1)
         elif kind == "xd":  # a dS slice of block v into XD[a] of CTA c
-            assert xd[c][a] is None, ("a dS slice overwritten before it was read", xd[c][a], v)
+            assert xd[c][a] is None, ("a slice overwritten before it was read", xd[c][a], v)
             xd[c][a] = v
             xfull_d[c][a].complete_tx(1)
         else:  # st.async piece b of block v into X[a] of CTA c
@@ -854,17 +864,19 @@ def pipe_bugs_caught(rng):
 
 
 def keysplit_bugs_caught(rng):
-    """Each injected error of the dQ kernel's key split must be caught: X[w] freed before the
-    peer's partials are read, the K ring reused for the dQ halves without the barrier that waits
-    for both warpgroups' last products, the peer's dS slice read without waiting for it, and its
-    barrier armed for the next block before the previous block's phase completed."""
+    """Each injected error of the dQ kernel's key split and of the half exchange (both kernels)
+    must be caught: X[w] freed before the peer's partials are read, the K ring reused for the dQ
+    halves without the barrier that waits for both warpgroups' last products, the peer's slices
+    read without waiting for them, and their barrier armed for the next block before the previous
+    block's phase completed."""
     bugs = ("ks_early_free", "ks_no_reduce_barrier", "half_no_recv_wait", "half_arm_early")
     for bug in bugs:
         caught = False
         for _ in range(400):
             pipe = bug.startswith("half") or rng.random() < 0.5
+            dq = bug.startswith("ks") or rng.random() < 0.5  # the half exchange: both kernels
             try:
-                run_dkdv512(rng.randrange(1, 7), 3, rng, bug, dq=True, pipe=pipe, sv=1)
+                run_dkdv512(rng.randrange(1, 7), 3, rng, bug, dq=dq, pipe=pipe, sv=int(dq))
             except (AssertionError, RuntimeError):
                 caught = True
                 break
@@ -1230,5 +1242,5 @@ print(
 print("ok", injected_bugs_caught(rng), "injected D = 512 dK/dV protocol errors caught")
 print("ok", fwd512c_bugs_caught(rng), "injected D = 512 cluster forward exchange errors caught")
 print("ok", pipe_bugs_caught(rng), "injected D = 512 backward kPipe-order errors caught")
-print("ok", keysplit_bugs_caught(rng), "injected D = 512 dQ key-split errors caught")
+print("ok", keysplit_bugs_caught(rng), "injected D = 512 key-split / half-exchange errors caught")
 print("ok", d256_bugs_caught(rng), "injected D = 256 dK/dV swap and release errors caught")

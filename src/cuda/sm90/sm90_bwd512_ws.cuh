@@ -82,7 +82,7 @@ struct DkdvWs512Cfg : Ws512Cfg {
     float x[2][X_BYTES / 4];  // X[w] per consumer warpgroup
     float l[STAGES][2 * BM];  // per stage: lse2[BM], delta[BM]
     int meta[STAGES][4];      // per stage: the query block's record
-    uint64_t bar[nbars(STAGES, 0)];
+    uint64_t bar[nbars(STAGES, 0, 1, 2)];
   };
   static_assert(sizeof(SharedStorage::k) == K_BYTES && sizeof(SharedStorage::q[0]) == Q_BYTES);
   static constexpr int OFF_V = int(offsetof(SharedStorage, v));
@@ -151,8 +151,8 @@ struct Ws512Bars {
   __device__ __forceinline__ uint32_t xfree(int w) const {
     return b0 + 8u * (3 + 2 * S + 2 * SV + (XF > 1 ? w : 0));
   }
-  // XD = 2 (the dQ kernel's kHalf): the peer's dS half for warpgroup w has arrived / w's 4 warps
-  // of the peer have read the dS half sent to them.
+  // XD = 2 (the kPipe kernels' half exchange): the peer's slices for warpgroup w's X have arrived
+  // / the peer's warps that read them (xd_count of init) have.
   __device__ __forceinline__ uint32_t xfull_d(int w) const {
     return b0 + 8u * (3 + 2 * S + 2 * SV + XF + w);
   }
@@ -161,7 +161,8 @@ struct Ws512Bars {
   }
   // Thread 0 initialises them (full: `full_count` arrivals), then the cluster synchronises: the
   // peer's barriers are initialised before any st.async or remote arrival.
-  __device__ __forceinline__ void init(int tid, uint32_t full_count) const {
+  // xd_count: arrivals per phase of xfree_d (the peer's warps that read a slice word).
+  __device__ __forceinline__ void init(int tid, uint32_t full_count, uint32_t xd_count = 4) const {
     constexpr uint32_t NC = Ws512Cfg::CONSUMERS;
     if (tid == 0) {
       ws::mbar_init(b0, 1);
@@ -175,7 +176,7 @@ struct Ws512Bars {
       for (int w = 0; w < XF; ++w) ws::mbar_init(xfree(w), NC / 32 / XF);  // the peer's warps
       for (int w = 0; w < XD; ++w) {
         ws::mbar_init(xfull_d(w), 1);
-        ws::mbar_init(xfree_d(w), 4);
+        ws::mbar_init(xfree_d(w), xd_count);
       }
       ws::mbar_init_fence();
     }
@@ -288,36 +289,46 @@ struct Ws512Exchange {
   }
 };
 
-// The dQ kernel's kHalf exchange (consumer warpgroup cw with the same warpgroup of the peer): of
-// the warpgroup's 32 keys, CTA rank r finalises the 16 keys 16r.. (fragment floats 8r..8r + 7 of
-// the m64n32 S / dP accumulators): it sends the peer the partials of the other 16 (8 KB per
-// warpgroup instead of 16), adds the peer's partials of its own, computes P and dS of its 16 keys
-// only, and sends that dS as the A fragment of its 16-key slice (2 KB) to the peer, which
-// receives it a block later (kPipe: the product of block j runs in block j + 1). One CTA computes
-// each dS element, so both use the same numbers. Words of X[cw] (16 bytes per thread): 0-1 the
-// S partial, 2-3 the dP partial, 4 the dS slice.
+// The half exchange of the kPipe kernels (consumer warpgroup cw with the same warpgroup of the
+// peer). Of the warpgroup's 32 query (dK/dV) or key (dQ) rows of the partials, CTA rank r
+// finalises the 16 rows 16r.. (fragment floats 8r..8r + 7 of the m64n32 accumulators): it sends
+// the peer the partials of the other 16 (8 KB per warpgroup instead of 16), adds the peer's
+// partials of its own, computes P and dS of its 16 rows only, and sends their NS slices (A
+// fragments: dS for dQ, P^T and dS^T for dK/dV; NS x 2 KB) to the peer, whose products use them a
+// block later (kPipe). One CTA computes each P / dS element, so both use the same numbers. Words of
+// X[w] (16 bytes per thread): 0-1 the S partial, 2-3 the dP partial, then LS words of slices kept
+// locally for the other warpgroup (dK/dV: LS = NS), then NS words of the peer's slices.
+template <int NS, int LS>
 struct Ws512HalfExchange {
   using Cfg = Ws512Cfg;
   static constexpr int H = Cfg::HR / 2;            // floats of one CTA's half of a partial
   static constexpr int P_BYTES = 2 * H * 128 * 4;  // both partials' halves, per warpgroup
-  static constexpr int D_BYTES = 128 * 16;         // the dS slice, per warpgroup
-  static_assert(Cfg::X_VECS >= 2 * H / 4 + 1, "the halves and the slice fit in X[cw]");
-  const float4* mine;  // this thread's word 0 of X[cw] (generic address)
-  uint32_t peer_x;     // the same word of the peer's X[cw]
-  uint32_t xfull, xfull_peer, xfree, xfull_d, xfull_d_peer, xfree_d, peer, rank;
+  static constexpr int D_BYTES = NS * 128 * 16;    // the slices sent per warpgroup
+  static constexpr int LW = 2 * H / 4;             // first local-slice word
+  static constexpr int RW = LW + LS;               // first remote-slice word
+  static_assert(Cfg::X_VECS >= RW + NS, "the halves and the slices fit in X[cw]");
+  const unsigned char* gx;  // X[0] (generic address)
+  const float4* mine;       // this thread's word 0 of X[cw]
+  uint32_t peer_x;          // the same word of the peer's X[cw]
+  uint32_t xfull, xfull_peer, xfree, xfull_d0, xfull_d_peer, xfree_d, xfree_d0, peer, rank;
+  int cw, t;
   template <class Bars>
   __device__ __forceinline__ Ws512HalfExchange(const unsigned char* gbase, uint32_t base, int off_x,
-                                               const Bars& bars, int cw, int t, uint32_t rank_)
-      : mine(reinterpret_cast<const float4*>(gbase + off_x + cw * Cfg::X_BYTES) + t),
-        peer_x(ws::mapa_shared(base + uint32_t(off_x + cw * Cfg::X_BYTES + t * 16), rank_ ^ 1u)),
-        xfull(bars.xfull(cw)),
-        xfull_peer(ws::mapa_shared(bars.xfull(cw), rank_ ^ 1u)),
-        xfree(bars.xfree(cw)),
-        xfull_d(bars.xfull_d(cw)),
-        xfull_d_peer(ws::mapa_shared(bars.xfull_d(cw), rank_ ^ 1u)),
-        xfree_d(bars.xfree_d(cw)),
+                                               const Bars& bars, int cw_, int t_, uint32_t rank_)
+      : gx(gbase + off_x),
+        mine(reinterpret_cast<const float4*>(gbase + off_x + cw_ * Cfg::X_BYTES) + t_),
+        peer_x(ws::mapa_shared(base + uint32_t(off_x + cw_ * Cfg::X_BYTES + t_ * 16), rank_ ^ 1u)),
+        xfull(bars.xfull(cw_)),
+        xfull_peer(ws::mapa_shared(bars.xfull(cw_), rank_ ^ 1u)),
+        xfree(bars.xfree(cw_)),
+        xfull_d0(bars.xfull_d(0)),
+        xfull_d_peer(ws::mapa_shared(bars.xfull_d(cw_), rank_ ^ 1u)),
+        xfree_d(bars.xfree_d(cw_)),
+        xfree_d0(bars.xfree_d(0)),
         peer(rank_ ^ 1u),
-        rank(rank_) {}
+        rank(rank_),
+        cw(cw_),
+        t(t_) {}
   // Floats 0..H-1 <- this CTA's half (8 rank..), H.. <- the peer's, by selects.
   __device__ __forceinline__ void own_half_first(float (&v)[Cfg::HR]) const {
 #pragma unroll
@@ -327,11 +338,12 @@ struct Ws512HalfExchange {
       v[i + H] = rank ? a : b;
     }
   }
-  __device__ __forceinline__ void arm_partials(int t) const {
+  __device__ __forceinline__ void arm_partials() const {
     if (t == 0) ws::mbar_expect_tx(xfull, P_BYTES);
   }
-  __device__ __forceinline__ void arm_ds(int t) const {
-    if (t == 0) ws::mbar_expect_tx(xfull_d, D_BYTES);
+  // This block's phase of xfull_d(cw) (after the previous block's has completed).
+  __device__ __forceinline__ void arm_slices() const {
+    if (t == 0) ws::mbar_expect_tx(xfull_d0 + 8u * uint32_t(cw), D_BYTES);
   }
   __device__ __forceinline__ void send_half(const float (&v)[Cfg::HR], int w0) const {
 #pragma unroll
@@ -340,10 +352,11 @@ struct Ws512HalfExchange {
                          v[H + 4 * i + 2], v[H + 4 * i + 3], xfull_peer);
   }
   // Block j's partials a (S), b (dP) in flight as two commit groups, then (G = 3) the previous
-  // block's product: as Ws512Exchange::swap_add_pipe, but only the peer's half is sent and only
-  // the own half (floats 0..H-1 after own_half_first) receives the peer's partial; X[cw]'s
-  // partial words are then free for the peer's next block.
-  template <int G, typename F>
+  // block's products: as Ws512Exchange::swap_add_pipe, but only the peer's half is sent and only
+  // the own half (floats 0..H-1 after own_half_first) receives the peer's partial. kFree: X[cw]'s
+  // partial words are free for the peer's next block at once (per-warpgroup xfree); otherwise
+  // release() frees them later.
+  template <int G, bool kFree, typename F>
   __device__ __forceinline__ void swap_add_pipe(float (&a)[Cfg::HR], float (&b)[Cfg::HR], int j,
                                                 int lane, F&& done) const {
     static_assert(G == 2 || G == 3, "two or three commit groups");
@@ -365,24 +378,49 @@ struct Ws512HalfExchange {
       a[4 * i] += x.x, a[4 * i + 1] += x.y, a[4 * i + 2] += x.z, a[4 * i + 3] += x.w;
       b[4 * i] += y.x, b[4 * i + 1] += y.y, b[4 * i + 2] += y.z, b[4 * i + 3] += y.w;
     }
+    if constexpr (kFree) release(lane);
+  }
+  // Tells the peer X[cw]'s partial words may be refilled (one arrival per warp).
+  __device__ __forceinline__ void release(int lane) const {
     __syncwarp();
     if (lane == 0) ws::mbar_arrive_cluster(xfree, peer);
   }
-  // This CTA's dS slice of block j to the peer, once the peer has read block j - 1's.
-  __device__ __forceinline__ void send_ds(const uint32_t (&f)[4], int j) const {
+  // This CTA's slices of block j to the peer, once the peer has read block j - 1's.
+  __device__ __forceinline__ void send_slices(const uint32_t (&f)[NS][4], int j) const {
     ws::mbar_wait(xfree_d, (uint32_t(j) & 1u) ^ 1u);
-    ws::st_async_b32x4(peer_x + uint32_t(2 * (H / 4) * 128 * 16),
-                       make_uint4(f[0], f[1], f[2], f[3]), xfull_d_peer);
+#pragma unroll
+    for (int n = 0; n < NS; ++n)
+      ws::st_async_b32x4(peer_x + uint32_t((RW + n) * 128 * 16),
+                         make_uint4(f[n][0], f[n][1], f[n][2], f[n][3]), xfull_d_peer);
   }
-  // The peer's dS slice of block j (then the peer may send block j + 1's).
-  __device__ __forceinline__ void recv_ds(int j, int lane, uint32_t (&f)[4]) const {
-    ws::mbar_wait_cluster(xfull_d, uint32_t(j) & 1u);
-    const uint4 u = reinterpret_cast<const uint4*>(mine)[2 * (H / 4) * 128];
+  // Word w of this thread's place in warpgroup w2's X.
+  __device__ __forceinline__ void get_word(int w2, int w, uint32_t (&f)[4]) const {
+    const uint4 u = (reinterpret_cast<const uint4*>(gx + w2 * Cfg::X_BYTES) + t)[w * 128];
     f[0] = u.x, f[1] = u.y, f[2] = u.z, f[3] = u.w;
-    __syncwarp();
-    if (lane == 0) ws::mbar_arrive_cluster(xfree_d, peer);
   }
-  // The A fragments of the warpgroup's 32 keys in key order: slice 0 is rank 0's.
+  // The slices for the other warpgroup (read by get_local after a named barrier).
+  __device__ __forceinline__ void put_local(const uint32_t (&f)[NS][4]) const {
+#pragma unroll
+    for (int n = 0; n < LS; ++n)
+      reinterpret_cast<uint4*>(const_cast<float4*>(mine))[(LW + n) * 128] =
+          make_uint4(f[n][0], f[n][1], f[n][2], f[n][3]);
+  }
+  __device__ __forceinline__ void get_local(int w2, int n, uint32_t (&f)[4]) const {
+    get_word(w2, LW + n, f);
+  }
+  // The peer's slice n of block j in warpgroup w2's X (after wait_remote(w2, j)).
+  __device__ __forceinline__ void wait_remote(int w2, int j) const {
+    ws::mbar_wait_cluster(xfull_d0 + 8u * uint32_t(w2), uint32_t(j) & 1u);
+  }
+  __device__ __forceinline__ void get_remote(int w2, int n, uint32_t (&f)[4]) const {
+    get_word(w2, RW + n, f);
+  }
+  // Warpgroup w2's remote slices have been read by this warp.
+  __device__ __forceinline__ void free_remote(int w2, int lane) const {
+    __syncwarp();
+    if (lane == 0) ws::mbar_arrive_cluster(xfree_d0 + 8u * uint32_t(w2), peer);
+  }
+  // The A fragments of the warpgroup's 32 rows in order: slice 0 is rank 0's.
   __device__ __forceinline__ void order(uint32_t (&da)[2][4], const uint32_t (&own)[4],
                                         const uint32_t (&other)[4]) const {
 #pragma unroll
@@ -395,9 +433,12 @@ struct Ws512HalfExchange {
 #endif
 
 // kPipe: block j's dV/dK products are issued behind block j + 1's S^T/dP^T (a third commit group)
-// and retired inside the exchange of block j + 1 (Ws512Exchange::swap_add_pipe), so the round trip
-// runs while the tensor cores work; the ring stage of block j is released there (the order of the
-// accumulation is unchanged: deterministic).
+// and retired inside the exchange of block j + 1 (Ws512HalfExchange::swap_add_pipe), so the round
+// trip runs while the tensor cores work; the ring stage of block j is released there. With it the
+// half exchange: of warpgroup w's 32 queries CTA r finalises 16 (P^T, dS^T), shares their slices
+// with its other warpgroup through X (named barrier) and sends them to the peer, whose products
+// use them a block later; each CTA accumulates its local slices first, then the peer's
+// (deterministic: a fixed order per rank).
 template <typename T, bool kCap, bool kPipe = false>
 __global__ void __launch_bounds__(384, 1)
     dkdv_ws512_kernel_sm90(const __grid_constant__ DkdvWsArgs a) {
@@ -411,7 +452,7 @@ __global__ void __launch_bounds__(384, 1)
   unsigned char* gbase = smem + (base - smem_u32(smem));
   const uint32_t sK = base, sV = base + Cfg::OFF_V;
   const uint32_t sQ0 = base + Cfg::OFF_Q, sdO0 = base + Cfg::OFF_DO, sL0 = base + Cfg::OFF_L;
-  const Ws512Bars<S, 0> bars{base + Cfg::OFF_BAR};
+  const Ws512Bars<S, 0, 1, kPipe ? 2 : 0> bars{base + Cfg::OFF_BAR};
   const uint32_t bKV = bars.b0;
   auto meta = [&](int s) {
     return reinterpret_cast<volatile int*>(gbase + Cfg::OFF_META + 16 * s);
@@ -428,7 +469,7 @@ __global__ void __launch_bounds__(384, 1)
   const int cb0 = int(rank) * DH;  // this CTA's first column
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
-  bars.init(tid, Cfg::FULL_COUNT);
+  bars.init(tid, Cfg::FULL_COUNT, Cfg::CONSUMERS / 32);  // xfree_d: both peer warpgroups read
 
   if (warp < 4) {
     // ---- producer: warp 0 walks the query blocks (this CTA's column half) --------------------
@@ -461,17 +502,40 @@ __global__ void __launch_bounds__(384, 1)
     for (int i = 0; i < AR; ++i) dk[i] = dv[i] = 0.f;
     const float* lse_s = reinterpret_cast<const float*>(gbase + Cfg::OFF_L);
     const Ws512Exchange x(gbase, base, Cfg::OFF_X, bars, cw, t, peer);
+    const Ws512HalfExchange<2, 2> hx(gbase, base, Cfg::OFF_X, bars, cw, t, rank);
     const uint32_t half = uint32_t(cw * DW / 64) * (BM * 128);  // this warpgroup's column blocks
     // The P^T / dS^T A fragments of all BM queries (kPipe: block it - 1's, live across block it's
-    // S^T / dP^T until their dV/dK products have completed) and that block's stage.
+    // S^T / dP^T until their dV/dK products have completed) and that block's stage. kPipe: [0..1]
+    // this CTA's slices of warpgroups 0, 1 (queries 16 (2w + rank)..), [2..3] the peer's.
     uint32_t pa[BM / 16][4], da[BM / 16][4];
     int prev_s = 0;
-    // dV += P^T dO, dK += dS^T Q from stage st's tiles, waited for; then the stage is released.
+    // dV += P^T dO, dK += dS^T Q from stage st's tiles, issued.
+    auto products = [&](int st) {
+      if constexpr (kPipe) {
+        const int rk = int(rank), rows[BM / 16] = {rk, 2 + rk, 1 - rk, 3 - rk};
+        wgmma_rs_acc_rows<T, DW, BM>(dv, pa, sdO0 + st * Cfg::Q_BYTES + half, rows);
+        wgmma_rs_acc_rows<T, DW, BM>(dk, da, sQ0 + st * Cfg::Q_BYTES + half, rows);
+      } else {
+        wgmma_rs_acc<T, DW, BM>(dv, pa, sdO0 + st * Cfg::Q_BYTES + half);
+        wgmma_rs_acc<T, DW, BM>(dk, da, sQ0 + st * Cfg::Q_BYTES + half);
+      }
+    };
+    // kPipe: the peer's slices of block jj (it may then send block jj + 1's).
+    auto recv_remote = [&](int jj) {
+#pragma unroll
+      for (int w2 = 0; w2 < 2; ++w2) {
+        hx.wait_remote(w2, jj);
+        hx.get_remote(w2, 0, pa[2 + w2]);
+        hx.get_remote(w2, 1, da[2 + w2]);
+      }
+      hx.free_remote(0, lane);
+      hx.free_remote(1, lane);
+    };
+    // ... waited for; then the stage is released.
     auto retire = [&](int st) {
       fence_regs(pa, da, dv, dk);
       wg_fence();
-      wgmma_rs_acc<T, DW, BM>(dv, pa, sdO0 + st * Cfg::Q_BYTES + half);
-      wgmma_rs_acc<T, DW, BM>(dk, da, sQ0 + st * Cfg::Q_BYTES + half);
+      products(st);
       wg_commit();
       wg_wait<0>();
       fence_regs(dv, dk, pa, da);
@@ -490,7 +554,10 @@ __global__ void __launch_bounds__(384, 1)
       const uint32_t sQ = sQ0 + s * Cfg::Q_BYTES, sdO = sdO0 + s * Cfg::Q_BYTES;
       const float* lse_c = lse_s + s * 2 * BM;
       const float* del_c = lse_c + BM;
-      x.expect();
+      if constexpr (kPipe)
+        hx.arm_partials();
+      else
+        x.expect();
 
       float sc[HR], dp[HR];
       wg_fence();
@@ -500,64 +567,88 @@ __global__ void __launch_bounds__(384, 1)
       wg_commit();
       if constexpr (kPipe) {
         if (it > 0) {  // block it - 1's dV += P^T dO, dK += dS^T Q (its fragments, its stage)
-          const uint32_t pQ = sQ0 + prev_s * Cfg::Q_BYTES, pdO = sdO0 + prev_s * Cfg::Q_BYTES;
-          wg_fence();  // (ptxas injects it otherwise: the fragments' registers)
-          wgmma_rs_acc<T, DW, BM>(dv, pa, pdO + half);
-          wgmma_rs_acc<T, DW, BM>(dk, da, pQ + half);
+          recv_remote(it - 1);
+          hx.arm_slices();  // block it's phase (block it - 1's has completed)
+          wg_fence();       // (ptxas injects it otherwise: the fragments' registers)
+          products(prev_s);
           wg_commit();
-          x.swap_add_pipe<3>(sc, dp, it, [&] {
+          hx.swap_add_pipe<3, false>(sc, dp, it, lane, [&] {
             fence_regs(dv, dk, pa, da);
             ws::mbar_arrive(bars.empty(prev_s));
           });
         } else {
-          x.swap_add_pipe<2>(sc, dp, it, [] {});
+          hx.arm_slices();
+          hx.swap_add_pipe<2, false>(sc, dp, it, lane, [] {});
         }
       } else {
         x.swap_add(sc, dp, it);  // S^T and dP^T of the whole head dim
       }
-      // P (and dsoftcap) and dS of this warpgroup's queries, as dkdv_kernel_sm90's kSplitD.
+      // P (and dsoftcap) and dS of this warpgroup's queries (kPipe: of this CTA's 16 of them,
+      // floats 0..7 after own_half_first), as dkdv_kernel_sm90's kSplitD.
+      constexpr int NF = kPipe ? decltype(hx)::H : HR;
+      const int qf = q_off + (kPipe ? 16 * int(rank) : 0);
 #pragma unroll
-      for (int i = 0; i < HR; ++i) {
-        const int qc = q_off + (i >> 2) * 8 + 2 * tq + (i & 1);
+      for (int i = 0; i < NF; ++i) {
+        const int qc = qf + (i >> 2) * 8 + 2 * tq + (i & 1);
         float dcap;
         const float xl = score_log2<kCap>(p, sc[i], dcap);
         const float pr = fast_exp2(xl - lse_c[qc]);
         sc[i] = pr;
         dp[i] = pr * (dp[i] - del_c[qc]) * dcap;
       }
-      mask_fragment<HR>(
+      mask_fragment<NF>(
           msk,
           [&](int i) {
-            const int qc = q_off + (i >> 2) * 8 + 2 * tq + (i & 1);
+            const int qc = qf + (i >> 2) * 8 + 2 * tq + (i & 1);
             const int kr = kr0 + ((i >> 1) & 1) * 8;
             return DUALKV_VISIBLE_KQ(p.mask, kr, nk, pk_first, qc, nq, pq_first);
           },
           [&](int i) { sc[i] = dp[i] = 0.f; });
-      // This warpgroup's two 16-query slices of P^T (words 0, 1) and dS^T (words 2, 3) into
-      // X[cw], then all four of each back.
-#pragma unroll
-      for (int kl = 0; kl < HQ / 16; ++kl) {
-        x.put_slice<T>(kl, sc, kl);
-        x.put_slice<T>(HQ / 16 + kl, dp, kl);
-      }
-      ws::bar_sync(1, NC);
-#pragma unroll
-      for (int kt = 0; kt < BM / 16; ++kt) {
-        const int w = kt / (HQ / 16), kl = kt % (HQ / 16);
-        x.get_slice(w, kl, pa[kt]);
-        x.get_slice(w, HQ / 16 + kl, da[kt]);
-      }
-      x.release(lane);
       if constexpr (kPipe) {
-        fence_regs(pa);  // in registers before the next block's wgmma.fence
+        // This CTA's 16-query slices of P^T and dS^T: to the other warpgroup through X[cw] and
+        // to the peer; the local ones of both warpgroups back (the peer's arrive by next block).
+        uint32_t own[2][4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          own[0][c] = pack2<T>(sc[2 * c], sc[2 * c + 1]);
+          own[1][c] = pack2<T>(dp[2 * c], dp[2 * c + 1]);
+        }
+        hx.put_local(own);
+        hx.send_slices(own, it);
+        ws::bar_sync(1, NC);
+#pragma unroll
+        for (int w2 = 0; w2 < 2; ++w2) {
+          hx.get_local(w2, 0, pa[w2]);
+          hx.get_local(w2, 1, da[w2]);
+        }
+        hx.release(lane);  // X's partial words, once both warpgroups have read the local slices
+        fence_regs(pa);    // in registers before the next block's wgmma.fence
         fence_regs(da);
-        prev_s = s;
-        continue;  // the products go behind the next block's S^T / dP^T
+        prev_s = s;  // the products go behind the next block's S^T / dP^T
+      } else {
+        // This warpgroup's two 16-query slices of P^T (words 0, 1) and dS^T (words 2, 3) into
+        // X[cw], then all four of each back.
+#pragma unroll
+        for (int kl = 0; kl < HQ / 16; ++kl) {
+          x.put_slice<T>(kl, sc, kl);
+          x.put_slice<T>(HQ / 16 + kl, dp, kl);
+        }
+        ws::bar_sync(1, NC);
+#pragma unroll
+        for (int kt = 0; kt < BM / 16; ++kt) {
+          const int w = kt / (HQ / 16), kl = kt % (HQ / 16);
+          x.get_slice(w, kl, pa[kt]);
+          x.get_slice(w, HQ / 16 + kl, da[kt]);
+        }
+        x.release(lane);
+        retire(s);
       }
-      retire(s);
     }
     if constexpr (kPipe) {
-      if (it > 0) retire(prev_s);  // the last block's products
+      if (it > 0) {  // the last block's products
+        recv_remote(it - 1);
+        retire(prev_s);
+      }
     }
     store_dkdv_rows<T, Cfg::D, DW>(p, dk, dv, k0, nk, hk, kr0, cb0 + cw * DW, tq);
   }
@@ -665,10 +756,16 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
     for (int i = 0; i < DH / 2; ++i) acc[i] = 0.f;
     const Ws512Exchange x(gbase, base, Cfg::OFF_X, bars, cw, t, peer);
-    const Ws512HalfExchange hx(gbase, base, Cfg::OFF_X, bars, cw, t, rank);
+    const Ws512HalfExchange<1, 0> hx(gbase, base, Cfg::OFF_X, bars, cw, t, rank);
     // The dS A fragments of the warpgroup's HK keys (kPipe: block j - 1's until its product has
     // completed; built from this CTA's slice and the peer's) and that block's stage.
-    uint32_t da[HK / 16][4], ds_own[4], ds_other[4];
+    uint32_t da[HK / 16][4], ds_own[1][4], ds_other[4];
+    // kPipe: the peer's dS slice of block jj (it may then send block jj + 1's).
+    auto recv_slice = [&](int jj) {
+      hx.wait_remote(cw, jj);
+      hx.get_remote(cw, 0, ds_other);
+      hx.free_remote(cw, lane);
+    };
     int prev_s = 0;
     // dQ += dS K (rows k_off.. of the K tile of stage st), issued.
     auto product = [&](int st) {
@@ -692,7 +789,7 @@ __global__ void __launch_bounds__(384, 1)
       ws::mbar_wait(bars.fullv(sv), Ring<SV>::full_parity(j));
       const uint32_t sK = sK0 + s * Cfg::KV_BYTES, sV = sV0 + sv * Cfg::KV_BYTES;
       if constexpr (kPipe)
-        hx.arm_partials(t);
+        hx.arm_partials();
       else
         x.expect();
 
@@ -704,20 +801,20 @@ __global__ void __launch_bounds__(384, 1)
       wg_commit();
       if constexpr (kPipe) {
         if (j > 0) {  // block j - 1's dQ += dS K, once the peer's dS slice is here
-          hx.recv_ds(j - 1, lane, ds_other);
-          hx.order(da, ds_own, ds_other);
-          hx.arm_ds(t);  // block j's phase (block j - 1's has completed)
+          recv_slice(j - 1);
+          hx.order(da, ds_own[0], ds_other);
+          hx.arm_slices();  // block j's phase (block j - 1's has completed)
           wg_fence();
           product(prev_s);
           wg_commit();
-          hx.swap_add_pipe<3>(sc, dp, j, lane, [&] {
+          hx.swap_add_pipe<3, true>(sc, dp, j, lane, [&] {
             fence_regs(acc, da);
             ws::mbar_arrive(bars.empty(prev_s));
             ws::mbar_arrive(bars.emptyv(sv));  // dP has read V_j
           });
         } else {
-          hx.arm_ds(t);
-          hx.swap_add_pipe<2>(sc, dp, j, lane, [&] { ws::mbar_arrive(bars.emptyv(sv)); });
+          hx.arm_slices();
+          hx.swap_add_pipe<2, true>(sc, dp, j, lane, [&] { ws::mbar_arrive(bars.emptyv(sv)); });
         }
       } else {
         x.swap_add(sc, dp, j);  // S and dP of the whole head dim
@@ -727,7 +824,7 @@ __global__ void __launch_bounds__(384, 1)
       // P and dS (kPipe: of this CTA's 16 keys, floats 0..7 after own_half_first).
       const auto kb = walk.at(j);
       const bool msk = walk.masked(kb, nq, BM, p.mask);
-      constexpr int NF = kPipe ? Ws512HalfExchange::H : HR;
+      constexpr int NF = kPipe ? decltype(hx)::H : HR;
       const int kr0 = kb.off + k_off + (kPipe ? 16 * int(rank) : 0);
 #pragma unroll
       for (int i = 0; i < NF; ++i) {
@@ -745,8 +842,8 @@ __global__ void __launch_bounds__(384, 1)
           [&](int i) { dp[i] = 0.f; });
       if constexpr (kPipe) {
 #pragma unroll
-        for (int c = 0; c < 4; ++c) ds_own[c] = pack2<T>(dp[2 * c], dp[2 * c + 1]);
-        hx.send_ds(ds_own, j);  // the product waits for the peer's slice (next block)
+        for (int c = 0; c < 4; ++c) ds_own[0][c] = pack2<T>(dp[2 * c], dp[2 * c + 1]);
+        hx.send_slices(ds_own, j);  // the product waits for the peer's slice (next block)
         prev_s = s;
       } else {
         pack_a_frag<T>(da, dp);
@@ -755,8 +852,8 @@ __global__ void __launch_bounds__(384, 1)
     }
     if constexpr (kPipe) {
       if (total > 0) {  // the last block's product
-        hx.recv_ds(total - 1, lane, ds_other);
-        hx.order(da, ds_own, ds_other);
+        recv_slice(total - 1);
+        hx.order(da, ds_own[0], ds_other);
         retire(prev_s);
       }
     }

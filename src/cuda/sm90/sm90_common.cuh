@@ -151,5 +151,14 @@ __device__ __forceinline__ void wgmma_rs_acc(float (&acc)[N / 2], const uint32_t
   for (int kt = 0; kt < KT; ++kt)
     Wgmma<T, N>::template rs<1>(acc, a[kt], desc_mnmajor<ROWS>(sB, kt * 16), 1);
 }
+// The same with fragment kt applied to B's rows [16 k16[kt], 16 k16[kt] + 16) (a run-time order
+// of the reduction dim's 16-row steps).
+template <typename T, int N, int ROWS, int KT>
+__device__ __forceinline__ void wgmma_rs_acc_rows(float (&acc)[N / 2], const uint32_t (&a)[KT][4],
+                                                  uint32_t sB, const int (&k16)[KT]) {
+#pragma unroll
+  for (int kt = 0; kt < KT; ++kt)
+    Wgmma<T, N>::template rs<1>(acc, a[kt], desc_mnmajor<ROWS>(sB, k16[kt] * 16), 1);
+}
 
 }  // namespace dualkv::cuda::detail
