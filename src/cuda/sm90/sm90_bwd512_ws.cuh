@@ -3,8 +3,11 @@
 // 247.7 ms for the sm_80 backward at (16, 8192, 1024)); DUALKV_SM90_D512_BWD=0 runs the sm_80 one
 // (A/B, cross-check). Design and arithmetic: src/cuda/NOTES.md, "D = 512 dK/dV on wgmma".
 // kPipe (KernelPolicy::d512_bwd_pipe, the default; DUALKV_SM90_D512_BWD=1 without): each block's
-// exchange runs behind the previous block's dV/dK (dQ) products, see Ws512Exchange::swap_add_pipe
-// and NOTES.md, "D = 512 backward: the exchange behind the previous block's products".
+// exchange runs behind the previous block's dV/dK (dQ) products, and the exchange is the half
+// exchange (Ws512HalfExchange: each CTA finalises half of a warpgroup's rows and sends their P /
+// dS slices to the peer); NOTES.md, "D = 512 backward: the exchange behind the previous block's
+// products" and "Tenth session". What follows describes the plain (whole-partials) dK/dV kernel;
+// the dQ kernel is described above its Cfg.
 //   - One cluster of two CTAs per (64-key half of a key tile, kv head). CTA rank r holds columns
 //     [256r, 256r + 256) of K, V and of every Q / dO block, and owns those columns of dK and dV.
 //     Both CTAs walk the same query blocks of 64 in the fixed order of query_walk.cuh (as every
