@@ -716,22 +716,22 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0):
                 keysplit and bug == "ks_early_free"
             ):  # X[w] freed before the peer's partials are read
                 xfree_w[peer][w].arrive()
-            for piece in ("s", "dp"):
-                yield  # wgmma wait, then st.async of this partial to the peer's X[w]
-                inflight.append(("x", peer, w, piece, it))
-            if pipe and prev is not None:  # wait<0>: the previous block's products
-                yield from products(c, w, *prev)
-                prev = None
 
-            def release_v(t, it):  # dP has read V (swap_add_pipe's `done`, or after swap_add)
+            def release_v(t, it):  # dP has read V (swap_add_pipe's b_done, or after swap_add)
                 yield
                 assert slot_v[c][t] == it, ("dP read an overwritten V", slot_v[c][t], it)
                 if bug != "v_early_release":
                     readers_v[c][t].discard(w)
                     empty_v[c][t].arrive()
 
-            if sv and pipe:
-                yield from release_v(t, it)
+            for piece in ("s", "dp"):
+                yield  # wgmma wait, then st.async of this partial to the peer's X[w]
+                if piece == "dp" and sv and pipe:  # dP has completed: V_j is free
+                    yield from release_v(t, it)
+                inflight.append(("x", peer, w, piece, it))
+            if pipe and prev is not None:  # wait<0>: the previous block's products
+                yield from products(c, w, *prev)
+                prev = None
             yield from wait(xfull[c][w], it & 1)
             assert xstate[c][w] == "partial" and xblock[c][w] == it, (xstate[c][w], it)
             assert xparts[c][w] == {"s", "dp"}, "a partial read before it landed"

@@ -356,12 +356,13 @@ struct Ws512HalfExchange {
   }
   // Block j's partials a (S), b (dP) in flight as two commit groups, then (G = 3) the previous
   // block's products: as Ws512Exchange::swap_add_pipe, but only the peer's half is sent and only
-  // the own half (floats 0..H-1 after own_half_first) receives the peer's partial. kFree: X[cw]'s
-  // partial words are free for the peer's next block at once (per-warpgroup xfree); otherwise
-  // release() frees them later.
-  template <int G, bool kFree, typename F>
+  // the own half (floats 0..H-1 after own_half_first) receives the peer's partial. b_done runs
+  // once b has completed (the dQ kernel releases V_j there), done once everything has. kFree:
+  // X[cw]'s partial words are free for the peer's next block at once (per-warpgroup xfree);
+  // otherwise release() frees them later.
+  template <int G, bool kFree, typename FB, typename F>
   __device__ __forceinline__ void swap_add_pipe(float (&a)[Cfg::HR], float (&b)[Cfg::HR], int j,
-                                                int lane, F&& done) const {
+                                                int lane, FB&& b_done, F&& done) const {
     static_assert(G == 2 || G == 3, "two or three commit groups");
     ws::mbar_wait(xfree, (uint32_t(j) & 1u) ^ 1u);
     wg_wait<G - 1>();
@@ -369,6 +370,7 @@ struct Ws512HalfExchange {
     own_half_first(a);
     send_half(a, 0);
     wg_wait<G - 2>();
+    b_done();
     fence_regs(b);
     own_half_first(b);
     send_half(b, H / 4);
@@ -575,13 +577,15 @@ __global__ void __launch_bounds__(384, 1)
           wg_fence();       // (ptxas injects it otherwise: the fragments' registers)
           products(prev_s);
           wg_commit();
-          hx.swap_add_pipe<3, false>(sc, dp, it, lane, [&] {
-            fence_regs(dv, dk, pa, da);
-            ws::mbar_arrive(bars.empty(prev_s));
-          });
+          hx.swap_add_pipe<3, false>(
+              sc, dp, it, lane, [] {},
+              [&] {
+                fence_regs(dv, dk, pa, da);
+                ws::mbar_arrive(bars.empty(prev_s));
+              });
         } else {
           hx.arm_slices();
-          hx.swap_add_pipe<2, false>(sc, dp, it, lane, [] {});
+          hx.swap_add_pipe<2, false>(sc, dp, it, lane, [] {}, [] {});
         }
       } else {
         x.swap_add(sc, dp, it);  // S^T and dP^T of the whole head dim
@@ -810,14 +814,16 @@ __global__ void __launch_bounds__(384, 1)
           wg_fence();
           product(prev_s);
           wg_commit();
-          hx.swap_add_pipe<3, true>(sc, dp, j, lane, [&] {
-            fence_regs(acc, da);
-            ws::mbar_arrive(bars.empty(prev_s));
-            ws::mbar_arrive(bars.emptyv(sv));  // dP has read V_j
-          });
+          hx.swap_add_pipe<3, true>(
+              sc, dp, j, lane, [&] { ws::mbar_arrive(bars.emptyv(sv)); },  // dP has read V_j
+              [&] {
+                fence_regs(acc, da);
+                ws::mbar_arrive(bars.empty(prev_s));
+              });
         } else {
           hx.arm_slices();
-          hx.swap_add_pipe<2, true>(sc, dp, j, lane, [&] { ws::mbar_arrive(bars.emptyv(sv)); });
+          hx.swap_add_pipe<2, true>(
+              sc, dp, j, lane, [&] { ws::mbar_arrive(bars.emptyv(sv)); }, [] {});
         }
       } else {
         x.swap_add(sc, dp, j);  // S and dP of the whole head dim
