@@ -831,36 +831,41 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0):
     assert all(b.cnt == 0 for b in bar1) and cluster.cnt == 0, "barrier left half-arrived"
 
 
+def bugs_caught(bugs, run_one, tries=400):
+    """Each injected bug must make some of `tries` random schedules fail (run_one(bug, i) runs
+    schedule i with it); returns how many bugs were checked."""
+    for bug in bugs:
+        for i in range(tries):
+            try:
+                run_one(bug, i)
+            except (AssertionError, RuntimeError):
+                break
+        else:
+            raise AssertionError(f"injected bug {bug} was not caught")
+    return len(bugs)
+
+
 def injected_bugs_caught(rng):
     """Each injected error of the D = 512 dK/dV protocol must be caught by some schedule."""
-    for bug in ("no_xfree_wait", "xfree_one_warpgroup", "xfree_parity", "no_final_cluster_barrier"):
-        caught = False
-        for i in range(400):
-            try:
-                dq = i % 2 == 1 and bug != "xfree_one_warpgroup"  # the dQ kernel's xfree[w]
-                run_dkdv512(rng.randrange(1, 6), rng.choice([2, 3]), rng, bug, dq=dq, sv=int(dq))
-            except (AssertionError, RuntimeError):
-                caught = True
-                break
-        assert caught, f"injected bug {bug} was not caught"
-    return 4
+
+    def run_one(bug, i):
+        dq = i % 2 == 1 and bug != "xfree_one_warpgroup"  # the dQ kernel's xfree[w]
+        run_dkdv512(rng.randrange(1, 6), rng.choice([2, 3]), rng, bug, dq=dq, sv=int(dq))
+
+    bugs = ("no_xfree_wait", "xfree_one_warpgroup", "xfree_parity", "no_final_cluster_barrier")
+    return bugs_caught(bugs, run_one)
 
 
 def pipe_bugs_caught(rng):
     """Each injected error of the kPipe order must be caught: the previous block's stage released
     before its deferred products ran, a ring of one stage (the consumer holds two), and (the dQ
     kernel's V ring) V released before block j's dP has read it."""
-    for bug in ("pipe_early_release", "pipe_one_stage", "v_early_release"):
-        caught = False
-        for i in range(400):
-            dq = i % 2 == 1 or bug == "v_early_release"
-            try:
-                run_dkdv512(rng.randrange(2, 7), 2, rng, bug, dq=dq, pipe=True, sv=int(dq))
-            except (AssertionError, RuntimeError):
-                caught = True
-                break
-        assert caught, f"injected bug {bug} was not caught"
-    return 3
+
+    def run_one(bug, i):
+        dq = i % 2 == 1 or bug == "v_early_release"
+        run_dkdv512(rng.randrange(2, 7), 2, rng, bug, dq=dq, pipe=True, sv=int(dq))
+
+    return bugs_caught(("pipe_early_release", "pipe_one_stage", "v_early_release"), run_one)
 
 
 def keysplit_bugs_caught(rng):
@@ -869,19 +874,14 @@ def keysplit_bugs_caught(rng):
     halves without the barrier that waits for both warpgroups' last products, the peer's slices
     read without waiting for them, and their barrier armed for the next block before the previous
     block's phase completed."""
+
+    def run_one(bug, _):
+        pipe = bug.startswith("half") or rng.random() < 0.5
+        dq = bug.startswith("ks") or rng.random() < 0.5  # the half exchange: both kernels
+        run_dkdv512(rng.randrange(1, 7), 3, rng, bug, dq=dq, pipe=pipe, sv=int(dq))
+
     bugs = ("ks_early_free", "ks_no_reduce_barrier", "half_no_recv_wait", "half_arm_early")
-    for bug in bugs:
-        caught = False
-        for _ in range(400):
-            pipe = bug.startswith("half") or rng.random() < 0.5
-            dq = bug.startswith("ks") or rng.random() < 0.5  # the half exchange: both kernels
-            try:
-                run_dkdv512(rng.randrange(1, 7), 3, rng, bug, dq=dq, pipe=pipe, sv=int(dq))
-            except (AssertionError, RuntimeError):
-                caught = True
-                break
-        assert caught, f"injected bug {bug} was not caught"
-    return len(bugs)
+    return bugs_caught(bugs, run_one)
 
 
 def run_fwd512c(total, S, rng, pp=True, bug=None):
@@ -1048,16 +1048,12 @@ def fwd512c_bugs_caught(rng):
         "no_arm",
         "no_final_cluster_barrier",
     )
-    for bug in bugs:
-        caught = False
-        for _ in range(400):
-            try:
-                run_fwd512c(rng.randrange(1, 7), rng.choice([2, 3]), rng, rng.random() < 0.7, bug)
-            except (AssertionError, RuntimeError):
-                caught = True
-                break
-        assert caught, f"injected bug {bug} was not caught"
-    return len(bugs)
+    return bugs_caught(
+        bugs,
+        lambda bug, _: run_fwd512c(
+            rng.randrange(1, 7), rng.choice([2, 3]), rng, rng.random() < 0.7, bug
+        ),
+    )
 
 
 def run_d256(nblocks, S, rng, bug=None):
@@ -1169,41 +1165,21 @@ def variant_bugs_caught(rng):
         ("early_x_free", 2, True),
         ("x_alias", 1, True),
     )
-    for bug, nbuf, onered in bugs:
-        caught = False
-        for _ in range(400):
-            try:
-                run_dkdv(
-                    rng.randrange(1, 7),
-                    rng.choice([2, 3]),
-                    rng,
-                    5,
-                    nbuf,
-                    onered,
-                    bug,
-                    rng.random() < 0.5,
-                )
-            except (AssertionError, RuntimeError):
-                caught = True
-                break
-        assert caught, f"injected bug {bug} (nbuf {nbuf}, onered {onered}) was not caught"
-    return len(bugs)
+
+    def run_one(b, _):
+        bug, nbuf, onered = b
+        run_dkdv(
+            rng.randrange(1, 7), rng.choice([2, 3]), rng, 5, nbuf, onered, bug, rng.random() < 0.5
+        )
+
+    return bugs_caught(bugs, run_one)
 
 
 def d256_bugs_caught(rng):
     """Each injected error of the D = 256 dK/dV kernel (swaps, release) must be caught by some
     schedule."""
     bugs = ("no_bar2", "one_swap_barrier", "early_release")
-    for bug in bugs:
-        caught = False
-        for _ in range(400):
-            try:
-                run_d256(rng.randrange(1, 7), 2, rng, bug)
-            except (AssertionError, RuntimeError):
-                caught = True
-                break
-        assert caught, f"injected bug {bug} was not caught"
-    return len(bugs)
+    return bugs_caught(bugs, lambda bug, _: run_d256(rng.randrange(1, 7), 2, rng, bug))
 
 
 rng = random.Random(1)
