@@ -219,7 +219,8 @@ KernelPolicy resolve_policy(bool deterministic) {
   const bool small_smem = is("DUALKV_SM80_SMALL_SMEM", '1');
   pol.sm90 = sm90_device(is("DUALKV_FORCE_SM80", '1') || small_smem);
   const int optin = smem_optin();
-  pol.sm80_small_smem = small_smem || (optin > 0 && optin < kSmemHeadDim512);
+  pol.sm80_force_small_smem = small_smem;
+  pol.smem_optin = optin;
   pol.pingpong = !is("DUALKV_SM90_PINGPONG", '0');
   pol.fused_dq = !deterministic && !is("DUALKV_FUSED_DQ", '0');
   pol.d512_bwd_sm90 = !is("DUALKV_SM90_D512_BWD", '0');
@@ -238,19 +239,18 @@ namespace {
 
 constexpr size_t align256(size_t n) { return (n + 255) & ~size_t(255); }
 
-// The D = 512 kernels ask for up to 227 KB of shared memory per block (Hopper-class GPUs); on a
-// GPU that offers less (A100: 163 KB, sm_86/89: 99 KB) the sm_80 path runs its small configs
-// (KernelPolicy::sm80_small_smem), which need kSmemHeadDim512Small: a GPU below that (none of
-// sm_80+) cannot run D = 512, so say so.
+// The D = 256 / 512 kernels ask for up to 128 / 227 KB of shared memory per block; on a GPU that
+// offers less (A100: 163 KB, sm_86/89: 99 KB) the sm_80 path runs its small configs
+// (KernelPolicy::sm80_small_smem), which need kSmemSmall: a GPU below that (none of sm_80+)
+// cannot run these head dims, so say so.
 void check_smem_for(int head_dim) {
-  if (head_dim != 512) return;
+  if (smem_regular(head_dim) == 0) return;
   const int optin = smem_optin();
   if (optin == 0) return;  // unknown: the launch reports the error
-  DUALKV_CHECK(optin >= kSmemHeadDim512Small, "head_dim 512 needs at least ",
-               kSmemHeadDim512Small / 1024,
-               " KB of shared memory per block (the sm_80 kernels' small configs; Hopper-class "
-               "GPUs' kernels ",
-               kSmemHeadDim512 / 1024, " KB), this GPU offers ", optin / 1024, " KB");
+  DUALKV_CHECK(optin >= kSmemSmall, "head_dim ", head_dim, " needs at least ", kSmemSmall / 1024,
+               " KB of shared memory per block (the sm_80 kernels' small configs; the regular "
+               "ones ",
+               smem_regular(head_dim) / 1024, " KB), this GPU offers ", optin / 1024, " KB");
 }
 
 template <typename F>
@@ -322,7 +322,7 @@ void attention_forward(const ForwardArgs& a, cudaStream_t stream) {
     // Warp-specialised FA3-style forward, every head dim (false: a TMA map could not be encoded).
     if (pol.sm90 && launch_forward_sm90_ws<T, D>(p, pol, stream)) return;
 #endif
-    launch_forward_sm80<T, D>(p, pol.sm80_small_smem, stream);
+    launch_forward_sm80<T, D>(p, pol.sm80_small_smem(D), stream);
   });
 }
 
@@ -400,7 +400,7 @@ void attention_backward(const BackwardArgs& a, void* workspace, size_t bytes, cu
     }
 #endif
     // Any GPU other than sm_90, DUALKV_FORCE_SM80=1, or D = 512 with DUALKV_SM90_D512_BWD=0.
-    launch_backward_sm80<T, D>(p, pol.sm80_small_smem, stream);
+    launch_backward_sm80<T, D>(p, pol.sm80_small_smem(D), stream);
   });
 }
 

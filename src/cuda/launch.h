@@ -10,14 +10,6 @@
 
 namespace dualkv::cuda::detail {
 
-// The most shared memory per block any D = 512 kernel asks for (each config static_asserts it):
-// Hopper's kernels and the regular sm_80 configs.
-constexpr int kSmemHeadDim512 = 227 * 1024;
-// ... and the small sm_80 D = 512 configs (FwdCfg / BwdCfg / DqCfg<512, true>), which run where
-// a GPU offers less than kSmemHeadDim512 (KernelPolicy::sm80_small_smem): 99 KB, what sm_86/89
-// GPUs offer (A100: 163 KB); every sm_80+ GPU runs D = 512.
-constexpr int kSmemHeadDim512Small = 99 * 1024;
-
 // Throws std::runtime_error naming `what` when the last launch failed.
 void check_launch(const char* what);
 
@@ -54,8 +46,8 @@ void launch_kernel(void (*kernel)(Arg), int64_t grid, int threads, int smem, cud
   check_launch(what);
 }
 
-// small_smem (KernelPolicy::sm80_small_smem): D = 512's small shared-memory configs (ignored at
-// the other head dims).
+// small_smem (KernelPolicy::sm80_small_smem(D)): the small shared-memory configs of D = 256 and
+// 512 (ignored at the other head dims).
 template <typename T, int D>
 void launch_forward_sm80(const FwdParams& p, bool small_smem, cudaStream_t stream);
 

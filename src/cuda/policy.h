@@ -7,6 +7,21 @@
 
 namespace dualkv::cuda::detail {
 
+// The most shared memory per block any D = 512 kernel asks for (each config static_asserts it):
+// Hopper's kernels and the regular sm_80 configs.
+constexpr int kSmemHeadDim512 = 227 * 1024;
+// ... any regular sm_80 D = 256 kernel (FwdCfg<256>, DqCfg<256>: 128 KB).
+constexpr int kSmemHeadDim256 = 128 * 1024;
+// The small sm_80 configs (FwdCfg / DqCfg<256 or 512, true>, BwdCfg<512, true>; BwdCfg<256>
+// itself fits), which run where a GPU offers less than the regular ones need
+// (KernelPolicy::sm80_small_smem): 99 KB, what sm_86/89 GPUs offer (A100: 163 KB); every sm_80+
+// GPU runs D = 256 and 512.
+constexpr int kSmemSmall = 99 * 1024;
+// The shared memory per block the regular configs of head dim d need at most (0: every GPU).
+constexpr int smem_regular(int d) {
+  return d == 512 ? kSmemHeadDim512 : d == 256 ? kSmemHeadDim256 : 0;
+}
+
 struct KernelPolicy {
   // The wgmma paths: built for sm_90a, a device of compute capability 9.x, and not
   // DUALKV_FORCE_SM80=1 (the sm_80 kernels on any GPU: A100-class GPUs, and the cross-check).
@@ -46,13 +61,18 @@ struct KernelPolicy {
   // ncu at (32, 4096, 2048) D = 128: L2 hit rate 63 -> 72%, DRAM reads 38.5 -> 27.6 GB);
   // DUALKV_BWD_KEY_ORDER=0|1|2|3 sets n = 0 / 16 / 32 / 64 (A/B).
   int bwd_key_chunk = -1;
-  // D = 512 on the sm_80 path: the small shared-memory configs (FwdCfg / BwdCfg / DqCfg<512,
-  // true>: at most kSmemHeadDim512Small = 99 KB per block instead of 227 KB), so that every
-  // sm_80+ GPU runs D = 512. True on a GPU whose opt-in shared memory per block is below
-  // kSmemHeadDim512 (A100: 163 KB, sm_86/89: 99 KB), or with DUALKV_SM80_SMALL_SMEM=1, which
-  // also forces the sm_80 path as DUALKV_FORCE_SM80=1 does (the cross-check on Hopper). Ignored
-  // at the other head dims.
-  bool sm80_small_smem = false;
+  // D = 256 and 512 on the sm_80 path: the small shared-memory configs (launch.h, kSmemSmall =
+  // 99 KB per block instead of 128 / 227 KB), so that every sm_80+ GPU runs them. Used on a GPU
+  // whose opt-in shared memory per block (smem_optin; 0 = unknown) is below what the regular
+  // configs of the head dim need (A100, 163 KB: D = 512 only; sm_86/89, 99 KB: both), or with
+  // DUALKV_SM80_SMALL_SMEM=1 (sm80_force_small_smem), which also forces the sm_80 path as
+  // DUALKV_FORCE_SM80=1 does (the cross-check on Hopper).
+  bool sm80_force_small_smem = false;
+  int smem_optin = 0;
+  bool sm80_small_smem(int head_dim) const {
+    return smem_regular(head_dim) > 0 &&
+           (sm80_force_small_smem || (smem_optin > 0 && smem_optin < smem_regular(head_dim)));
+  }
 };
 
 // The policy for one call; deterministic = the call's `deterministic` (forces fused_dq off).

@@ -4,7 +4,8 @@
 //                    [--bench] [--bench-reps N] [--bench-rounds N]
 //                    [--path default|sm80|sm90-nopp|sm90-sepdq|sm90-d512-sm80|sm90-d512-nopipe|
 //                            sm90-d512fwd-1cta|sm90-d256-sync|key-chunk0|
-//                            key-chunk16|key-chunk32|key-chunk64|sm80-d512-small]
+//                            key-chunk16|key-chunk32|key-chunk64|sm80-d512-small|
+//                            sm80-d256-small]
 //                    [--shape N,P,R,Hq,Hkv,D | multi,Hq,Hkv,D]...
 //   (--small: the quick matrix and 3 race repeats, for compute-sanitizer; --path: those kernel
 //   paths only (comma-separated); --random N: instead of the matrix, N rounds of its random-layout
@@ -34,7 +35,8 @@
 // outer (key-chunk16/32/64: DUALKV_BWD_KEY_ORDER=1/2/3; 32 at every head dim, the others at 64/128;
 // key-chunk0 at D = 64, where the default is 32: the kv heads side by side);
 // at D = 512 the sm_80 kernels' small shared-memory configs, which GPUs with less than 227 KB per
-// block run (sm80-d512-small: DUALKV_SM80_SMALL_SMEM=1, which implies the sm_80 path).
+// block run (sm80-d512-small: DUALKV_SM80_SMALL_SMEM=1, which implies the sm_80 path), and at
+// D = 256 those that GPUs with less than 128 KB run (sm80-d256-small, the same switch).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -195,7 +197,8 @@ constexpr KernelPath kPaths[] = {{"default", nullptr, nullptr, 0, 512},
                                  {"key-chunk16", "DUALKV_BWD_KEY_ORDER", "1", 64, 128},
                                  {"key-chunk32", "DUALKV_BWD_KEY_ORDER", "2", 0, 512},
                                  {"key-chunk64", "DUALKV_BWD_KEY_ORDER", "3", 64, 128},
-                                 {"sm80-d512-small", "DUALKV_SM80_SMALL_SMEM", "1", 512, 512}};
+                                 {"sm80-d512-small", "DUALKV_SM80_SMALL_SMEM", "1", 512, 512},
+                                 {"sm80-d256-small", "DUALKV_SM80_SMALL_SMEM", "1", 256, 256}};
 // --path: run these only (a comma-separated list of names; empty: every path).
 std::vector<std::string> g_only_paths;
 bool path_listed(const char* name) {
@@ -1050,7 +1053,7 @@ int main(int argc, char** argv) {
                    "unknown --path %s (default, sm80, sm90-nopp, sm90-sepdq, sm90-d512-sm80, "
                    "sm90-d512-nopipe, sm90-d512fwd-1cta, sm90-d256-sync, "
                    "key-chunk0, key-chunk16, "
-                   "key-chunk32, key-chunk64, sm80-d512-small; or a "
+                   "key-chunk32, key-chunk64, sm80-d512-small, sm80-d256-small; or a "
                    "comma-separated list)\n",
                    name.c_str());
       return 2;

@@ -13,10 +13,11 @@
 //      accumulates dQ in registers (fixed order). Every output is bitwise reproducible. (A fused
 //      variant adding dS K into an fp32 accumulator with atomics measured slower on an H200,
 //      47.8 vs 37.0 ms, and was deleted; src/cuda/NOTES.md.)
-// kSmall (D = 512 only; GPUs with less shared memory per block than the regular D = 512 configs
-// need, KernelPolicy::sm80_small_smem): 16-key dK/dV CTAs over 16-query blocks and 16-query dQ
-// CTAs (BwdCfg, DqCfg), each at most 96.3 KB; their slab exchange reuses the other stage's
-// buffer, whose next load is then issued after the exchange (XSTAGE).
+// kSmall (GPUs with less shared memory per block than the regular configs need,
+// KernelPolicy::sm80_small_smem): at D = 512 16-key dK/dV CTAs over 16-query blocks and 16-query
+// dQ CTAs (BwdCfg, DqCfg), each at most 96.3 KB, whose slab exchange reuses the other stage's
+// buffer, the next load then issued after the exchange (XSTAGE); at D = 256 the dQ pass on
+// 16-key blocks (96 KB; the regular dK/dV config, 99 KB, runs there as it is).
 #pragma once
 
 #include <cstddef>
@@ -162,7 +163,9 @@ struct BwdCfg {
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
 static_assert(BwdCfg<512>::SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
-static_assert(BwdCfg<512, true>::SMEM <= kSmemHeadDim512Small, "api.cu checks this much");
+static_assert(BwdCfg<512, true>::SMEM <= kSmemSmall, "api.cu checks this much");
+// D = 256 has no small dK/dV config: the regular one fits (launch_backward_sm80_cfg).
+static_assert(BwdCfg<256>::SMEM <= kSmemSmall, "BwdCfg<256> runs where the small configs do");
 
 template <typename T, int D, bool kCap, bool kSmall>
 __global__ void __launch_bounds__(BwdCfg<D, kSmall>::THREADS, BwdCfg<D, kSmall>::MIN_BLOCKS)
@@ -307,14 +310,15 @@ __global__ void __launch_bounds__(BwdCfg<D, kSmall>::THREADS, BwdCfg<D, kSmall>:
 // ---- 3'. deterministic dQ over query blocks -----------------------------------------------------
 // kSmall (D = 512): BM 16; Q + dO 32 KB, two K/V stages 64 KB: 96 KB; 4 warps (one slab, DSPLIT
 // 4: dQ 16 x 128 fp32 per warp); the exchange (8 KB) in the other stage's K buffer (XSTAGE).
+// kSmall (D = 256): BN 16; Q + dO 64 KB, two K/V stages 32 KB: 96 KB; 4 warps as the regular.
 template <int D, bool kSmall = false>
 struct DqCfg {
-  static_assert(!kSmall || D == 512, "the small shared-memory config is D = 512's");
-  static constexpr int BM = kSmall ? 16 : 64;
-  static constexpr int BN = D >= 512 ? 16 : D >= 256 ? 32 : 64;
+  static_assert(!kSmall || D >= 256, "the small shared-memory configs are D = 256's and 512's");
+  static constexpr int BM = kSmall && D >= 512 ? 16 : 64;
+  static constexpr int BN = D >= 512 || (kSmall && D >= 256) ? 16 : D >= 256 ? 32 : 64;
   // Warps sharing a 16-query slab, each owning D / DSPLIT columns of dQ (each computes the
   // slab's S and dP in full).
-  static constexpr int DSPLIT = kSmall ? 4 : D >= 512 ? 2 : 1;
+  static constexpr int DSPLIT = kSmall && D >= 512 ? 4 : D >= 512 ? 2 : 1;
   static constexpr int DC = D / DSPLIT;
   static constexpr int WARPS = BM / 16 * DSPLIT;
   static constexpr int THREADS = WARPS * 32;
@@ -322,7 +326,7 @@ struct DqCfg {
   // through shared memory (sum_slab_partials).
   static constexpr bool XCHG = D >= 512;
   static constexpr int X_VECS = WARPS * (BN / 8) * 2 * 32;  // float4s of the exchange (XCHG)
-  static constexpr bool XSTAGE = kSmall;  // as in BwdCfg (the other stage's K buffer)
+  static constexpr bool XSTAGE = kSmall && XCHG;  // as in BwdCfg (the other stage's K buffer)
   static constexpr bool X_OWN = XCHG && !XSTAGE;
   // Shared memory; the OFF_* offsets come from here. x is last: without X_OWN SMEM ends before it.
   struct SharedStorage {
@@ -343,7 +347,9 @@ struct DqCfg {
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
 static_assert(DqCfg<512>::SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
-static_assert(DqCfg<512, true>::SMEM <= kSmemHeadDim512Small, "api.cu checks this much");
+static_assert(DqCfg<512, true>::SMEM <= kSmemSmall, "api.cu checks this much");
+static_assert(DqCfg<256>::SMEM <= kSmemHeadDim256 && DqCfg<256, true>::SMEM <= kSmemSmall,
+              "policy.h's smem_regular / kSmemSmall");
 
 template <typename T, int D, bool kCap, bool kSmall>
 __global__ void __launch_bounds__(DqCfg<D, kSmall>::THREADS, DqCfg<D, kSmall>::MIN_BLOCKS)
@@ -449,14 +455,15 @@ void launch_backward_sm80_cfg(const BwdParams& p, cudaStream_t stream) {
   if (int64_t(p.T) * p.Hq == 0) return;
   launch_bwd_pre<T, D>(p, false, stream);
   const bool cap = p.softcap > 0.f;
-  using BC = BwdCfg<D, kSmall>;
+  constexpr bool kSmallKv = kSmall && D >= 512;  // BwdCfg<256> fits where the small ones do
+  using BC = BwdCfg<D, kSmallKv>;
   const int64_t grid_kv = int64_t(p.nkt) * (kTileSize / BC::BN) * p.Hkv;
   if (grid_kv > 0) {
     auto kernel =
-        cap ? dkdv_kernel_sm80<T, D, true, kSmall> : dkdv_kernel_sm80<T, D, false, kSmall>;
+        cap ? dkdv_kernel_sm80<T, D, true, kSmallKv> : dkdv_kernel_sm80<T, D, false, kSmallKv>;
     launch_kernel(
         kernel, grid_kv, BC::THREADS, BC::SMEM, stream, p,
-        kSmall ? "dualkv backward dk/dv (sm80, small smem)" : "dualkv backward dk/dv (sm80)");
+        kSmallKv ? "dualkv backward dk/dv (sm80, small smem)" : "dualkv backward dk/dv (sm80)");
   }
   using QC = DqCfg<D, kSmall>;
   const int64_t grid_q = int64_t(p.nqt) * (kTileSize / QC::BM) * p.Hq;
@@ -469,7 +476,7 @@ void launch_backward_sm80_cfg(const BwdParams& p, cudaStream_t stream) {
 
 template <typename T, int D>
 void launch_backward_sm80(const BwdParams& p, bool small_smem, cudaStream_t stream) {
-  if constexpr (D == 512) {
+  if constexpr (D >= 256) {
     if (small_smem) return launch_backward_sm80_cfg<T, D, true>(p, stream);
   }
   launch_backward_sm80_cfg<T, D, false>(p, stream);

@@ -6,8 +6,9 @@
 // on the causal diagonal, the window edge or a region end are masked element-wise (with MaskRule).
 // K/V blocks are double-buffered. D = 512: 64-row CTAs (half tiles), and two warps per 16-row slab
 // that split O's columns (each computes the slab's S in full: 1.5x the matrix work of one warp).
-// kSmall (D = 512 only, GPUs with less than 227 KB of shared memory per block: A100, sm_86/89):
-// 32-row CTAs and 16-key blocks, 96 KB (FwdCfg).
+// kSmall (D = 256 and 512 on GPUs with less shared memory per block than their regular configs
+// need: D = 512 on A100 and sm_86/89, D = 256 on sm_86/89): 64-row CTAs at D = 256, 32-row CTAs
+// and 16-key blocks at D = 512, 96 KB (FwdCfg).
 #pragma once
 
 #include <cstddef>
@@ -20,19 +21,20 @@
 
 namespace dualkv::cuda::detail {
 
-// kSmall: D = 512 on GPUs with less shared memory per block than the regular sm_80 D = 512
-// configs need (KernelPolicy::sm80_small_smem; at most kSmemHeadDim512Small): BM 32, BN 16, Q
-// 32 KB + two K/V stages of 2 x 16 KB = 96 KB; 4 warps (2 slabs x DSPLIT 2), each with O's
-// 16 x 256 fp32 (128 registers) as at BM 64, S 16 x 16.
+// kSmall: GPUs with less shared memory per block than the regular sm_80 configs need
+// (KernelPolicy::sm80_small_smem; at most kSmemSmall). D = 512: BM 32, BN 16, Q 32 KB + two K/V
+// stages of 2 x 16 KB = 96 KB; 4 warps (2 slabs x DSPLIT 2), each with O's 16 x 256 fp32 (128
+// registers) as at BM 64, S 16 x 16. D = 256: BM 64 (half a tile, as D = 512's regular config),
+// BN 32: Q 32 KB + two K/V stages of 2 x 16 KB = 96 KB; 4 warps.
 template <int D, bool kSmall = false>
 struct FwdCfg {
-  static_assert(!kSmall || D == 512, "the small shared-memory config is D = 512's");
+  static_assert(!kSmall || D >= 256, "the small shared-memory configs are D = 256's and 512's");
   // Query rows per CTA: a 128-token tile, or half of one at D = 512 (Q and two K/V stages of
-  // 512 columns must fit in shared memory), a quarter with kSmall.
-  static constexpr int BM = kSmall ? 32 : D >= 512 ? 64 : kTileSize;
+  // 512 columns must fit in shared memory); kSmall: half a tile at D = 256, a quarter at 512.
+  static constexpr int BM = kSmall ? (D >= 512 ? 32 : 64) : D >= 512 ? 64 : kTileSize;
   static constexpr int MT =
       D >= 256 ? 1 : 2;  // 16-row m-tiles per warp (reuse of each K/V fragment)
-  static constexpr int BN = kSmall ? 16 : D >= 128 ? 32 : 64;  // D = 128 with 64 spills
+  static constexpr int BN = kSmall && D >= 512 ? 16 : D >= 128 ? 32 : 64;  // D = 128 with 64 spills
   // Warps sharing a 16-row slab, each owning D / DSPLIT columns of O (a 16 x 512 fp32
   // accumulator would be 256 registers per thread); each computes the slab's S in full.
   static constexpr int DSPLIT = D >= 512 ? 2 : 1;
@@ -49,11 +51,14 @@ struct FwdCfg {
   static constexpr int OFF_V = int(offsetof(SharedStorage, v));
   static constexpr int SMEM = int(sizeof(SharedStorage));
   static constexpr int MIN_BLOCKS = D >= 256 ? 1 : 2;
-  static constexpr bool FRESH_ADDR = kSmall;  // load_tile's row offsets per call (0 spills)
+  // load_tile's row offsets per call: 0 spills at D = 512 (at D = 256 they spill 32-36 bytes)
+  static constexpr bool FRESH_ADDR = kSmall && D >= 512;
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
 static_assert(FwdCfg<512>::SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
-static_assert(FwdCfg<512, true>::SMEM <= kSmemHeadDim512Small, "api.cu checks this much");
+static_assert(FwdCfg<512, true>::SMEM <= kSmemSmall, "api.cu checks this much");
+static_assert(FwdCfg<256>::SMEM <= kSmemHeadDim256 && FwdCfg<256, true>::SMEM <= kSmemSmall,
+              "policy.h's smem_regular / kSmemSmall");
 
 template <typename T, int D, bool kCap, bool kSmall>
 __global__ void __launch_bounds__(FwdCfg<D, kSmall>::THREADS, FwdCfg<D, kSmall>::MIN_BLOCKS)
@@ -204,7 +209,7 @@ void launch_forward_sm80_cfg(const FwdParams& p, cudaStream_t stream) {
 
 template <typename T, int D>
 void launch_forward_sm80(const FwdParams& p, bool small_smem, cudaStream_t stream) {
-  if constexpr (D == 512) {
+  if constexpr (D >= 256) {
     if (small_smem) return launch_forward_sm80_cfg<T, D, true>(p, stream);
   }
   launch_forward_sm80_cfg<T, D, false>(p, stream);
