@@ -78,6 +78,17 @@ def gpt2_config():
     )  # fmt: skip
 
 
+def opt_config():
+    """Learned absolute positions numbered by the attention mask (cumsum - 1): TRL's left-padded
+    rows start their real tokens at 0, and so must the packed positions."""
+    from transformers import OPTConfig
+
+    return OPTConfig(
+        vocab_size=VOCAB, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=128, word_embed_proj_dim=64, dropout=0.0, attention_dropout=0.0,
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     """Saved tiny random models (loaded by path, so TRL builds its reference model from it)."""
@@ -88,6 +99,7 @@ def model_dirs(tmp_path_factory):
     dirs = {}
     for family, cfg in (
         ("qwen3", tiny_config("qwen3")), ("qwen3-moe", moe_config()), ("gpt2", gpt2_config()),
+        ("opt", opt_config()),
     ):  # fmt: skip
         cfg.eos_token_id = EOS
         cfg.pad_token_id = PAD
@@ -187,10 +199,30 @@ def _assert_grads_close(got, want):
     "family,loss_type,extra",
     [
         ("qwen3", "dapo", {"beta": 0.04}),
-        ("qwen3", "grpo", {"beta": 0.04, "top_entropy_quantile": 0.5, "entropy_coef": 0.01}),
-        ("qwen3", "bnpo", {"beta": 0.0, "importance_sampling_level": "sequence"}),
+        # per-micro-batch normalised terms: one micro-batch per generation batch (refused
+        # otherwise, test_composition_dependent_options_raise)
+        (
+            "qwen3",
+            "grpo",
+            {
+                "beta": 0.04,
+                "top_entropy_quantile": 0.5,
+                "entropy_coef": 0.01,
+                "gradient_accumulation_steps": 1,
+            },
+        ),
+        (
+            "qwen3",
+            "bnpo",
+            {
+                "beta": 0.0,
+                "importance_sampling_level": "sequence",
+                "gradient_accumulation_steps": 1,
+            },
+        ),
         ("qwen3-moe", "dapo", {"beta": 0.04}),
         ("gpt2", "dapo", {"beta": 0.04}),
+        ("opt", "dapo", {"beta": 0.04}),
     ],
 )
 def test_logps_loss_and_grads_equal_trl(model_dirs, tmp_path, seed, family, loss_type, extra):
@@ -430,6 +462,33 @@ def test_group_shuffle_draws_what_trls_shuffle_draws():
     parts, cut = group_microbatches(codes, 3)
     assert torch.equal(torch.get_rng_state(), after_trl)
     assert cut == 0 and all(len(set(codes[p].tolist())) == 2 for p in parts)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"loss_type": "bnpo"},
+        {"top_entropy_quantile": 0.5},
+        {"entropy_coef": 0.01},
+        {"use_adaptive_entropy": True},
+    ],
+)
+def test_composition_dependent_options_raise(model_dirs, tmp_path, extra):
+    """Terms normalised per micro-batch differ in expectation between TRL's shuffled-row
+    micro-batches and DualKV's whole groups: refused when a generation batch is split."""
+    data = dataset(random.Random(0), 4)
+    name = next(iter(extra))
+    with pytest.raises(NotImplementedError, match=f"{name}=.*steps_per_generation=2"):
+        DualKVGRPOTrainer(
+            model=model_dirs["qwen3"], reward_funcs=reward_distinct,
+            args=config(tmp_path, **extra), train_dataset=data, processing_class=tokenizer(),
+        )  # fmt: skip
+    # one micro-batch per generation batch: the same rows as TRL's, accepted
+    DualKVGRPOTrainer(
+        model=model_dirs["qwen3"], reward_funcs=reward_distinct,
+        args=config(tmp_path, gradient_accumulation_steps=1, **extra), train_dataset=data,
+        processing_class=tokenizer(),
+    )  # fmt: skip
 
 
 def test_unsupported_options_raise(model_dirs, tmp_path):

@@ -284,6 +284,35 @@ def _chunks_of_groups(groups: torch.Tensor, max_rows: int) -> list[torch.Tensor]
     return [torch.tensor(c, dtype=torch.int64) for c in chunks]
 
 
+# Options of TRL's loss that are normalised per micro-batch (``bnpo``: by its token count; the
+# entropy quantile mask and the entropy bonus: over its tokens), with the settings at which they
+# are: their expected value depends on which rows share a micro-batch.
+COMPOSITION_DEPENDENT_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("loss_type", lambda v: v == "bnpo"),
+    ("top_entropy_quantile", lambda v: v < 1.0),
+    ("entropy_coef", lambda v: v != 0),
+    ("use_adaptive_entropy", lambda v: bool(v)),
+)
+
+
+# Text decoders whose forward numbers a row's tokens from its attention mask (cumsum - 1: left
+# padding skipped) when it is given no positions, instead of 0..L-1 over the padded row.
+MASK_POSITION_MODEL_TYPES = ("opt", "biogpt")
+
+
+def row_positions(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The positions TRL's padded rows ``ids`` (mask ``mask``) get from ``model`` by default.
+
+    TRL calls the model without ``position_ids``: most decoders then number the padded row
+    0..L-1 (left padding included: absolute embeddings such as GPT-2's see it), and OPT / BioGPT
+    number the real tokens from 0 by the attention mask. The packed rows must see the same.
+    """
+    model_type = getattr(dkt._text_config(model), "model_type", None)
+    if model_type in MASK_POSITION_MODEL_TYPES:
+        return (mask.long().cumsum(1) - 1).clamp(min=0)
+    return torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+
+
 class DualKVGRPOTrainer(GRPOTrainer):
     """TRL's ``GRPOTrainer`` with log-probs, entropies and the loss on packed prompt groups.
 
@@ -343,6 +372,21 @@ class DualKVGRPOTrainer(GRPOTrainer):
             )
         if getattr(config, "fsdp", None):
             raise NotImplementedError("DualKVGRPOTrainer does not support FSDP yet (fsdp)")
+        # Whole-group micro-batches change what a per-micro-batch normalisation averages over
+        # (TRL splits shuffled rows): refuse the loss terms whose expected value depends on it
+        # when a generation batch is split at all.
+        if (getattr(config, "steps_per_generation", 1) or 1) > 1:
+            for name, differs in COMPOSITION_DEPENDENT_OPTIONS:
+                value = getattr(config, name, None)
+                if value is not None and differs(value):
+                    raise NotImplementedError(
+                        f"DualKVGRPOTrainer: {name}={value!r} with steps_per_generation="
+                        f"{config.steps_per_generation}: this term is normalised per micro-batch, "
+                        "and DualKV's micro-batches hold whole prompt groups where TRL's hold "
+                        "shuffled rows, so the loss would differ in expectation; not supported "
+                        "yet (use steps_per_generation=1, or loss_type 'dapo' / 'grpo' / "
+                        "'dr_grpo' without entropy terms)"
+                    )
 
     def _check_supported(self) -> None:
         from transformers import ProcessorMixin
@@ -445,10 +489,7 @@ class DualKVGRPOTrainer(GRPOTrainer):
             dev_idx = idx.to(input_ids.device)
             ids = input_ids if whole else input_ids.index_select(0, dev_idx)
             mask = attention_mask if whole else attention_mask.index_select(0, dev_idx)
-            # TRL's rows run with the model's default positions, 0..L-1 over the padded row: the
-            # same positions here (RoPE is relative, but absolute embeddings such as GPT-2's and
-            # length-dependent RoPE scaling see them)
-            positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+            positions = row_positions(self.accelerator.unwrap_model(trainee), ids, mask)
             packed = pack(ids, mask, prompt_width, group_ids=groups[idx], position_ids=positions)
             extra = {"output_router_logits": True} if compute_aux_loss else {}
             with self.accelerator.autocast():
