@@ -514,7 +514,7 @@ def sequence_parallel_logprobs(
     """
     from .integrations.transformers import _decoder, _lm_head, check_packed_model
 
-    check_packed_model(model, kwargs)
+    check_packed_model(model, kwargs, packed)
     batch = shard_batch(packed, group, pad_id=pad_id)
     out = _decoder(model)(**batch.model_inputs(), **kwargs)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]

@@ -168,3 +168,60 @@ def test_two_way_image_blocks_raise(layers: str, seed: int) -> None:
         with pytest.raises(ValueError, match="attend to later ones"):
             model.model(**pk.model_inputs(), token_type_ids=(pk.input_ids == image).long())
         model.model(**pk.model_inputs(), token_type_ids=torch.zeros_like(pk.input_ids))
+
+
+def test_decoder_without_position_ids_raises(seed: int) -> None:
+    """Bart-family decoders (BartForCausalLM, MBart, Marian, Pegasus, Blenderbot) number their
+    tokens 0..T-1 themselves: packed responses got their place in the stream as learned
+    absolute positions (log-probs up to 8.8 apart)."""
+    config = T.BartConfig(
+        vocab_size=VOCAB, d_model=64, decoder_layers=2, encoder_layers=1,
+        decoder_attention_heads=4, encoder_attention_heads=4, decoder_ffn_dim=96,
+        encoder_ffn_dim=96, max_position_embeddings=512, pad_token_id=0, dropout=0.0,
+    )  # fmt: skip
+    with pytest.raises(NotImplementedError, match="takes no position_ids"):
+        _packed_vs_rows(_model(config, seed, "eager"), seed, "eager")
+
+
+def test_hand_written_attention_raises(seed: int) -> None:
+    """GIT's text layers compute attention themselves and only add the mask, which "dualkv"
+    drops: they attended over the whole packed stream (log-probs 0.18 apart)."""
+    config = T.GitConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=96, max_position_embeddings=512, pad_token_id=0,
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=28, patch_size=14),
+    )  # fmt: skip
+    with pytest.raises(NotImplementedError, match="compute attention themselves"):
+        _packed_vs_rows(_model(config, seed, "eager"), seed, "eager")
+
+
+def test_length_dependent_rope_raises(seed: int) -> None:
+    """Dynamic NTK RoPE takes its frequencies from the batch's largest position once it passes
+    max_position_embeddings: the packed stream's differs from each row's."""
+
+    def config(max_positions: int) -> object:
+        rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+        return T.LlamaConfig(
+            **{**COMMON, "max_position_embeddings": max_positions}, rope_parameters=rope
+        )
+
+    with pytest.raises(NotImplementedError, match="'dynamic' RoPE scaling"):
+        _packed_vs_rows(_model(config(12), seed), seed)
+    assert _packed_vs_rows(_model(config(512), seed), seed) < 1e-4  # below it: the plain RoPE
+
+
+def test_attention_temperature_tuning_raises(seed: int) -> None:
+    """Llama 4's NoPE layers scale queries by the token's index once it reaches floor_scale: the
+    packed stream's index, not the row's position."""
+
+    def config(floor: int) -> object:
+        return T.Llama4TextConfig(
+            **{**COMMON, "intermediate_size": 64}, intermediate_size_mlp=96, head_dim=16,
+            num_local_experts=2, attention_chunk_size=10000, no_rope_layers=[1, 0],
+            moe_layers=[], attn_temperature_tuning=True, floor_scale=floor,
+        )  # fmt: skip
+
+    with pytest.raises(NotImplementedError, match="attn_temperature_tuning"):
+        _packed_vs_rows(_model(config(4), seed), seed)
+    assert _packed_vs_rows(_model(config(8192), seed), seed) < 1e-4

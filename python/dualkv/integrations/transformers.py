@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, cast
@@ -607,7 +608,7 @@ def packed_hidden_states(
 
     The model must use ``attn_implementation="dualkv"``; ``kwargs`` go to the decoder's forward.
     """
-    check_packed_model(model, kwargs)
+    check_packed_model(model, kwargs, packed)
     if packed.total_tokens == 0:  # (an empty batch: transformers' forward cannot run on 0 tokens)
         embed = cast(torch.Tensor, model.get_input_embeddings().weight)
         return embed.new_zeros(1, 0, _text_config(model).hidden_size)
@@ -615,18 +616,110 @@ def packed_hidden_states(
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
-def check_packed_model(model: PreTrainedModel, kwargs: dict[str, Any]) -> None:
-    """What every packed forward of ``model``'s decoder (with keywords ``kwargs``) needs: the
-    ``"dualkv"`` attention, attention-only token mixers, and no multimodal input."""
-    impl = getattr(_text_config(model), "_attn_implementation", None)
+def check_packed_model(
+    model: PreTrainedModel, kwargs: dict[str, Any], packed: PackedBatch | None = None
+) -> None:
+    """What every packed forward of ``model``'s decoder (with keywords ``kwargs``, on ``packed``
+    when given) needs: the ``"dualkv"`` attention, attention-only token mixers, no multimodal
+    input, a decoder that takes the packed positions, and no position-dependent term the packed
+    stream would change (length-dependent RoPE, Llama 4's attention temperature)."""
+    config = _text_config(model)
+    impl = getattr(config, "_attn_implementation", None)
     if impl != ATTN_IMPLEMENTATION:
         raise ValueError(
             f"the model uses attn_implementation={impl!r}; load it with "
             'attn_implementation="dualkv"'
             ' or call model.set_attn_implementation("dualkv")'
         )
-    check_token_mixers(_text_config(model), model)
+    check_token_mixers(config, model)
     refuse_multimodal(kwargs, "the packed forward")
+    model_type = getattr(config, "model_type", None)
+    if model_type in _OWN_ATTENTION_MODEL_TYPES:
+        raise NotImplementedError(
+            f"{model_type}: its text layers compute attention themselves "
+            f"({_OWN_ATTENTION_MODEL_TYPES[model_type]}) instead of through the attention "
+            "implementation, so they would attend over the whole packed stream; not supported yet"
+        )
+    decoder = _decoder(model)
+    if not _takes_position_ids(decoder):
+        raise NotImplementedError(
+            f"{type(decoder).__name__} takes no position_ids (it numbers its tokens 0..T-1 "
+            "itself), so packed responses would get their place in the stream as absolute "
+            "positions; not supported yet"
+        )
+    if packed is not None and packed.total_tokens > 0:
+        check_rope_length(model, lambda: int(packed.position_ids.max()) + 1, "the packed stream")
+        _check_attention_temperature(config, packed.total_tokens)
+
+
+# Causal LMs whose text layers compute attention themselves (not through transformers' attention
+# interface, so "dualkv" would only drop their mask), and the module that does.
+_OWN_ATTENTION_MODEL_TYPES = {"git": "GitSelfAttention"}
+
+
+_TAKES_POSITION_IDS: dict[type, bool] = {}
+
+
+def _takes_position_ids(decoder: torch.nn.Module) -> bool:
+    cls = type(decoder)
+    if cls not in _TAKES_POSITION_IDS:
+        _TAKES_POSITION_IDS[cls] = "position_ids" in inspect.signature(cls.forward).parameters
+    return _TAKES_POSITION_IDS[cls]
+
+
+def _length_dependent_ropes(config: Any) -> list[tuple[str, int]]:
+    """``(rope_type, length)`` for each RoPE of ``config`` whose frequencies change once the
+    positions reach ``length`` (transformers' ``dynamic`` and ``longrope``: they take the
+    frequencies from the batch's largest position)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(params, dict) or not params:
+        return []
+    per_type = all(isinstance(v, dict) for v in params.values())
+    found = []
+    for p in params.values() if per_type else [params]:
+        kind = str(p.get("rope_type", p.get("type", "default")))
+        if "dynamic" in kind:
+            found.append((kind, int(getattr(config, "max_position_embeddings", 0) or 0)))
+        elif kind == "longrope":
+            limit = p.get("original_max_position_embeddings") or getattr(
+                config, "original_max_position_embeddings", None
+            )
+            found.append((kind, int(limit or getattr(config, "max_position_embeddings", 0) or 0)))
+    return found
+
+
+def check_rope_length(model: PreTrainedModel, length: Any, what: str) -> None:
+    """Raise ``NotImplementedError`` when ``model`` has a RoPE whose frequencies depend on the
+    batch's length and ``length()`` (positions + 1 of ``what``; called only for such a model)
+    is past the length where they change: the packed stream and the rows it stands for would
+    get different frequencies. Below it, such a RoPE is the plain one."""
+    ropes = _length_dependent_ropes(_text_config(model))
+    if not ropes:
+        return
+    n = int(length())
+    for kind, limit in ropes:
+        if n > limit:
+            raise NotImplementedError(
+                f"{kind!r} RoPE scaling changes its frequencies with the batch's largest "
+                f"position beyond {limit} tokens, and {what} reaches {n}: the packed stream and "
+                "the rows would use different frequencies; not supported yet"
+            )
+
+
+def _check_attention_temperature(config: Any, total_tokens: int) -> None:
+    """Llama 4's NoPE layers scale queries by their index in the sequence once it reaches
+    ``floor_scale``: the packed stream's index, not the token's position in its row."""
+    if not getattr(config, "attn_temperature_tuning", False):
+        return
+    floor = int(getattr(config, "floor_scale", 0) or 0)
+    nope = getattr(config, "no_rope_layers", None) or []
+    layers = int(getattr(config, "num_hidden_layers", len(nope)))
+    if any(v == 0 for v in list(nope)[:layers]) and total_tokens + 1 > floor:
+        raise NotImplementedError(
+            f"attn_temperature_tuning scales the NoPE layers' queries by the token's index once "
+            f"it reaches floor_scale={floor}; a packed stream of {total_tokens} tokens would use "
+            "its own index instead of each row's: not supported yet"
+        )
 
 
 # Image / video / audio inputs of transformers' multimodal models (and the token types that mark

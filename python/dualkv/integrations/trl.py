@@ -148,6 +148,7 @@ def add_packed_lm_head(
             raise RuntimeError(
                 f"the packed forward needs attn_implementation='dualkv', the model is in {impl!r}"
             )
+        dkt.check_packed_model(self, {}, packed)
         extra = {"output_router_logits": True} if router else {}
         out = self.base_model(**packed.model_inputs(), **extra)
         hidden = out.last_hidden_state
@@ -298,6 +299,10 @@ COMPOSITION_DEPENDENT_OPTIONS: tuple[tuple[str, Any], ...] = (
 # Text decoders whose forward numbers a row's tokens from its attention mask (cumsum - 1: left
 # padding skipped) when it is given no positions, instead of 0..L-1 over the padded row.
 MASK_POSITION_MODEL_TYPES = ("opt", "biogpt")
+
+
+def _max_plus_one(t: torch.Tensor) -> int:
+    return int(t.max()) + 1
 
 
 def row_positions(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -489,7 +494,12 @@ class DualKVGRPOTrainer(GRPOTrainer):
             dev_idx = idx.to(input_ids.device)
             ids = input_ids if whole else input_ids.index_select(0, dev_idx)
             mask = attention_mask if whole else attention_mask.index_select(0, dev_idx)
-            positions = row_positions(self.accelerator.unwrap_model(trainee), ids, mask)
+            policy = self.accelerator.unwrap_model(trainee)
+            positions = row_positions(policy, ids, mask)
+            # TRL's rows take a length-dependent RoPE's frequencies from the padded width
+            dkt.check_rope_length(
+                policy, functools.partial(_max_plus_one, positions), "TRL's padded rows"
+            )
             packed = pack(ids, mask, prompt_width, group_ids=groups[idx], position_ids=positions)
             extra = {"output_router_logits": True} if compute_aux_loss else {}
             with self.accelerator.autocast():
