@@ -12,6 +12,14 @@ from the packed shared-prompt forward or from the standard rows. Conventions fol
   ``seq-mean-token-sum-norm`` (Dr. GRPO); the ``seq-mean`` modes average over the rows that have
   a real token (veRL 0.9.1 leaves fully masked rows out).
 
+These are veRL's conventions, not TRL's: TRL's ``GRPOTrainer`` (which
+:class:`dualkv.integrations.trl.DualKVGRPOTrainer` runs with its own losses, unchanged) averages
+``grpo`` over every row including fully masked ones, divides ``dr_grpo`` by
+``B * max_completion_length`` (here ``seq-mean-token-sum-norm`` divides by the batch's response
+width), does not clamp the log-ratio or the k3 KL, and standardises advantages with eps 1e-4
+(a group of one gets 0 there, its raw reward here). Use TRL's own losses for TRL-identical
+numbers.
+
 Nothing here synchronises with the host: statistics are returned as detached tensors.
 """
 
