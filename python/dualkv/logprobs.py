@@ -15,6 +15,7 @@ logits; it is the reference the packed path is checked against.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -281,12 +282,20 @@ def score_tokens(
     chunk = int(chunk_size) if chunk_size is not None else max(16, _CHUNK_BYTES // per_token)
     if chunk < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    weight = lm_head_weight.to(hidden_states.dtype)
-    bias = lm_head_bias.to(hidden_states.dtype) if lm_head_bias is not None else None
-    logp, _lse, ent = _chunked_logprobs(
-        hidden_states, weight, bias, sources, labels,
-        float(temperature), float(logit_softcap or 0.0), chunk, bool(return_entropy),
-    )  # fmt: skip
+    # Under autocast the logits are computed in its dtype, as the rows' LM head would; the op then
+    # runs with autocast off, so that its backward (which may run after the autocast block has
+    # ended) recomputes the same logits its forward's lse came from.
+    dev = hidden_states.device.type
+    autocast = torch.is_autocast_enabled(dev)
+    dtype = torch.get_autocast_dtype(dev) if autocast else hidden_states.dtype
+    hidden_states = hidden_states.to(dtype)
+    weight = lm_head_weight.to(dtype)
+    bias = lm_head_bias.to(dtype) if lm_head_bias is not None else None
+    with torch.autocast(dev, enabled=False) if autocast else contextlib.nullcontext():
+        logp, _lse, ent = _chunked_logprobs(
+            hidden_states, weight, bias, sources, labels,
+            float(temperature), float(logit_softcap or 0.0), chunk, bool(return_entropy),
+        )  # fmt: skip
     return logp, ent
 
 
@@ -322,6 +331,8 @@ def logprobs_from_logits(
     """
     _check_temperature(temperature)
     z = logits.to(_acc_dtype(logits.dtype))
+    if mask is not None:  # a non-finite masked row would make log_softmax's gradient NaN there
+        z = torch.where(mask.bool().unsqueeze(-1), z, 0.0)
     if temperature != 1.0:
         z = z / temperature
     logp_all = torch.log_softmax(z, dim=-1)

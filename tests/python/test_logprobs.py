@@ -183,3 +183,51 @@ def test_logprobs_save_no_vocab_sized_tensor(seed):
         lp, en = response_logprobs(hidden, weight, pk, return_entropy=True, chunk_size=4)
         (lp.sum() + en.sum()).backward()
     assert saved and max(saved) <= vocab * 8  # the weight itself is the largest saved tensor
+
+
+def test_logprobs_gradient_under_autocast(seed):
+    """float32 model under torch.autocast(bf16), the backward after the autocast block (how
+    trainers run it): the gradient is that of the bf16 logits the forward used. The op's backward
+    recomputed the logits in float32 against the bf16 forward's lse before, so the softmax it
+    differentiated did not sum to 1 (the bias gradient summed to ~0.1 instead of 0, and a
+    confident token's gradient changed sign)."""
+    torch.manual_seed(seed)
+    vocab, h = 4096, 64
+    pk = pack(prompts=[[1, 2, 3], [4]], responses=[[[5, 6, 7], [8]], [[9, 10]]])
+    hidden = torch.randn(pk.total_tokens, h)
+    weight = torch.randn(vocab, h) * (8 / h**0.5)  # logits of std ~8: confident tokens
+    grads = {}
+    for path in ("dualkv", "rows"):
+        hd = hidden.clone().requires_grad_(True)
+        w = weight.clone().requires_grad_(True)
+        b = torch.zeros(vocab, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if path == "dualkv":
+                lp = response_logprobs(hd, w, pk, lm_head_bias=b)[pk.response_mask]
+            else:  # the rows' LM head under the same autocast, log-softmax in float32
+                z = torch.nn.functional.linear(hd[pk.token_sources], w, b).float()
+                lp = torch.log_softmax(z, -1).gather(-1, pk.token_labels[:, None])[:, 0]
+        lp.sum().backward()
+        # sum_v d logp / d z_v = 0 up to bf16 rounding (the rows path: 2e-3 to 5e-3; before the
+        # fix DualKV's was 0.06 to 0.31 over these 6 tokens)
+        assert abs(b.grad.sum().item()) < 0.02, (path, b.grad.sum().item())
+        grads[path] = (hd.grad, w.grad, b.grad)
+    for got, want in zip(grads["dualkv"], grads["rows"], strict=True):
+        assert (got - want).norm() <= 1e-2 * want.norm(), ((got - want).norm(), want.norm())
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_rows_reference_gradient_with_masked_nonfinite_logits(bad):
+    """A masked (padding) row of non-finite logits stays out of the gradient too, not only of
+    the values (log_softmax's backward made the whole row NaN before)."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 4, 11)
+    logits[1, 2] = bad
+    logits.requires_grad_(True)
+    labels = torch.randint(0, 11, (2, 4))
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    mask[1, 2] = False
+    logp, ent = logprobs_from_logits(logits, labels, mask, return_entropy=True)
+    (logp.sum() + ent.sum()).backward()
+    assert torch.isfinite(logits.grad).all()
+    assert (logits.grad[1, 2] == 0).all()
