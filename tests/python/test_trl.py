@@ -188,11 +188,14 @@ def _grads(model):
 
 
 def _assert_grads_close(got, want):
+    """Each gradient within 2e-4 of its own scale, plus float32 noise of the largest gradient
+    (a gradient that is zero in exact arithmetic, e.g. a key bias under the softmax, is noise)."""
     assert got.keys() == want.keys() and want
+    noise = 1e-6 * max(w.abs().max().item() for w in want.values()) + 1e-7
     for name, w in want.items():
         scale = w.abs().max().item()
         err = (got[name] - w).abs().max().item()
-        assert err <= 2e-4 * scale + 1e-7, (name, err, scale)
+        assert err <= 2e-4 * scale + noise, (name, err, scale)
 
 
 @pytest.mark.parametrize(
@@ -370,14 +373,13 @@ def test_train_step_equals_trl(model_dirs, tmp_path, seed, loss_type, extra):
             torch.tensor(log_d[key]), torch.tensor(log_t[key]), rtol=2e-4, atol=1e-6
         )
     assert log_d["dualkv/token_reduction"] > 1.0
-    moved = 0.0
     params_d = dict(dk_tr.model.named_parameters())
-    for name, p_t in ref_tr.model.named_parameters():
-        step_t = p_t.detach() - before[name]
-        step_d = params_d[name].detach() - before[name]
+    steps = {n: p.detach() - before[n] for n, p in ref_tr.model.named_parameters()}
+    moved = max(s.abs().max().item() for s in steps.values())
+    for name, step_t in steps.items():  # within 2e-4 of each step, plus float32 noise of the
+        step_d = params_d[name].detach() - before[name]  # largest (as _assert_grads_close)
         scale = step_t.abs().max().item()
-        moved = max(moved, scale)
-        assert (step_d - step_t).abs().max().item() <= 2e-4 * scale + 1e-7, name
+        assert (step_d - step_t).abs().max().item() <= 2e-4 * scale + 1e-6 * moved + 1e-7, name
     assert moved > 0
 
 
