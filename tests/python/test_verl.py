@@ -14,6 +14,7 @@ veRL 0.9.1 has no CPU platform; the tests give it one through its own platform p
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import socket
@@ -457,6 +458,26 @@ def test_unsupported_settings_raise(model_dirs, seed):
         _infer(dkv, td, temperature=temps)
     with pytest.raises(DualKVVerlError, match="calculate_sum_pi_squared"):
         _infer(dkv, td, calculate_sum_pi_squared=True)
+
+
+@pytest.mark.parametrize("mode", ["geo_mean", "kl_cov", "clip_cov", "bypass_mode"])
+def test_micro_batch_dependent_losses_raise(model_dirs, seed, mode):
+    """Losses veRL normalises per micro-batch would change with DualKV's whole-group
+    micro-batches (geo_mean: the gradient scaled by 0.5-1.5): refused, with the loss veRL's
+    workers build (partial(ppo_loss, config=...))."""
+    dkv = _engine(DualKVFSDPEngineWithLMHead, model_dirs["qwen3"], "dualkv")
+    td, _ = _batch(random.Random(seed), groups=2)
+    td["old_log_probs"] = torch.zeros(td["response_mask"].shape)
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+    from verl.workers.config.actor import PolicyLossConfig
+
+    correction = RolloutCorrectionConfig(rollout_is_batch_normalize=mode == "bypass_mode")
+    policy = PolicyLossConfig(loss_mode=mode, rollout_correction=correction)
+    actor = _actor_config("fsdp2", False, policy_loss=policy)
+    data = _prepare(td, temperature=1.0, calculate_entropy=True, compute_loss=True,
+                    global_batch_size=td.shape[0])  # fmt: skip
+    with dkv.train_mode(), pytest.raises(DualKVVerlError, match=mode):
+        dkv.forward_backward_batch(data, functools.partial(ppo_loss, config=actor), False)
 
 
 # --- Ulysses sequence parallelism: 2 processes on gloo ----------------------------------------

@@ -59,6 +59,7 @@ masks over the whole sequence, empty prompts, attention heads that ``sp`` does n
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -108,6 +109,43 @@ def _unsupported(what: str) -> DualKVVerlError:
     return DualKVVerlError(
         f"DualKV engine ({SWITCH}): {what} is not supported yet; turn it off or run without DualKV"
     )
+
+
+# veRL policy losses normalised over each micro-batch's own rows or tokens instead of the global
+# batch info (core_algos: geo_mean's mean over rows; kl_cov / clip_cov's per-micro-batch
+# covariance and token count), and bypass_mode's importance weights normalised per micro-batch
+# (rollout_is_batch_normalize): DualKV's micro-batches hold whole prompt groups, not veRL's rows,
+# so these would change the loss (geo_mean: the gradient scaled by 0.5-1.5 on a tiny Qwen3).
+_MICRO_BATCH_LOSS_MODES = ("geo_mean", "kl_cov", "clip_cov")
+
+
+def _option(config: Any, name: str, default: Any = None) -> Any:
+    get = getattr(config, "get", None)
+    return get(name, default) if callable(get) else getattr(config, name, default)
+
+
+def check_loss_split_invariant(loss_function: Callable[..., Any]) -> None:
+    """Raise :class:`DualKVVerlError` for a veRL loss (``partial(ppo_loss, config=...)``, as
+    veRL's workers build it) whose value depends on how a mini-batch is cut into micro-batches."""
+    keywords = loss_function.keywords if isinstance(loss_function, functools.partial) else {}
+    config = keywords.get("config")
+    policy = _option(config, "policy_loss") if config is not None else None
+    if policy is None:
+        return
+    mode = _option(policy, "loss_mode", "vanilla")
+    if mode in _MICRO_BATCH_LOSS_MODES:
+        raise _unsupported(
+            f"policy_loss.loss_mode={mode!r} (it normalises over each micro-batch, and DualKV's "
+            "micro-batches hold whole prompt groups where veRL's hold consecutive rows)"
+        )
+    correction = _option(policy, "rollout_correction")
+    if mode == "bypass_mode" and correction is not None:
+        if _option(correction, "rollout_is_batch_normalize", False):
+            raise _unsupported(
+                "policy_loss.rollout_correction.rollout_is_batch_normalize=True with "
+                "loss_mode='bypass_mode' (the importance weights are normalised per micro-batch, "
+                "and DualKV's micro-batches are not veRL's)"
+            )
 
 
 # --- grouping and micro-batching (host work, once per batch) -------------------------------------
@@ -387,6 +425,8 @@ class DualKVFSDPEngineWithLMHead(FSDPEngineWithLMHead):
     ) -> Any:
         if not self.dualkv:
             return super().forward_backward_batch(data, loss_function, forward_only)
+        if not forward_only:
+            check_loss_split_invariant(loss_function)
         tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)
         return_model_output = tu.get_non_tensor_data(
             data=data, key="return_model_output", default=False
