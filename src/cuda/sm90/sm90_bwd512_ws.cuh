@@ -235,28 +235,6 @@ struct Ws512Exchange {
     send(b, V);
     add_peer(a, b, j);
   }
-  // kPipe: block j's partials a, b in flight as two commit groups, then (G = 3) a third one, the
-  // previous block's dV/dK (dQ) products (G = 2: none, the first block). a and b are sent as they
-  // complete (once the peer's X[cw] is free), then the rest is waited for and `done` runs (it
-  // releases the previous block's ring stage), then the peer's partials of block j are added: the
-  // DSMEM round trip runs behind the previous block's products instead of after them. (The two
-  // group counts are two code paths: an empty commit group after a conditional wgmma made ptxas
-  // add a dummy wgmma group, and its waits then also waited for the products.)
-  template <int G, typename F>
-  __device__ __forceinline__ void swap_add_pipe(float (&a)[Cfg::HR], float (&b)[Cfg::HR], int j,
-                                                F&& done) const {
-    static_assert(G == 2 || G == 3, "two or three commit groups");
-    ws::mbar_wait(xfree, (uint32_t(j) & 1u) ^ 1u);
-    wg_wait<G - 1>();  // a done; b (and the previous block's products) in flight
-    fence_regs(a);
-    send(a, 0);
-    wg_wait<G - 2>();
-    fence_regs(b);
-    send(b, V);
-    wg_wait<0>();
-    done();
-    add_peer(a, b, j);
-  }
   // Once the peer's partials of block j have arrived: a += peer's a, b += peer's b.
   __device__ __forceinline__ void add_peer(float (&a)[Cfg::HR], float (&b)[Cfg::HR], int j) const {
     ws::mbar_wait_cluster(xfull, uint32_t(j) & 1u);
@@ -354,12 +332,16 @@ struct Ws512HalfExchange {
       ws::st_async_f32x4(peer_x + uint32_t((w0 + i) * 128 * 16), v[H + 4 * i], v[H + 4 * i + 1],
                          v[H + 4 * i + 2], v[H + 4 * i + 3], xfull_peer);
   }
-  // Block j's partials a (S), b (dP) in flight as two commit groups, then (G = 3) the previous
-  // block's products: as Ws512Exchange::swap_add_pipe, but only the peer's half is sent and only
-  // the own half (floats 0..H-1 after own_half_first) receives the peer's partial. b_done runs
-  // once b has completed (the dQ kernel releases V_j there), done once everything has. kFree:
-  // X[cw]'s partial words are free for the peer's next block at once (per-warpgroup xfree);
-  // otherwise release() frees them later.
+  // Block j's partials a (S), b (dP) in flight as two commit groups, then (G = 3) a third one, the
+  // previous block's products (G = 2: none, the first block). The peer's halves of a and b are
+  // sent as they complete (once the peer's X[cw] is free), b_done runs once b has completed (the
+  // dQ kernel releases V_j there), done once everything has (it releases the previous block's ring
+  // stage), then the peer's partials of this CTA's half are added (floats 0..H-1 after
+  // own_half_first): the DSMEM round trip runs behind the previous block's products. (The two
+  // group counts are two code paths: an empty commit group after a conditional wgmma made ptxas
+  // add a dummy wgmma group, whose waits then also waited for the products.) kFree: X[cw]'s
+  // partial words are free for the peer's next block at once (per-warpgroup xfree); otherwise
+  // release() frees them later.
   template <int G, bool kFree, typename FB, typename F>
   __device__ __forceinline__ void swap_add_pipe(float (&a)[Cfg::HR], float (&b)[Cfg::HR], int j,
                                                 int lane, FB&& b_done, F&& done) const {
