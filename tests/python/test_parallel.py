@@ -371,3 +371,53 @@ def test_group_of_one_is_the_single_gpu_path(seed):
         assert sl.shard(q) is q or torch.equal(sl.shard(q), q)
     finally:
         dist.destroy_process_group()
+
+
+# --- a window that only the mask applies ------------------------------------------------------
+def _mask_window_worker(rank: int, world: int, seed: int) -> None:
+    """Qwen2-MoE's use_sliding_window reaches the mask only (the attention call gets no window).
+    Under sequence parallelism the mask function sees one rank's shard (S tokens), not the packed
+    stream: a window w with S <= w < T passed its length test, so the ranks attended without the
+    window (log-probs 0.04 off the rows). It must raise as on one process; a window as long as
+    the stream changes nothing and runs, equal to the model's own rows."""
+    import transformers as T
+
+    from dualkv.integrations import transformers as dkt
+    from hf_helpers import VOCAB
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(20)]]
+    responses = [[[rng.randrange(3, VOCAB) for _ in range(k)] for k in (12, 10, 8)]]
+    ids, mask, pw, gid = dualkv.rows_from_lists(prompts, responses)
+    packed = dualkv.pack(ids, mask, pw, gid)
+    t = packed.total_tokens
+    shard = -(-t // world)
+    longest = 20 + 12  # the longest row: distances up to 31 reach past a window of 28
+    for window, refused in ((28, True), (t, False)):
+        assert not refused or shard <= window < longest
+        config = T.Qwen2MoeConfig(
+            use_sliding_window=True, sliding_window=window, max_window_layers=2, vocab_size=VOCAB,
+            hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+            num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+            max_position_embeddings=512, pad_token_id=0,
+        )  # fmt: skip
+        torch.manual_seed(seed % 1000)
+        model = T.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+        with torch.no_grad():  # weights large enough that the window moves the log-probs
+            for name, p in model.named_parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, 0.5 if "embed" in name else 0.08)
+            rows = dkt.rows_response_logprobs(model, ids, mask, pw)
+            model.set_attn_implementation("dualkv")
+            if refused:
+                with pytest.raises(NotImplementedError, match=f"limits attention to {window}"):
+                    parallel.sequence_parallel_logprobs(model, packed)
+            else:
+                lp = parallel.sequence_parallel_logprobs(model, packed)
+                torch.testing.assert_close(lp, rows * packed.response_mask, rtol=0, atol=1e-4)
+
+
+def test_window_in_the_mask_only_raises_under_sequence_parallelism(seed):
+    pytest.importorskip("transformers")
+    _spawn(_mask_window_worker, 2, seed)

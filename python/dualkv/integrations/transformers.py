@@ -191,8 +191,13 @@ def dualkv_attention_forward(
             f"{query.shape[2]} and key length {key.shape[2]} (a KV cache is not supported)"
         )
     if isinstance(attention_mask, LocalMask):
-        # the batch's sliding-window / chunked mask: the layer must apply that window itself
-        if not sliding_window or int(sliding_window) != attention_mask.size:
+        # the batch's sliding-window / chunked mask: when it is shorter than the packed stream
+        # (the global one under sequence parallelism: a rank's mask sees only its shard's
+        # length), the layer must apply that window itself
+        stream = layout.global_tokens if isinstance(layout, ShardedLayout) else layout.total_tokens
+        if attention_mask.size < stream and (
+            not sliding_window or int(sliding_window) != attention_mask.size
+        ):
             raise NotImplementedError(
                 f"{type(module).__name__}'s mask limits attention to {attention_mask.size} "
                 f"tokens (a sliding window or chunked attention), but its attention call passes "
@@ -428,9 +433,11 @@ def dualkv_mask(
         _check_causal(mask_function, kv_length, kwargs.get("device"))
     # A sliding-window or chunked mask (transformers passes its size as local_size) matters when
     # it is shorter than the stream (logical distances are below T): the layer's attention must
-    # then apply that window itself, which dualkv_attention_forward checks.
+    # then apply that window itself, which dualkv_attention_forward checks. The attention decides
+    # against the layout's stream: under sequence parallelism kv_length here is one rank's shard
+    # (a window between the shard's and the stream's length matters, yet passed this length test).
     local = kwargs.get("local_size")
-    marker = LocalMask(int(local)) if local is not None and int(local) < kv_length else None
+    marker = LocalMask(int(local)) if local is not None else None
     if attention_mask is None or kwargs.get("batch_size", 1) != 1:
         return marker  # (rows, not one packed stream: the attention function refuses them)
     if torch.compiler.is_compiling():
