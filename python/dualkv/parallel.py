@@ -414,9 +414,13 @@ class ShardedBatch:
 
 def _check_same_batch(packed: PackedBatch, group: Any) -> None:
     """Refuse ranks that pass different batches: each would run attention on its heads with its
-    own layout, a silent wrong answer."""
+    own layout, a silent wrong answer. The rows' response width is part of it: the log-probs'
+    all-reduce sums ``[B, R_max]`` tensors, which must have one shape on every rank."""
     layout = packed.layout
-    shape = hash((tuple(layout.prefix_lens), tuple(tuple(r) for r in layout.response_lens)))
+    shape = hash((
+        tuple(layout.prefix_lens), tuple(tuple(r) for r in layout.response_lens),
+        packed.num_rows, packed.max_response_len,
+    ))  # fmt: skip
     fingerprint = torch.stack([
         torch.tensor(shape, dtype=torch.int64, device=packed.input_ids.device),
         weighted_sum(packed.input_ids), weighted_sum(packed.position_ids),
@@ -424,7 +428,8 @@ def _check_same_batch(packed: PackedBatch, group: Any) -> None:
     if not same_on_ranks(fingerprint, group):
         raise ValueError(
             "shard_batch: the ranks of the sequence-parallel group passed different packed "
-            "batches (layouts, token ids or positions); every rank must pass the same global batch"
+            "batches (layouts, token ids, positions or the rows' response width); every rank "
+            "must pass the same global batch"
         )
 
 

@@ -179,6 +179,15 @@ def _attention_cases_run(group: Any, world: int, seed: int) -> None:
         q = torch.randn(s + 1, world, 8)
         parallel.ulysses_attention(q, q, q, sl)
 
+    # the same rows padded to another response width on odd ranks: one packed stream, but the
+    # log-probs' all-reduce would sum [B, R_max] tensors of different shapes (gloo aborted the
+    # process; a backend that does not check sizes sums misplaced values)
+    ids, mask, pw, gid = dualkv.rows_from_lists([[3, 4, 5]], [[[5, 6], [7, 8, 9]]])
+    if dist.get_rank(group) % 2:
+        ids, mask = (torch.nn.functional.pad(x, (0, 2)) for x in (ids, mask))
+    with pytest.raises(ValueError, match="passed different packed batches"):
+        parallel.shard_batch(dualkv.pack(ids, mask, pw, gid), group)
+
 
 def test_attention_equals_single_process(seed):
     """4 ranks, and 2 ranks (two 2-rank groups side by side in the same 4 processes)."""
