@@ -610,6 +610,46 @@ def test_ulysses_sequence_parallel_matches_sp1(tmp_path, seed):
     mp.start_processes(_sp_rank, args=(2, port, dirs, seed), nprocs=2, start_method="spawn")
 
 
+def _sp_guard_rank(rank: int, world: int, port: int, path: str, seed: int) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(seed)  # the same batch on both ranks
+        td, _ = _batch(random.Random(seed), groups=2, p_range=(8, 12), r_range=(4, 8))
+        kw = dict(grad_ckpt=False, dynamic=True, max_tokens=200, micro_batch=2)
+        for sp in (1, 2):
+            engine = _engine(DualKVFSDPEngineWithLMHead, path, "dualkv",
+                             ulysses_sequence_parallel_size=sp, **kw)  # fmt: skip
+            with pytest.raises(NotImplementedError, match="'dynamic' RoPE scaling"):
+                _infer(engine, td)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_ulysses_runs_the_packed_model_guards(tmp_path, seed):
+    """The Ulysses path runs the guards of every packed forward (here: a 'dynamic' RoPE whose
+    frequencies follow the batch's largest position, past its threshold). They were skipped with
+    ulysses_sequence_parallel_size=2: sp=1 refused the batch, sp=2 ran it, log-probs 0.016 off
+    veRL's own engine on the same batch."""
+    import torch.multiprocessing as mp
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_hidden_layers=2, intermediate_size=96, max_position_embeddings=12,
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    )  # fmt: skip
+    torch.manual_seed(seed % 1000)
+    path = str(tmp_path / "qwen3_dynamic_rope")
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ["OMP_NUM_THREADS"] = "1"
+    mp.start_processes(_sp_guard_rank, args=(2, port, path, seed), nprocs=2, start_method="spawn")
+
+
 def test_ulysses_heads_must_split(model_dirs):
     """Heads that cannot be split over the sp ranks are refused, naming the setting."""
     with pytest.raises(DualKVVerlError, match="ulysses_sequence_parallel_size=3"):

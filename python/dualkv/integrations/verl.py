@@ -268,6 +268,9 @@ def _install_packed_forward(model: Any) -> None:
         entropy = bool(kwargs.pop(_ENTROPY_KW, False))
         grad_scale = float(kwargs.pop(_GRAD_SCALE_KW, 1.0))
         if isinstance(packed, _sp.ShardedBatch):  # this rank's token shard (Ulysses)
+            # the guards of every packed forward, on the global batch (length-dependent RoPE,
+            # Llama 4's attention temperature, ...), as packed_hidden_states runs them
+            _hf.check_packed_model(model, {}, packed.packed)
             out = _hf._decoder(model)(**packed.model_inputs())
             hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         else:
