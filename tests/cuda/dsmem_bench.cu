@@ -1,6 +1,7 @@
 // DSMEM exchange microbenchmark (sm_90a): the partial-S exchange protocol of the D = 512 cluster
-// forward (FwdD512Exchange in src/cuda/sm90/sm90_fwd512_cluster.cuh) run alone, to tell whether
-// that exchange is limited by the SM-to-SM network's bandwidth or by its latency.
+// forward (its whole-partial exchange of the fourth session; the kernel now runs the half
+// exchange, FwdD512HalfExchange in src/cuda/sm90/sm90_fwd512_cluster.cuh) run alone, to tell
+// whether that exchange is limited by the SM-to-SM network's bandwidth or by its latency.
 //   dsmem_bench [ROUNDS [WORK]]   (defaults 4000 rounds, WORK = 256 dependent FMAs, ~1000 cycles)
 // A grid of 2-CTA clusters, as many as can be co-resident (one CTA per SM: ~225 KB of shared
 // memory, as the kernel), 2 "consumer" warpgroups per CTA. Each round, every warpgroup: arms its

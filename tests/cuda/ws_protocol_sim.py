@@ -13,11 +13,12 @@ remote), the consumers' per-block partial-S exchange, and the final cluster barr
 while its peer can still arrive on its barriers). run_dkdv512 models the D = 512 dK/dV and dQ
 kernels (2-CTA clusters, partials pushed with st.async, exchange buffers reused for the slices, the
 xfree barrier); injected_bugs_caught checks that each of four injected errors is caught.
-run_fwd512c models the opt-in D = 512 cluster forward (split head dim, partial S pushed with
-st.async per block and warpgroup, xfree[w] of 4 warp arrivals, ping-pong); fwd512c_bugs_caught
-injects six errors into it. run_d256 models the D = 256 warp-specialised dK/dV kernel (P^T / dS^T
-swaps between its two consumer warpgroups through single buffers and named barriers 1, 2);
-d256_bugs_caught injects three errors into it.
+run_fwd512c models the D = 512 cluster forward (split head dim, the half exchange per block and
+warpgroup: the other row's partial S, then the own row's P words taken in the next turn, each with
+its full / free barriers of 4 warp arrivals; ping-pong; the rows' max and sum after the walk);
+fwd512c_bugs_caught injects six errors into it. run_d256 models the D = 256 warp-specialised
+dK/dV kernel (P^T / dS^T swaps between its two consumer warpgroups through single buffers and
+named barriers 1, 2); d256_bugs_caught injects three errors into it.
 
     python3 tests/cuda/ws_protocol_sim.py
 """
@@ -885,14 +886,18 @@ def keysplit_bugs_caught(rng):
 
 
 def run_fwd512c(total, S, rng, pp=True, bug=None):
-    """The opt-in D = 512 cluster forward (sm90_fwd512_cluster.cuh): two CTAs of a cluster, each
-    with its own producer ring (its half of Q once, then its half of every K/V block, local full /
-    empty barriers as run_fwd), two consumer warpgroups on different rows with ping-pong, and per
-    block and warpgroup w the exchange of the partial S with warpgroup w of the peer: arm xfull[w]
-    (local arrive.expect_tx), wait the local xfree[w] (parity of the previous block), push the
-    partial with st.async into the peer's X[w] (landing asynchronously, completing the peer's
-    xfull[w]), wait the own xfull[w], then each of the 4 warps reads X[w] and arrives on the peer's
-    xfree[w] (count 4); at the end a cluster barrier of every thread of both CTAs.
+    """The D = 512 cluster forward (sm90_fwd512_cluster.cuh): two CTAs of a cluster, each with its
+    own producer ring (its half of Q once, then its half of every K/V block, local full / empty
+    barriers as run_fwd), two consumer warpgroups on different rows with ping-pong, and per block
+    and warpgroup w the half exchange with warpgroup w of the peer (FwdD512HalfExchange):
+    partials: arm xfull[w] (local arrive.expect_tx), wait the local xfree[w] (parity of the
+    previous block), push the other row's partial with st.async into the peer's X[w] (landing
+    asynchronously, completing the peer's xfull[w]), wait the own xfull[w], then each of the 4
+    warps reads and arrives on the peer's xfree[w] (count 4); after the softmax the P words: arm
+    xfull_p[w], wait xfree_p[w], push; they are taken in the next turn (after S_{j+1} is issued,
+    before P_j V_j): wait xfull_p[w], each warp reads and arrives on the peer's xfree_p[w]. After
+    the walk the rows' max and sum go through the same words (phase `total` of xfull_p: arm, wait
+    xfree_p, push, wait, read). At the end a cluster barrier of every thread of both CTAs.
     bug: None, or an injected protocol error that the checks must catch."""
     C, W = 2, 4  # CTAs, warps per consumer warpgroup
     bQ = [MBar(1) for _ in range(C)]
@@ -905,13 +910,13 @@ def run_fwd512c(total, S, rng, pp=True, bug=None):
     readers_k = [[set() for _ in range(S)] for _ in range(C)]
     readers_v = [[set() for _ in range(S)] for _ in range(C)]
     bars = [{1: Named(2), 2: Named(2)} for _ in range(C)]
-    xfull = [[MBar(1) for _ in range(2)] for _ in range(C)]
     nfree = 1 if bug == "xfree_count_one" else W
-    xfree = [[MBar(nfree) for _ in range(2)] for _ in range(C)]
-    # X[cta][w]: "free" -> "partial" (landed, block xblock) -> read by the 4 warps -> "free"
-    xstate = [["free"] * 2 for _ in range(C)]
-    xblock = [[None] * 2 for _ in range(C)]
-    xread = [[set() for _ in range(2)] for _ in range(C)]
+    # X[cta][w] has two regions, each with its barriers: "x" the partial, "p" the P words (and
+    # the final max / sum). state: "free" -> (block) landed -> read by the 4 warps -> "free"
+    full = {r: [[MBar(1) for _ in range(2)] for _ in range(C)] for r in "xp"}
+    free = {r: [[MBar(nfree) for _ in range(2)] for _ in range(C)] for r in "xp"}
+    state = {r: [[None] * 2 for _ in range(C)] for r in "xp"}
+    nread = {r: [[set() for _ in range(2)] for _ in range(C)] for r in "xp"}
     cluster = Named(C * 3)  # per CTA: the producer and the two consumer warpgroups
     finished = [0] * C
     exited = [False] * C
@@ -938,26 +943,32 @@ def run_fwd512c(total, S, rng, pp=True, bug=None):
             yield from cluster.sync()
         finish(c)
 
-    def exchange(c, w, j):
+    def send(r, c, w, j, wait_free=True):
+        """Arm this CTA's phase j of region r, wait until the peer has read phase j - 1, push."""
         peer = 1 - c
-        if bug != "no_arm":
-            xfull[c][w].expect_tx(1)
-        if bug != "no_xfree_wait":
-            par = j & 1 if bug == "xfree_parity" else (j & 1) ^ 1
-            yield from wait(xfree[c][w], par)
-        if bug == "wait_before_send":  # both CTAs wait for the other's partial first
-            yield from wait(xfull[c][w], j & 1)
+        if not (bug == "no_arm" and r == "x") and not (bug == "no_p_arm" and r == "p"):
+            full[r][c][w].expect_tx(1)
+        if wait_free and not (bug == "no_xfree_wait" and r == "x"):
+            par = j & 1 if bug == "xfree_parity" and r == "x" else (j & 1) ^ 1
+            yield from wait(free[r][c][w], par)
+        if bug == "wait_before_send" and r == "x":  # both CTAs wait for the other's first
+            yield from wait(full[r][c][w], j & 1)
         assert not exited[peer], "st.async into an exited CTA"
-        inflight.append(("x", peer, w, None, j))
-        yield from wait(xfull[c][w], j & 1)
-        assert xstate[c][w] == "partial" and xblock[c][w] == j, (xstate[c][w], xblock[c][w], j)
-        for k in range(W):  # each warp reads its words, then arrives on the peer's xfree[w]
+        inflight.append(("x" + r, peer, w, None, j))
+
+    def receive(r, c, w, j, release=True):
+        """Wait for the peer's phase j of region r, read it (each warp), free it."""
+        peer = 1 - c
+        yield from wait(full[r][c][w], j & 1)
+        assert state[r][c][w] == j, ("read before landing", r, state[r][c][w], j)
+        for k in range(W):  # each warp reads its words, then arrives on the peer's barrier
             yield
-            xread[c][w].add(k)
-            if len(xread[c][w]) == W:
-                xstate[c][w], xread[c][w] = "free", set()
-            assert not exited[peer], "arrival on an exited CTA's barrier"
-            xfree[peer][w].arrive()
+            nread[r][c][w].add(k)
+            if len(nread[r][c][w]) == W:
+                state[r][c][w], nread[r][c][w] = None, set()
+            if release:
+                assert not exited[peer], "arrival on an exited CTA's barrier"
+                free[r][peer][w].arrive()
 
     def consumer(c, w):
         my, other = bars[c][1 + w], bars[c][2 - w]
@@ -975,7 +986,10 @@ def run_fwd512c(total, S, rng, pp=True, bug=None):
             yield
             readers_k[c][0].discard(w)
             ek[c][0].arrive()
-            yield from exchange(c, w, 0)
+            yield from send("x", c, w, 0)
+            yield from receive("x", c, w, 0)
+            yield  # softmax of the own row
+            yield from send("p", c, w, 0)
             for j in range(1, total):
                 st, pst = j % S, (j - 1) % S
                 yield from wait(fk[c][st], (j // S) & 1)
@@ -983,15 +997,19 @@ def run_fwd512c(total, S, rng, pp=True, bug=None):
                 assert slotk[c][st] == j and slotv[c][pst] == j - 1, (slotk[c], slotv[c], j)
                 if pp:
                     yield from my.sync()
-                readers_k[c][st].add(w)
-                readers_v[c][pst].add(w)
+                readers_k[c][st].add(w)  # S_j issued
+                yield from receive("p", c, w, j - 1)
+                readers_v[c][pst].add(w)  # P_{j-1} V_{j-1} issued
                 if pp:
                     other.arrive()
                 yield  # S_j done (wait_group 1)
                 readers_k[c][st].discard(w)
                 ek[c][st].arrive()
-                yield from exchange(c, w, j)
-                yield  # softmax; then wait_group 0 (P V of block j - 1 done)
+                yield from send("x", c, w, j)
+                yield from receive("x", c, w, j)
+                yield  # softmax
+                yield from send("p", c, w, j, bug != "no_p_free_wait")
+                yield  # wait_group 0 (P V of block j - 1 done)
                 readers_v[c][pst].discard(w)
                 ev[c][pst].arrive()
             lst = (total - 1) % S
@@ -999,6 +1017,7 @@ def run_fwd512c(total, S, rng, pp=True, bug=None):
             assert slotv[c][lst] == total - 1
             if pp:
                 yield from my.sync()
+            yield from receive("p", c, w, total - 1)
             readers_v[c][lst].add(w)
             if pp:
                 other.arrive()
@@ -1006,6 +1025,9 @@ def run_fwd512c(total, S, rng, pp=True, bug=None):
             readers_v[c][lst].discard(w)
         if pp and w == 0:
             yield from my.sync()
+        # the rows' max and sum: phase `total` of the P words, not freed (the last phase)
+        yield from send("p", c, w, total, bug != "no_stats_free_wait")
+        yield from receive("p", c, w, total, release=False)
         if bug != "no_final_cluster_barrier":
             yield from cluster.sync()
         finish(c)
@@ -1013,15 +1035,16 @@ def run_fwd512c(total, S, rng, pp=True, bug=None):
     def land(x):
         kind, c, a, st, v = x
         assert not exited[c], "a write landing in an exited CTA"
-        if kind == "x":  # the peer's partial of block v into X[a] of CTA c
-            assert xstate[c][a] == "free" and not xread[c][a], (
+        if kind in ("xx", "xp"):  # the peer's words of block v into region r of X[a] of CTA c
+            r = kind[1]
+            assert state[r][c][a] is None and not nread[r][c][a], (
                 "exchange buffer overwritten while in use",
-                xstate[c][a],
-                xblock[c][a],
+                r,
+                state[r][c][a],
                 v,
             )
-            xstate[c][a], xblock[c][a] = "partial", v
-            xfull[c][a].complete_tx(1)
+            state[r][c][a] = v
+            full[r][c][a].complete_tx(1)
             return
         if kind == "k":
             slotk[c][st] = v
@@ -1039,14 +1062,20 @@ def run_fwd512c(total, S, rng, pp=True, bug=None):
 
 
 def fwd512c_bugs_caught(rng):
-    """Each injected error of the D = 512 cluster forward's exchange must be caught."""
+    """Each injected error of the D = 512 cluster forward's half exchange must be caught. Three
+    waits are implied by the order of the exchanges (the model finds no schedule that needs
+    them; the kernel keeps them): xfree before a block's partial (the peer read it before
+    sending the P words this CTA waited for), xfree_p before a block's P words (the peer read them
+    before sending the partial this CTA waited for), and the final cluster barrier (every remote
+    write or arrival into a CTA precedes a wait of that CTA). The xfree_p wait before the final
+    max / sum is needed (no_stats_free_wait)."""
     bugs = (
-        "no_xfree_wait",
         "xfree_count_one",
         "xfree_parity",
         "wait_before_send",
         "no_arm",
-        "no_final_cluster_barrier",
+        "no_p_arm",
+        "no_stats_free_wait",
     )
     return bugs_caught(
         bugs,

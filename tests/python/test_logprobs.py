@@ -185,23 +185,24 @@ def test_logprobs_save_no_vocab_sized_tensor(seed):
     assert saved and max(saved) <= vocab * 8  # the weight itself is the largest saved tensor
 
 
-def test_logprobs_gradient_under_autocast(seed):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_logprobs_gradient_under_autocast(seed, device):
     """float32 model under torch.autocast(bf16), the backward after the autocast block (how
     trainers run it): the gradient is that of the bf16 logits the forward used. The op's backward
     recomputed the logits in float32 against the bf16 forward's lse before, so the softmax it
     differentiated did not sum to 1 (the bias gradient summed to ~0.1 instead of 0, and a
-    confident token's gradient changed sign)."""
+    confident token's gradient changed sign). On cuda: the CUDA log-prob kernels."""
     torch.manual_seed(seed)
     vocab, h = 4096, 64
-    pk = pack(prompts=[[1, 2, 3], [4]], responses=[[[5, 6, 7], [8]], [[9, 10]]])
-    hidden = torch.randn(pk.total_tokens, h)
-    weight = torch.randn(vocab, h) * (8 / h**0.5)  # logits of std ~8: confident tokens
+    pk = pack(prompts=[[1, 2, 3], [4]], responses=[[[5, 6, 7], [8]], [[9, 10]]], device=device)
+    hidden = torch.randn(pk.total_tokens, h, device=device)
+    weight = torch.randn(vocab, h, device=device) * (8 / h**0.5)  # logits of std ~8
     grads = {}
     for path in ("dualkv", "rows"):
         hd = hidden.clone().requires_grad_(True)
         w = weight.clone().requires_grad_(True)
-        b = torch.zeros(vocab, requires_grad=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        b = torch.zeros(vocab, device=device, requires_grad=True)
+        with torch.autocast(device, dtype=torch.bfloat16):
             if path == "dualkv":
                 lp = response_logprobs(hd, w, pk, lm_head_bias=b)[pk.response_mask]
             else:  # the rows' LM head under the same autocast, log-softmax in float32

@@ -22,6 +22,18 @@ __device__ __forceinline__ void rescale_o_row(Frag& o, int r, float corr) {
   }
 }
 
+// O *= corr[r] on both rows of a thread's O fragment; kVote: skipped where no row of the warp
+// moved its max (corr exactly 1: online_softmax_row's kExactKeep).
+template <int ND, bool kVote, class Frag>
+__device__ __forceinline__ void rescale_o_rows(Frag& o, const float (&corr)[2]) {
+  bool any = true;
+  if constexpr (kVote) any = __any_sync(~0u, corr[0] != 1.f || corr[1] != 1.f);
+  if (any) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) rescale_o_row<ND>(o, r, corr[r]);
+  }
+}
+
 // v[0] = f over v[0..W) as a pairwise tree (a fixed order: ceil(log2 W) dependent steps).
 template <int W, class F>
 __device__ __forceinline__ float tree_reduce(float* v, F f) {
@@ -103,16 +115,20 @@ __device__ __forceinline__ float online_softmax_row(Frag& s, int r, float& m_run
 // (kCap, or the pre-scale when sl = 1), the fragment mask (`masked`: KeyBlockWalk::masked) and
 // the online softmax of both rows; corr[r] = the factor by which row r of O must be rescaled
 // (the caller rescales after its P V wait). kExactKeep: corr = 1 exactly where the max did not
-// move (online_softmax_row).
-template <int BN, bool kCap, bool kExactKeep, int SR, int B>
+// move (online_softmax_row). ROWS = 1 (the D = 512 forward's half exchange): only the fragment's
+// row-0 slots, holding the row at logical position pq_row0; the row-1 slots are left as they are.
+template <int BN, bool kCap, bool kExactKeep, int ROWS = 2, int SR, int B>
 __device__ __forceinline__ void ws_fwd_block_softmax(const Params& p, float (&s)[SR],
                                                      const KeyBlock<B>& kb, bool masked,
                                                      bool prescale, int pq_row0, int tq, float sl,
                                                      float (&m_run)[2], float (&l_run)[2],
                                                      float (&corr)[2]) {
+  static_assert(ROWS == 1 || ROWS == 2, "one or both rows of the fragment");
+  auto in_rows = [](int i) { return ROWS == 2 || (i & 2) == 0; };
   if (kCap || prescale) {
 #pragma unroll
-    for (int i = 0; i < SR; ++i) s[i] = score_log2<kCap>(p, s[i]);
+    for (int i = 0; i < SR; ++i)
+      if (in_rows(i)) s[i] = score_log2<kCap>(p, s[i]);
   }
   if (masked) {
 #pragma unroll
@@ -120,11 +136,11 @@ __device__ __forceinline__ void ws_fwd_block_softmax(const Params& p, float (&s)
       const int nt = i >> 2, e = i & 3;
       const int pq = pq_row0 + (e >> 1) * 8;
       const int kr = kb.off + nt * 8 + 2 * tq + (e & 1);
-      if (!DUALKV_VISIBLE(p.mask, kb, pq, kr)) s[i] = -INFINITY;
+      if (in_rows(i) && !DUALKV_VISIBLE(p.mask, kb, pq, kr)) s[i] = -INFINITY;
     }
   }
 #pragma unroll
-  for (int r = 0; r < 2; ++r)
+  for (int r = 0; r < ROWS; ++r)
     corr[r] =
         online_softmax_row<BN / 8, true, kExactKeep>(s, r, m_run[r], l_run[r], sl, [](float) {});
 }

@@ -123,6 +123,19 @@ __device__ __forceinline__ void st_async_f32x4(uint32_t raddr, float a, float b,
       "f"(a), "f"(b), "f"(c), "f"(d), "r"(rbar)
       : "memory");
 }
+__device__ __forceinline__ void st_async_f32(uint32_t raddr, float a, uint32_t rbar) {
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];" ::"r"(raddr),
+      "f"(a), "r"(rbar)
+      : "memory");
+}
+__device__ __forceinline__ void st_async_f32x2(uint32_t raddr, float a, float b, uint32_t rbar) {
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];" ::"r"(
+          raddr),
+      "f"(a), "f"(b), "r"(rbar)
+      : "memory");
+}
 __device__ __forceinline__ void st_async_b32x4(uint32_t raddr, uint4 v, uint32_t rbar) {
   asm volatile(
       "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, "

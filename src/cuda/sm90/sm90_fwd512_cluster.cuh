@@ -8,14 +8,20 @@
 //     stage barriers): the cluster still reads every K / V block once per 128 queries.
 //   - Inside a CTA the D = 256 shape of fwd_ws_kernel_sm90: consumer warpgroup w owns query rows
 //     [64w, 64w + 64) and the CTA's 256 columns of O (128 registers); BN = 64, 2 stages. S_j over
-//     the CTA's 256 reduction columns is a partial: it goes to the same warpgroup of the peer CTA
-//     by st.async (distributed shared memory; its bytes complete the peer's xfull[w]), the peer's
-//     partial is added (IEEE addition commutes: both CTAs hold bitwise the same S, so the same
-//     softmax, max and sum), then O += P V[:, own columns] (RS). The two warpgroups work on
+//     the CTA's 256 reduction columns is a partial. The half exchange with the same warpgroup of
+//     the peer CTA (FwdD512HalfExchange): of each thread's two fragment rows (g, g + 8), CTA rank r
+//     finalises row g + 8r: it sends the peer its partial of the other row by st.async
+//     (distributed shared memory; the bytes complete the peer's xfull[w]), adds the peer's partial
+//     of its own row (IEEE addition commutes), runs the softmax of that row only and sends the
+//     peer the row's P (bf16 A-fragment words) and rescale factor (xfull_p[w]). The peer's half
+//     of P_j and its factor are taken in the next turn, after S_{j+1} is issued (ws_fwd_mainloop's
+//     kLateP), so that transfer overlaps a GEMM; then O += P_j V_j[:, own columns] (RS). Each P
+//     element is computed by one CTA, so both CTAs use the same numbers. After the walk the two
+//     CTAs swap their rows' running max and sum, and rank 0 writes lse. The two warpgroups work on
 //     different rows, so they ping-pong their GEMM issue as the D <= 256 kernels do.
-//   - Exchange buffer X[w] (16 KB, one per warpgroup, single-buffered): written by the peer's
-//     warpgroup w, read by w. The peer may send block j + 1's partial once w's 4 warps have read
-//     block j's: they arrive on the peer's xfree[w] (4 remote warp arrivals per phase).
+//   - Exchange buffer X[w] (one per warpgroup, single-buffered): words 0-3 the peer's partial
+//     (xfull[w]; freed by the reader's 4 warps on the peer's xfree[w]), words 4-6 its P words and
+//     factor, or after the walk its max and sum (xfull_p[w] / xfree_p[w]).
 // TMA reads whole boxes: K / V rows past a region's end (inside T) are neighbouring tokens, masked
 // to P = 0, as in the other warp-specialised kernels; Q rows past the tile's end are computed and
 // not written.
@@ -45,17 +51,30 @@ struct FwdD512ClusterCfg {
   static constexpr int STAGES = 2;
   static constexpr int THREADS = 384;  // warpgroup 0 produces, 1 and 2 consume
   static constexpr int CONSUMERS = 256;
-  static constexpr int OR = DH / 2;      // O floats per consumer thread (64 x 256)
-  static constexpr int SR = BN / 2;      // S floats per consumer thread (64 x 64)
-  static constexpr int X_VECS = SR / 4;  // float4s per thread of one partial S
+  static constexpr int OR = DH / 2;  // O floats per consumer thread (64 x 256)
+  static constexpr int SR = BN / 2;  // S floats per consumer thread (64 x 64): 2 rows x 16
   static constexpr int Q_BYTES = BM * DH * 2;
   static constexpr int KV_BYTES = BN * DH * 2;
-  static constexpr int X_BYTES = X_VECS * 128 * 16;  // per consumer warpgroup
-  struct Barriers {                                  // mbarriers
+  // X[w]: 16-byte words per thread of the consumer warpgroup (word-major, [word][thread]).
+  static constexpr int XW_PART = SR / 2 / 4;  // words 0-3: a row's 16 partial floats
+  static constexpr int XW_P = XW_PART;        // words 4-5: a row's P, 8 packed bf16/fp16 pairs
+  static constexpr int XW_F = XW_P + 2;       // word 6: the row's rescale factor, or (max, sum)
+  static constexpr int X_VECS = XW_F + 1;
+  static constexpr int X_BYTES = X_VECS * 128 * 16;      // per consumer warpgroup
+  static constexpr int PART_BYTES = XW_PART * 128 * 16;  // one exchange of partials
+  static constexpr int P_BYTES = (2 * 16 + 4) * 128;     // one exchange of P and factors
+  static constexpr int FINAL_BYTES = 8 * 128;            // the rows' max and sum, at the end
+  struct Barriers {                                      // mbarriers
     uint64_t q, full_k[STAGES], full_v[STAGES], empty_k[STAGES], empty_v[STAGES];
-    uint64_t xfull[2];  // per warpgroup: the local arrive.expect_tx + the peer's X_BYTES
-    uint64_t xfree[2];  // per warpgroup: the peer's 4 warps have read what this CTA sent
+    uint64_t xfull[2];    // per warpgroup: the local arrive.expect_tx + the peer's partial
+    uint64_t xfree[2];    // per warpgroup: the peer's 4 warps have read what this CTA sent
+    uint64_t xfull_p[2];  // the same for the P words and factors (and the final max / sum)
+    uint64_t xfree_p[2];
   };
+  static_assert(offsetof(Barriers, xfree) == offsetof(Barriers, xfull) + 16 &&
+                    offsetof(Barriers, xfull_p) == offsetof(Barriers, xfull) + 32 &&
+                    offsetof(Barriers, xfree_p) == offsetof(Barriers, xfull) + 48,
+                "FwdD512HalfExchange addresses them from xfull(cw)");
   // Shared memory from the kernel's 1024-byte aligned base (SMEM adds the slack for that
   // alignment); the OFF_* offsets come from here.
   struct SharedStorage {
@@ -78,7 +97,7 @@ struct FwdD512ClusterCfg {
   static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "register pool of one CTA");
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
   static_assert(SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
-  static_assert(DH % 64 == 0 && BN % 16 == 0 && SR % 4 == 0, "whole SW128 blocks, float4 words");
+  static_assert(DH % 64 == 0 && BN == 64, "whole SW128 blocks; 16 floats per fragment row");
 };
 
 #if DUALKV_SM90_BODY
@@ -103,6 +122,12 @@ struct FwdD512Bars {
   }
   __device__ __forceinline__ uint32_t xfull(int w) const { return at(offsetof(B, xfull)) + 8u * w; }
   __device__ __forceinline__ uint32_t xfree(int w) const { return at(offsetof(B, xfree)) + 8u * w; }
+  __device__ __forceinline__ uint32_t xfull_p(int w) const {
+    return at(offsetof(B, xfull_p)) + 8u * w;
+  }
+  __device__ __forceinline__ uint32_t xfree_p(int w) const {
+    return at(offsetof(B, xfree_p)) + 8u * w;
+  }
   // Thread 0 initialises them, then the cluster synchronises: the peer's barriers are initialised
   // before any st.async or remote arrival.
   __device__ __forceinline__ void init(int tid) const {
@@ -116,6 +141,8 @@ struct FwdD512Bars {
       for (int w = 0; w < 2; ++w) {
         ws::mbar_init(xfull(w), 1);
         ws::mbar_init(xfree(w), 4);  // one arrival per warp of the peer's warpgroup w
+        ws::mbar_init(xfull_p(w), 1);
+        ws::mbar_init(xfree_p(w), 4);
       }
       ws::mbar_init_fence();
     }
@@ -123,51 +150,213 @@ struct FwdD512Bars {
   }
 };
 
-// Consumer warpgroup cw's exchange of a block's partial S with the same warpgroup of the peer CTA:
-// this thread's X_VECS words of X[cw] (written by the peer) and the same words of the peer's X[cw]
-// (written here).
-struct FwdD512Exchange {
+// Consumer warpgroup cw's half exchange with the same warpgroup of the peer CTA, through X[cw]
+// (words of FwdD512ClusterCfg). A thread's score fragment holds rows g and g + 8 (slots
+// 4 nt + 2 r + {0, 1}); CTA rank r finalises row g + 8r, which own_row_first moves into the row-0
+// slots by selects (no register array is indexed at run time). The same thread of the peer holds
+// the same rows and columns.
+struct FwdD512HalfExchange {
   using Cfg = FwdD512ClusterCfg;
-  static constexpr int V = Cfg::X_VECS;
-  const float4* mine;  // this thread's first word of X[cw] (generic address)
-  uint32_t peer_x;     // the same word of the peer's X[cw] (shared::cluster)
-  uint32_t xfull, xfull_peer, xfree, peer;
+  static constexpr int NT = Cfg::SR / 4;    // n-tiles of 8 keys: P words of a row
+  static constexpr uint32_t WS = 128 * 16;  // bytes between a thread's words
+  // Few registers (the mainloop holds two S fragments, O and P): the other addresses are
+  // immediate offsets from these two, or their mapa into the peer.
+  uint32_t xs;  // this thread's word 0 of X[cw] (shared::cta)
+  uint32_t bx;  // xfull(cw); xfree(cw), xfull_p(cw), xfree_p(cw) follow at 16-byte steps
+  uint32_t rank;
   int t;
-  __device__ __forceinline__ FwdD512Exchange(const unsigned char* gbase, uint32_t base,
-                                             const FwdD512Bars& bars, int cw, int t_,
-                                             uint32_t peer_)
-      : mine(reinterpret_cast<const float4*>(gbase + Cfg::OFF_X + cw * Cfg::X_BYTES) + t_),
-        peer_x(ws::mapa_shared(base + uint32_t(Cfg::OFF_X + cw * Cfg::X_BYTES + t_ * 16), peer_)),
-        xfull(bars.xfull(cw)),
-        xfull_peer(ws::mapa_shared(bars.xfull(cw), peer_)),
-        xfree(bars.xfree(cw)),
-        peer(peer_),
+  static constexpr uint32_t XFULL = 0, XFREE = 16, XFULL_P = 32, XFREE_P = 48;
+  __device__ __forceinline__ FwdD512HalfExchange(uint32_t base, const FwdD512Bars& bars, int cw,
+                                                 int t_, uint32_t rank_)
+      : xs(base + uint32_t(Cfg::OFF_X + cw * Cfg::X_BYTES + t_ * 16)),
+        bx(bars.xfull(cw)),
+        rank(rank_),
         t(t_) {}
-  // s (this CTA's partial of block j, complete in registers) += the peer's partial of block j.
-  //   1. arm this block's phase of xfull[cw] (this arrival + the peer's X_BYTES; the peer's bytes
-  //      may land first: the phase cannot complete before this arrival);
-  //   2. wait until the peer's warpgroup has read block j - 1's partial (xfree, parity of j - 1;
-  //      block 0 passes: a fresh barrier's parity-1 phase counts as completed), send s;
-  //   3. wait for the peer's partial (cluster-scope acquire), add it (own + peer: the peer adds
-  //      the same two numbers), and tell the peer its X[cw] is free (one arrival per warp, after
-  //      every lane's reads).
-  __device__ __forceinline__ void swap_add(float (&s)[Cfg::SR], int j) const {
-    if (t == 0) ws::mbar_expect_tx(xfull, Cfg::X_BYTES);
-    ws::mbar_wait(xfree, (uint32_t(j) & 1u) ^ 1u);
-#pragma unroll
-    for (int i = 0; i < V; ++i)
-      ws::st_async_f32x4(peer_x + uint32_t(i * 128 * 16), s[4 * i], s[4 * i + 1], s[4 * i + 2],
-                         s[4 * i + 3], xfull_peer);
-    ws::mbar_wait_cluster(xfull, uint32_t(j) & 1u);
-#pragma unroll
-    for (int i = 0; i < V; ++i) {
-      const float4 x = mine[i * 128];
-      s[4 * i] += x.x, s[4 * i + 1] += x.y, s[4 * i + 2] += x.z, s[4 * i + 3] += x.w;
-    }
+  __device__ __forceinline__ uint32_t peer(uint32_t addr) const {
+    return ws::mapa_shared(addr, rank ^ 1u);
+  }
+  template <typename V>
+  __device__ __forceinline__ V word(int w) const {
+    V v;
+    const uint32_t a = xs + uint32_t(w) * WS;
+    if constexpr (sizeof(V) == 16)
+      asm volatile(
+          "ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+          : "=r"(reinterpret_cast<uint32_t*>(&v)[0]), "=r"(reinterpret_cast<uint32_t*>(&v)[1]),
+            "=r"(reinterpret_cast<uint32_t*>(&v)[2]), "=r"(reinterpret_cast<uint32_t*>(&v)[3])
+          : "r"(a)
+          : "memory");
+    else if constexpr (sizeof(V) == 8)
+      asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];"
+                   : "=r"(reinterpret_cast<uint32_t*>(&v)[0]),
+                     "=r"(reinterpret_cast<uint32_t*>(&v)[1])
+                   : "r"(a)
+                   : "memory");
+    else
+      asm volatile("ld.shared.b32 %0, [%1];"
+                   : "=r"(*reinterpret_cast<uint32_t*>(&v))
+                   : "r"(a)
+                   : "memory");
+    return v;
+  }
+  // The peer's warp has read its words of a phase: one arrival per warp on the peer's barrier.
+  __device__ __forceinline__ void free_peer(uint32_t bar) const {
     __syncwarp();
-    if ((t & 31) == 0) ws::mbar_arrive_cluster(xfree, peer);  // maps xfree into the peer
+    if ((t & 31) == 0) ws::mbar_arrive_cluster(bar, rank ^ 1u);  // maps bar into the peer
+  }
+  __device__ __forceinline__ void own_row_first(float (&s)[Cfg::SR]) const {
+#pragma unroll
+    for (int i = 0; i < Cfg::SR; i += 4)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const float a = s[i + c], b = s[i + 2 + c];
+        s[i + c] = rank ? b : a;
+        s[i + 2 + c] = rank ? a : b;
+      }
+  }
+  // Block j's partial s (complete in registers): own row into the row-0 slots, the other row's
+  // partial to the peer, the peer's partial of the own row added.
+  //   1. arm this block's phase of xfull[cw] (this arrival + the peer's PART_BYTES; the peer's
+  //      bytes may land first: the phase cannot complete before this arrival);
+  //   2. wait until the peer's warpgroup has read block j - 1's partial (xfree, parity of j - 1;
+  //      block 0 passes: a fresh barrier's parity-1 phase counts as completed), send;
+  //   3. wait for the peer's partial (cluster-scope acquire), add it, free X's partial words.
+  __device__ __forceinline__ void swap_add(float (&s)[Cfg::SR], int j) const {
+    own_row_first(s);
+    if (t == 0) ws::mbar_expect_tx(bx + XFULL, Cfg::PART_BYTES);
+    ws::mbar_wait(bx + XFREE, (uint32_t(j) & 1u) ^ 1u);
+    const uint32_t px = peer(xs), pbar = peer(bx + XFULL);
+#pragma unroll
+    for (int i = 0; i < Cfg::XW_PART; ++i)  // row-1 slots of n-tiles 2i, 2i + 1
+      ws::st_async_f32x4(px + uint32_t(i) * WS, s[8 * i + 2], s[8 * i + 3], s[8 * i + 6],
+                         s[8 * i + 7], pbar);
+    ws::mbar_wait_cluster(bx + XFULL, uint32_t(j) & 1u);
+#pragma unroll
+    for (int i = 0; i < Cfg::XW_PART; ++i) {
+      const float4 x = word<float4>(i);
+      s[8 * i] += x.x, s[8 * i + 1] += x.y, s[8 * i + 4] += x.z, s[8 * i + 5] += x.w;
+    }
+    free_peer(bx + XFREE);
+  }
+  // After block j's softmax of the own row (its probabilities in the row-0 slots of s, its
+  // factor c): own <- the row's A-fragment words, sent to the peer with c once the peer has read
+  // block j - 1's (xfree_p).
+  template <typename T>
+  __device__ __forceinline__ void send_p(const float (&s)[Cfg::SR], float c, uint32_t (&own)[NT],
+                                         int j) const {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) own[n] = pack2<T>(s[4 * n], s[4 * n + 1]);
+    if (t == 0) ws::mbar_expect_tx(bx + XFULL_P, Cfg::P_BYTES);
+    ws::mbar_wait(bx + XFREE_P, (uint32_t(j) & 1u) ^ 1u);
+    const uint32_t px = peer(xs), pbar = peer(bx + XFULL_P);
+    ws::st_async_b32x4(px + Cfg::XW_P * WS, make_uint4(own[0], own[1], own[2], own[3]), pbar);
+    ws::st_async_b32x4(px + (Cfg::XW_P + 1) * WS, make_uint4(own[4], own[5], own[6], own[7]), pbar);
+    ws::st_async_f32(px + Cfg::XW_F * WS, c, pbar);
+  }
+  // The peer's half of block j: corr (on entry: the own row's factor in corr[0]) <- both rows'
+  // factors in fragment order, pa (K-step kt: n-tiles 2 kt, 2 kt + 1, rows g, g + 8) <- P.
+  template <int KT>
+  __device__ __forceinline__ void recv_p(int j, const uint32_t (&own)[NT], float (&corr)[2],
+                                         uint32_t (&pa)[KT][4]) const {
+    static_assert(2 * KT == NT, "two n-tiles per K-step");
+    ws::mbar_wait_cluster(bx + XFULL_P, uint32_t(j) & 1u);
+    const uint4 u0 = word<uint4>(Cfg::XW_P), u1 = word<uint4>(Cfg::XW_P + 1);
+    const float c = word<float>(Cfg::XW_F);
+    free_peer(bx + XFREE_P);
+    const uint32_t other[NT] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      pa[n / 2][2 * (n % 2)] = rank ? other[n] : own[n];      // row g
+      pa[n / 2][2 * (n % 2) + 1] = rank ? own[n] : other[n];  // row g + 8
+    }
+    const float c_own = corr[0];
+    corr[0] = rank ? c : c_own;
+    corr[1] = rank ? c_own : c;
+  }
+  // After the walk (phase j = total of xfull_p): the own row's running max and sum (slot 0) to
+  // the peer; m / l <- both rows in fragment order.
+  __device__ __forceinline__ void swap_stats(int j, float (&m)[2], float (&l)[2]) const {
+    if (t == 0) ws::mbar_expect_tx(bx + XFULL_P, Cfg::FINAL_BYTES);
+    ws::mbar_wait(bx + XFREE_P, (uint32_t(j) & 1u) ^ 1u);
+    ws::st_async_f32x2(peer(xs) + Cfg::XW_F * WS, m[0], l[0], peer(bx + XFULL_P));
+    ws::mbar_wait_cluster(bx + XFULL_P, uint32_t(j) & 1u);
+    const float2 w = word<float2>(Cfg::XW_F);
+    const float mo = m[0], lo = l[0];
+    m[0] = rank ? w.x : mo, m[1] = rank ? mo : w.x;
+    l[0] = rank ? w.y : lo, l[1] = rank ? lo : w.y;
   }
 };
+#endif
+
+#if DUALKV_SM90_BODY
+// The D = 512 cluster forward's consumer mainloop (after the Q wait, inside the ping-pong's
+// start/finish): block 0's S, then per block j a turn that issues S_j, takes the peer's half of
+// P_{j-1} and the rescale factors (x.recv_p: sent after the peer's softmax, so the transfer
+// overlaps S_j's GEMM), rescales O and issues P_{j-1} V_{j-1}; then block j's half exchange of the
+// partial S (x.swap_add), the own row's softmax and its P to the peer (softmax(j, corr): its
+// corr[0]), and the P V wait; the last turn issues the last block's P V.
+template <typename T, int S, int NC, int SR, int OR, int KT, class Bars, class Softmax,
+          class IssueS, class IssuePV>
+__device__ __forceinline__ void fwd512_mainloop(int total, const PingPong<NC>& pp,
+                                                const FwdD512HalfExchange& x, const Bars& bars,
+                                                float (&s)[SR], float (&o)[OR],
+                                                uint32_t (&pa)[KT][4],
+                                                const uint32_t (&pown)[FwdD512HalfExchange::NT],
+                                                const float (&l_run)[2], Softmax&& softmax,
+                                                IssueS&& issue_s, IssuePV&& issue_pv) {
+  constexpr int ND = OR / 4;
+  if (total <= 0) return;
+  float corr[2];
+  // S_j's partial complete: its K stage released, the half exchange, the own row's softmax.
+  auto scores = [&](int j) {
+    fence_regs(s);
+    ws::mbar_arrive(bars.empty_k(Ring<S>::stage(j)));
+    x.swap_add(s, j);
+    softmax(j, corr);
+  };
+  // In a turn: the peer's half of P_j, the rescale of O, O += P_j V_j.
+  auto pv = [&](int j) {
+    x.recv_p(j, pown, corr, pa);
+    rescale_o_rows<ND, true>(o, corr);
+    fence_regs(pa, o);
+    wg_fence();
+    issue_pv(Ring<S>::stage(j));
+  };
+
+  ws::mbar_wait(bars.full_k(0), 0);
+  pp.begin_turn();
+  wg_fence();
+  issue_s(0);
+  pp.end_turn();
+  wg_wait<0>();
+  scores(0);
+  for (int j = 1; j < total; ++j) {
+    const int st = Ring<S>::stage(j), pst = Ring<S>::stage(j - 1);
+    ws::mbar_wait(bars.full_k(st), Ring<S>::full_parity(j));
+    ws::mbar_wait(bars.full_v(pst), Ring<S>::full_parity(j - 1));
+    pp.begin_turn();
+    fence_regs(o);
+    wg_fence();
+    issue_s(st);  // S_j = Q K_j^T
+    pv(j - 1);    // O += P_{j-1} V_{j-1}
+    pp.end_turn();
+    wg_wait<1>();  // S_j done; P V still in flight
+    scores(j);
+    // Keep the exp2s before the wait (ws_fwd_mainloop).
+    fence_regs(s);
+    if (l_run[0] + l_run[1] < 0.f) asm volatile("nanosleep.u32 0;");
+    wg_wait<0>();
+    fence_regs(o, pa);
+    ws::mbar_arrive(bars.empty_v(pst));
+  }
+  // The last block's P V.
+  ws::mbar_wait(bars.full_v(Ring<S>::stage(total - 1)), Ring<S>::full_parity(total - 1));
+  pp.begin_turn();
+  pv(total - 1);
+  pp.end_turn();
+  wg_wait<0>();
+  fence_regs(o, pa);
+}
 #endif
 
 template <typename T, bool kCap>
@@ -186,7 +375,7 @@ __global__ void __launch_bounds__(384, 1)
 
   // blockIdx.x = (tile * Hq + q head) * 2 + rank: the two CTAs of a cluster share every index but
   // the rank, so they agree on validity and on the key walk.
-  const uint32_t rank = blockIdx.x & 1u, peer = rank ^ 1u;
+  const uint32_t rank = blockIdx.x & 1u;
   const QueryTileCta<BM> cta(p, blockIdx.x >> 1);
   if (!cta.valid) return;  // both CTAs of the cluster, before any cluster barrier
   const int h = cta.h, hk = cta.hk, q0 = cta.q0, nq = cta.nq;
@@ -218,23 +407,27 @@ __global__ void __launch_bounds__(384, 1)
     const int g = lane >> 2, tq = lane & 3;
     const int row0 = wrow + (warp & 3) * 16 + g;  // rows row0, row0 + 8
     const PingPong<NC> pp(a.pingpong != 0, cw);
-    const FwdD512Exchange x(gbase, base, bars, cw, tid & 127, peer);
+    const FwdD512HalfExchange x(base, bars, cw, tid & 127, rank);
     const float sl = (kCap || a.prescale) ? 1.f : p.scale_log2;  // log2-domain factor of the scores
 
     float o[OR];
 #pragma unroll
     for (int i = 0; i < OR; ++i) o[i] = 0.f;
+    // The own row's running max and sum in slot 0 (both rows, fragment order, after swap_stats).
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
     float s[SR];
     uint32_t pa[BN / 16][4];
+    uint32_t pown[FwdD512HalfExchange::NT];  // the own row's P of the latest block, packed
 
-    // Scores of block j (in s, the whole head dim) -> unnormalised probabilities (in place);
-    // updates the running max and sum; corr = factor by which O must be rescaled (exactly 1 where
-    // the row max did not move).
+    // Scores of block j -> the own row's unnormalised probabilities (in the row-0 slots), its
+    // running max and sum, corr[0] = the factor by which its O row must be rescaled (exactly 1
+    // where the max did not move); then its P and factor go to the peer.
     auto softmax = [&](int j, float (&corr)[2]) {
       const auto kb = walk.at(j);
-      ws_fwd_block_softmax<BN, kCap, true>(p, s, kb, walk.masked(kb, nq, BM, p.mask), a.prescale,
-                                           pq_first + row0, tq, sl, m_run, l_run, corr);
+      ws_fwd_block_softmax<BN, kCap, true, 1>(p, s, kb, walk.masked(kb, nq, BM, p.mask), a.prescale,
+                                              pq_first + row0 + 8 * int(rank), tq, sl, m_run, l_run,
+                                              corr);
+      x.send_p<T>(s, corr[0], pown, j);
     };
     auto issue_s = [&](int st) {
       wgmma_rows_cols<T, BN, DH, BM, BN>(s, sQ, wrow, sK0 + st * Cfg::KV_BYTES, 0, 0);
@@ -247,12 +440,9 @@ __global__ void __launch_bounds__(384, 1)
 
     pp.start();
     ws::mbar_wait(bars.q(), 0);
-    ws_fwd_mainloop<T, S, DH / 8, true>(
-        total, pp, s, o, pa, l_run, [&](int st) { return bars.full_k(st); },
-        [&](int st) { return bars.full_v(st); }, [&](int st) { ws::mbar_arrive(bars.empty_k(st)); },
-        [&](int st) { ws::mbar_arrive(bars.empty_v(st)); }, issue_s, issue_pv,
-        [&](int j) { x.swap_add(s, j); }, softmax);
+    fwd512_mainloop<T, S>(total, pp, x, bars, s, o, pa, pown, l_run, softmax, issue_s, issue_pv);
     pp.finish();
+    x.swap_stats(total, m_run, l_run);
 
     // Both CTAs hold the same m_run / l_run: rank 0 writes lse.
     store_out_rows<T, Cfg::D, DH>(p, o, m_run, l_run, sl, q0, nq, h, row0, tq, cb0, rank == 0);

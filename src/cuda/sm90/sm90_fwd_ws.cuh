@@ -253,12 +253,7 @@ __device__ __forceinline__ void ws_fwd_mainloop(int total, const PingPong<NC>& p
     wg_wait<0>();
     fence_regs(o, pa);
     release_v(pst);
-    bool rescale = true;
-    if constexpr (kVote) rescale = __any_sync(~0u, corr[0] != 1.f || corr[1] != 1.f);
-    if (rescale) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) rescale_o_row<ND>(o, r, corr[r]);
-    }
+    rescale_o_rows<ND, kVote>(o, corr);
     pack_a_frag<T>(pa, s);
   }
 
