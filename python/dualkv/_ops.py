@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as fwAD
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -71,6 +72,22 @@ _NO_FUNCTORCH = (
     "dualkv.attention under torch.func transforms (vmap, grad, jacrev, jacfwd, hessian) is not "
     "supported yet (the op has no batching rule); use torch.autograd, or call it per example"
 )
+
+
+# Forward-mode AD (torch.autograd.forward_ad): the ops have no jvp rule. On inputs that do not also
+# require grad, torch's generated autograd kernel runs the op below autograd and the output simply
+# carries no tangent, so a jvp through attention would silently leave out attention's part.
+_NO_FORWARD_AD = (
+    "dualkv.attention: forward-mode AD (torch.autograd.forward_ad dual tensors, jvp) is not "
+    "supported yet (the op has no jvp rule); use reverse mode (backward / torch.autograd.grad)"
+)
+
+
+def check_no_tangents(*tensors: torch.Tensor) -> None:
+    """Raises when one of ``tensors`` is a forward-mode AD dual tensor (has a tangent)."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and fwAD.unpack_dual(t).tangent is not None:
+            raise NotImplementedError(_NO_FORWARD_AD)
 
 
 def _no_vmap(info: Any, in_dims: Any, *args: Any) -> Any:

@@ -227,6 +227,27 @@ def test_functorch_transforms_raise() -> None:
             transform(lambda x: dualkv.attention(x, k, v, LAYOUT).sum())(q)
 
 
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("which", [0, 1, 2], ids=["q", "k", "v"])
+def test_forward_mode_ad_raises(seed, which, requires_grad) -> None:  # noqa: ANN001
+    # A dual tensor that does not require grad went below autograd and came out without a
+    # tangent: a jvp through attention silently left out attention's part.
+    import torch.autograd.forward_ad as fwAD
+
+    inputs = list(qkv(torch.float64, d=8, seed=seed))
+    g = torch.Generator().manual_seed(seed + 1)
+    tangent = torch.randn(inputs[which].shape, generator=g, dtype=torch.float64)
+    inputs[which].requires_grad_(requires_grad)
+    with fwAD.dual_level():
+        args = list(inputs)
+        args[which] = fwAD.make_dual(inputs[which], tangent)
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            dualkv.attention(*args, LAYOUT)
+        # Dual tensors elsewhere in the program do not disturb a call on plain tensors.
+        out = dualkv.attention(*inputs, LAYOUT)
+    torch.testing.assert_close(out, dualkv.attention(*inputs, LAYOUT), rtol=0, atol=0)
+
+
 # --- 9. the demo without transformers ---
 def _run_without_transformers(code: str) -> subprocess.CompletedProcess[str]:
     prelude = "import sys; sys.modules['transformers'] = None\n"
