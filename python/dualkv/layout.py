@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import numbers
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -61,6 +62,35 @@ def mark_per_batch(t: torch.Tensor, *dims: int) -> torch.Tensor:
     return t
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def eager_only(fn: _F) -> _F:
+    """Runs ``fn`` eagerly, as a graph break under torch.compile (a clear error with
+    fullgraph=True): building a layout (or moving it) reads its lengths on the host and makes
+    tables whose sizes depend on them; traced, dualkv::layout_tables (no fake implementation)
+    crashed dynamo and maybe_mark_dynamic is forbidden. Like mark_per_batch, it only involves
+    dynamo once torch.compile is in use (importing it costs a second)."""
+    disabled: list[Callable[..., Any]] = []
+
+    @functools.wraps(fn)
+    def inner(*args: Any, **kwargs: Any) -> Any:
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is None:
+            return fn(*args, **kwargs)
+        if not disabled:
+            disabled.append(dynamo.disable(fn, reason=_EAGER_ONLY))
+        return disabled[0](*args, **kwargs)
+
+    return cast(_F, inner)
+
+
+_EAGER_ONLY = (
+    "dualkv.Layout is built on the host, outside the compiled graph: build it before calling the "
+    "compiled function and pass it in (one dynamic graph serves every layout)"
+)
+
+
 class Layout:
     """G prompt groups packed as ``[prompt | response 1 | ... | response N]``, group after group.
 
@@ -80,6 +110,7 @@ class Layout:
     # dualkv.integrations.transformers.check_positions accepted for this layout.
     _checked_positions: Any = None
 
+    @eager_only
     def __init__(
         self,
         prefix_lens: Sequence[int] | torch.Tensor,
@@ -168,6 +199,7 @@ class Layout:
         fwd = 4.0 * head_dim * num_q_heads * self.allowed_pairs(window)
         return 2.5 * fwd if backward else fwd
 
+    @eager_only
     def to(self, device: torch.device | str) -> Layout:
         """The same layout with its metadata on ``device``."""
         new = object.__new__(Layout)

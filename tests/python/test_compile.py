@@ -178,3 +178,31 @@ def test_compile_response_logprobs_changing_temperature(seed: int) -> None:
                 compiled(h, w, t)
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("move", [False, True], ids=["build", "to"])
+def test_layout_built_inside_compiled_code(move: bool, seed: int) -> None:
+    """A Layout built (or moved with .to) inside the compiled function: the dynamo trace of
+    dualkv::layout_tables (no fake implementation) and of maybe_mark_dynamic crashed, even
+    without fullgraph. It is now a graph break (run eagerly, results equal to eager), and a clear
+    error under fullgraph=True."""
+    import torch._dynamo
+
+    gen = torch.Generator().manual_seed(seed)
+    outer = dualkv.Layout([3], [[2]])
+
+    def step(q, k, v, prefix, resp):  # noqa: ANN001, ANN202
+        layout = outer.to("cpu") if move else dualkv.Layout(prefix, resp)
+        return dualkv.attention(q * 2, k, v, layout, return_lse=True)
+
+    for prefix, resp in ([[3], [[2]]], [[4, 0], [[3, 1], [2]]]) if not move else ([[3], [[2]]],):
+        T = sum(prefix) + sum(map(sum, resp))
+        q, k, v = (torch.randn(T, h, 8, generator=gen) for h in (4, 2, 2))
+        torch._dynamo.reset()
+        got = torch.compile(step, backend="aot_eager")(q, k, v, prefix, resp)
+        want = step(q, k, v, prefix, resp)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="built on the host, outside the compiled graph"):
+            torch.compile(step, backend="aot_eager", fullgraph=True)(q, k, v, prefix, resp)
