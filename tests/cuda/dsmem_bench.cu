@@ -25,7 +25,7 @@
 #include <cstdlib>
 #include <vector>
 
-#include "sm90/sm90_bwd512_ws.cuh"  // ws::mapa_shared, ws::st_async_f32x4 (+ pipeline.cuh)
+#include "sm90/dsmem.cuh"  // ws::mapa_shared, ws::st_async_f32x4 (+ pipeline.cuh)
 
 using namespace dualkv::cuda::detail;
 

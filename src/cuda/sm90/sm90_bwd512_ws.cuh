@@ -34,9 +34,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "collective/epilogue.cuh"
 #include "collective/score_mod.cuh"
+#include "sm90/dsmem.cuh"
 #include "sm90/pipeline.cuh"
 #include "sm90/sm90_bwd_ws.cuh"
 
@@ -103,48 +105,6 @@ struct DkdvWs512Cfg : Ws512Cfg {
   // thread itself has read.
   static_assert(X_VECS >= 2 * (HQ / 16), "slices reuse the exchange buffer");
 };
-
-namespace ws {
-#if DUALKV_SM90_BODY
-// The shared::cluster address of the same offset in cluster CTA `cta`.
-__device__ __forceinline__ uint32_t mapa_shared(uint32_t addr, uint32_t cta) {
-  uint32_t r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(cta));
-  return r;
-}
-// 16 bytes to a (remote) shared::cluster address; they count as complete-tx bytes on the
-// mbarrier at `rbar` (in the same CTA as the destination), with release semantics at cluster
-// scope.
-__device__ __forceinline__ void st_async_f32x4(uint32_t raddr, float a, float b, float c, float d,
-                                               uint32_t rbar) {
-  asm volatile(
-      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, "
-      "[%5];" ::"r"(raddr),
-      "f"(a), "f"(b), "f"(c), "f"(d), "r"(rbar)
-      : "memory");
-}
-__device__ __forceinline__ void st_async_f32(uint32_t raddr, float a, uint32_t rbar) {
-  asm volatile(
-      "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];" ::"r"(raddr),
-      "f"(a), "r"(rbar)
-      : "memory");
-}
-__device__ __forceinline__ void st_async_f32x2(uint32_t raddr, float a, float b, uint32_t rbar) {
-  asm volatile(
-      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];" ::"r"(
-          raddr),
-      "f"(a), "f"(b), "r"(rbar)
-      : "memory");
-}
-__device__ __forceinline__ void st_async_b32x4(uint32_t raddr, uint4 v, uint32_t rbar) {
-  asm volatile(
-      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, "
-      "[%5];" ::"r"(raddr),
-      "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(rbar)
-      : "memory");
-}
-#endif
-}  // namespace ws
 
 #if DUALKV_SM90_BODY
 // The barriers of a D = 512 CTA (1 + 2 S + 2 SV + 2 + XF from `b0`): b0 itself for the resident
@@ -292,8 +252,8 @@ struct Ws512Exchange {
 // block later (kPipe). One CTA computes each P / dS element, so both use the same numbers. Words of
 // X[w] (16 bytes per thread): 0-1 the S partial, 2-3 the dP partial, then LS words of slices kept
 // locally for the other warpgroup (dK/dV: LS = NS), then NS words of the peer's slices.
-template <int NS, int LS>
-struct Ws512HalfExchange {
+template <int NS, int LS, class Bars>
+struct Ws512HalfExchange : ws::PeerWords {
   using Cfg = Ws512Cfg;
   static constexpr int H = Cfg::HR / 2;            // floats of one CTA's half of a partial
   static constexpr int P_BYTES = 2 * H * 128 * 4;  // both partials' halves, per warpgroup
@@ -301,28 +261,13 @@ struct Ws512HalfExchange {
   static constexpr int LW = 2 * H / 4;             // first local-slice word
   static constexpr int RW = LW + LS;               // first remote-slice word
   static_assert(Cfg::X_VECS >= RW + NS, "the halves and the slices fit in X[cw]");
-  const unsigned char* gx;  // X[0] (generic address)
-  const float4* mine;       // this thread's word 0 of X[cw]
-  uint32_t peer_x;          // the same word of the peer's X[cw]
-  uint32_t xfull, xfull_peer, xfree, xfull_d0, xfull_d_peer, xfree_d, xfree_d0, peer, rank;
-  int cw, t;
-  template <class Bars>
-  __device__ __forceinline__ Ws512HalfExchange(const unsigned char* gbase, uint32_t base, int off_x,
-                                               const Bars& bars, int cw_, int t_, uint32_t rank_)
-      : gx(gbase + off_x),
-        mine(reinterpret_cast<const float4*>(gbase + off_x + cw_ * Cfg::X_BYTES) + t_),
-        peer_x(ws::mapa_shared(base + uint32_t(off_x + cw_ * Cfg::X_BYTES + t_ * 16), rank_ ^ 1u)),
-        xfull(bars.xfull(cw_)),
-        xfull_peer(ws::mapa_shared(bars.xfull(cw_), rank_ ^ 1u)),
-        xfree(bars.xfree(cw_)),
-        xfull_d0(bars.xfull_d(0)),
-        xfull_d_peer(ws::mapa_shared(bars.xfull_d(cw_), rank_ ^ 1u)),
-        xfree_d(bars.xfree_d(cw_)),
-        xfree_d0(bars.xfree_d(0)),
-        peer(rank_ ^ 1u),
-        rank(rank_),
-        cw(cw_),
-        t(t_) {}
+  Bars bars;  // the barrier addresses: immediate offsets from its b0
+  int cw;
+  __device__ __forceinline__ Ws512HalfExchange(uint32_t base, int off_x, const Bars& bars_, int cw_,
+                                               int t_, uint32_t rank_)
+      : ws::PeerWords{base + uint32_t(off_x + cw_ * Cfg::X_BYTES + t_ * 16), rank_, t_},
+        bars(bars_),
+        cw(cw_) {}
   // Floats 0..H-1 <- this CTA's half (8 rank..), H.. <- the peer's, by selects.
   __device__ __forceinline__ void own_half_first(float (&v)[Cfg::HR]) const {
 #pragma unroll
@@ -333,17 +278,18 @@ struct Ws512HalfExchange {
     }
   }
   __device__ __forceinline__ void arm_partials() const {
-    if (t == 0) ws::mbar_expect_tx(xfull, P_BYTES);
+    if (t == 0) ws::mbar_expect_tx(bars.xfull(cw), P_BYTES);
   }
   // This block's phase of xfull_d(cw) (after the previous block's has completed).
   __device__ __forceinline__ void arm_slices() const {
-    if (t == 0) ws::mbar_expect_tx(xfull_d0 + 8u * uint32_t(cw), D_BYTES);
+    if (t == 0) ws::mbar_expect_tx(bars.xfull_d(cw), D_BYTES);
   }
   __device__ __forceinline__ void send_half(const float (&v)[Cfg::HR], int w0) const {
+    const uint32_t px = peer(xs), pbar = peer(bars.xfull(cw));
 #pragma unroll
     for (int i = 0; i < H / 4; ++i)
-      ws::st_async_f32x4(peer_x + uint32_t((w0 + i) * 128 * 16), v[H + 4 * i], v[H + 4 * i + 1],
-                         v[H + 4 * i + 2], v[H + 4 * i + 3], xfull_peer);
+      ws::st_async_f32x4(px + uint32_t(w0 + i) * WS, v[H + 4 * i], v[H + 4 * i + 1],
+                         v[H + 4 * i + 2], v[H + 4 * i + 3], pbar);
   }
   // Block j's partials a (S), b (dP) in flight as two commit groups, then (G = 3) a third one, the
   // previous block's products (G = 2: none, the first block). The peer's halves of a and b are
@@ -357,9 +303,9 @@ struct Ws512HalfExchange {
   // release() frees them later.
   template <int G, bool kFree, typename FB, typename F>
   __device__ __forceinline__ void swap_add_pipe(float (&a)[Cfg::HR], float (&b)[Cfg::HR], int j,
-                                                int lane, FB&& b_done, F&& done) const {
+                                                FB&& b_done, F&& done) const {
     static_assert(G == 2 || G == 3, "two or three commit groups");
-    ws::mbar_wait(xfree, (uint32_t(j) & 1u) ^ 1u);
+    ws::mbar_wait(bars.xfree(cw), (uint32_t(j) & 1u) ^ 1u);
     wg_wait<G - 1>();
     fence_regs(a);
     own_half_first(a);
@@ -371,55 +317,48 @@ struct Ws512HalfExchange {
     send_half(b, H / 4);
     wg_wait<0>();
     done();
-    ws::mbar_wait_cluster(xfull, uint32_t(j) & 1u);
+    ws::mbar_wait_cluster(bars.xfull(cw), uint32_t(j) & 1u);
 #pragma unroll
     for (int i = 0; i < H / 4; ++i) {
-      const float4 x = mine[i * 128], y = mine[(H / 4 + i) * 128];
+      const float4 x = word<float4>(i), y = word<float4>(H / 4 + i);
       a[4 * i] += x.x, a[4 * i + 1] += x.y, a[4 * i + 2] += x.z, a[4 * i + 3] += x.w;
       b[4 * i] += y.x, b[4 * i + 1] += y.y, b[4 * i + 2] += y.z, b[4 * i + 3] += y.w;
     }
-    if constexpr (kFree) release(lane);
+    if constexpr (kFree) release();
   }
   // Tells the peer X[cw]'s partial words may be refilled (one arrival per warp).
-  __device__ __forceinline__ void release(int lane) const {
-    __syncwarp();
-    if (lane == 0) ws::mbar_arrive_cluster(xfree, peer);
-  }
+  __device__ __forceinline__ void release() const { free_peer(bars.xfree(cw)); }
   // This CTA's slices of block j to the peer, once the peer has read block j - 1's.
   __device__ __forceinline__ void send_slices(const uint32_t (&f)[NS][4], int j) const {
-    ws::mbar_wait(xfree_d, (uint32_t(j) & 1u) ^ 1u);
+    ws::mbar_wait(bars.xfree_d(cw), (uint32_t(j) & 1u) ^ 1u);
+    const uint32_t px = peer(xs), pbar = peer(bars.xfull_d(cw));
 #pragma unroll
     for (int n = 0; n < NS; ++n)
-      ws::st_async_b32x4(peer_x + uint32_t((RW + n) * 128 * 16),
-                         make_uint4(f[n][0], f[n][1], f[n][2], f[n][3]), xfull_d_peer);
+      ws::st_async_b32x4(px + uint32_t(RW + n) * WS, make_uint4(f[n][0], f[n][1], f[n][2], f[n][3]),
+                         pbar);
   }
   // Word w of this thread's place in warpgroup w2's X.
   __device__ __forceinline__ void get_word(int w2, int w, uint32_t (&f)[4]) const {
-    const uint4 u = (reinterpret_cast<const uint4*>(gx + w2 * Cfg::X_BYTES) + t)[w * 128];
+    const uint4 u = word<uint4>(w, (w2 - cw) * Cfg::X_BYTES);
     f[0] = u.x, f[1] = u.y, f[2] = u.z, f[3] = u.w;
   }
   // The slices for the other warpgroup (read by get_local after a named barrier).
   __device__ __forceinline__ void put_local(const uint32_t (&f)[NS][4]) const {
 #pragma unroll
-    for (int n = 0; n < LS; ++n)
-      reinterpret_cast<uint4*>(const_cast<float4*>(mine))[(LW + n) * 128] =
-          make_uint4(f[n][0], f[n][1], f[n][2], f[n][3]);
+    for (int n = 0; n < LS; ++n) put(LW + n, make_uint4(f[n][0], f[n][1], f[n][2], f[n][3]));
   }
   __device__ __forceinline__ void get_local(int w2, int n, uint32_t (&f)[4]) const {
     get_word(w2, LW + n, f);
   }
   // The peer's slice n of block j in warpgroup w2's X (after wait_remote(w2, j)).
   __device__ __forceinline__ void wait_remote(int w2, int j) const {
-    ws::mbar_wait_cluster(xfull_d0 + 8u * uint32_t(w2), uint32_t(j) & 1u);
+    ws::mbar_wait_cluster(bars.xfull_d(w2), uint32_t(j) & 1u);
   }
   __device__ __forceinline__ void get_remote(int w2, int n, uint32_t (&f)[4]) const {
     get_word(w2, RW + n, f);
   }
   // Warpgroup w2's remote slices have been read by this warp.
-  __device__ __forceinline__ void free_remote(int w2, int lane) const {
-    __syncwarp();
-    if (lane == 0) ws::mbar_arrive_cluster(xfree_d0 + 8u * uint32_t(w2), peer);
-  }
+  __device__ __forceinline__ void free_remote(int w2) const { free_peer(bars.xfree_d(w2)); }
   // The A fragments of the warpgroup's 32 rows in order: slice 0 is rank 0's.
   __device__ __forceinline__ void order(uint32_t (&da)[2][4], const uint32_t (&own)[4],
                                         const uint32_t (&other)[4]) const {
@@ -502,7 +441,8 @@ __global__ void __launch_bounds__(384, 1)
     for (int i = 0; i < AR; ++i) dk[i] = dv[i] = 0.f;
     const float* lse_s = reinterpret_cast<const float*>(gbase + Cfg::OFF_L);
     const Ws512Exchange x(gbase, base, Cfg::OFF_X, bars, cw, t, peer);
-    const Ws512HalfExchange<2, 2> hx(gbase, base, Cfg::OFF_X, bars, cw, t, rank);
+    const Ws512HalfExchange<2, 2, std::remove_cv_t<decltype(bars)>> hx(base, Cfg::OFF_X, bars, cw,
+                                                                       t, rank);
     const uint32_t half = uint32_t(cw * DW / 64) * (BM * 128);  // this warpgroup's column blocks
     // The P^T / dS^T A fragments of all BM queries (kPipe: block it - 1's, live across block it's
     // S^T / dP^T until their dV/dK products have completed) and that block's stage. kPipe: [0..1]
@@ -528,8 +468,8 @@ __global__ void __launch_bounds__(384, 1)
         hx.get_remote(w2, 0, pa[2 + w2]);
         hx.get_remote(w2, 1, da[2 + w2]);
       }
-      hx.free_remote(0, lane);
-      hx.free_remote(1, lane);
+      hx.free_remote(0);
+      hx.free_remote(1);
     };
     // ... waited for; then the stage is released.
     auto retire = [&](int st) {
@@ -572,15 +512,15 @@ __global__ void __launch_bounds__(384, 1)
           wg_fence();       // (ptxas injects it otherwise: the fragments' registers)
           products(prev_s);
           wg_commit();
-          hx.swap_add_pipe<3, false>(
-              sc, dp, it, lane, [] {},
+          hx.template swap_add_pipe<3, false>(
+              sc, dp, it, [] {},
               [&] {
                 fence_regs(dv, dk, pa, da);
                 ws::mbar_arrive(bars.empty(prev_s));
               });
         } else {
           hx.arm_slices();
-          hx.swap_add_pipe<2, false>(sc, dp, it, lane, [] {}, [] {});
+          hx.template swap_add_pipe<2, false>(sc, dp, it, [] {}, [] {});
         }
       } else {
         x.swap_add(sc, dp, it);  // S^T and dP^T of the whole head dim
@@ -623,8 +563,8 @@ __global__ void __launch_bounds__(384, 1)
           hx.get_local(w2, 0, pa[w2]);
           hx.get_local(w2, 1, da[w2]);
         }
-        hx.release(lane);  // X's partial words, once both warpgroups have read the local slices
-        fence_regs(pa);    // in registers before the next block's wgmma.fence
+        hx.release();    // X's partial words, once both warpgroups have read the local slices
+        fence_regs(pa);  // in registers before the next block's wgmma.fence
         fence_regs(da);
         prev_s = s;  // the products go behind the next block's S^T / dP^T
       } else {
@@ -758,7 +698,8 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
     for (int i = 0; i < DH / 2; ++i) acc[i] = 0.f;
     const Ws512Exchange x(gbase, base, Cfg::OFF_X, bars, cw, t, peer);
-    const Ws512HalfExchange<1, 0> hx(gbase, base, Cfg::OFF_X, bars, cw, t, rank);
+    const Ws512HalfExchange<1, 0, std::remove_cv_t<decltype(bars)>> hx(base, Cfg::OFF_X, bars, cw,
+                                                                       t, rank);
     // The dS A fragments of the warpgroup's HK keys (kPipe: block j - 1's until its product has
     // completed; built from this CTA's slice and the peer's) and that block's stage.
     uint32_t da[HK / 16][4], ds_own[1][4], ds_other[4];
@@ -766,7 +707,7 @@ __global__ void __launch_bounds__(384, 1)
     auto recv_slice = [&](int jj) {
       hx.wait_remote(cw, jj);
       hx.get_remote(cw, 0, ds_other);
-      hx.free_remote(cw, lane);
+      hx.free_remote(cw);
     };
     int prev_s = 0;
     // dQ += dS K (rows k_off.. of the K tile of stage st), issued.
@@ -809,16 +750,16 @@ __global__ void __launch_bounds__(384, 1)
           wg_fence();
           product(prev_s);
           wg_commit();
-          hx.swap_add_pipe<3, true>(
-              sc, dp, j, lane, [&] { ws::mbar_arrive(bars.emptyv(sv)); },  // dP has read V_j
+          hx.template swap_add_pipe<3, true>(
+              sc, dp, j, [&] { ws::mbar_arrive(bars.emptyv(sv)); },  // dP has read V_j
               [&] {
                 fence_regs(acc, da);
                 ws::mbar_arrive(bars.empty(prev_s));
               });
         } else {
           hx.arm_slices();
-          hx.swap_add_pipe<2, true>(
-              sc, dp, j, lane, [&] { ws::mbar_arrive(bars.emptyv(sv)); }, [] {});
+          hx.template swap_add_pipe<2, true>(
+              sc, dp, j, [&] { ws::mbar_arrive(bars.emptyv(sv)); }, [] {});
         }
       } else {
         x.swap_add(sc, dp, j);  // S and dP of the whole head dim

@@ -35,9 +35,9 @@
 #include "collective/online_softmax.cuh"
 #include "collective/score_mod.cuh"
 #include "launch.h"
+#include "sm90/dsmem.cuh"
 #include "sm90/pipeline.cuh"
-#include "sm90/sm90_bwd512_ws.cuh"  // ws::mapa_shared, ws::st_async_f32x4
-#include "sm90/sm90_fwd_ws.cuh"     // FwdWsArgs, the TMA and setmaxnreg wrappers
+#include "sm90/sm90_fwd_ws.cuh"  // FwdWsArgs, the TMA and setmaxnreg wrappers
 #include "sm90/sm90_ws.h"
 
 namespace dualkv::cuda::detail {
@@ -155,55 +155,15 @@ struct FwdD512Bars {
 // 4 nt + 2 r + {0, 1}); CTA rank r finalises row g + 8r, which own_row_first moves into the row-0
 // slots by selects (no register array is indexed at run time). The same thread of the peer holds
 // the same rows and columns.
-struct FwdD512HalfExchange {
+struct FwdD512HalfExchange : ws::PeerWords {
   using Cfg = FwdD512ClusterCfg;
-  static constexpr int NT = Cfg::SR / 4;    // n-tiles of 8 keys: P words of a row
-  static constexpr uint32_t WS = 128 * 16;  // bytes between a thread's words
-  // Few registers (the mainloop holds two S fragments, O and P): the other addresses are
-  // immediate offsets from these two, or their mapa into the peer.
-  uint32_t xs;  // this thread's word 0 of X[cw] (shared::cta)
+  static constexpr int NT = Cfg::SR / 4;  // n-tiles of 8 keys: P words of a row
   uint32_t bx;  // xfull(cw); xfree(cw), xfull_p(cw), xfree_p(cw) follow at 16-byte steps
-  uint32_t rank;
-  int t;
   static constexpr uint32_t XFULL = 0, XFREE = 16, XFULL_P = 32, XFREE_P = 48;
   __device__ __forceinline__ FwdD512HalfExchange(uint32_t base, const FwdD512Bars& bars, int cw,
                                                  int t_, uint32_t rank_)
-      : xs(base + uint32_t(Cfg::OFF_X + cw * Cfg::X_BYTES + t_ * 16)),
-        bx(bars.xfull(cw)),
-        rank(rank_),
-        t(t_) {}
-  __device__ __forceinline__ uint32_t peer(uint32_t addr) const {
-    return ws::mapa_shared(addr, rank ^ 1u);
-  }
-  template <typename V>
-  __device__ __forceinline__ V word(int w) const {
-    V v;
-    const uint32_t a = xs + uint32_t(w) * WS;
-    if constexpr (sizeof(V) == 16)
-      asm volatile(
-          "ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
-          : "=r"(reinterpret_cast<uint32_t*>(&v)[0]), "=r"(reinterpret_cast<uint32_t*>(&v)[1]),
-            "=r"(reinterpret_cast<uint32_t*>(&v)[2]), "=r"(reinterpret_cast<uint32_t*>(&v)[3])
-          : "r"(a)
-          : "memory");
-    else if constexpr (sizeof(V) == 8)
-      asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];"
-                   : "=r"(reinterpret_cast<uint32_t*>(&v)[0]),
-                     "=r"(reinterpret_cast<uint32_t*>(&v)[1])
-                   : "r"(a)
-                   : "memory");
-    else
-      asm volatile("ld.shared.b32 %0, [%1];"
-                   : "=r"(*reinterpret_cast<uint32_t*>(&v))
-                   : "r"(a)
-                   : "memory");
-    return v;
-  }
-  // The peer's warp has read its words of a phase: one arrival per warp on the peer's barrier.
-  __device__ __forceinline__ void free_peer(uint32_t bar) const {
-    __syncwarp();
-    if ((t & 31) == 0) ws::mbar_arrive_cluster(bar, rank ^ 1u);  // maps bar into the peer
-  }
+      : ws::PeerWords{base + uint32_t(Cfg::OFF_X + cw * Cfg::X_BYTES + t_ * 16), rank_, t_},
+        bx(bars.xfull(cw)) {}
   __device__ __forceinline__ void own_row_first(float (&s)[Cfg::SR]) const {
 #pragma unroll
     for (int i = 0; i < Cfg::SR; i += 4)
