@@ -74,20 +74,19 @@ _NO_FUNCTORCH = (
 )
 
 
-# Forward-mode AD (torch.autograd.forward_ad): the ops have no jvp rule. On inputs that do not also
-# require grad, torch's generated autograd kernel runs the op below autograd and the output simply
-# carries no tangent, so a jvp through attention would silently leave out attention's part.
-_NO_FORWARD_AD = (
-    "dualkv.attention: forward-mode AD (torch.autograd.forward_ad dual tensors, jvp) is not "
-    "supported yet (the op has no jvp rule); use reverse mode (backward / torch.autograd.grad)"
-)
-
-
-def check_no_tangents(*tensors: torch.Tensor) -> None:
+# Forward-mode AD (torch.autograd.forward_ad): the ops (and dualkv::chunked_logprobs) have no jvp
+# rule. On dual inputs that do not also require grad, torch's generated autograd kernel runs the
+# op below autograd and the output simply carries no tangent: a jvp through them would silently
+# leave out their part. Their Python entry points call this first.
+def check_no_tangents(what: str, *tensors: torch.Tensor | None) -> None:
     """Raises when one of ``tensors`` is a forward-mode AD dual tensor (has a tangent)."""
     for t in tensors:
         if isinstance(t, torch.Tensor) and fwAD.unpack_dual(t).tangent is not None:
-            raise NotImplementedError(_NO_FORWARD_AD)
+            raise NotImplementedError(
+                f"{what}: forward-mode AD (torch.autograd.forward_ad dual tensors, jvp) is not "
+                "supported yet (the op has no jvp rule); use reverse mode (backward / "
+                "torch.autograd.grad)"
+            )
 
 
 def _no_vmap(info: Any, in_dims: Any, *args: Any) -> Any:

@@ -53,7 +53,7 @@ def attention(
     if not torch.compiler.is_compiling():
         if torch._C._are_functorch_transforms_active():
             raise NotImplementedError(_NO_FUNCTORCH)
-        check_no_tangents(q, k, v)
+        check_no_tangents("dualkv.attention", q, k, v)
     if q.dim() != 3:
         raise ValueError(f"q must have shape [T, Hq, D], got {tuple(q.shape)}")
     if q.shape[-1] == 0:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ._ops import ops
+from ._ops import check_no_tangents, ops
 from .packing import PackedBatch
 
 __all__ = ["logprobs_from_logits", "response_logprobs"]
@@ -278,6 +278,8 @@ def score_tokens(
             f"got {tuple(lm_head_weight.shape)}"
         )
     _check_temperature(temperature)
+    if not torch.compiler.is_compiling():
+        check_no_tangents("dualkv log-probs", hidden_states, lm_head_weight, lm_head_bias)
     per_token = max(lm_head_weight.shape[0], 1) * hidden_states.element_size()
     chunk = int(chunk_size) if chunk_size is not None else max(16, _CHUNK_BYTES // per_token)
     if chunk < 1:

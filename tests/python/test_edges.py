@@ -248,6 +248,28 @@ def test_forward_mode_ad_raises(seed, which, requires_grad) -> None:  # noqa: AN
     torch.testing.assert_close(out, dualkv.attention(*inputs, LAYOUT), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("which", ["hidden", "weight", "bias"])
+def test_forward_mode_ad_raises_in_logprobs(seed, which) -> None:  # noqa: ANN001
+    # The same for the chunked log-prob op: its tangent was None (finite differences: nonzero).
+    import torch.autograd.forward_ad as fwAD
+
+    from dualkv.logprobs import score_tokens
+
+    g = torch.Generator().manual_seed(seed)
+    T, H, V = 6, 4, 10
+    args = {
+        "hidden": torch.randn(T, H, generator=g, dtype=torch.float64),
+        "weight": torch.randn(V, H, generator=g, dtype=torch.float64),
+        "bias": torch.randn(V, generator=g, dtype=torch.float64),
+    }
+    labels = torch.randint(0, V, (T,), generator=g)
+    with fwAD.dual_level():
+        args[which] = fwAD.make_dual(args[which], torch.randn_like(args[which]))
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            score_tokens(args["hidden"], args["weight"], args["bias"], torch.arange(T), labels,
+                         T, 1.0, None, None, False)  # fmt: skip
+
+
 # --- 9. the demo without transformers ---
 def _run_without_transformers(code: str) -> subprocess.CompletedProcess[str]:
     prelude = "import sys; sys.modules['transformers'] = None\n"
