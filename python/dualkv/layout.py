@@ -39,13 +39,19 @@ def _int_list(value: Any, name: str) -> list[int]:
 
 
 def check_window(window: Any) -> int | None:
-    """A sliding window as the op takes it: None, or an int number of tokens (a bool is refused;
-    the op checks the range)."""
+    """A sliding window as the op takes it: None, or an int number of tokens >= 1 (a bool is
+    refused). A window of 2^31 - 1 tokens or more sees every earlier key (logical positions are
+    int32), so it is no window: exactly None. (Passed on, one beyond int64 failed in the op's
+    argument parser with "Expected Optional[int] but found int", and one in [2^31, 2^63) was
+    refused as not "a positive number of tokens".)"""
     if window is None:
         return None
     if isinstance(window, bool) or not isinstance(window, numbers.Integral):
         raise TypeError(f"window must be None or an int number of tokens, got {window!r}")
-    return int(window)
+    window = int(window)
+    if window < 1:
+        raise ValueError(f"window must be None or a positive number of tokens, got {window}")
+    return None if window >= _MAX_LEN else window
 
 
 def mark_per_batch(t: torch.Tensor, *dims: int) -> torch.Tensor:

@@ -552,3 +552,18 @@ def test_check_cli(seed) -> None:
     from dualkv import check
 
     assert check.main(["--seed", str(seed % 1000), "--groups", "2", "--n", "2"]) == 0
+
+
+@pytest.mark.parametrize("window", [2**31 - 1, 2**31, 2**63 - 1, 2**70])
+def test_huge_window_is_no_window(window: int, seed: int) -> None:
+    # Every logical position difference is below 2^31 - 1: such a window sees every earlier key.
+    # Before: 2^31 and 2^63 - 1 were refused as not positive, 2^70 failed in the op's argument
+    # parser ("Expected a value of type 'Optional[int]' ... found type 'int'").
+    q, k, v = qkv(torch.float64, d=8, seed=seed)
+    want = dualkv.attention(q, k, v, LAYOUT, return_lse=True)
+    got = dualkv.attention(q, k, v, LAYOUT, window=window, return_lse=True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert LAYOUT.allowed_pairs(window) == LAYOUT.allowed_pairs(None)
+    with pytest.raises(ValueError, match="window must be None or a positive number"):
+        dualkv.attention(q, k, v, LAYOUT, window=1 - window)
