@@ -71,7 +71,10 @@ def attention(
 def _real(value: Any, name: str = "softmax_scale") -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # (an int or Fraction beyond float64; float() names no argument)
+        raise ValueError(f"{name}={value} is outside float64's range") from None
 
 
 def _flag(value: Any, name: str) -> bool:

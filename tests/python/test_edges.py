@@ -41,6 +41,15 @@ def test_overflowing_options_are_refused(dtype, kw, match) -> None:  # noqa: ANN
         dualkv.attention(q, k, v, LAYOUT, **kw)
 
 
+@pytest.mark.parametrize("name", ["softmax_scale", "softcap"])
+def test_option_beyond_float64_names_the_argument(name: str) -> None:
+    # Before: float()'s bare "OverflowError: int too large to convert to float".
+    q, k, v = qkv(torch.float64)
+    for value in (10**400, -(10**400)):
+        with pytest.raises(ValueError, match=f"{name}=-?1000.* is outside float64's range"):
+            dualkv.attention(q, k, v, LAYOUT, **{name: value})
+
+
 def test_large_scale_float64_is_computed() -> None:
     """float64 computes in float64: a scale beyond float32 is a valid (hard-max) attention."""
     q, k, v = qkv(torch.float64)
