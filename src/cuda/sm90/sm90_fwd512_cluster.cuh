@@ -12,10 +12,10 @@
 //     the peer CTA (FwdD512HalfExchange): of each thread's two fragment rows (g, g + 8), CTA rank r
 //     finalises row g + 8r: it sends the peer its partial of the other row by st.async
 //     (distributed shared memory; the bytes complete the peer's xfull[w]), adds the peer's partial
-//     of its own row (IEEE addition commutes), runs the softmax of that row only and sends the
-//     peer the row's P (bf16 A-fragment words) and rescale factor (xfull_p[w]). The peer's half
-//     of P_j and its factor are taken in the next turn, after S_{j+1} is issued (ws_fwd_mainloop's
-//     kLateP), so that transfer overlaps a GEMM; then O += P_j V_j[:, own columns] (RS). Each P
+//     of its own row, runs the softmax of that row only and sends the peer the row's P (bf16
+//     A-fragment words) and rescale factor (xfull_p[w]). The peer's half of P_j and its factor
+//     are taken in the next turn, after S_{j+1} is issued (fwd512_mainloop), so that transfer
+//     overlaps a GEMM; then O += P_j V_j[:, own columns] (RS). Each P
 //     element is computed by one CTA, so both CTAs use the same numbers. After the walk the two
 //     CTAs swap their rows' running max and sum, and rank 0 writes lse. The two warpgroups work on
 //     different rows, so they ping-pong their GEMM issue as the D <= 256 kernels do.
@@ -71,10 +71,6 @@ struct FwdD512ClusterCfg {
     uint64_t xfull_p[2];  // the same for the P words and factors (and the final max / sum)
     uint64_t xfree_p[2];
   };
-  static_assert(offsetof(Barriers, xfree) == offsetof(Barriers, xfull) + 16 &&
-                    offsetof(Barriers, xfull_p) == offsetof(Barriers, xfull) + 32 &&
-                    offsetof(Barriers, xfree_p) == offsetof(Barriers, xfull) + 48,
-                "FwdD512HalfExchange addresses them from xfull(cw)");
   // Shared memory from the kernel's 1024-byte aligned base (SMEM adds the slack for that
   // alignment); the OFF_* offsets come from here.
   struct SharedStorage {
@@ -158,8 +154,11 @@ struct FwdD512Bars {
 struct FwdD512HalfExchange : ws::PeerWords {
   using Cfg = FwdD512ClusterCfg;
   static constexpr int NT = Cfg::SR / 4;  // n-tiles of 8 keys: P words of a row
-  uint32_t bx;  // xfull(cw); xfree(cw), xfull_p(cw), xfree_p(cw) follow at 16-byte steps
-  static constexpr uint32_t XFULL = 0, XFREE = 16, XFULL_P = 32, XFREE_P = 48;
+  using B = Cfg::Barriers;
+  uint32_t bx;  // xfull(cw); xfree(cw), xfull_p(cw), xfree_p(cw) at these offsets from it
+  static constexpr uint32_t XFULL = 0, XFREE = offsetof(B, xfree) - offsetof(B, xfull),
+                            XFULL_P = offsetof(B, xfull_p) - offsetof(B, xfull),
+                            XFREE_P = offsetof(B, xfree_p) - offsetof(B, xfull);
   __device__ __forceinline__ FwdD512HalfExchange(uint32_t base, const FwdD512Bars& bars, int cw,
                                                  int t_, uint32_t rank_)
       : ws::PeerWords{base + uint32_t(Cfg::OFF_X + cw * Cfg::X_BYTES + t_ * 16), rank_, t_},
