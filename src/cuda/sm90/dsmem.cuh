@@ -1,7 +1,7 @@
-// Distributed shared memory of a 2-CTA cluster (sm_90a): the peer CTA's addresses, st.async
-// stores that complete a barrier's transaction bytes there, and a consumer thread's words of an
-// exchange buffer. Used by the D = 512 kernels (sm90_fwd512_cluster.cuh, sm90_bwd512_ws.cuh) and
-// tests/cuda/dsmem_bench.cu.
+// Distributed shared memory of a 2-CTA cluster (sm_90a): the cluster barrier, the peer CTA's
+// addresses, st.async stores that complete a barrier's transaction bytes there, and a consumer
+// thread's words of an exchange buffer. Used by the cluster kernels (sm90_fwd_ws.cuh's multicast
+// forward, sm90_fwd512_cluster.cuh, sm90_bwd512_ws.cuh) and tests/cuda/dsmem_bench.cu.
 #pragma once
 
 #include <cstdint>
@@ -11,6 +11,10 @@
 namespace dualkv::cuda::detail {
 namespace ws {
 #if DUALKV_SM90_BODY
+// All threads of all CTAs of the cluster meet (and see each other's earlier writes).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
 // The shared::cluster address of the same offset in cluster CTA `cta`.
 __device__ __forceinline__ uint32_t mapa_shared(uint32_t addr, uint32_t cta) {
   uint32_t r;

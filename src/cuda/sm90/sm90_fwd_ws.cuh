@@ -40,6 +40,7 @@
 #include "collective/online_softmax.cuh"
 #include "collective/score_mod.cuh"
 #include "launch.h"
+#include "sm90/dsmem.cuh"
 #include "sm90/pipeline.cuh"
 #include "sm90/sm90_ws.h"
 
@@ -145,10 +146,6 @@ __device__ __forceinline__ void tma_load3_multicast(uint32_t dst, const CUtensor
       ".multicast::cluster [%0], [%1, {%3, %4, %5}], [%2], %6;" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "h"(cta_mask)
       : "memory");
-}
-// All threads of all CTAs of the cluster meet (and see each other's earlier writes).
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
 }
 __device__ __forceinline__ void prefetch_tmap(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
