@@ -225,7 +225,6 @@ KernelPolicy resolve_policy(bool deterministic) {
   pol.fused_dq = !deterministic && !is("DUALKV_FUSED_DQ", '0');
   pol.d512_bwd_sm90 = !is("DUALKV_SM90_D512_BWD", '0');
   pol.d512_fwd_cluster = !is("DUALKV_SM90_D512_FWD", '0');
-  pol.d512_bwd_pipe = !is("DUALKV_SM90_D512_BWD", '1');
   pol.d256_bwd_ws = !is("DUALKV_SM90_D256_BWD", '0');
   pol.bwd_key_chunk = is("DUALKV_BWD_KEY_ORDER", '0')   ? 0
                       : is("DUALKV_BWD_KEY_ORDER", '1') ? 16
@@ -394,9 +393,7 @@ void attention_backward(const BackwardArgs& a, void* workspace, size_t bytes, cu
       if (pol.sm90 && pol.d256_bwd_ws && launch_backward_sm90_d256ws<T>(p, pol, stream)) return;
       if (pol.sm90) return launch_backward_sm90<T, D>(p, stream);
     } else {
-      if (pol.sm90 && pol.d512_bwd_sm90 &&
-          launch_backward_sm90_d512<T>(p, stream, pol.d512_bwd_pipe))
-        return;
+      if (pol.sm90 && pol.d512_bwd_sm90 && launch_backward_sm90_d512<T>(p, stream)) return;
     }
 #endif
     // Any GPU other than sm_90, DUALKV_FORCE_SM80=1, or D = 512 with DUALKV_SM90_D512_BWD=0.

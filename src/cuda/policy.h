@@ -40,10 +40,6 @@ struct KernelPolicy {
   // sm_80 backward at (16, 8192, 1024), Hq 32, Hkv 4, H200); DUALKV_SM90_D512_BWD=0 runs the
   // sm_80 one (A/B, cross-check).
   bool d512_bwd_sm90 = true;
-  // ... with its kPipe kernels (the exchange of each block behind the previous block's dV/dK,
-  // dQ products; H200: 117.1 vs 121.1 ms at (16, 8192, 1024), 275.6 vs 291.0 at (8, 16384,
-  // 2048)); DUALKV_SM90_D512_BWD=1 runs the kernels without it (A/B).
-  bool d512_bwd_pipe = true;
   // D = 512 forward on sm_90a: sm90/sm90_fwd512_cluster.cuh (2-CTA clusters splitting the head
   // dim, partial S over distributed shared memory, BN = 64, ping-pong; H200: 25.7 vs 29.0 ms at
   // (16, 8192, 1024)); DUALKV_SM90_D512_FWD=0 runs fwd_ws_kernel_sm90's single-CTA KSPLIT = 2

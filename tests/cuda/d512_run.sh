@@ -5,19 +5,14 @@
 # paths, the benchmarks side by side, and ncu kernel durations. The sdpa step needs the package
 # (pytest step) installed first.
 #   OUT=... bash tests/cuda/d512_run.sh [test] [sanitize] [pytest] [bench] [sdpa] [ncu] [d512bwd] [fwd2]
-#                                       [bwd3]
 # d512bwd: the wgmma D = 512 backward (the default on sm_90a) against the sm_80 one
 # (DUALKV_SM90_D512_BWD=0, --path sm90-d512-sm80): the matrix + race of both, memcheck of the
 # default, the backward timed on both, ncu kernel durations of the default.
-# fwd2, bwd3: the default path's D = 512 matrix + race 20 and memcheck on --small (once per call,
-# shared by both steps: the kernels below are the defaults), then
-# fwd2: the D = 512 cluster forward (the default; DUALKV_SM90_D512_FWD=0, --path sm90-d512fwd-1cta,
-# is the single-CTA one) timed side by side with the single-CTA one at both shapes (one process),
-# ncu kernel durations of both;
-# bwd3: the kPipe D = 512 backward (the default; DUALKV_SM90_D512_BWD=1, --path sm90-d512-nopipe,
-# runs the kernels without it: each block's exchange behind the previous block's dV/dK, dQ
-# products) and the one without in one bench process at both shapes, ncu durations and
-# tensor-pipe activity of both backwards' kernels. Under 4 minutes each.
+# fwd2: the default path's D = 512 matrix + race 20 and memcheck on --small, then the D = 512
+# cluster forward (the default; DUALKV_SM90_D512_FWD=0, --path sm90-d512fwd-1cta, is the
+# single-CTA one) timed side by side with the single-CTA one at both shapes (one process), ncu
+# kernel durations of both. Under 4 minutes. (The bwd3 step, the D = 512 backward with and
+# without kPipe, went with the kernels without it.)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-.out/d512}"
@@ -31,7 +26,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,
 date -u
 status=0
 SHAPES=(--shape 16,8192,1024,32,4,512 --shape 8,16384,2048,32,4,512)
-# The default path's D = 512 matrix + race 20 and memcheck on --small (steps fwd2 and bwd3: their
+# The default path's D = 512 matrix + race 20 and memcheck on --small (step fwd2: their
 # kernels are the defaults), once per call; false after a hang (timeout, rc 124) in the matrix.
 checked_default=""
 check_default() {
@@ -155,27 +150,6 @@ for s in "${steps[@]}"; do
       # The default must really run the cluster kernel.
       grep -q "fwd_d512_cluster" "$OUT/fwd2_ncu.log" ||
         { echo "FAIL: no fwd_d512_cluster kernel in the ncu log"; status=1; }
-    fi ;;
-  bwd3)
-    if check_default; then
-      echo "== bench: the kPipe D = 512 backward (default) vs the one without (one process, both shapes) =="
-      timeout 40 $BIN --no-check --bench --bench-reps 5 \
-        --path default,sm90-d512-nopipe "${SHAPES[@]}" >"$OUT/bwd3_bench.log" 2>&1
-      echo "rc=$?"; grep "^|" "$OUT/bwd3_bench.log" | grep -v "^|---"
-      echo "== ncu backward kernel durations (first shape; kPipe, then without) =="
-      timeout 50 ncu --clock-control none \
-        --metrics gpu__time_duration.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
-        -k "regex:ws512" $BIN --no-check --bench --bench-reps 1 \
-        --path default,sm90-d512-nopipe --shape 16,8192,1024,32,4,512 >"$OUT/bwd3_ncu.log" 2>&1
-      echo "rc=$?"
-      # kernel (template arguments: dtype, softcap, kPipe), duration, tensor pipe active
-      awk '/^  void /{n=$0; sub(/^  void /,"",n); sub(/\(.*/,"",n)}
-        /gpu__time_duration/{d=$(NF-1) " " $NF}
-        /pipe_tensor_op_hmma/{print n, d, "tensor " $NF "%"}' "$OUT/bwd3_ncu.log" |
-        sed 's/__nv_bfloat16/bf16/'
-      # The default must really run the kPipe kernels.
-      grep -q "dkdv_ws512_kernel_sm90<__nv_bfloat16, 0, 1>" "$OUT/bwd3_ncu.log" ||
-        { echo "FAIL: no kPipe kernel in the ncu log"; status=1; }
     fi ;;
   *) echo "unknown step $s"; status=1 ;;
   esac

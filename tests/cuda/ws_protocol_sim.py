@@ -556,30 +556,29 @@ def run_dkdv(nblocks, S, rng, dq_mode=0, nbuf=1, onered=False, bug=None, d64=Fal
     assert bar1.cnt == 0, "named barrier left half-arrived"
 
 
-def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0):
+def run_dkdv512(nblocks, S, rng, bug=None, dq=False, sv=0):
     """The D = 512 dK/dV kernel (sm90_bwd512_ws.cuh): two CTAs of a cluster, each with its own
     producer ring (as run_dkdv), and per block and consumer warpgroup w: arm xfull[w] (local
     arrive.expect_tx), wait the local xfree barrier (the peer's 8 warps, modelled as its 2
     warpgroups, arrive after reading the previous block's slices), push the S^T and dP^T partials
     to the peer's X[w] with st.async (two pieces landing asynchronously, completing the peer's
     xfull[w]), wait the own xfull[w], read the peer's partials, write the slices into the own X[w],
-    named barrier 1 of both warpgroups, read both warpgroups' slices, arrive on the peer's xfree,
-    release the stage; at the end a cluster barrier of every thread of both CTAs.
+    named barrier 1 of both warpgroups, read both warpgroups' slices, arrive on the peer's xfree;
+    at the end a cluster barrier of every thread of both CTAs.
     dq: the D = 512 dQ kernel instead (one producer thread, Q/dO once, K/V blocks, no records:
     the consumers know the walk's length), whose warpgroups split each block's keys: no slices
     and no named barrier in the loop; each warpgroup frees its X[w] as soon as it has read the
     peer's partials, on a barrier of its own (xfree[w]); after the loop named barrier 1, both
     warpgroups' dQ halves through the K ring (nothing may still read or fill it), named barrier 1
     again, the halves read back.
-    pipe: the kPipe variants (the default; DUALKV_SM90_D512_BWD=1 runs the kernels without it):
-    block j's dV/dK (dQ) products are issued behind block j + 1's partial products and read
-    block j's stage until they complete, which is waited for after block j + 1's partials are
-    sent; only then is block j's stage released (the last block's products run after the loop).
-    The dQ kernel's kPipe also has the half exchange: besides the partials, each CTA sends its dS
-    slice of block j to the peer's XD[w] (st.async completing xfull_d[w], once the peer has read
-    block j - 1's: xfree_d[w]); the peer waits for it in block j + 1 before the deferred product,
-    frees XD[w] and arms xfull_d[w] for block j + 1 (block 0's phase at the start, the last
-    block's slice after the loop). (The xfree_d wait is also implied by the order: the peer sends
+    Both kernels defer products (kPipe): block j's dV/dK (dQ) products are issued behind block
+    j + 1's partial products and read block j's stage until they complete, which is waited for
+    after block j + 1's partials are sent; only then is block j's stage released (the last
+    block's products run after the loop). And both have the half exchange: besides the partials,
+    each CTA sends its slices of block j (dQ: dS; dK/dV: P^T and dS^T) to the peer's XD[w]
+    (st.async completing xfull_d[w], once the peer has read block j - 1's: xfree_d[w]); the peer
+    waits for them in block j + 1 before the deferred products, frees XD[w] and arms xfull_d[w]
+    for block j + 1 (block 0's phase at the start, the last block's slices after the loop). (The xfree_d wait is also implied by the order: the peer sends
     block j + 1's slice only after this CTA's block j + 1 partials, which follow its receipt of
     block j's slice; the model finds no schedule that needs it.)
     sv (dq only): V on a separate ring of sv stages (the kernel's: K on the S-stage ring, V on one
@@ -588,7 +587,7 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0):
     bug: None, or an injected protocol error that the checks must catch."""
     if bug == "pipe_one_stage":
         S = 1
-    keysplit, half = dq, pipe
+    keysplit = dq
     nread = 1 if dq else 2  # warpgroups that read each remote slice word (half)
     C, L = 2, 1 if dq else 3
     bKV = [MBar(1) for _ in range(C)]
@@ -604,9 +603,9 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0):
     xfull = [[MBar(1) for _ in range(2)] for _ in range(C)]
     xfree = [MBar(1 if bug == "xfree_one_warpgroup" else 2) for _ in range(C)]
     xfree_w = [[MBar(1) for _ in range(2)] for _ in range(C)]  # keysplit: one per warpgroup
-    xfull_d = [[MBar(1) for _ in range(2)] for _ in range(C)]  # half: the peer's slices
+    xfull_d = [[MBar(1) for _ in range(2)] for _ in range(C)]  # the peer's slices
     xfree_d = [[MBar(nread) for _ in range(2)] for _ in range(C)]
-    xd = [[None] * 2 for _ in range(C)]  # half: the block whose slices XD[w] holds
+    xd = [[None] * 2 for _ in range(C)]  # the block whose slices XD[w] holds
     xd_readers = [[set(), set()] for _ in range(C)]
     # X[cta][w]: state "free" -> "partial" (pieces landing) -> "read" -> "slice" (being read)
     xstate = [["free"] * 2 for _ in range(C)]
@@ -668,7 +667,7 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0):
     def consumer(c, w):
         peer = 1 - c
 
-        def recv_ds(blk):  # half: the peer's slices of block blk (dQ: XD[w]; dK/dV: both)
+        def recv_ds(blk):  # the peer's slices of block blk (dQ: XD[w]; dK/dV: both)
             for w2 in [w] if dq else [0, 1]:
                 if bug != "half_no_recv_wait":
                     yield from wait(xfull_d[c][w2], blk & 1)
@@ -683,7 +682,7 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0):
 
         yield from wait(bKV[c], 0)
         it = 0
-        prev = None  # pipe: (stage, block) of the products still in flight
+        prev = None  # (stage, block) of the products still in flight
         while True:
             s = it % S
             if dq and it == nblocks:
@@ -702,14 +701,13 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0):
                     readers_v[c][t].discard(w)
                     empty_v[c][t].arrive()
             xfull[c][w].expect_tx(2)  # this block's phase: the arm + the peer's two pieces
-            if half and bug == "half_arm_early":  # armed before block it - 1's slice was received
+            if bug == "half_arm_early":  # armed before block it - 1's slice was received
                 xfull_d[c][w].expect_tx(1)
             yield  # S^T and dP^T partials issued
-            if half:
-                if prev is not None:  # the slice of block it - 1 before its deferred product
-                    yield from recv_ds(it - 1)
-                if bug != "half_arm_early":
-                    xfull_d[c][w].expect_tx(1)  # block it's phase
+            if prev is not None:  # the slice of block it - 1 before its deferred product
+                yield from recv_ds(it - 1)
+            if bug != "half_arm_early":
+                xfull_d[c][w].expect_tx(1)  # block it's phase
             if bug != "no_xfree_wait":
                 par = it & 1 if bug == "xfree_parity" else (it & 1) ^ 1
                 yield from wait(xfree_w[c][w] if keysplit else xfree[c], par)
@@ -718,7 +716,7 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0):
             ):  # X[w] freed before the peer's partials are read
                 xfree_w[peer][w].arrive()
 
-            def release_v(t, it):  # dP has read V (swap_add_pipe's b_done, or after swap_add)
+            def release_v(t, it):  # dP has read V (swap_add_pipe's b_done)
                 yield
                 assert slot_v[c][t] == it, ("dP read an overwritten V", slot_v[c][t], it)
                 if bug != "v_early_release":
@@ -727,37 +725,30 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0):
 
             for piece in ("s", "dp"):
                 yield  # wgmma wait, then st.async of this partial to the peer's X[w]
-                if piece == "dp" and sv and pipe:  # dP has completed: V_j is free
+                if piece == "dp" and sv:  # dP has completed: V_j is free
                     yield from release_v(t, it)
                 inflight.append(("x", peer, w, piece, it))
-            if pipe and prev is not None:  # wait<0>: the previous block's products
+            if prev is not None:  # wait<0>: the previous block's products
                 yield from products(c, w, *prev)
                 prev = None
             yield from wait(xfull[c][w], it & 1)
             assert xstate[c][w] == "partial" and xblock[c][w] == it, (xstate[c][w], it)
             assert xparts[c][w] == {"s", "dp"}, "a partial read before it landed"
             xstate[c][w] = "read"
-            if sv and not pipe:
-                yield from release_v(t, it)
             if keysplit:
                 xstate[c][w] = "free"
                 if bug != "ks_early_free":
                     assert not exited[peer], "arrival on an exited CTA's barrier"
                     xfree_w[peer][w].arrive()
                 yield  # P, dS: this warpgroup's own keys only
-                if half:
-                    yield from wait(xfree_d[c][w], (it & 1) ^ 1)
-                    inflight.append(("xd", peer, w, None, it))
-                if pipe:
-                    prev = (s, it)
-                else:
-                    yield from products(c, w, s, it)
+                yield from wait(xfree_d[c][w], (it & 1) ^ 1)
+                inflight.append(("xd", peer, w, None, it))
+                prev = (s, it)
                 it += 1
                 continue
             yield  # P, dS
-            if half:  # this CTA's slices to the peer
-                yield from wait(xfree_d[c][w], (it & 1) ^ 1)
-                inflight.append(("xd", peer, w, None, it))
+            yield from wait(xfree_d[c][w], (it & 1) ^ 1)  # this CTA's slices to the peer
+            inflight.append(("xd", peer, w, None, it))
             xstate[c][w] = "slice"
             xslice_readers[c][w] = set()
             yield from bar1[c].sync()
@@ -769,20 +760,15 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, pipe=False, sv=0):
                     xstate[c][v] = "free"
             assert not exited[peer], "arrival on an exited CTA's barrier"
             xfree[peer].arrive()
-            if pipe and bug == "pipe_early_release":  # released here, products still pending
+            if bug == "pipe_early_release":  # released here, products still pending
                 readers[c][s].discard(w)
                 empty[c][s].arrive()
                 prev = (s, it, False)
-            elif pipe:
-                prev = (s, it)
             else:
-                yield  # dV, dK
-                readers[c][s].discard(w)
-                empty[c][s].arrive()
+                prev = (s, it)
             it += 1
-        if prev is not None:  # pipe: the last block's products
-            if half:
-                yield from recv_ds(prev[1])
+        if prev is not None:  # the last block's products
+            yield from recv_ds(prev[1])
             yield from products(c, w, *prev)
         if keysplit:  # the two warpgroups' dQ halves meet in the K ring
             if bug != "ks_no_reduce_barrier":
@@ -864,7 +850,7 @@ def pipe_bugs_caught(rng):
 
     def run_one(bug, i):
         dq = i % 2 == 1 or bug == "v_early_release"
-        run_dkdv512(rng.randrange(2, 7), 2, rng, bug, dq=dq, pipe=True, sv=int(dq))
+        run_dkdv512(rng.randrange(2, 7), 2, rng, bug, dq=dq, sv=int(dq))
 
     return bugs_caught(("pipe_early_release", "pipe_one_stage", "v_early_release"), run_one)
 
@@ -877,9 +863,8 @@ def keysplit_bugs_caught(rng):
     block's phase completed."""
 
     def run_one(bug, _):
-        pipe = bug.startswith("half") or rng.random() < 0.5
         dq = bug.startswith("ks") or rng.random() < 0.5  # the half exchange: both kernels
-        run_dkdv512(rng.randrange(1, 7), 3, rng, bug, dq=dq, pipe=pipe, sv=int(dq))
+        run_dkdv512(rng.randrange(1, 7), 3, rng, bug, dq=dq, sv=int(dq))
 
     bugs = ("ks_early_free", "ks_no_reduce_barrier", "half_no_recv_wait", "half_arm_early")
     return bugs_caught(bugs, run_one)
@@ -1226,8 +1211,6 @@ for _trial in range(3000):
         run_dkdv(total, 2 if nbuf == 2 else 3, rng, 5, nbuf, onered, d64=rng.random() < 0.5)
     run_dkdv512(total, S, rng)
     run_dkdv512(total, S, rng, dq=True, sv=1)
-    run_dkdv512(total, S, rng, pipe=True)
-    run_dkdv512(total, S, rng, dq=True, pipe=True, sv=1)
     run_fwd512c(total, S, rng, rng.random() < 0.8)
     run_d256(total, 2, rng)
     n += 1
@@ -1235,7 +1218,7 @@ print(
     "ok",
     n,
     "random schedules each for fwd, fwd (2-CTA cluster), dq, dkdv (dq modes 0-5), "
-    "dkdv and dq D = 512 (2-CTA clusters; their kPipe order; the dQ key split), "
+    "dkdv and dq D = 512 (2-CTA clusters, kPipe order, half exchange; the dQ key split), "
     "fwd D = 512 (2-CTA cluster, split D), dkdv D = 256 (warp-specialised, P^T / dS^T swaps), "
     "dkdv fused-dQ variants 1-3 (two dQ buffers, one reduction per block)",
 )

@@ -1,13 +1,8 @@
 // sm_90a D = 512 backward: warp-specialised dK/dV and dQ kernels on wgmma in 2-CTA clusters that
-// split the head dim: the default D = 512 backward on Hopper (H200, Hq 32, Hkv 4: 126.9 vs
-// 247.7 ms for the sm_80 backward at (16, 8192, 1024)); DUALKV_SM90_D512_BWD=0 runs the sm_80 one
-// (A/B, cross-check). Design and arithmetic: src/cuda/NOTES.md, "D = 512 dK/dV on wgmma".
-// kPipe (KernelPolicy::d512_bwd_pipe, the default; DUALKV_SM90_D512_BWD=1 without): each block's
-// exchange runs behind the previous block's dV/dK (dQ) products, and the exchange is the half
-// exchange (Ws512HalfExchange: each CTA finalises half of a warpgroup's rows and sends their P /
-// dS slices to the peer); NOTES.md, "D = 512 backward: the exchange behind the previous block's
-// products" and "Tenth session". What follows describes the plain (whole-partials) dK/dV kernel;
-// the dQ kernel is described above its Cfg.
+// split the head dim: the default D = 512 backward on Hopper; DUALKV_SM90_D512_BWD=0 runs the
+// sm_80 one (A/B, cross-check). Design and arithmetic: src/cuda/NOTES.md, "D = 512 dK/dV on
+// wgmma", "D = 512 backward: the exchange behind the previous block's products" and "Tenth
+// session". The dK/dV kernel (the dQ kernel is described above its Cfg):
 //   - One cluster of two CTAs per (64-key half of a key tile, kv head). CTA rank r holds columns
 //     [256r, 256r + 256) of K, V and of every Q / dO block, and owns those columns of dK and dV.
 //     Both CTAs walk the same query blocks of 64 in the fixed order of query_walk.cuh (as every
@@ -17,17 +12,20 @@
 //     {q head, count, first position, first row} or "end", through a 2-stage ring (as
 //     dkdv_ws_kernel_sm90).
 //   - Consumer warpgroup w (both own the CTA's 64 keys): the partial S^T and dP^T of queries
-//     32w..32w+31 over the CTA's 256 columns (m64n32k16 SS), sent with st.async to the same
-//     warpgroup of the peer CTA (distributed shared memory; the bytes complete the peer's xfull[w]
-//     barrier); once the peer's partials have arrived: S^T = own + peer (IEEE addition commutes,
-//     so both CTAs hold bitwise the same S and dP), P, dS (softcap: tanh of the summed S) for its
-//     32 queries, its P^T / dS^T A fragments to shared memory, a named barrier of both
-//     warpgroups, all four 16-query slices back, then dV += P^T dO and dK += dS^T Q on its 128
-//     columns (m64n128k16 RS).
-//   - Exchange buffer X[w] (16 KB per warpgroup): written by the peer's warpgroup w, read by w,
-//     then reused for w's slices (each thread overwrites only words it has read itself). The peer
-//     may send the next block's partials once all 8 consumer warps of this CTA have read the
-//     slices: they arrive on the peer's xfree barrier (8 remote warp arrivals per phase).
+//     32w..32w+31 over the CTA's 256 columns (m64n32k16 SS), then the half exchange with the same
+//     warpgroup of the peer CTA (Ws512HalfExchange; distributed shared memory, st.async bytes
+//     completing the peer's barriers): CTA r finalises 16 of the 32 queries. It sends the peer
+//     the partials of the other 16, adds the peer's partials of its own, computes P and dS
+//     (softcap: tanh of the summed S) of its 16, shares their P^T / dS^T slices with its other
+//     warpgroup through X (named barrier) and sends them to the peer. One CTA computes each P /
+//     dS element, so both CTAs use the same numbers.
+//   - Block j's dV += P^T dO and dK += dS^T Q (m64n128k16 RS on the warpgroup's 128 columns,
+//     the peer's slices arriving by then) are issued behind block j + 1's S^T / dP^T and retired
+//     inside block j + 1's exchange, so the round trip runs while the tensor cores work; block
+//     j's ring stage is released there.
+//   - Exchange buffer X[w] (16 KB per warpgroup): the peer's halves of the partials, the slices
+//     kept for the other warpgroup, the peer's slices; the xfree / xfree_d barriers tell the peer
+//     when it may refill them.
 // TMA reads whole boxes, so rows past a region's end (inside T) are neighbouring tokens; they are
 // masked (P = 0, dS = 0), as in the other warp-specialised kernels.
 #pragma once
@@ -62,11 +60,9 @@ struct Ws512Cfg {
   static constexpr int CONSUMERS = 256;
   static constexpr int X_VECS = 2 * HR / 4;          // float4s per thread: the two partials
   static constexpr int X_BYTES = X_VECS * 128 * 16;  // per consumer warpgroup
-  // The barriers of a ring of s stages (and sv of a separate V ring), xf xfree barriers and xd
-  // pairs of dS-exchange barriers: Ws512Bars<s, sv, xf, xd>.
-  static constexpr int nbars(int s, int sv, int xf = 1, int xd = 0) {
-    return 1 + 2 * s + 2 * sv + 2 + xf + 2 * xd;
-  }
+  // The barriers of a ring of s stages (and sv of a separate V ring), xf xfree barriers and two
+  // pairs of slice-exchange barriers: Ws512Bars<s, sv, xf>.
+  static constexpr int nbars(int s, int sv, int xf) { return 1 + 2 * s + 2 * sv + 2 + xf + 4; }
   static constexpr int PRODUCER_REGS = 40;
   static constexpr int CONSUMER_REGS = 232;
   static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "register pool of one CTA");
@@ -87,7 +83,7 @@ struct DkdvWs512Cfg : Ws512Cfg {
     float x[2][X_BYTES / 4];  // X[w] per consumer warpgroup
     float l[STAGES][2 * BM];  // per stage: lse2[BM], delta[BM]
     int meta[STAGES][4];      // per stage: the query block's record
-    uint64_t bar[nbars(STAGES, 0, 1, 2)];
+    uint64_t bar[nbars(STAGES, 0, 1)];
   };
   static_assert(sizeof(SharedStorage::k) == K_BYTES && sizeof(SharedStorage::q[0]) == Q_BYTES);
   static constexpr int OFF_V = int(offsetof(SharedStorage, v));
@@ -113,9 +109,10 @@ struct DkdvWs512Cfg : Ws512Cfg {
 // have arrived: the local arrive.expect_tx plus the peer's bytes) and xfree (XF = 1: the peer's 8
 // consumer warps have read their slices, so its X may be refilled; XF = 2: xfree(w), the peer's
 // warpgroup w's 4 warps have read its partials).
-template <int S, int SV, int XF = 1, int XD = 0>
+template <int S, int SV, int XF = 1>
 struct Ws512Bars {
-  static constexpr int NBARS = Ws512Cfg::nbars(S, SV, XF, XD);
+  static constexpr int XD = 2;  // xfull_d / xfree_d per warpgroup
+  static constexpr int NBARS = Ws512Cfg::nbars(S, SV, XF);
   uint32_t b0;
   __device__ __forceinline__ uint32_t full(int s) const { return b0 + 8u * (1 + s); }
   __device__ __forceinline__ uint32_t empty(int s) const { return b0 + 8u * (1 + S + s); }
@@ -127,8 +124,8 @@ struct Ws512Bars {
   __device__ __forceinline__ uint32_t xfree(int w) const {
     return b0 + 8u * (3 + 2 * S + 2 * SV + (XF > 1 ? w : 0));
   }
-  // XD = 2 (the kPipe kernels' half exchange): the peer's slices for warpgroup w's X have arrived
-  // / the peer's warps that read them (xd_count of init) have.
+  // The half exchange's slices: the peer's slices for warpgroup w's X have arrived / the peer's
+  // warps that read them (xd_count of init) have.
   __device__ __forceinline__ uint32_t xfull_d(int w) const {
     return b0 + 8u * (3 + 2 * S + 2 * SV + XF + w);
   }
@@ -160,98 +157,15 @@ struct Ws512Bars {
   }
 };
 
-// Consumer warpgroup cw's side of the exchange with the same warpgroup of the peer CTA, through
-// X[cw] at `off_x` (X_BYTES each): [X_VECS][128 threads] 16-byte words, first the two float4
-// partials (written by the peer with st.async), then this warpgroup's uint4 slices (each thread
-// overwrites only words it has read itself).
-struct Ws512Exchange {
-  using Cfg = Ws512Cfg;
-  static constexpr int V = Cfg::HR / 4;  // float4s of one partial
-  unsigned char* gx;                     // X[0] (generic address)
-  float4* mine;                          // this thread's first word of X[cw]
-  uint32_t peer_x;                       // the same word of the peer's X[cw]
-  uint32_t xfull, xfull_peer, xfree, peer;
-  int t;
-  template <class Bars>
-  __device__ __forceinline__ Ws512Exchange(unsigned char* gbase, uint32_t base, int off_x,
-                                           const Bars& bars, int cw, int t_, uint32_t peer_)
-      : gx(gbase + off_x),
-        mine(reinterpret_cast<float4*>(gbase + off_x + cw * Cfg::X_BYTES) + t_),
-        peer_x(ws::mapa_shared(base + uint32_t(off_x + cw * Cfg::X_BYTES + t_ * 16), peer_)),
-        xfull(bars.xfull(cw)),
-        xfull_peer(ws::mapa_shared(bars.xfull(cw), peer_)),
-        xfree(bars.xfree(cw)),
-        peer(peer_),
-        t(t_) {}
-  // Before the block's products: this block's phase of xfull[cw] completes on this arrival plus
-  // the peer's X_BYTES.
-  __device__ __forceinline__ void expect() const {
-    if (t == 0) ws::mbar_expect_tx(xfull, Cfg::X_BYTES);
-  }
-  __device__ __forceinline__ void send(const float (&v)[Cfg::HR], int w0) const {
-#pragma unroll
-    for (int i = 0; i < V; ++i)
-      ws::st_async_f32x4(peer_x + uint32_t((w0 + i) * 128 * 16), v[4 * i], v[4 * i + 1],
-                         v[4 * i + 2], v[4 * i + 3], xfull_peer);
-  }
-  // Block j's two products in flight (a, then b; two commit groups): each is sent to the peer as
-  // it completes, once the peer's X[cw] is free (its 8 consumer warps have read the previous
-  // block's slices); then the peer's partials of this block are added (IEEE addition commutes,
-  // so both CTAs hold bitwise the same sums).
-  __device__ __forceinline__ void swap_add(float (&a)[Cfg::HR], float (&b)[Cfg::HR], int j) const {
-    ws::mbar_wait(xfree, (uint32_t(j) & 1u) ^ 1u);
-    wg_wait<1>();  // a done, b in flight
-    fence_regs(a);
-    send(a, 0);
-    wg_wait<0>();
-    fence_regs(b);
-    send(b, V);
-    add_peer(a, b, j);
-  }
-  // Once the peer's partials of block j have arrived: a += peer's a, b += peer's b.
-  __device__ __forceinline__ void add_peer(float (&a)[Cfg::HR], float (&b)[Cfg::HR], int j) const {
-    ws::mbar_wait_cluster(xfull, uint32_t(j) & 1u);
-#pragma unroll
-    for (int i = 0; i < V; ++i) {
-      const float4 x = mine[i * 128], y = mine[(V + i) * 128];
-      a[4 * i] += x.x, a[4 * i + 1] += x.y, a[4 * i + 2] += x.z, a[4 * i + 3] += x.w;
-      b[4 * i] += y.x, b[4 * i + 1] += y.y, b[4 * i + 2] += y.z, b[4 * i + 3] += y.w;
-    }
-  }
-  // Word w of this thread's X[cw] <- the 16-row slice kl of v (an A fragment, packed to T).
-  template <typename T>
-  __device__ __forceinline__ void put_slice(int w, const float (&v)[Cfg::HR], int kl) const {
-    uint32_t q[4];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) q[c] = pack2<T>(v[8 * kl + 2 * c], v[8 * kl + 2 * c + 1]);
-    reinterpret_cast<uint4*>(mine)[w * 128] = make_uint4(q[0], q[1], q[2], q[3]);
-  }
-  // The A fragment in word w of this thread's place in warpgroup cw2's X (after the named barrier
-  // of both warpgroups).
-  __device__ __forceinline__ void get_slice(int cw2, int w, uint32_t (&f)[4]) const {
-    const uint4 u = (reinterpret_cast<const uint4*>(gx + cw2 * Cfg::X_BYTES) + t)[w * 128];
-    f[0] = u.x, f[1] = u.y, f[2] = u.z, f[3] = u.w;
-  }
-  // Both warpgroups' X of this CTA may be refilled by the peer once every warp is here (the proxy
-  // fence orders this thread's slice writes before the peer's st.async overwrites, in case those
-  // count as async-proxy writes; kSlices = false: X was only read).
-  template <bool kSlices = true>
-  __device__ __forceinline__ void release(int lane) const {
-    if constexpr (kSlices) fence_proxy_async();
-    __syncwarp();
-    if (lane == 0) ws::mbar_arrive_cluster(xfree, peer);  // maps xfree into the peer itself
-  }
-};
-
-// The half exchange of the kPipe kernels (consumer warpgroup cw with the same warpgroup of the
-// peer). Of the warpgroup's 32 query (dK/dV) or key (dQ) rows of the partials, CTA rank r
-// finalises the 16 rows 16r.. (fragment floats 8r..8r + 7 of the m64n32 accumulators): it sends
-// the peer the partials of the other 16 (8 KB per warpgroup instead of 16), adds the peer's
-// partials of its own, computes P and dS of its 16 rows only, and sends their NS slices (A
-// fragments: dS for dQ, P^T and dS^T for dK/dV; NS x 2 KB) to the peer, whose products use them a
-// block later (kPipe). One CTA computes each P / dS element, so both use the same numbers. Words of
-// X[w] (16 bytes per thread): 0-1 the S partial, 2-3 the dP partial, then LS words of slices kept
-// locally for the other warpgroup (dK/dV: LS = NS), then NS words of the peer's slices.
+// The half exchange (consumer warpgroup cw with the same warpgroup of the peer CTA). Of the
+// warpgroup's 32 query (dK/dV) or key (dQ) rows of the partials, CTA rank r finalises the 16 rows
+// 16r.. (fragment floats 8r..8r + 7 of the m64n32 accumulators): it sends the peer the partials of
+// the other 16 (8 KB per warpgroup instead of 16), adds the peer's partials of its own, computes P
+// and dS of its 16 rows only, and sends their NS slices (A fragments: dS for dQ, P^T and dS^T for
+// dK/dV; NS x 2 KB) to the peer, whose products use them a block later. One CTA computes each P /
+// dS element, so both use the same numbers. Words of X[w] (16 bytes per thread): 0-1 the S partial,
+// 2-3 the dP partial, then LS words of slices kept locally for the other warpgroup (dK/dV: LS =
+// NS), then NS words of the peer's slices.
 template <int NS, int LS, class Bars>
 struct Ws512HalfExchange : ws::PeerWords {
   using Cfg = Ws512Cfg;
@@ -371,14 +285,11 @@ struct Ws512HalfExchange : ws::PeerWords {
 };
 #endif
 
-// kPipe: block j's dV/dK products are issued behind block j + 1's S^T/dP^T (a third commit group)
-// and retired inside the exchange of block j + 1 (Ws512HalfExchange::swap_add_pipe), so the round
-// trip runs while the tensor cores work; the ring stage of block j is released there. With it the
-// half exchange: of warpgroup w's 32 queries CTA r finalises 16 (P^T, dS^T), shares their slices
-// with its other warpgroup through X (named barrier) and sends them to the peer, whose products
-// use them a block later; each CTA accumulates its local slices first, then the peer's
-// (deterministic: a fixed order per rank).
-template <typename T, bool kCap, bool kPipe = false>
+// Block j's dV/dK products are issued behind block j + 1's S^T/dP^T (a third commit group) and
+// retired inside the exchange of block j + 1 (Ws512HalfExchange::swap_add_pipe), so the round trip
+// runs while the tensor cores work; the ring stage of block j is released there. Each CTA
+// accumulates its local slices first, then the peer's (deterministic: a fixed order per rank).
+template <typename T, bool kCap>
 __global__ void __launch_bounds__(384, 1)
     dkdv_ws512_kernel_sm90(const __grid_constant__ DkdvWsArgs a) {
 #if DUALKV_SM90_BODY
@@ -391,7 +302,7 @@ __global__ void __launch_bounds__(384, 1)
   unsigned char* gbase = smem + (base - smem_u32(smem));
   const uint32_t sK = base, sV = base + Cfg::OFF_V;
   const uint32_t sQ0 = base + Cfg::OFF_Q, sdO0 = base + Cfg::OFF_DO, sL0 = base + Cfg::OFF_L;
-  const Ws512Bars<S, 0, 1, kPipe ? 2 : 0> bars{base + Cfg::OFF_BAR};
+  const Ws512Bars<S, 0, 1> bars{base + Cfg::OFF_BAR};
   const uint32_t bKV = bars.b0;
   auto meta = [&](int s) {
     return reinterpret_cast<volatile int*>(gbase + Cfg::OFF_META + 16 * s);
@@ -399,7 +310,7 @@ __global__ void __launch_bounds__(384, 1)
 
   // blockIdx.x = unit * 2 + rank, the unit ((tile * 2 + half) * Hkv + kv head, after key_order's
   // renumbering) shared by the two CTAs of a cluster, so they agree on validity and on the walk.
-  const uint32_t rank = blockIdx.x & 1u, peer = rank ^ 1u;
+  const uint32_t rank = blockIdx.x & 1u;
   const KeyTileCta<BN> cta(p, blockIdx.x >> 1);
   if (!cta.valid) return;  // both CTAs of the cluster, before any cluster barrier
   const int hk = cta.hk, k0 = cta.k0, nk = cta.nk, ksi = cta.ksi;
@@ -440,27 +351,21 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
     for (int i = 0; i < AR; ++i) dk[i] = dv[i] = 0.f;
     const float* lse_s = reinterpret_cast<const float*>(gbase + Cfg::OFF_L);
-    const Ws512Exchange x(gbase, base, Cfg::OFF_X, bars, cw, t, peer);
     const Ws512HalfExchange<2, 2, std::remove_cv_t<decltype(bars)>> hx(base, Cfg::OFF_X, bars, cw,
                                                                        t, rank);
     const uint32_t half = uint32_t(cw * DW / 64) * (BM * 128);  // this warpgroup's column blocks
-    // The P^T / dS^T A fragments of all BM queries (kPipe: block it - 1's, live across block it's
-    // S^T / dP^T until their dV/dK products have completed) and that block's stage. kPipe: [0..1]
-    // this CTA's slices of warpgroups 0, 1 (queries 16 (2w + rank)..), [2..3] the peer's.
+    // The P^T / dS^T A fragments of all BM queries of block it - 1 (live across block it's S^T /
+    // dP^T until their dV/dK products have completed) and that block's stage: [0..1] this CTA's
+    // slices of warpgroups 0, 1 (queries 16 (2w + rank)..), [2..3] the peer's.
     uint32_t pa[BM / 16][4], da[BM / 16][4];
     int prev_s = 0;
     // dV += P^T dO, dK += dS^T Q from stage st's tiles, issued.
     auto products = [&](int st) {
-      if constexpr (kPipe) {
-        const int rk = int(rank), rows[BM / 16] = {rk, 2 + rk, 1 - rk, 3 - rk};
-        wgmma_rs_acc_rows<T, DW, BM>(dv, pa, sdO0 + st * Cfg::Q_BYTES + half, rows);
-        wgmma_rs_acc_rows<T, DW, BM>(dk, da, sQ0 + st * Cfg::Q_BYTES + half, rows);
-      } else {
-        wgmma_rs_acc<T, DW, BM>(dv, pa, sdO0 + st * Cfg::Q_BYTES + half);
-        wgmma_rs_acc<T, DW, BM>(dk, da, sQ0 + st * Cfg::Q_BYTES + half);
-      }
+      const int rk = int(rank), rows[BM / 16] = {rk, 2 + rk, 1 - rk, 3 - rk};
+      wgmma_rs_acc_rows<T, DW, BM>(dv, pa, sdO0 + st * Cfg::Q_BYTES + half, rows);
+      wgmma_rs_acc_rows<T, DW, BM>(dk, da, sQ0 + st * Cfg::Q_BYTES + half, rows);
     };
-    // kPipe: the peer's slices of block jj (it may then send block jj + 1's).
+    // The peer's slices of block jj (it may then send block jj + 1's).
     auto recv_remote = [&](int jj) {
 #pragma unroll
       for (int w2 = 0; w2 < 2; ++w2) {
@@ -494,10 +399,7 @@ __global__ void __launch_bounds__(384, 1)
       const uint32_t sQ = sQ0 + s * Cfg::Q_BYTES, sdO = sdO0 + s * Cfg::Q_BYTES;
       const float* lse_c = lse_s + s * 2 * BM;
       const float* del_c = lse_c + BM;
-      if constexpr (kPipe)
-        hx.arm_partials();
-      else
-        x.expect();
+      hx.arm_partials();
 
       float sc[HR], dp[HR];
       wg_fence();
@@ -505,30 +407,26 @@ __global__ void __launch_bounds__(384, 1)
       wg_commit();
       wgmma_rows_cols<T, HQ, DH, BN, BM>(dp, sV, 0, sdO, q_off, 0);
       wg_commit();
-      if constexpr (kPipe) {
-        if (it > 0) {  // block it - 1's dV += P^T dO, dK += dS^T Q (its fragments, its stage)
-          recv_remote(it - 1);
-          hx.arm_slices();  // block it's phase (block it - 1's has completed)
-          wg_fence();       // (ptxas injects it otherwise: the fragments' registers)
-          products(prev_s);
-          wg_commit();
-          hx.template swap_add_pipe<3, false>(
-              sc, dp, it, [] {},
-              [&] {
-                fence_regs(dv, dk, pa, da);
-                ws::mbar_arrive(bars.empty(prev_s));
-              });
-        } else {
-          hx.arm_slices();
-          hx.template swap_add_pipe<2, false>(sc, dp, it, [] {}, [] {});
-        }
+      if (it > 0) {  // block it - 1's dV += P^T dO, dK += dS^T Q (its fragments, its stage)
+        recv_remote(it - 1);
+        hx.arm_slices();  // block it's phase (block it - 1's has completed)
+        wg_fence();       // (ptxas injects it otherwise: the fragments' registers)
+        products(prev_s);
+        wg_commit();
+        hx.template swap_add_pipe<3, false>(
+            sc, dp, it, [] {},
+            [&] {
+              fence_regs(dv, dk, pa, da);
+              ws::mbar_arrive(bars.empty(prev_s));
+            });
       } else {
-        x.swap_add(sc, dp, it);  // S^T and dP^T of the whole head dim
+        hx.arm_slices();
+        hx.template swap_add_pipe<2, false>(sc, dp, it, [] {}, [] {});
       }
-      // P (and dsoftcap) and dS of this warpgroup's queries (kPipe: of this CTA's 16 of them,
-      // floats 0..7 after own_half_first), as dkdv_kernel_sm90's kSplitD.
-      constexpr int NF = kPipe ? decltype(hx)::H : HR;
-      const int qf = q_off + (kPipe ? 16 * int(rank) : 0);
+      // P (and dsoftcap) and dS of this CTA's 16 of the warpgroup's queries (floats 0..7 after
+      // own_half_first), as dkdv_kernel_sm90's kSplitD.
+      constexpr int NF = decltype(hx)::H;
+      const int qf = q_off + 16 * int(rank);
 #pragma unroll
       for (int i = 0; i < NF; ++i) {
         const int qc = qf + (i >> 2) * 8 + 2 * tq + (i & 1);
@@ -546,51 +444,30 @@ __global__ void __launch_bounds__(384, 1)
             return DUALKV_VISIBLE_KQ(p.mask, kr, nk, pk_first, qc, nq, pq_first);
           },
           [&](int i) { sc[i] = dp[i] = 0.f; });
-      if constexpr (kPipe) {
-        // This CTA's 16-query slices of P^T and dS^T: to the other warpgroup through X[cw] and
-        // to the peer; the local ones of both warpgroups back (the peer's arrive by next block).
-        uint32_t own[2][4];
+      // This CTA's 16-query slices of P^T and dS^T: to the other warpgroup through X[cw] and to
+      // the peer; the local ones of both warpgroups back (the peer's arrive by next block).
+      uint32_t own[2][4];
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          own[0][c] = pack2<T>(sc[2 * c], sc[2 * c + 1]);
-          own[1][c] = pack2<T>(dp[2 * c], dp[2 * c + 1]);
-        }
-        hx.put_local(own);
-        hx.send_slices(own, it);
-        ws::bar_sync(1, NC);
-#pragma unroll
-        for (int w2 = 0; w2 < 2; ++w2) {
-          hx.get_local(w2, 0, pa[w2]);
-          hx.get_local(w2, 1, da[w2]);
-        }
-        hx.release();    // X's partial words, once both warpgroups have read the local slices
-        fence_regs(pa);  // in registers before the next block's wgmma.fence
-        fence_regs(da);
-        prev_s = s;  // the products go behind the next block's S^T / dP^T
-      } else {
-        // This warpgroup's two 16-query slices of P^T (words 0, 1) and dS^T (words 2, 3) into
-        // X[cw], then all four of each back.
-#pragma unroll
-        for (int kl = 0; kl < HQ / 16; ++kl) {
-          x.put_slice<T>(kl, sc, kl);
-          x.put_slice<T>(HQ / 16 + kl, dp, kl);
-        }
-        ws::bar_sync(1, NC);
-#pragma unroll
-        for (int kt = 0; kt < BM / 16; ++kt) {
-          const int w = kt / (HQ / 16), kl = kt % (HQ / 16);
-          x.get_slice(w, kl, pa[kt]);
-          x.get_slice(w, HQ / 16 + kl, da[kt]);
-        }
-        x.release(lane);
-        retire(s);
+      for (int c = 0; c < 4; ++c) {
+        own[0][c] = pack2<T>(sc[2 * c], sc[2 * c + 1]);
+        own[1][c] = pack2<T>(dp[2 * c], dp[2 * c + 1]);
       }
+      hx.put_local(own);
+      hx.send_slices(own, it);
+      ws::bar_sync(1, NC);
+#pragma unroll
+      for (int w2 = 0; w2 < 2; ++w2) {
+        hx.get_local(w2, 0, pa[w2]);
+        hx.get_local(w2, 1, da[w2]);
+      }
+      hx.release();    // X's partial words, once both warpgroups have read the local slices
+      fence_regs(pa);  // in registers before the next block's wgmma.fence
+      fence_regs(da);
+      prev_s = s;  // the products go behind the next block's S^T / dP^T
     }
-    if constexpr (kPipe) {
-      if (it > 0) {  // the last block's products
-        recv_remote(it - 1);
-        retire(prev_s);
-      }
+    if (it > 0) {  // the last block's products
+      recv_remote(it - 1);
+      retire(prev_s);
     }
     store_dkdv_rows<T, Cfg::D, DW>(p, dk, dv, k0, nk, hk, kr0, cb0 + cw * DW, tq);
   }
@@ -607,18 +484,16 @@ __global__ void __launch_bounds__(384, 1)
 // dQ_w += dS K[its 32 keys] on all 256 columns (m64n256k16 RS, 128 accumulator registers). The two
 // warpgroups never meet inside the loop (no shared slices, no named barrier, an xfree barrier
 // each), so one's exchange wait overlaps the other's products; after the loop they add their two
-// partial dQ through shared memory (the K ring's tiles), each finishing 128 columns.
-//   - kPipe (the default): the half exchange (Ws512HalfExchange: each CTA finalises 16 of the 32
-//     keys and sends the peer their dS slice), block j's product behind block j + 1's S / dP.
-//   - otherwise (DUALKV_SM90_D512_BWD=1): the whole partials exchanged (Ws512Exchange), the
-//     product of each block in its own turn.
+// partial dQ through shared memory (the K ring's tiles), each finishing 128 columns. The exchange
+// is the half exchange (Ws512HalfExchange: each CTA finalises 16 of the 32 keys and sends the peer
+// their dS slice), block j's product behind block j + 1's S / dP.
 // Same accumulation order in every run (the walk is fixed): deterministic.
 struct DqWs512Cfg : Ws512Cfg {
   static constexpr int HK = HP;                 // keys of a warpgroup's S / dP
   static constexpr int Q_BYTES = BM * DH * 2;   // one CTA's half of Q (and of dO)
   static constexpr int KV_BYTES = BN * DH * 2;  // its half of a K (and V) block
-  // K and V on separate rings: the consumers hold a K tile for two blocks (kPipe: block j's dQ
-  // product runs in block j + 1) but a V tile only until block j's dP, so 3 K stages + 1 V stage
+  // K and V on separate rings: the consumers hold a K tile for two blocks (block j's dQ product
+  // runs in block j + 1) but a V tile only until block j's dP, so 3 K stages + 1 V stage
   // keep a load of each in flight in the 4 tiles that 2 stages of both used.
   static constexpr int K_STAGES = 3, V_STAGES = 1;
   static constexpr int STAGES = 0;  // hides Ws512Cfg::STAGES (the dK/dV kernel's ring)
@@ -628,7 +503,7 @@ struct DqWs512Cfg : Ws512Cfg {
     uint16_t k[K_STAGES][BN * DH];
     uint16_t v[V_STAGES][BN * DH];
     float x[2][X_BYTES / 4];  // X[w] per consumer warpgroup
-    uint64_t bar[nbars(K_STAGES, V_STAGES, 2, 2)];
+    uint64_t bar[nbars(K_STAGES, V_STAGES, 2)];
   };
   static_assert(sizeof(SharedStorage::q) == Q_BYTES && sizeof(SharedStorage::k[0]) == KV_BYTES);
   static constexpr int OFF_DO = int(offsetof(SharedStorage, dout));
@@ -644,7 +519,7 @@ struct DqWs512Cfg : Ws512Cfg {
   static_assert(2 * BM * DW * 4 <= K_STAGES * KV_BYTES, "the dQ halves fit in the K ring");
 };
 
-template <typename T, bool kCap, bool kPipe = false>
+template <typename T, bool kCap>
 __global__ void __launch_bounds__(384, 1)
     dq_ws512_kernel_sm90(const __grid_constant__ DkdvWsArgs a) {
 #if DUALKV_SM90_BODY
@@ -658,11 +533,11 @@ __global__ void __launch_bounds__(384, 1)
   unsigned char* gbase = smem + (base - smem_u32(smem));
   const uint32_t sQ = base, sdO = base + Cfg::OFF_DO, sK0 = base + Cfg::OFF_K,
                  sV0 = base + Cfg::OFF_V;
-  const Ws512Bars<S, SV, 2, kPipe ? 2 : 0> bars{base + Cfg::OFF_BAR};
+  const Ws512Bars<S, SV, 2> bars{base + Cfg::OFF_BAR};
   const uint32_t bQ = bars.b0;
 
   // blockIdx.x = ((tile * 2 + half) * Hq + q head) * 2 + rank (see dkdv_ws512_kernel_sm90).
-  const uint32_t rank = blockIdx.x & 1u, peer = rank ^ 1u;
+  const uint32_t rank = blockIdx.x & 1u;
   const QueryTileCta<BM> cta(p, blockIdx.x >> 1);
   if (!cta.valid) return;  // both CTAs of the cluster, before any cluster barrier
   const int h = cta.h, hk = cta.hk, q0 = cta.q0, nq = cta.nq;
@@ -697,13 +572,12 @@ __global__ void __launch_bounds__(384, 1)
     float acc[DH / 2];  // this warpgroup's keys' share of the CTA's DH columns of dQ
 #pragma unroll
     for (int i = 0; i < DH / 2; ++i) acc[i] = 0.f;
-    const Ws512Exchange x(gbase, base, Cfg::OFF_X, bars, cw, t, peer);
     const Ws512HalfExchange<1, 0, std::remove_cv_t<decltype(bars)>> hx(base, Cfg::OFF_X, bars, cw,
                                                                        t, rank);
-    // The dS A fragments of the warpgroup's HK keys (kPipe: block j - 1's until its product has
-    // completed; built from this CTA's slice and the peer's) and that block's stage.
+    // The dS A fragments of the warpgroup's HK keys of block j - 1 until its product has completed
+    // (built from this CTA's slice and the peer's) and that block's stage.
     uint32_t da[HK / 16][4], ds_own[1][4], ds_other[4];
-    // kPipe: the peer's dS slice of block jj (it may then send block jj + 1's).
+    // The peer's dS slice of block jj (it may then send block jj + 1's).
     auto recv_slice = [&](int jj) {
       hx.wait_remote(cw, jj);
       hx.get_remote(cw, 0, ds_other);
@@ -731,10 +605,7 @@ __global__ void __launch_bounds__(384, 1)
       ws::mbar_wait(bars.full(s), Ring<S>::full_parity(j));
       ws::mbar_wait(bars.fullv(sv), Ring<SV>::full_parity(j));
       const uint32_t sK = sK0 + s * Cfg::KV_BYTES, sV = sV0 + sv * Cfg::KV_BYTES;
-      if constexpr (kPipe)
-        hx.arm_partials();
-      else
-        x.expect();
+      hx.arm_partials();
 
       float sc[HR], dp[HR];
       wg_fence();
@@ -742,35 +613,29 @@ __global__ void __launch_bounds__(384, 1)
       wg_commit();
       wgmma_rows_cols<T, HK, DH, BM, BN>(dp, sdO, 0, sV, k_off, 0);
       wg_commit();
-      if constexpr (kPipe) {
-        if (j > 0) {  // block j - 1's dQ += dS K, once the peer's dS slice is here
-          recv_slice(j - 1);
-          hx.order(da, ds_own[0], ds_other);
-          hx.arm_slices();  // block j's phase (block j - 1's has completed)
-          wg_fence();
-          product(prev_s);
-          wg_commit();
-          hx.template swap_add_pipe<3, true>(
-              sc, dp, j, [&] { ws::mbar_arrive(bars.emptyv(sv)); },  // dP has read V_j
-              [&] {
-                fence_regs(acc, da);
-                ws::mbar_arrive(bars.empty(prev_s));
-              });
-        } else {
-          hx.arm_slices();
-          hx.template swap_add_pipe<2, true>(
-              sc, dp, j, [&] { ws::mbar_arrive(bars.emptyv(sv)); }, [] {});
-        }
+      if (j > 0) {  // block j - 1's dQ += dS K, once the peer's dS slice is here
+        recv_slice(j - 1);
+        hx.order(da, ds_own[0], ds_other);
+        hx.arm_slices();  // block j's phase (block j - 1's has completed)
+        wg_fence();
+        product(prev_s);
+        wg_commit();
+        hx.template swap_add_pipe<3, true>(
+            sc, dp, j, [&] { ws::mbar_arrive(bars.emptyv(sv)); },  // dP has read V_j
+            [&] {
+              fence_regs(acc, da);
+              ws::mbar_arrive(bars.empty(prev_s));
+            });
       } else {
-        x.swap_add(sc, dp, j);  // S and dP of the whole head dim
-        ws::mbar_arrive(bars.emptyv(sv));
-        x.release<false>(lane);  // X[cw] held only the partials
+        hx.arm_slices();
+        hx.template swap_add_pipe<2, true>(
+            sc, dp, j, [&] { ws::mbar_arrive(bars.emptyv(sv)); }, [] {});
       }
-      // P and dS (kPipe: of this CTA's 16 keys, floats 0..7 after own_half_first).
+      // P and dS of this CTA's 16 keys (floats 0..7 after own_half_first).
       const auto kb = walk.at(j);
       const bool msk = walk.masked(kb, nq, BM, p.mask);
-      constexpr int NF = kPipe ? decltype(hx)::H : HR;
-      const int kr0 = kb.off + k_off + (kPipe ? 16 * int(rank) : 0);
+      constexpr int NF = decltype(hx)::H;
+      const int kr0 = kb.off + k_off + 16 * int(rank);
 #pragma unroll
       for (int i = 0; i < NF; ++i) {
         const int r = (i >> 1) & 1;
@@ -785,22 +650,15 @@ __global__ void __launch_bounds__(384, 1)
             return DUALKV_VISIBLE(p.mask, kb, pq_first + row0 + 8 * ((i >> 1) & 1), kr);
           },
           [&](int i) { dp[i] = 0.f; });
-      if constexpr (kPipe) {
 #pragma unroll
-        for (int c = 0; c < 4; ++c) ds_own[0][c] = pack2<T>(dp[2 * c], dp[2 * c + 1]);
-        hx.send_slices(ds_own, j);  // the product waits for the peer's slice (next block)
-        prev_s = s;
-      } else {
-        pack_a_frag<T>(da, dp);
-        retire(s);
-      }
+      for (int c = 0; c < 4; ++c) ds_own[0][c] = pack2<T>(dp[2 * c], dp[2 * c + 1]);
+      hx.send_slices(ds_own, j);  // the product waits for the peer's slice (next block)
+      prev_s = s;
     }
-    if constexpr (kPipe) {
-      if (total > 0) {  // the last block's product
-        recv_slice(total - 1);
-        hx.order(da, ds_own[0], ds_other);
-        retire(prev_s);
-      }
+    if (total > 0) {  // the last block's product
+      recv_slice(total - 1);
+      hx.order(da, ds_own[0], ds_other);
+      retire(prev_s);
     }
     // acc holds this warpgroup's keys' share of all DH columns; warpgroup cw finishes columns
     // [DW cw, DW cw + DW): it hands the other half to the other warpgroup through the K ring
@@ -834,9 +692,9 @@ __global__ void __launch_bounds__(384, 1)
 
 // D = 512 backward on wgmma: preprocess, the dK/dV kernel, then the dQ kernel above. Atomic-free
 // and bitwise reproducible. False (nothing launched) when a tensor map cannot be encoded: the
-// caller then runs the sm_80 backward. pipe: the kPipe kernels (KernelPolicy::d512_bwd_pipe);
+// caller then runs the sm_80 backward.
 template <typename T>
-bool launch_backward_sm90_d512(const BwdParams& p, cudaStream_t stream, bool pipe) {
+bool launch_backward_sm90_d512(const BwdParams& p, cudaStream_t stream) {
   using C = DkdvWs512Cfg;
   constexpr int D = C::D;
   if (int64_t(p.T) * p.Hq == 0) return true;
@@ -846,11 +704,8 @@ bool launch_backward_sm90_d512(const BwdParams& p, cudaStream_t stream, bool pip
   const bool cap = p.softcap > 0.f;
   const int64_t grid = int64_t(p.nkt) * (kTileSize / C::BN) * p.Hkv * C::CLUSTER;
   if (grid > 0) {
-    auto* kv =
-        cap ? dkdv_ws512_kernel_sm90<T, true, false> : dkdv_ws512_kernel_sm90<T, false, false>;
-    if (pipe)
-      kv = cap ? dkdv_ws512_kernel_sm90<T, true, true> : dkdv_ws512_kernel_sm90<T, false, true>;
-    launch_kernel(kv, grid, C::THREADS, C::SMEM, stream, a,
+    launch_kernel(cap ? dkdv_ws512_kernel_sm90<T, true> : dkdv_ws512_kernel_sm90<T, false>, grid,
+                  C::THREADS, C::SMEM, stream, a,
                   "dualkv backward dk/dv D=512 (sm90a, warp-specialised, 2-CTA clusters)",
                   C::CLUSTER);
   }
@@ -859,9 +714,8 @@ bool launch_backward_sm90_d512(const BwdParams& p, cudaStream_t stream, bool pip
   using QW = DqWs512Cfg;
   const int64_t grid_q = int64_t(p.nqt) * (kTileSize / QW::BM) * p.Hq * QW::CLUSTER;
   if (grid_q > 0) {
-    auto* kq = cap ? dq_ws512_kernel_sm90<T, true, false> : dq_ws512_kernel_sm90<T, false, false>;
-    if (pipe) kq = cap ? dq_ws512_kernel_sm90<T, true, true> : dq_ws512_kernel_sm90<T, false, true>;
-    launch_kernel(kq, grid_q, QW::THREADS, QW::SMEM, stream, a,
+    launch_kernel(cap ? dq_ws512_kernel_sm90<T, true> : dq_ws512_kernel_sm90<T, false>, grid_q,
+                  QW::THREADS, QW::SMEM, stream, a,
                   "dualkv backward dq D=512 (sm90a, warp-specialised, 2-CTA clusters)",
                   QW::CLUSTER);
   }

@@ -41,7 +41,7 @@ bool launch_backward_sm90_ws(const BwdParams& p, const KernelPolicy& policy, cud
 // splitting the head dim; the caller skips it when KernelPolicy::d512_bwd_sm90 is false).
 // False (nothing launched) when a tensor map cannot be encoded.
 template <typename T>
-bool launch_backward_sm90_d512(const BwdParams& p, cudaStream_t stream, bool pipe = false);
+bool launch_backward_sm90_d512(const BwdParams& p, cudaStream_t stream);
 
 // D = 256 backward with sm90_bwd256_ws.cuh's warp-specialised dK/dV kernel, then the
 // warp-specialised dQ pass (KernelPolicy::d256_bwd_ws, the default). False (nothing launched,
