@@ -16,7 +16,7 @@ num_global_key_value_heads), RoPE per layer type (proportional partial factors, 
 Llama 3), per-layer input embeddings without shared layers, final-logit softcap off, untied
 LM head, temperature, one response, responses and prompts of one token; Gemma 3 and Gemma 2 with
 their query_pre_attn_scalar, attention softcap and windows; Gemma 3n (AltUp, LAuReL, shared KV,
-activation sparsity).
+activation sparsity); Gemma 3's multimodal class on text.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def _gemma4(family: str = "gemma4", layer_types: list[str] | None = None, **kw: 
     return Gemma4TextConfig(**d)
 
 
-# window: 1 (each token alone), 2, 6/7 (the longest prompts' ends), beyond every row
+# window: 1 (each token alone), 2, 7 (inside the longer prompts and rows), beyond every row
 @pytest.mark.parametrize("window", [1, 2, 7, 40])
 def test_gemma4_windows(seed, window):
     config = gemma4_config("gemma4-keqv", window=window)
@@ -263,3 +263,31 @@ def test_gemma3n(seed):
             if p.dim() >= 2:
                 p.normal_(0.0, 0.15 if "embed" in name else 0.08)
     check_against_rows(model, seed, 0.9)
+
+
+def _gemma3_multimodal(seed: int, final_logit_softcapping: float | None):
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = _edit(tiny_config("gemma3"), final_logit_softcapping=final_logit_softcapping)
+    vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
+    config = Gemma3Config(text_config=text.to_dict(), vision_config=vision, mm_tokens_per_image=4)
+    torch.manual_seed(seed % 1000)
+    model = Gemma3ForConditionalGeneration(config).double().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.5 if "embed" in name else 0.08)
+    return model
+
+
+@pytest.mark.parametrize("final_logit_softcapping", [None, 15.0])
+def test_gemma3_multimodal_class_without_final_softcap(seed, final_logit_softcapping):
+    """Gemma3ForConditionalGeneration never applies its text config's final_logit_softcapping
+    (only Gemma3ForCausalLM does): the packed head soft-capped anyway, log-probs 18.8 off the
+    model's own rows (gradients 88% off) with a cap of 15. The packed head follows the class."""
+    model = _gemma3_multimodal(seed, final_logit_softcapping)
+    check_against_rows(model, seed)
+    assert dkt.lm_head_softcap(model) is None
+    causal = tiny_model("gemma3", torch.float64, seed % 1000)
+    assert dkt.lm_head_softcap(causal) == causal.config.final_logit_softcapping == 15.0

@@ -772,6 +772,10 @@ def _logit_scale(text_config: Any) -> float:
 def lm_head_softcap(model: PreTrainedModel) -> float | None:
     """The final logit soft-capping the packed LM head applies (Gemma's), or None.
 
+    The text config's ``final_logit_softcapping``, where the model's forward applies it: a class
+    whose forward never reads it (Gemma 3's ``Gemma3ForConditionalGeneration``, although its
+    text config has the field) computes its logits without the cap, and so does the packed head.
+
     Raises ``NotImplementedError`` for a model that scales its logits (Cohere's ``logit_scale``,
     Granite's ``logits_scaling``, ...): scoring them unscaled would be a silent wrong answer.
     """
@@ -782,7 +786,50 @@ def lm_head_softcap(model: PreTrainedModel) -> float | None:
             f"{type(model).__name__} scales its logits by {scale} (logit_scale / logits_scaling "
             "in its config); DualKV's packed LM head does not support logit scaling yet"
         )
-    return getattr(text_config, "final_logit_softcapping", None)
+    softcap = getattr(text_config, "final_logit_softcapping", None)
+    if softcap and not _forward_reads(model, "final_logit_softcapping"):
+        return None
+    return softcap
+
+
+_FORWARD_READS: dict[tuple[type, str], bool] = {}
+
+
+def _forward_reads(model: Any, name: str) -> bool:
+    """Whether the forward of ``model``'s class (any ``forward`` in its MRO, as defined by a
+    transformers model) reads the attribute ``name``; True when that cannot be told (a wrapper
+    that is not a transformers model, a forward that is not Python code), so that only a
+    transformers model whose every forward is known not to read it counts as not reading it."""
+    from transformers import PreTrainedModel
+
+    get_base = getattr(model, "get_base_model", None)  # a PEFT wrapper: the model it wraps
+    if not isinstance(model, PreTrainedModel) and callable(get_base):
+        model = get_base()
+    if not isinstance(model, PreTrainedModel):
+        return True
+    cls = type(model)
+    key = (cls, name)
+    if key not in _FORWARD_READS:
+        reads = False
+        for klass in cls.__mro__:
+            fn = vars(klass).get("forward")
+            if fn is None:
+                continue
+            code = getattr(inspect.unwrap(fn), "__code__", None)
+            if code is None or name in _code_names(code):
+                reads = True
+                break
+        _FORWARD_READS[key] = reads
+    return _FORWARD_READS[key]
+
+
+def _code_names(code: Any) -> set[str]:
+    """The attribute and global names a code object (and the functions defined in it) uses."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _code_names(const)
+    return names
 
 
 def _lm_head(model: PreTrainedModel) -> tuple[torch.Tensor, torch.Tensor | None, float | None]:
