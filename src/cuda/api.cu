@@ -224,7 +224,6 @@ KernelPolicy resolve_policy(bool deterministic) {
   pol.pingpong = !is("DUALKV_SM90_PINGPONG", '0');
   pol.fused_dq = !deterministic && !is("DUALKV_FUSED_DQ", '0');
   pol.d512_bwd_sm90 = !is("DUALKV_SM90_D512_BWD", '0');
-  pol.d512_fwd_cluster = !is("DUALKV_SM90_D512_FWD", '0');
   pol.d256_bwd_ws = !is("DUALKV_SM90_D256_BWD", '0');
   pol.bwd_key_chunk = is("DUALKV_BWD_KEY_ORDER", '0')   ? 0
                       : is("DUALKV_BWD_KEY_ORDER", '1') ? 16
@@ -314,12 +313,13 @@ void attention_forward(const ForwardArgs& a, cudaStream_t stream) {
     using T = decltype(t);
     constexpr int D = decltype(d)::value;
 #if DUALKV_HAS_SM90A
-    // D = 512: the cluster forward first (false: a TMA map could not be encoded).
+    // The warp-specialised FA3-style forward; D = 512 on 2-CTA clusters (false: a TMA map could
+    // not be encoded).
     if constexpr (D == 512) {
-      if (pol.sm90 && pol.d512_fwd_cluster && launch_forward_sm90_d512c<T>(p, pol, stream)) return;
+      if (pol.sm90 && launch_forward_sm90_d512c<T>(p, pol, stream)) return;
+    } else {
+      if (pol.sm90 && launch_forward_sm90_ws<T, D>(p, pol, stream)) return;
     }
-    // Warp-specialised FA3-style forward, every head dim (false: a TMA map could not be encoded).
-    if (pol.sm90 && launch_forward_sm90_ws<T, D>(p, pol, stream)) return;
 #endif
     launch_forward_sm80<T, D>(p, pol.sm80_small_smem(D), stream);
   });

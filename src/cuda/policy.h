@@ -40,11 +40,6 @@ struct KernelPolicy {
   // sm_80 backward at (16, 8192, 1024), Hq 32, Hkv 4, H200); DUALKV_SM90_D512_BWD=0 runs the
   // sm_80 one (A/B, cross-check).
   bool d512_bwd_sm90 = true;
-  // D = 512 forward on sm_90a: sm90/sm90_fwd512_cluster.cuh (2-CTA clusters splitting the head
-  // dim, partial S over distributed shared memory, BN = 64, ping-pong; H200: 25.7 vs 29.0 ms at
-  // (16, 8192, 1024)); DUALKV_SM90_D512_FWD=0 runs fwd_ws_kernel_sm90's single-CTA KSPLIT = 2
-  // kernel (A/B).
-  bool d512_fwd_cluster = true;
   // D = 256 backward on sm_90a: sm90/sm90_bwd256_ws.cuh's warp-specialised dK/dV kernel (TMA
   // producer warp, 2-stage ring) + the warp-specialised dQ pass (sm90_dq_ws.cuh, 3 stages);
   // DUALKV_SM90_D256_BWD=0 the synchronous D = 256 backward (A/B; backward 28-36% slower).

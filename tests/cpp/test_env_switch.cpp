@@ -78,7 +78,7 @@ TEST(EnvSwitch, EverySwitchTakesExactlyItsDigits) {
 }
 
 TEST(EnvSwitch, RemovedSwitchesWarn) {
-  for (const char* name : {"DUALKV_ATOMIC_DQ", "DUALKV_SM90_WS"}) {
+  for (const char* name : {"DUALKV_ATOMIC_DQ", "DUALKV_SM90_WS", "DUALKV_SM90_D512_FWD"}) {
     for (const char* v : {"0", "1", "5"}) {
       const std::string w = removed_switch_warning(name, v);
       EXPECT_NE(w.find(std::string(name) + "=" + v + " was removed and is ignored"),

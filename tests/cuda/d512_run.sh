@@ -9,10 +9,8 @@
 # (DUALKV_SM90_D512_BWD=0, --path sm90-d512-sm80): the matrix + race of both, memcheck of the
 # default, the backward timed on both, ncu kernel durations of the default.
 # fwd2: the default path's D = 512 matrix + race 20 and memcheck on --small, then the D = 512
-# cluster forward (the default; DUALKV_SM90_D512_FWD=0, --path sm90-d512fwd-1cta, is the
-# single-CTA one) timed side by side with the single-CTA one at both shapes (one process), ncu
-# kernel durations of both. Under 4 minutes. (The bwd3 step, the D = 512 backward with and
-# without kPipe, went with the kernels without it.)
+# cluster forward timed at both shapes and its ncu kernel durations. Under 4 minutes. (The bwd3
+# step and fwd2's single-CTA forward went with the kernels they compared.)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-.out/d512}"
@@ -133,15 +131,15 @@ for s in "${steps[@]}"; do
     fi ;;
   fwd2)
     if check_default; then
-      echo "== bench: forward, the cluster forward (default) vs the single-CTA one (one process; bwd = the default one) =="
+      echo "== bench: the cluster forward (both shapes) =="
       timeout 40 $BIN --no-check --bench --bench-reps 5 \
-        --path default,sm90-d512fwd-1cta "${SHAPES[@]}" >"$OUT/fwd2_bench.log" 2>&1
+        --path default "${SHAPES[@]}" >"$OUT/fwd2_bench.log" 2>&1
       echo "rc=$?"; grep "^|" "$OUT/fwd2_bench.log" | grep -v "^|---" | tail -n +2 | cut -d"|" -f2-3
-      echo "== ncu forward kernel durations (both shapes, cluster then single-CTA) =="
+      echo "== ncu forward kernel durations (both shapes) =="
       timeout 50 ncu --clock-control none \
         --metrics gpu__time_duration.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
-        -k "regex:fwd_ws|fwd_d512" $BIN --no-check --bench --bench-reps 1 \
-        --path default,sm90-d512fwd-1cta "${SHAPES[@]}" >"$OUT/fwd2_ncu.log" 2>&1
+        -k "regex:fwd_d512" $BIN --no-check --bench --bench-reps 1 \
+        --path default "${SHAPES[@]}" >"$OUT/fwd2_ncu.log" 2>&1
       echo "rc=$?"
       # kernel, grid, duration, tensor pipe active (% of peak)
       awk '/^  void /{n=$2; sub(/<.*/,"",n); g=$0; sub(/.*\) \(/,"(",g); sub(/\)x.*/,")",g)}

@@ -4,7 +4,7 @@
 #   bash tests/cuda/device_run.sh [test] [sanitize] [bench]
 # Every step covers each kernel path of dualkv_cuda_test's kPaths (default = sm_90a on Hopper,
 # sm80, sm90-nopp, and the A/B paths sm90-sepdq at D <= 128, sm90-d256-sync at
-# D = 256, sm90-d512-sm80 / sm90-d512fwd-1cta at D = 512); racecheck runs the
+# D = 256, sm90-d512-sm80 at D = 512); racecheck runs the
 # sm80 path only (on the wgmma paths it outruns its time limit).
 set -uo pipefail
 cd "$(dirname "$0")/../.."

@@ -3,7 +3,7 @@
 //   dualkv_cuda_test [--seed S] [--quick] [--small] [--no-check] [--race N] [--random N]
 //                    [--bench] [--bench-reps N] [--bench-rounds N]
 //                    [--path default|sm80|sm90-nopp|sm90-sepdq|sm90-d512-sm80|
-//                            sm90-d512fwd-1cta|sm90-d256-sync|key-chunk0|
+//                            sm90-d256-sync|key-chunk0|
 //                            key-chunk16|key-chunk32|key-chunk64|sm80-d512-small|
 //                            sm80-d256-small]
 //                    [--shape N,P,R,Hq,Hkv,D | multi,Hq,Hkv,D]...
@@ -28,14 +28,13 @@
 // the default (sm_90a on Hopper: fused dQ at D = 64/128 unless deterministic, the wgmma D = 512
 // backward), the sm_80 one (DUALKV_FORCE_SM80=1), ping-pong off (DUALKV_SM90_PINGPONG=0: forward
 // and dQ kernels), and for A/B: at D <= 128 the separate dQ pass in the default mode
-// (DUALKV_FUSED_DQ=0), at D = 512 the sm_80 backward (DUALKV_SM90_D512_BWD=0) and the single-CTA
-// forward instead of the 2-CTA cluster one (DUALKV_SM90_D512_FWD=0); at D = 256 the synchronous
-// backward (sm90-d256-sync: DUALKV_SM90_D256_BWD=0); the dK/dV CTAs in chunks of key tiles with the
-// kv heads outer (key-chunk16/32/64: DUALKV_BWD_KEY_ORDER=1/2/3; 32 at every head dim, the others
-// at 64/128; key-chunk0 at D = 64, where the default is 32: the kv heads side by side); at D = 512
-// the sm_80 kernels' small shared-memory configs, which GPUs with less than 227 KB per block run
-// (sm80-d512-small: DUALKV_SM80_SMALL_SMEM=1, which implies the sm_80 path), and at D = 256 those
-// that GPUs with less than 128 KB run (sm80-d256-small, the same switch).
+// (DUALKV_FUSED_DQ=0), at D = 512 the sm_80 backward (DUALKV_SM90_D512_BWD=0); at D = 256 the
+// synchronous backward (sm90-d256-sync: DUALKV_SM90_D256_BWD=0); the dK/dV CTAs in chunks of key
+// tiles with the kv heads outer (key-chunk16/32/64: DUALKV_BWD_KEY_ORDER=1/2/3; 32 at every head
+// dim, the others at 64/128; key-chunk0 at D = 64, where the default is 32: the kv heads side by
+// side); at D = 512 the sm_80 kernels' small shared-memory configs, which GPUs with less than 227
+// KB per block run (sm80-d512-small: DUALKV_SM80_SMALL_SMEM=1, which implies the sm_80 path), and
+// at D = 256 those that GPUs with less than 128 KB run (sm80-d256-small, the same switch).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -189,7 +188,6 @@ constexpr KernelPath kPaths[] = {{"default", nullptr, nullptr, 0, 512},
                                  {"sm90-nopp", "DUALKV_SM90_PINGPONG", "0", 0, 512},
                                  {"sm90-sepdq", "DUALKV_FUSED_DQ", "0", 0, 128},
                                  {"sm90-d512-sm80", "DUALKV_SM90_D512_BWD", "0", 512, 512},
-                                 {"sm90-d512fwd-1cta", "DUALKV_SM90_D512_FWD", "0", 512, 512},
                                  {"sm90-d256-sync", "DUALKV_SM90_D256_BWD", "0", 256, 256},
                                  {"key-chunk0", "DUALKV_BWD_KEY_ORDER", "0", 64, 64},
                                  {"key-chunk16", "DUALKV_BWD_KEY_ORDER", "1", 64, 128},
@@ -1049,7 +1047,7 @@ int main(int argc, char** argv) {
                      [&](const KernelPath& k) { return name == k.name; })) {
       std::fprintf(stderr,
                    "unknown --path %s (default, sm80, sm90-nopp, sm90-sepdq, sm90-d512-sm80, "
-                   "sm90-d512fwd-1cta, sm90-d256-sync, "
+                   "sm90-d256-sync, "
                    "key-chunk0, key-chunk16, "
                    "key-chunk32, key-chunk64, sm80-d512-small, sm80-d256-small; or a "
                    "comma-separated list)\n",

@@ -15,7 +15,7 @@ cd "$(dirname "$0")/../.."
 OUT="${OUT:-.out/variants}"
 mkdir -p "$OUT"
 OLD_TREE=${1:?usage: variants_run.sh OLD_TREE}
-D512_PATHS=${D512_PATHS-sm90-d512fwd-1cta}
+D512_PATHS=${D512_PATHS-sm90-d512-sm80}
 D256_PATHS=${D256_PATHS-sm90-d256-sync}
 KEY_PATHS=${KEY_PATHS-key-chunk32,key-chunk16,key-chunk64}
 DIMS="64;128;256;512"

@@ -7,12 +7,9 @@ sequence of waits and arrivals (mbarrier phases and parities, copies landing asy
 cp.async arrivals, named-barrier counts) under random interleavings and checks: no deadlock, every
 consumer read sees the block it expects, no stage is overwritten while a consumer reads it, no
 named barrier is left half-arrived. It does not run the kernels; keep it in step with them.
-run_fwd_cluster models the D = 512 forward: two CTAs of a cluster, each producer multicasting
-half of every K/V block into both, empty barriers counting both CTAs' consumers (one arrival each
-remote), the consumers' per-block partial-S exchange, and the final cluster barrier (no CTA exits
-while its peer can still arrive on its barriers). run_dkdv512 models the D = 512 dK/dV and dQ
-kernels (2-CTA clusters, partials pushed with st.async, exchange buffers reused for the slices, the
-xfree barrier); injected_bugs_caught checks that each of four injected errors is caught.
+run_dkdv512 models the D = 512 dK/dV and dQ kernels (2-CTA clusters, partials pushed with st.async,
+exchange buffers reused for the slices, the xfree barrier); injected_bugs_caught checks that each
+of four injected errors is caught.
 run_fwd512c models the D = 512 cluster forward (split head dim, the half exchange per block and
 warpgroup: the other row's partial S, then the own row's P words taken in the next turn, each with
 its full / free barriers of 4 warp arrivals; ping-pong; the rows' max and sum after the walk);
@@ -183,102 +180,6 @@ def run_fwd(total, S, pp, rng):
     schedule([producer(), consumer(0), consumer(1)], inflight, land, rng, "fwd")
     for b in bars.values():
         assert b.cnt == 0, "named barrier left half-arrived"
-
-
-def run_fwd_cluster(total, S, rng):
-    C = 2  # CTAs in the cluster; each consumer warpgroup stands for its 4 warps' arrivals
-    bQ = [MBar(1) for _ in range(C)]
-    fk = [[MBar(1) for _ in range(S)] for _ in range(C)]
-    fv = [[MBar(1) for _ in range(S)] for _ in range(C)]
-    ek = [[MBar(2 * C) for _ in range(S)] for _ in range(C)]
-    ev = [[MBar(2 * C) for _ in range(S)] for _ in range(C)]
-    slotk = [[[None] * C for _ in range(S)] for _ in range(C)]  # [cta][stage][half]: block
-    slotv = [[[None] * C for _ in range(S)] for _ in range(C)]
-    readers_k = [[set() for _ in range(S)] for _ in range(C)]
-    readers_v = [[set() for _ in range(S)] for _ in range(C)]
-    xchg = [Named(2) for _ in range(C)]  # the consumers' exchange barrier (id 3)
-    xbuf = [[[None] * 2 for _ in range(2)] for _ in range(C)]  # [cta][block parity][warpgroup]
-    cluster = Named(3 * C)  # barrier.cluster at the end: every thread of both CTAs
-    exited = [False] * C
-    finished = [0] * C
-    inflight = []
-
-    def finish(c):  # a thread of CTA c ends; the CTA has exited when all 3 have
-        finished[c] += 1
-        exited[c] = finished[c] == 3
-
-    def producer(c):
-        bQ[c].expect_tx(1)
-        inflight.append(("q", c, None, None, None))
-        for j in range(total):
-            s = j % S
-            ph = (j // S) & 1
-            for kind, empty, full, readers in (("k", ek, fk, readers_k), ("v", ev, fv, readers_v)):
-                yield from wait(empty[c][s], ph ^ 1)
-                for d in range(C):  # the multicast writes stage s of both CTAs
-                    assert not readers[d][s], f"{kind} overwritten while read"
-                full[c][s].expect_tx(C)  # both halves land in this CTA
-                for d in range(C):
-                    inflight.append((kind, d, s, c, j))  # half c of block j into CTA d
-        yield from cluster.sync()
-        finish(c)
-
-    def release(c, empty, s):  # consumer warps of CTA c release stage s in every CTA
-        for d in range(C):
-            assert not exited[d], "arrival on an exited CTA's barrier"
-            empty[d][s].arrive()
-
-    def consumer(c, cw):
-        yield from wait(bQ[c], 0)
-
-        def read(kind, slots, readers, full, s, j):
-            yield from wait(full[c][s], (j // S) & 1)
-            assert slots[c][s] == [j] * C, (kind, slots[c][s], j)
-            readers[c][s].add(cw)
-
-        def exchange(j):  # write this block's partial S, meet, read the other's
-            xbuf[c][j & 1][cw] = j
-            yield from xchg[c].sync()
-            yield
-            assert xbuf[c][j & 1][1 - cw] == j, "partial S overwritten before it was read"
-
-        if total > 0:
-            yield from read("k", slotk, readers_k, fk, 0, 0)
-            yield
-            readers_k[c][0].discard(cw)
-            release(c, ek, 0)
-            yield from exchange(0)
-            for j in range(1, total):
-                st, pst = j % S, (j - 1) % S
-                yield from read("k", slotk, readers_k, fk, st, j)
-                yield from read("v", slotv, readers_v, fv, pst, j - 1)
-                yield
-                readers_k[c][st].discard(cw)
-                release(c, ek, st)
-                yield from exchange(j)
-                yield
-                readers_v[c][pst].discard(cw)
-                release(c, ev, pst)
-            lst = (total - 1) % S
-            yield from read("v", slotv, readers_v, fv, lst, total - 1)
-            yield
-            readers_v[c][lst].discard(cw)
-        yield from cluster.sync()
-        finish(c)
-
-    def land(x):
-        kind, d, s, half, j = x
-        assert not exited[d], "a copy landing in an exited CTA"
-        if kind == "q":
-            bQ[d].complete_tx(1)
-            return
-        (slotk if kind == "k" else slotv)[d][s][half] = j
-        (fk if kind == "k" else fv)[d][s].complete_tx(1)
-
-    ths = [producer(c) for c in range(C)] + [consumer(c, cw) for c in range(C) for cw in (0, 1)]
-    schedule(ths, inflight, land, rng, "fwd cluster")
-    assert all(exited)
-    assert cluster.cnt == 0 and all(x.cnt == 0 for x in xchg), "barrier left half-arrived"
 
 
 def run_dq(total, S, pp, rng):
@@ -578,9 +479,10 @@ def run_dkdv512(nblocks, S, rng, bug=None, dq=False, sv=0):
     each CTA sends its slices of block j (dQ: dS; dK/dV: P^T and dS^T) to the peer's XD[w]
     (st.async completing xfull_d[w], once the peer has read block j - 1's: xfree_d[w]); the peer
     waits for them in block j + 1 before the deferred products, frees XD[w] and arms xfull_d[w]
-    for block j + 1 (block 0's phase at the start, the last block's slices after the loop). (The xfree_d wait is also implied by the order: the peer sends
-    block j + 1's slice only after this CTA's block j + 1 partials, which follow its receipt of
-    block j's slice; the model finds no schedule that needs it.)
+    for block j + 1 (block 0's phase at the start, the last block's slices after the loop). (The
+    xfree_d wait is also implied by the order: the peer sends block j + 1's slice only after this
+    CTA's block j + 1 partials, which follow its receipt of block j's slice; the model finds no
+    schedule that needs it.)
     sv (dq only): V on a separate ring of sv stages (the kernel's: K on the S-stage ring, V on one
     stage), each tile on its own full / empty barriers; the consumers release V_j once block j's
     dP has read it (after the partials' waits), K_j after its dQ product.
@@ -1202,7 +1104,6 @@ for _trial in range(3000):
     S = rng.choice([2, 3])
     total = rng.randrange(0, 9)
     run_fwd(total, S, rng.random() < 0.7, rng)
-    run_fwd_cluster(total, S, rng)
     run_dq(total, S, rng.random() < 0.7, rng)
     for dq_mode in (0, 1, 2, 3, 5, 4):
         run_dkdv(total, S, rng, dq_mode)
@@ -1217,7 +1118,7 @@ for _trial in range(3000):
 print(
     "ok",
     n,
-    "random schedules each for fwd, fwd (2-CTA cluster), dq, dkdv (dq modes 0-5), "
+    "random schedules each for fwd, dq, dkdv (dq modes 0-5), "
     "dkdv and dq D = 512 (2-CTA clusters, kPipe order, half exchange; the dQ key split), "
     "fwd D = 512 (2-CTA cluster, split D), dkdv D = 256 (warp-specialised, P^T / dS^T swaps), "
     "dkdv fused-dQ variants 1-3 (two dQ buffers, one reduction per block)",

@@ -355,32 +355,21 @@ __device__ __forceinline__ void load_row_stats(const BwdParams& p, int h, int q0
 // The rows one CTA of a tile kernel owns: index (blockIdx.x; in the D = 512 backward's 2-CTA
 // clusters, which split the head dim, blockIdx.x / 2; for the key-tile kernels the index after
 // key_order, which renumbers the CTAs when Params::key_chunk > 0) = (tile * SPLIT + part) * heads +
-// head (kPartInner: (tile * heads + head) * SPLIT + part, so that a tile's parts are neighbours, as
-// a thread-block cluster needs), each 128-token tile cut into SPLIT parts of B rows. `valid` is
-// false for a part that lies past its tile's end (only possible with SPLIT > 1); begin is then the
-// part's would-be first row and count is unset. tile_begin/tile_end: the whole tile.
-template <int B, bool kPartInner = false>
+// head, each 128-token tile cut into SPLIT parts of B rows. `valid` is false for a part that lies
+// past its tile's end (only possible with SPLIT > 1); begin is then the part's would-be first row
+// and count is unset.
+template <int B>
 struct TilePart {
   static constexpr int SPLIT = kTileSize / B;
-  int head, begin, count, segment, tile_begin, tile_end;
+  int head, begin, count, segment;
   bool valid;
 
   __device__ __forceinline__ TilePart(const Tile* tiles, int heads, unsigned index = blockIdx.x) {
-    int tile_index, part;
-    if constexpr (kPartInner) {
-      part = int(index % unsigned(SPLIT));
-      const int rest = int(index / unsigned(SPLIT));
-      head = rest % heads;
-      tile_index = rest / heads;
-    } else {
-      head = int(index % unsigned(heads));
-      const int rest = int(index / unsigned(heads));
-      tile_index = rest / SPLIT;
-      part = rest % SPLIT;
-    }
+    head = int(index % unsigned(heads));
+    const int rest = int(index / unsigned(heads));
+    const int tile_index = rest / SPLIT, part = rest % SPLIT;
     const Tile tile = tiles[tile_index];
     segment = tile.segment;
-    tile_begin = tile.begin, tile_end = tile.end;
     if constexpr (SPLIT == 1) {
       begin = tile.begin, count = tile.end - tile.begin, valid = true;
     } else {

@@ -1,7 +1,6 @@
-// sm_90a D = 512 forward on 2-CTA clusters that split the head dim (the default D = 512 forward:
-// KernelPolicy::d512_fwd_cluster; DUALKV_SM90_D512_FWD=0 runs fwd_ws_kernel_sm90's KSPLIT = 2
-// kernel). Design, arithmetic and measurements: src/cuda/NOTES.md, "D = 512 forward on 2-CTA
-// clusters".
+// sm_90a D = 512 forward on 2-CTA clusters that split the head dim (the D = 512 forward on Hopper;
+// the sm_80 one when a tensor map cannot be encoded). Design, arithmetic and measurements:
+// src/cuda/NOTES.md, "D = 512 forward on 2-CTA clusters".
 //   - One cluster of two CTAs per (128-query tile, q head). CTA rank r holds columns
 //     [256r, 256r + 256) of Q (resident) and of every K / V block of the tile's key walk, and owns
 //     those columns of O. Each producer loads only its own half (no multicast, no cluster-wide

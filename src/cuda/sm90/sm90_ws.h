@@ -50,9 +50,8 @@ template <typename T>
 bool launch_backward_sm90_d256ws(const BwdParams& p, const KernelPolicy& policy,
                                  cudaStream_t stream);
 
-// D = 512 forward of sm90_fwd512_cluster.cuh (2-CTA clusters splitting the head dim; the default
-// unless KernelPolicy::d512_fwd_cluster is off). False (nothing launched) when a tensor map
-// cannot be encoded.
+// D = 512 forward of sm90_fwd512_cluster.cuh (2-CTA clusters splitting the head dim). False
+// (nothing launched) when a tensor map cannot be encoded.
 template <typename T>
 bool launch_forward_sm90_d512c(const FwdParams& p, const KernelPolicy& policy, cudaStream_t stream);
 
