@@ -36,12 +36,13 @@ S, F = "sliding_attention", "full_attention"
 ATOL = 1e-5  # log-probs; gradients: 1e-5 of each parameter's largest gradient
 
 
-def _layouts(seed: int) -> list[tuple[list[list[int]], list[list[list[int]]]]]:
-    """Uneven groups; then a one-token prompt with a one-token response, and a group of one."""
+def _layouts(seed: int, low: int = 0) -> list[tuple[list[list[int]], list[list[list[int]]]]]:
+    """Uneven groups; then a one-token prompt with a one-token response, and a group of one
+    (token ids from ``low``)."""
     rng = random.Random(seed)
 
     def toks(n: int) -> list[int]:
-        return [rng.randrange(VOCAB) for _ in range(n)]
+        return [rng.randrange(low, VOCAB) for _ in range(n)]
 
     mixed = [toks(rng.randint(2, 12)) for _ in range(2)]
     mixed_r = [[toks(rng.randint(2, 8)) for _ in range(rng.randint(2, 3))] for _ in range(2)]
@@ -76,9 +77,11 @@ def _packed(model, prompts, responses, temperature, weights):
     return lp.detach().double(), grads
 
 
-def check_against_rows(model, seed: int, temperature: float = 1.0, impl: str = "sdpa") -> None:
+def check_against_rows(
+    model, seed: int, temperature: float = 1.0, impl: str = "sdpa", low: int = 0
+) -> None:
     """The packed log-probs and gradients equal the rows run alone, on every layout."""
-    for prompts, responses in _layouts(seed):
+    for prompts, responses in _layouts(seed, low):
         g = torch.Generator().manual_seed(seed)
         rmax = max(len(r) for rs in responses for r in rs)
         weights = torch.randn(sum(map(len, responses)), rmax, generator=g, dtype=torch.float64)
@@ -291,3 +294,52 @@ def test_gemma3_multimodal_class_without_final_softcap(seed, final_logit_softcap
     assert dkt.lm_head_softcap(model) is None
     causal = tiny_model("gemma3", torch.float64, seed % 1000)
     assert dkt.lm_head_softcap(causal) == causal.config.final_logit_softcapping == 15.0
+
+
+def test_gemma4_multimodal_class_refuses_media_placeholder_tokens(seed):
+    """Gemma4ForConditionalGeneration's forward gives its image / video / audio placeholder
+    tokens the pad token's embedding and per-layer inputs when no media come with them, while
+    the packed forward runs the text decoder, which embeds them as text: a prompt with image
+    tokens (or a sampled response with an audio token) was scored silently off the model's own
+    rows (log-probs 0.98 / 1.57 apart). Such a batch raises; a batch without them packs; TRL's
+    packed forward, which runs the multimodal base model, takes them."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    text = gemma4_config("gemma4-ple")
+    config = Gemma4Config(
+        text_config=text.to_dict(), vision_config=None, audio_config=None,
+        image_token_id=7, video_token_id=8, audio_token_id=9, boi_token_id=10, eoi_token_id=11,
+    )  # fmt: skip
+    torch.manual_seed(seed % 1000)
+    model = Gemma4ForConditionalGeneration(config).double().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.15 if "embed" in name else 0.08)
+    model.set_attn_implementation("dualkv")
+    rng = random.Random(seed)
+    text_ids = list(range(12, VOCAB))
+    for prompt, responses in (
+        (
+            [*rng.sample(text_ids, 3), 10, 7, 7, 11, *rng.sample(text_ids, 2)],
+            [rng.sample(text_ids, 3)],
+        ),
+        (rng.sample(text_ids, 5), [rng.sample(text_ids, 2), [rng.choice(text_ids), 9]]),
+        (rng.sample(text_ids, 5), [[8], rng.sample(text_ids, 2)]),
+    ):
+        pk = dualkv.pack(prompts=[prompt], responses=[responses])
+        with pytest.raises(NotImplementedError, match="placeholder tokens"):
+            dkt.packed_response_logprobs(model, pk)
+    check_against_rows(model, seed, low=12)
+    # TRL's packed forward runs the multimodal base model (Gemma4Model), which embeds them as
+    # the model does: not refused, and equal to the rows
+    pytest.importorskip("trl")
+    from dualkv.integrations.trl import add_packed_lm_head
+
+    weights = torch.zeros(pk.response_mask.shape, dtype=torch.float64)
+    want, _ = _rows_oracle(model, [prompt], [responses], 1.0, weights, "sdpa")
+    model.set_attn_implementation("dualkv")
+    add_packed_lm_head(model)
+    with torch.no_grad():
+        got = model(dualkv_packed=pk).log_probs
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=ATOL)

@@ -624,12 +624,18 @@ def packed_hidden_states(
 
 
 def check_packed_model(
-    model: PreTrainedModel, kwargs: dict[str, Any], packed: PackedBatch | None = None
+    model: PreTrainedModel,
+    kwargs: dict[str, Any],
+    packed: PackedBatch | None = None,
+    decoder: torch.nn.Module | None = None,
 ) -> None:
     """What every packed forward of ``model``'s decoder (with keywords ``kwargs``, on ``packed``
     when given) needs: the ``"dualkv"`` attention, attention-only token mixers, no multimodal
-    input, a decoder that takes the packed positions, and no position-dependent term the packed
-    stream would change (length-dependent RoPE, Llama 4's attention temperature)."""
+    input, a decoder that takes the packed positions, no position-dependent term the packed
+    stream would change (length-dependent RoPE, Llama 4's attention temperature), and no media
+    placeholder token that a multimodal model's forward would embed otherwise than its text
+    decoder. ``decoder``: the module the packed forward runs, when not the text decoder (TRL's
+    trainer runs ``model.base_model``, which embeds those tokens as the model does)."""
     config = _text_config(model)
     impl = getattr(config, "_attn_implementation", None)
     if impl != ATTN_IMPLEMENTATION:
@@ -647,16 +653,77 @@ def check_packed_model(
             f"({_OWN_ATTENTION_MODEL_TYPES[model_type]}) instead of through the attention "
             "implementation, so they would attend over the whole packed stream; not supported yet"
         )
-    decoder = _decoder(model)
-    if not _takes_position_ids(decoder):
+    text_decoder = _decoder(model)
+    if not _takes_position_ids(text_decoder):
         raise NotImplementedError(
-            f"{type(decoder).__name__} takes no position_ids (it numbers its tokens 0..T-1 "
+            f"{type(text_decoder).__name__} takes no position_ids (it numbers its tokens 0..T-1 "
             "itself), so packed responses would get their place in the stream as absolute "
             "positions; not supported yet"
         )
     if packed is not None and packed.total_tokens > 0:
         check_rope_length(model, lambda: int(packed.position_ids.max()) + 1, "the packed stream")
         _check_attention_temperature(config, packed.total_tokens)
+        if decoder is None or decoder is text_decoder:
+            _check_media_tokens(model, packed.input_ids)
+
+
+# The placeholder tokens of a multimodal model's images, videos and audio (the ids in its config).
+# Its own forward embeds them otherwise than its text decoder does, even without the media (Gemma
+# 4 gives them the pad token's embedding and per-layer inputs, Gemma 3n its media embedders'),
+# while the packed forward runs the text decoder alone.
+_MEDIA_TOKEN_ATTRS = (
+    "image_token_id",
+    "image_token_index",
+    "video_token_id",
+    "video_token_index",
+    "audio_token_id",
+    "audio_token_index",
+)
+
+
+def _check_media_tokens(model: PreTrainedModel, input_ids: torch.Tensor) -> None:
+    """Refuse a packed batch of a multimodal model (a config with a text config of its own) that
+    holds one of its image / video / audio placeholder tokens, or a token of its media
+    vocabularies (``vocab_offset`` of its vision / audio config, Gemma 3n): the model's forward
+    would not embed it as its text decoder does (one host synchronisation, for such models only;
+    an assert in the graph under torch.compile)."""
+    config = model.config
+    text_config = _text_config(model)
+    if config is text_config:
+        return
+    ids = sorted(
+        {v for a in _MEDIA_TOKEN_ATTRS if isinstance(v := getattr(config, a, None), int) and v >= 0}
+    )
+    offsets = [
+        getattr(getattr(config, sub, None), "vocab_offset", None)
+        for sub in ("vision_config", "audio_config")
+    ]
+    first = min((o for o in offsets if isinstance(o, int) and o >= 0), default=None)
+    if not ids and first is None:
+        return
+    flat = input_ids.reshape(-1)
+    found = torch.zeros_like(flat, dtype=torch.bool)
+    if ids:
+        found |= torch.isin(flat, torch.tensor(ids, device=flat.device, dtype=flat.dtype))
+    if first is not None:
+        found |= flat >= first
+    named = [
+        f"{a}={getattr(config, a)}" for a in _MEDIA_TOKEN_ATTRS if getattr(config, a, None) in ids
+    ]
+    if first is not None:
+        named.append(f"media vocabularies from {first}")
+    msg = (
+        "the packed batch holds image / video / audio placeholder tokens of "
+        f"{type(model).__name__} ({', '.join(named)}): the model's own forward embeds them "
+        "otherwise than its text decoder, which the packed forward runs (Gemma 4, without the "
+        "media: as the pad token); not supported yet"
+    )
+    if torch.compiler.is_compiling():
+        torch._assert_async(~found.any(), msg)
+        return
+    if bool(found.any()):
+        seen = sorted(set(flat[found].tolist()))
+        raise NotImplementedError(f"{msg} (ids found: {seen[:8]})")
 
 
 # Causal LMs whose text layers compute attention themselves (not through transformers' attention

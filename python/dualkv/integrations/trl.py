@@ -148,7 +148,7 @@ def add_packed_lm_head(
             raise RuntimeError(
                 f"the packed forward needs attn_implementation='dualkv', the model is in {impl!r}"
             )
-        dkt.check_packed_model(self, {}, packed)
+        dkt.check_packed_model(self, {}, packed, decoder=self.base_model)
         extra = {"output_router_logits": True} if router else {}
         out = self.base_model(**packed.model_inputs(), **extra)
         hidden = out.last_hidden_state
