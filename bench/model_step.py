@@ -43,9 +43,12 @@ clocks reaches every path alike); each path's time is the median over all its ro
 the per-round medians are printed.
 
 Per path: median step time (pack + forward + log-probs + loss + backward), peak memory, and MFU
-on the *useful* FLOPs of the packed layout (dense layers and LM head on the packed tokens, DualKV
-attention FLOPs, x3 / x3.5 for forward+backward, recomputation not counted) over the GPU's dense
-bf16 peak (--peak-tflops, 989 for H100/H200 SXM).
+on the *useful* FLOPs of the packed layout (the decoder layers' matrices on the packed tokens, the
+LM head on the N x R scored tokens, x3 for forward+backward; DualKV's attention count x3.5, i.e.
+DESIGN.md's backward = 2.5x forward, which includes the backward's recompute of the scores as
+FlashAttention's benchmarks count it -- 2x would give a 4-8% lower MFU at the default shapes;
+the checkpoint recompute not counted) over the GPU's dense bf16 peak (--peak-tflops, 989 for
+H100/H200 SXM). Every path is credited these same FLOPs, whatever it computes.
 
     python bench/model_step.py                                   # the issue's full table
     python bench/model_step.py --presets 1.7b --shapes 16,8192,1024 --paths flex,dualkv
@@ -275,7 +278,9 @@ def flex_block_mask(layout: dualkv.Layout, device: torch.device, window: int | N
 
 
 def useful_flops(model: torch.nn.Module, layout: dualkv.Layout, resp_tokens: int) -> float:
-    """fwd+bwd FLOPs of the useful work of a packed step (no recomputation)."""
+    """fwd+bwd FLOPs of the useful work of a packed step (no checkpoint recompute): 6 x decoder
+    weights x packed tokens + 6 x hidden x vocab x ``resp_tokens`` + 3.5 x each layer's attention
+    forward count (tests/python/test_flop_count.py checks it against a hand count)."""
     cfg = model.config
     t = layout.total_tokens
     dense = 0
