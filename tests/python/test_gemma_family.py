@@ -292,8 +292,10 @@ def test_gemma3_multimodal_class_without_final_softcap(seed, final_logit_softcap
     model = _gemma3_multimodal(seed, final_logit_softcapping)
     check_against_rows(model, seed)
     assert dkt.lm_head_softcap(model) is None
+    assert dkt.lm_head_softcap(torch.compile(model)) is None  # (the wrapper is looked through)
     causal = tiny_model("gemma3", torch.float64, seed % 1000)
     assert dkt.lm_head_softcap(causal) == causal.config.final_logit_softcapping == 15.0
+    assert dkt.lm_head_softcap(torch.compile(causal)) == 15.0
 
 
 def test_gemma4_multimodal_class_refuses_media_placeholder_tokens(seed):

@@ -869,6 +869,7 @@ def _forward_reads(model: Any, name: str) -> bool:
     transformers model whose every forward is known not to read it counts as not reading it."""
     from transformers import PreTrainedModel
 
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: the model it wraps
     get_base = getattr(model, "get_base_model", None)  # a PEFT wrapper: the model it wraps
     if not isinstance(model, PreTrainedModel) and callable(get_base):
         model = get_base()
