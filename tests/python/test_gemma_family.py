@@ -78,10 +78,11 @@ def _packed(model, prompts, responses, temperature, weights):
 
 
 def check_against_rows(
-    model, seed: int, temperature: float = 1.0, impl: str = "sdpa", low: int = 0
+    model, seed: int, temperature: float = 1.0, impl: str = "sdpa", low: int = 0, layouts=None
 ) -> None:
-    """The packed log-probs and gradients equal the rows run alone, on every layout."""
-    for prompts, responses in _layouts(seed, low):
+    """The packed log-probs and gradients equal the rows run alone, on every layout (``layouts``,
+    else :func:`_layouts`)."""
+    for prompts, responses in layouts or _layouts(seed, low):
         g = torch.Generator().manual_seed(seed)
         rmax = max(len(r) for rs in responses for r in rs)
         weights = torch.randn(sum(map(len, responses)), rmax, generator=g, dtype=torch.float64)
@@ -116,6 +117,20 @@ def _gemma4(family: str = "gemma4", layer_types: list[str] | None = None, **kw: 
 def test_gemma4_windows(seed, window):
     config = gemma4_config("gemma4-keqv", window=window)
     check_against_rows(tiny_model("gemma4", torch.float64, seed % 1000, config=config), seed)
+
+
+def test_gemma4_windows_on_the_boundaries(seed):
+    """A prompt of 9 and responses of 6, 1 and 3 tokens (a group of one with 6 after it): windows
+    ending just before, on and after the prompt's end and the longest row's end."""
+    rng = random.Random(seed)
+    layout = (
+        [rng.sample(range(VOCAB), 9), rng.sample(range(VOCAB), 3)],
+        [[rng.sample(range(VOCAB), n) for n in (6, 1, 3)], [rng.sample(range(VOCAB), 6)]],
+    )
+    for window in (8, 9, 10, 15, 16):
+        config = gemma4_config("gemma4-shared", window=window)
+        model = tiny_model("gemma4", torch.float64, seed % 1000, config=config)
+        check_against_rows(model, seed, 1.3, layouts=[layout])
 
 
 @pytest.mark.parametrize(
