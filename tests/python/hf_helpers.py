@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 VOCAB = 131
 
@@ -185,6 +186,29 @@ def _temper_scores(model: torch.nn.Module, score_std: float = 3.0) -> None:
         attn.q_norm.weight.mul_(factor)
         if not attn.is_kv_shared_layer:
             attn.k_norm.weight.mul_(factor)
+
+
+class Float64Throughout(TorchFunctionMode):
+    """A float64 model that computes in float64 throughout (a float64 oracle). transformers'
+    modules cast to float32 on purpose: RMSNorm (``hidden_states.to(torch.float32)``, Gemma's
+    ``.float()``), RoPE (``position_ids.float()``), eager attention (``softmax(...,
+    dtype=torch.float32)``); an upcast in a bf16 or fp32 model, but in a float64 one a rounding to
+    float32, whose error the gradients of a tiny Gemma 4 with per-layer inputs amplify to 1e-4 of
+    their scale, as much as a float32 step's own. Inside this mode such a cast of a float64 or
+    integer tensor gives float64 (the packed and rows gradients of a float64 model then agree to
+    1e-13 instead of 3e-8)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = dict(kwargs or {})
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if x is not None and (x.dtype == torch.float64 or not x.is_floating_point()):
+            if func is torch.Tensor.float:
+                return x.double()
+            if func is torch.Tensor.to:
+                args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+            if kwargs.get("dtype") is torch.float32:
+                kwargs["dtype"] = torch.float64
+        return func(*args, **kwargs)
 
 
 def random_groups(

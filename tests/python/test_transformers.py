@@ -25,6 +25,7 @@ from dualkv.losses import dapo_loss, group_advantages  # noqa: E402
 from dualkv.packing import pack  # noqa: E402
 from hf_helpers import (  # noqa: E402
     VOCAB,
+    Float64Throughout,
     random_groups,
     rows_attention,
     shuffled_rows,
@@ -101,10 +102,26 @@ def test_packed_step_equals_rows_fp32(seed, family):
     bound = (adv[:, None].abs() * ratio).max().item() * dlp * 1.5
     assert (loss_p - loss_r).abs().item() <= bound + 1e-7, (float(loss_p), float(loss_r), bound)
     assert g_p.keys() == g_r.keys() and len(g_r) == len(list(model.parameters()))
-    for name, gr in g_r.items():
-        scale = gr.abs().max().item()
-        err = (g_p[name] - gr).abs().max().item()
-        assert err <= 1e-4 * scale + 1e-7, (name, err, scale)
+    # gradients, FlashAttention's rule per tensor: the packed error against a float64 oracle at
+    # most 3x the float32 rows' own error, plus 1e-4 of the gradient's scale. A fixed 1e-4 on the
+    # packed-rows difference alone failed with gemma4-ple (seed 3606876689: mlp.gate_proj 2.6e-5
+    # on a scale of 0.21): its gated per-layer-input branch makes float32 gradients ill-conditioned,
+    # either path's own error reaching 1.8e-4 of the scale (every other family's below 3e-5)
+    g_x = _oracle_grads(family, seed, ids, mask, pw, pk, adv, old)
+    for name, gx in g_x.items():
+        scale = gx.abs().max().item()
+        e_r = (g_r[name].double() - gx).abs().max().item()
+        e_p = (g_p[name].double() - gx).abs().max().item()
+        assert e_p <= 3 * e_r + 1e-4 * scale + 1e-7, (name, e_p, e_r, scale)
+
+
+def _oracle_grads(family, seed, ids, mask, pw, pk, adv, old):
+    """The rows step's gradients in float64 throughout (hf_helpers.Float64Throughout; MoE experts
+    run eagerly, torch's grouped_mm has no float64)."""
+    model = tiny_model(family, torch.float64, seed=seed % 1000)
+    model.set_experts_implementation("eager")
+    with Float64Throughout():
+        return _step(model, ids, mask, pw, pk, adv, old.double(), packed=False)[2]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
