@@ -360,3 +360,12 @@ def test_gemma4_multimodal_class_refuses_media_placeholder_tokens(seed):
     with torch.no_grad():
         got = model(dualkv_packed=pk).log_probs
     torch.testing.assert_close(got.double(), want, rtol=0, atol=ATOL)
+
+
+def test_gemma3_bidirectional_text_is_refused_by_name(seed):
+    """Gemma 3 with use_bidirectional_attention=True attends over the whole text both ways: the
+    packed forward refuses it, and the message names that option (not only media tokens)."""
+    config = _edit(tiny_config("gemma3"), use_bidirectional_attention=True)
+    model = tiny_model("gemma3", torch.float64, seed % 1000, config=config)
+    with pytest.raises(ValueError, match="use_bidirectional_attention=True"):
+        _packed(model, [[3, 4, 5]], [[[6, 7], [8]]], 1.0, torch.ones(2, 2, dtype=torch.float64))

@@ -502,9 +502,10 @@ def _check_causal(mask_function: Any, length: int, device: Any) -> None:
     if bool(sees_next.any()):  # one host sync per mask, only for such models
         raise ValueError(
             "dualkv attention is causal, but this batch's mask lets tokens attend to later ones "
-            "(bidirectional attention among image / video tokens: Gemma 3 or PaliGemma with "
-            "token_type_ids, Gemma 4 use_bidirectional_attention='vision'); packing such "
-            "prompts is not supported yet"
+            "(bidirectional attention: among image / video tokens with Gemma 3 or PaliGemma "
+            "token_type_ids or Gemma 4 use_bidirectional_attention='vision', or over the whole "
+            "text with Gemma 3 use_bidirectional_attention=True); packing such batches is not "
+            "supported yet"
         )
 
 
