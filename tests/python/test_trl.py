@@ -114,8 +114,14 @@ def model_dirs(tmp_path_factory):
 
 
 def reward_distinct(completions, **kwargs):
-    """Distinct words over length: varies within a group."""
-    return [len(set(c.split())) / (1 + len(c.split())) for c in completions]
+    """Distinct words over length, plus 1e-3 x a checksum of the text: varies within a group unless
+    two completions are the same. (Distinct words over length alone tie often, e.g. 5 / 7 for two
+    6-word completions with one repeat: on seed 3087755361 every group tied, every advantage was 0
+    and test_train_step_equals_trl had no step to compare, 'assert moved > 0'.)"""
+    return [
+        len(set(c.split())) / (1 + len(c.split())) + 1e-3 * (sum(map(ord, c)) % 997) / 997
+        for c in completions
+    ]
 
 
 def dataset(rng, n):
