@@ -135,7 +135,12 @@ def test_packed_step_bf16_tolerance(seed, family, device):
     """
     wide = (0.99, 100.0)
     hd = 16 if device == "cpu" else 64  # the CUDA kernels are built for head dims 64/128/256
-    ids, mask, pw, pk, adv, noise = _batch(seed)
+    # 8 groups (~110 response tokens; 3 gave ~40, as few as 7): each rule compares two noisy
+    # statistics of bf16 errors, an RMS over the tokens or a relative L2 of the gradients, whose
+    # ratio spreads less over more tokens. With 3 groups, 3 of 2100 draws failed (seed 2068926222,
+    # 7 tokens: packed log-prob RMS 2.45x the rows'; 342350230 and 416800853: a norm weight's
+    # gradient 3.05x and 3.37x); with 8, over 750 draws no ratio came within 0.74 of its bound
+    ids, mask, pw, pk, adv, noise = _batch(seed, groups=8)
     ref_model = tiny_model(family, torch.float64, seed=seed % 1000, head_dim=hd)
     old = _old_logprobs(ref_model, ids, mask, pw, noise).double()
     lp_ref, loss_ref, g_ref = _step(ref_model, ids, mask, pw, pk, adv, old, False, wide)
