@@ -304,7 +304,10 @@ def test_compiled_layers_with_checkpointing(seed, keep_attention, device, backen
     torch._dynamo.utils.counters.clear()
     cuda = device == "cuda"  # bf16 and a head dim the CUDA kernels are built for
     dtype, hd = (torch.bfloat16, 64) if cuda else (torch.float32, 16)
-    ids, mask, pw, pk, adv, noise = _batch(seed, groups=2)
+    # bf16 compares relative L2 errors of the gradients, noisy statistics over few tokens: with 2
+    # groups (as few as ~10 response tokens) the sm_80 path failed seed 3070906046 (k_norm.weight
+    # 3.14x the plain steps' error, bound 3x); 8 groups give each gradient ~4x the tokens
+    ids, mask, pw, pk, adv, noise = _batch(seed, groups=8 if cuda else 2)
 
     def step(model, packed=True):
         dev = next(model.parameters()).device
