@@ -5,7 +5,8 @@
 # MEMCHECK_PATHS: compute-sanitizer memcheck on --small; timeouts QUICK_TIMEOUT / CHECK_TIMEOUT;
 # a path that hangs is left out of the later steps and the bench), then benches NEW's BENCH_PATHS with the paths in turn
 # (--bench-rounds ROUNDS) and each other tree's default path, at BENCH_SHAPES (NEW only:
-# OTHER_SHAPES excludes shapes an older binary does not parse, e.g. multi,...). Every step has a
+# OTHER_SHAPES excludes shapes an older binary does not parse, e.g. multi,...; OTHER_DIMS: the
+# head dims of the other trees' builds, default DIMS). Every step has a
 # timeout, the script a deadline (BUDGET, default 540 s). Logs in $OUT (at most 8 files).
 #   OUT=... CHECK_PATHS=sm90-sepdq BENCH_PATHS=default,sm90-sepdq \
 #     bash tests/cuda/ab_run.sh OLD=.wt_old
@@ -14,6 +15,7 @@ cd "$(dirname "$0")/../.."
 OUT="${OUT:-.out/ab}"
 mkdir -p "$OUT"
 DIMS=${DIMS:-64;128;256}
+OTHER_DIMS=${OTHER_DIMS:-$DIMS}
 ROUNDS=${ROUNDS:-3}
 BENCH_PATHS=${BENCH_PATHS:-default}
 QUICK_PATHS=${QUICK_PATHS:-} CHECK_PATHS=${CHECK_PATHS:-} MEMCHECK_PATHS=${MEMCHECK_PATHS:-}
@@ -24,7 +26,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 jobs=$((16 / ($# + 1)))
 build_bin . build/ab-new "$DIMS" 300 "$jobs" & pids=($!)
 for t in "$@"; do
-  build_bin "${t#*=}" "build/ab-${t%%=*}" "$DIMS" 300 "$jobs" & pids+=($!)
+  build_bin "${t#*=}" "build/ab-${t%%=*}" "$OTHER_DIMS" 300 "$jobs" & pids+=($!)
 done
 for p in "${pids[@]}"; do wait "$p" || exit 1; done
 BIN=build/ab-new/tests/cuda/dualkv_cuda_test
