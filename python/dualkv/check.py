@@ -12,8 +12,8 @@ float32 and float64 models are compared with the rows directly, at tight toleran
 copy of itself run on the rows (the yardstick): their error must stay within a small multiple of
 the 16-bit rows' own (:data:`YARDSTICK`), as FlashAttention's tests judge a kernel against the
 same-precision PyTorch computation; its loss keeps a fixed tolerance against the 16-bit rows.
-The batch has a prompt longer than one 128-token kernel tile, and a model's sliding window is
-shrunk for the check (on both paths) so that the batch reaches it.
+The default batch (seed 0) has a prompt longer than one 128-token kernel tile, and a model's
+sliding window is shrunk for the check (on both paths) so that the batch reaches it.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ width), does not clamp the log-ratio or the k3 KL, and standardises advantages w
 (a group of one gets 0 there, its raw reward here). Use TRL's own losses for TRL-identical
 numbers.
 
-Nothing here synchronises with the host: statistics are returned as detached tensors.
+The losses do not synchronise with the host: statistics are returned as detached tensors.
+:func:`group_advantages` does (it numbers the group ids on the host).
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ def policy_loss(
 
     Returns:
         ``(loss, stats)``: a 0-d loss and detached 0-d statistics ``pg_loss``, ``clipfrac``,
-        ``approx_kl`` (and ``kl`` with a reference).
+        ``approx_kl`` (and ``kl`` with a reference and a nonzero ``kl_coef``).
     """
     if logprobs.shape != old_logprobs.shape or logprobs.shape != response_mask.shape:
         raise ValueError(

@@ -450,7 +450,8 @@ def pack(
     position_ids=None)`` (see :func:`pack_rows`; without group ids, rows with identical prompts
     are grouped), or token lists:
     ``pack(prompts=[[...], ...], responses=[[[...], ...], ...], device=None)`` (see
-    :func:`pack_lists`).
+    :func:`pack_lists`). With rows, a ``device`` other than ``input_ids``' moves the rows there
+    first.
 
     Returns:
         A :class:`PackedBatch`: packed ``input_ids``/``position_ids`` ``[1, T]``, the ``layout``

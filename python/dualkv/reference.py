@@ -68,7 +68,10 @@ def unshared_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs each group's rows [prompt | r_i] separately and scatters back to packed order.
 
-    Prompt outputs come from the prompt's own causal row (identical in every row)."""
+    Prompt outputs come from the prompt's own causal row (identical in every row). ``scale``,
+    ``window`` and ``softcap`` (0: none) as in :func:`dualkv.attention`, the scale given
+    explicitly. Returns ``(out [T, Hq, D], lse [Hq, T])`` (lse float32, or float64 for float64
+    inputs)."""
     T = q.shape[0]
     out = q.new_zeros(q.shape)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32

@@ -157,7 +157,9 @@ def dualkv_attention_forward(
     Args:
         module: the calling attention module.
         query: ``[1, Hq, T, D]``; key, value: ``[1, Hkv, T, D]`` on the packed stream.
-        attention_mask: must be None (the layout is the mask).
+        attention_mask: None (the layout is the mask), or the :class:`LocalMask` marker of
+            :func:`dualkv_mask` for a sliding-window / chunked mask, which must match
+            ``sliding_window`` where it is shorter than the stream.
         dropout: must be 0 (attention dropout is not supported).
         scaling: softmax scale (default ``1/sqrt(D)``).
         sliding_window: the layer's window in logical positions (``pos(q) - pos(k) < w``).
