@@ -288,8 +288,9 @@ def group_advantages(
         ``[B]`` float32 advantages; a singleton group gets ``reward`` (mean 0, std 1), as in veRL.
     """
     r = rewards.float().reshape(-1)
-    codes = _group_codes(group_ids, r.numel()).to(r.device)
+    codes = _group_codes(group_ids, r.numel())  # on the host: the group count needs no sync
     groups = int(codes.max()) + 1 if r.numel() else 0
+    codes = codes.to(r.device)
     count = torch.zeros(groups, device=r.device).index_add_(0, codes, torch.ones_like(r))
     mean = torch.zeros(groups, device=r.device).index_add_(0, codes, r) / count.clamp(min=1)
     dev = r - mean[codes]

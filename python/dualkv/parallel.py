@@ -311,7 +311,7 @@ def ulysses_attention(
     layout: ShardedLayout,
     softmax_scale: float | None = None,
     window: int | None = None,
-    softcap: float = 0.0,
+    softcap: float | None = 0.0,
     return_lse: bool = False,
     deterministic: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
