@@ -66,13 +66,23 @@ METHODS = ["dualkv", "sdpa_cudnn", "sdpa_fa2", "flex", "cudnn_3pass"]
 EXTRA_METHODS = ["sdpa_mem", "mem_3pass"]
 
 
-def time_ms(fn: Callable[[], object], warmup: int, repeats: int) -> float:
-    """Median of `repeats` CUDA-event timings after `warmup` calls."""
+# GPU clock cycles of the spin queued before each timed call with --lead-spin (~1 ms at the
+# H200's 1.98 GHz: longer than any method's host-side dispatch of one call here).
+LEAD_SPIN_CYCLES = 2_000_000
+
+
+def time_ms(fn: Callable[[], object], warmup: int, repeats: int, lead_spin: bool = False) -> float:
+    """Median of `repeats` CUDA-event timings after `warmup` calls. Each timed call starts from
+    an idle GPU (the previous one was synchronised), so the events include the host's latency to
+    its first kernel; with `lead_spin` a spin kernel is queued first, so the host issues the call
+    while the GPU spins and the events time the GPU's work alone."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if lead_spin:
+            torch.cuda._sleep(LEAD_SPIN_CYCLES)
         start.record()
         fn()
         end.record()
@@ -345,6 +355,12 @@ def main() -> None:
         help="time the methods in turn this many times (every other round in reverse) and "
         "report the median of the rounds",
     )
+    ap.add_argument(
+        "--lead-spin",
+        action="store_true",
+        help="queue ~1 ms of GPU spin before each timed call, so that the events time the "
+        "GPU's work without the host's launch latency (for every method alike)",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     args = ap.parse_args()
     methods = args.methods.split(",")
@@ -384,8 +400,9 @@ def main() -> None:
                             reference = out if reference is None else reference
                             diffs[m] = (out - reference).abs().max().item()
                             del out
-                        t_f = time_ms(fwd, args.warmup, args.repeats)
-                    times[m].append((t_f, time_ms(fb, args.warmup, args.repeats)))
+                        t_f = time_ms(fwd, args.warmup, args.repeats, args.lead_spin)
+                    t_fb = time_ms(fb, args.warmup, args.repeats, args.lead_spin)
+                    times[m].append((t_f, t_fb))
                 except Exception as e:  # a baseline that cannot run this shape (e.g. out of memory)
                     errors[m] = f"{type(e).__name__}: {str(e)[:120]}"
                 torch.cuda.empty_cache()
@@ -412,10 +429,18 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "attention.json"), "w") as f:
         json.dump(
-            dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1
+            dict(
+                gpu=torch.cuda.get_device_name(),
+                torch=torch.__version__,
+                lead_spin=args.lead_spin,
+                rows=rows,
+            ),
+            f,
+            indent=1,
         )
+    timing = "GPU time (--lead-spin)" if args.lead_spin else "host launch latency included"
     print(
-        f"\nGPU {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16; "
+        f"\nGPU {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, {timing}; "
         "TF/s = useful TFLOP/s on the packed layout's FLOP count"
     )
     head = ("shape", "method", "fwd ms", "fwd TF/s", "f+b ms", "f+b TF/s", "max|diff|")
