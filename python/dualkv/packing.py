@@ -178,15 +178,29 @@ def _group_codes(group_ids: Any, num_rows: int) -> torch.Tensor:
     return torch.tensor(codes, dtype=torch.int64)
 
 
-def _prompt_groups(input_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
-    """Group codes (first-seen order) of rows whose real prompt tokens are identical."""
+def _prompt_groups(
+    input_ids: torch.Tensor, prompt_mask: torch.Tensor, position_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Group codes (first-seen order) of rows whose real prompt tokens (and, when given, their
+    position ids) are identical."""
     num_rows, pw = input_ids.shape[0], prompt_mask.shape[1]
     if pw == 0 or num_rows == 0:
         return torch.zeros(num_rows, dtype=torch.int64)
     # Prompts are right-aligned, so equal prompts are equal rows once padding is blanked out.
-    key = torch.where(prompt_mask.to(input_ids.device), input_ids[:, :pw].to(torch.int64), -1)
+    real = prompt_mask.to(input_ids.device)
+    key = torch.where(real, input_ids[:, :pw].to(torch.int64), -1)
+    if position_ids is not None:  # (the token part already tells padding from real tokens)
+        pos = torch.where(real, position_ids[:, :pw].to(input_ids.device, torch.int64), 0)
+        key = torch.cat([key, pos], 1)
     _, inverse = torch.unique(key, dim=0, return_inverse=True)
     return _group_codes(inverse, num_rows)
+
+
+def _group_name(group_ids: Any, row: int, code: int) -> Any:
+    """The group id of ``row`` as the caller gave it (its code when grouped by content)."""
+    if group_ids is None:
+        return code
+    return group_ids[row] if not isinstance(group_ids, torch.Tensor) else int(group_ids[row])
 
 
 def pack_rows(
@@ -211,7 +225,9 @@ def pack_rows(
             ``None``: rows whose real prompt tokens are identical form a group (for micro-batches
             that have lost their group ids; the result is the same function either way).
         position_ids: optional ``[B, L]`` positions of the rows; when given, the packed positions
-            are taken from them, else they are the logical positions of the layout.
+            are taken from them (rows sharing a prompt must have identical positions on its
+            tokens; without group ids, rows are grouped by prompt tokens and positions), else
+            they are the logical positions of the layout.
 
     Returns:
         A :class:`PackedBatch` on ``input_ids.device``; groups appear in first-seen row order, a
@@ -219,7 +235,8 @@ def pack_rows(
 
     Raises:
         ValueError: shapes that do not match, a mask that is not left/right padded as described,
-            or rows of one group whose prompts differ (naming the group and rows).
+            or rows of one group whose prompts (or prompt position ids) differ (naming the group
+            and rows).
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [B, L], got shape {tuple(input_ids.shape)}")
@@ -267,7 +284,7 @@ def pack_rows(
 
     # --- groups ----------------------------------------------------------------------------------
     if group_ids is None:
-        row_group = _prompt_groups(input_ids, pmask)
+        row_group = _prompt_groups(input_ids, pmask, position_ids)
     else:
         row_group = _group_codes(group_ids, num_rows)
     num_groups = int(row_group.max()) + 1 if num_rows else 0
@@ -285,15 +302,27 @@ def pack_rows(
     if bool(bad.any()):
         b = int(bad.nonzero()[0])
         g = int(row_group[b])
-        if group_ids is None:
-            gid: Any = g
-        else:
-            gid = group_ids[b] if not isinstance(group_ids, torch.Tensor) else int(group_ids[b])
+        gid = _group_name(group_ids, b, g)
         raise ValueError(
             f"rows of group {gid!r} have different prompts: row {b} (prompt length {int(plen[b])}) "
             f"differs from row {int(ref_row[g])} (prompt length {int(plen[ref_row[g]])}); rows "
             "sharing a group id must have identical prompts token for token"
         )
+    if position_ids is not None:
+        # The packed prompt carries its first row's positions: another row of the group whose
+        # prompt positions differ would silently be computed at positions it does not have.
+        ref_pos = position_ids[:, :pw].index_select(0, ref_dev.to(position_ids.device))
+        same_pos = (position_ids[:, :pw] == ref_pos) | ~pmask.to(position_ids.device)
+        bad_pos = ~same_pos.all(1).to("cpu")
+        if bool(bad_pos.any()):
+            b = int(bad_pos.nonzero()[0])
+            g = int(row_group[b])
+            raise ValueError(
+                f"position_ids: rows {b} and {int(ref_row[g])} share a prompt (group "
+                f"{_group_name(group_ids, b, g)!r}) but their prompt position ids differ; the "
+                "packed prompt has one set of positions, so rows sharing a prompt must have "
+                "identical position ids on their prompt tokens"
+            )
 
     # --- segments: G prompts then B responses, sorted into packed order -----------------------
     seg_len = torch.cat([prefix, rlen])

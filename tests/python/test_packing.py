@@ -193,3 +193,25 @@ def test_pack_without_group_ids_groups_identical_prompts(seed):
     assert pack(noisy, mask, pw).group_rows == by_content.group_rows
     resp_only = pack(ids[:, pw:], mask[:, pw:], 0)
     assert resp_only.layout.prefix_lens == (0,) and resp_only.num_rows == ids.shape[0]
+
+
+def test_pack_rows_sharing_a_prompt_need_its_positions():
+    # The packed prompt carries one row's positions: a row of the group whose prompt position
+    # ids differ was computed at the wrong positions, silently (a tiny Qwen3's log-probs moved
+    # by up to 8.75 nats against that row run alone)
+    ids, mask, pw, gid = rows_from_lists([[1, 2, 3], [4, 5]], [[[6], [7, 8]], [[9]]])
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    moved = pos.clone()
+    moved[1, :pw] += 2  # row 1's prompt (group 0, whose positions come from row 0)
+    with pytest.raises(ValueError, match="prompt position ids differ"):
+        pack(ids, mask, pw, gid, position_ids=moved)
+    # positions on padding are never read
+    noisy = pos.clone()
+    noisy[2, 0] = 77
+    assert torch.equal(pack(ids, mask, pw, gid, position_ids=noisy).position_ids,
+                       pack(ids, mask, pw, gid, position_ids=pos).position_ids)  # fmt: skip
+    # without group ids, equal prompts at different positions are different groups
+    by_content = pack(ids, mask, pw, position_ids=moved)
+    assert by_content.group_rows == ((0,), (1,), (2,))
+    assert by_content.position_ids[0, 4:7].tolist() == [2, 3, 4]  # row 1's own prompt
+    assert pack(ids, mask, pw, position_ids=pos).group_rows == ((0, 1), (2,))
