@@ -174,8 +174,20 @@ def _group_codes(group_ids: Any, num_rows: int) -> torch.Tensor:
     if len(group_ids) != num_rows:
         raise ValueError(f"group_ids must have one id per row ({num_rows}), got {len(group_ids)}")
     seen: dict[Any, int] = {}
-    codes = [seen.setdefault(gid, len(seen)) for gid in group_ids]
+    codes = [seen.setdefault(_id_key(gid, b), len(seen)) for b, gid in enumerate(group_ids)]
     return torch.tensor(codes, dtype=torch.int64)
+
+
+def _id_key(gid: Any, row: int) -> Any:
+    """A group id as a dict key: a tensor element (``list(ids_tensor)``) by its value, since
+    tensors hash by identity (every row would be a group of its own)."""
+    if isinstance(gid, torch.Tensor):
+        if gid.numel() != 1:
+            raise ValueError(
+                f"group_ids[{row}] must be one id, got a tensor of shape {tuple(gid.shape)}"
+            )
+        return gid.item()
+    return gid
 
 
 def _prompt_groups(

@@ -215,3 +215,18 @@ def test_pack_rows_sharing_a_prompt_need_its_positions():
     assert by_content.group_rows == ((0,), (1,), (2,))
     assert by_content.position_ids[0, 4:7].tolist() == [2, 3, 4]  # row 1's own prompt
     assert pack(ids, mask, pw, position_ids=pos).group_rows == ((0, 1), (2,))
+
+
+def test_group_ids_as_a_list_of_tensor_elements():
+    # list(ids_tensor) holds 0-d tensors, which hash by identity: each row was its own group, so
+    # group_advantages returned the raw rewards ([1, 0, 1, 0.5] instead of +-0.71) and pack
+    # shared no prompt
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.5])
+    gid = torch.tensor([3, 3, 8, 8])
+    want = dualkv.group_advantages(rewards, gid)
+    assert torch.equal(dualkv.group_advantages(rewards, list(gid)), want)
+    assert torch.equal(dualkv.group_advantages(rewards, [g.reshape(1) for g in gid]), want)
+    ids, mask, pw, gid2 = rows_from_lists([[1, 2], [3]], [[[4], [5]], [[6], [7]]])
+    assert pack(ids, mask, pw, list(gid2)).group_rows == ((0, 1), (2, 3))
+    with pytest.raises(ValueError, match=r"group_ids\[1\] must be one id"):
+        dualkv.group_advantages(rewards, [gid[0], gid[:2], gid[2], gid[3]])
