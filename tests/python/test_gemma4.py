@@ -21,10 +21,10 @@ pytest.importorskip("transformers")
 from dualkv.integrations import transformers as dkt  # noqa: E402
 from dualkv.integrations.transformers import enable_gradient_checkpointing  # noqa: E402
 from dualkv.losses import dapo_loss  # noqa: E402
-from hf_helpers import gemma4_config, rows_attention, tiny_model  # noqa: E402
+from hf_helpers import gemma4_config, tiny_model  # noqa: E402
 from test_transformers import (  # noqa: E402
-    TEMPERATURE,
     _batch,
+    _logprobs,
     _old_logprobs,
     _rel_l2,
     _step,
@@ -70,15 +70,6 @@ def _skip_without_cuda_d512() -> None:
         if "not supported yet" not in str(exc):
             raise
         pytest.skip(f"this build's CUDA kernels: {exc}")
-
-
-def _logprobs(model, ids, mask, pw, pk, packed: bool) -> torch.Tensor:
-    """Response log-probs [B, R] of the rows (HF SDPA / eager) or of the packed batch (dualkv)."""
-    dev = next(model.parameters()).device
-    model.set_attn_implementation("dualkv" if packed else rows_attention(model.config.model_type))
-    if packed:
-        return dkt.packed_response_logprobs(model, pk.to(dev), temperature=TEMPERATURE)
-    return dkt.rows_response_logprobs(model, ids.to(dev), mask.to(dev), pw, temperature=TEMPERATURE)
 
 
 def _linear_step_grads(model, ids, mask, pw, pk, adv, packed: bool) -> dict[str, torch.Tensor]:

@@ -53,29 +53,34 @@ def _batch(seed: int, groups: int = 3):
     return ids, mask, pw, pk, adv, noise
 
 
+def _logprobs(model, ids, mask, pw, pk, packed: bool) -> torch.Tensor:
+    """Response log-probs [B, R] on the model's device: of the rows (HF SDPA / eager) or of the
+    packed batch (dualkv)."""
+    dev = next(model.parameters()).device
+    model.set_attn_implementation("dualkv" if packed else rows_attention(model.config.model_type))
+    if packed:
+        return dkt.packed_response_logprobs(model, pk.to(dev), temperature=TEMPERATURE)
+    return dkt.rows_response_logprobs(model, ids.to(dev), mask.to(dev), pw, temperature=TEMPERATURE)
+
+
 def _step(
     model, ids, mask, pw, pk, adv, old, packed: bool, clip: tuple[float, float] = (0.2, 0.28)
 ):
     """One policy-update step on the model's device; returns (logprobs, loss, {param: grad})."""
     dev = next(model.parameters()).device
-    if dev.type != "cpu":
-        ids, mask, pk, adv, old = ids.to(dev), mask.to(dev), pk.to(dev), adv.to(dev), old.to(dev)
     model.zero_grad(set_to_none=True)
-    model.set_attn_implementation("dualkv" if packed else rows_attention(model.config.model_type))
-    if packed:
-        lp = dkt.packed_response_logprobs(model, pk, temperature=TEMPERATURE)
-    else:
-        lp = dkt.rows_response_logprobs(model, ids, mask, pw, temperature=TEMPERATURE)
-    loss, _ = dapo_loss(lp, old, adv, pk.response_mask, clip_low=clip[0], clip_high=clip[1])
+    lp = _logprobs(model, ids, mask, pw, pk, packed)
+    loss, _ = dapo_loss(
+        lp, old.to(dev), adv.to(dev), pk.response_mask.to(dev), clip_low=clip[0], clip_high=clip[1]
+    )
     loss.backward()
     grads = {n: p.grad.detach().cpu() for n, p in model.named_parameters() if p.grad is not None}
     return lp.detach().cpu(), loss.detach().cpu(), grads
 
 
 def _old_logprobs(model, ids, mask, pw, noise):
-    model.set_attn_implementation(rows_attention(model.config.model_type))
     with torch.no_grad():
-        lp = dkt.rows_response_logprobs(model, ids, mask, pw, temperature=TEMPERATURE)
+        lp = _logprobs(model, ids, mask, pw, None, False)
     return (lp.float() + noise) * (mask[:, pw:] != 0)
 
 
