@@ -11,8 +11,8 @@
 //      dK += dS^T Q).
 //   3. dq: one CTA per (64-query block, q head) walks the key blocks like the forward pass and
 //      accumulates dQ in registers (fixed order). Every output is bitwise reproducible. (A fused
-//      variant adding dS K into an fp32 accumulator with atomics measured slower on an H200,
-//      47.8 vs 37.0 ms, and was deleted; src/cuda/NOTES.md.)
+//      variant adding dS K into an fp32 accumulator with atomics was slower than this pass and was
+//      deleted; src/cuda/LAB_NOTEBOOK.md, "Defaults and deletions".)
 // kSmall (GPUs with less shared memory per block than the regular configs need,
 // KernelPolicy::sm80_small_smem): at D = 512 16-key dK/dV CTAs over 16-query blocks and 16-query
 // dQ CTAs (BwdCfg, DqCfg), each at most 96.3 KB, whose slab exchange reuses the other stage's

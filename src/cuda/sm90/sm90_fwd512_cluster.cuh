@@ -1,6 +1,7 @@
 // sm_90a D = 512 forward on 2-CTA clusters that split the head dim (the D = 512 forward on Hopper;
-// the sm_80 one when a tensor map cannot be encoded). Design, arithmetic and measurements:
-// src/cuda/NOTES.md, "D = 512 forward on 2-CTA clusters".
+// the sm_80 one when a tensor map cannot be encoded). Design: src/cuda/NOTES.md, "Head dim 512";
+// arithmetic and measurements: src/cuda/LAB_NOTEBOOK.md, "D = 512 forward on 2-CTA clusters" and
+// "Eleventh session".
 //   - One cluster of two CTAs per (128-query tile, q head). CTA rank r holds columns
 //     [256r, 256r + 256) of Q (resident) and of every K / V block of the tile's key walk, and owns
 //     those columns of O. Each producer loads only its own half (no multicast, no cluster-wide
