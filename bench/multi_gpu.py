@@ -21,8 +21,8 @@ a dry run; a plain ``python`` start is a group of one). Parts (``--parts``, defa
   model). In float32 on CPU that is tight (~1e-6 of the scale); in bf16 it is bf16's noise.
 * ``comm``   the all-to-alls of one decoder layer (forward: q, k, v in and the output back;
   backward: the output gradient in and dq, dk, dv back), timed for the Qwen3 preset's layer (and
-  Gemma 4's sliding and full layers) at the first shape's packed length, next to the README's
-  formula ``(sp-1)/sp^2 * T * D * b * (2 Hq + 2 Hkv')`` bytes sent per rank and direction.
+  Gemma 4's sliding and full layers) at the first shape's packed length, next to the formula of
+  docs/trainers.md ``(sp-1)/sp^2 * T * D * b * (2 Hq + 2 Hkv')`` bytes sent per rank and direction.
 * ``qwen``   a Qwen3-shaped model (``--preset``, default 8b: real widths, ``--layers`` cut) on one
   prompt group per step (N responses of R after a P-token prompt, ``--shapes``) with SP = world
   size (``--sp`` < world: dp = world/sp data-parallel replicas, each its own group) + FSDP2
