@@ -45,6 +45,7 @@ import json
 import math
 import os
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -795,6 +796,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         action="store_false",
         help="skip the correctness check at CHECK_LAYOUT (and time every method)",
     )
+    ap.add_argument(
+        "--budget",
+        type=float,
+        metavar="SECONDS",
+        help="start no shape later than this after the start (the rest are listed as not run), "
+        "so that a run under a time limit still ends with its table and JSON",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     args = ap.parse_args(argv)
     methods = [m for m in args.methods.split(",") if m]
@@ -805,13 +813,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 
 
 def main() -> None:
+    start = time.monotonic()
     args, shapes, methods = parse_args()
     rows = []
     checks: dict[tuple[int, int, int], dict[str, str]] = {}
     if args.check:
         for heads in dict.fromkeys(sh[3:] for sh in shapes):
             checks[heads] = check_methods(methods, *heads)
-    for n, p, r, hq, hkv, d in shapes:
+    for i, (n, p, r, hq, hkv, d) in enumerate(shapes):
+        if args.budget is not None and time.monotonic() - start > args.budget:
+            print(f"--budget {args.budget:.0f} s spent: not run {shapes[i:]}", flush=True)
+            break
         groups = realistic_groups() if n == 0 else [(p, [r] * n)]
         c = Case(groups, hq, hkv, d)
         shape = f"N={n} P={p} R={r} Hq={hq} Hkv={hkv} D={d}"
