@@ -44,7 +44,8 @@ def test_table_side_by_side(tmp_path, capsys):
         [
             ("kernel_cutlass_flash_fwd_sm90FlashAttentionForwardSm90_object_at_0x", [
                 "712,000", 35.2, 60.1, 12.4, 168, 200704, 0, 132, 384, 1.0, 3.0, 1.0, 0.5]),
-            ("vectorized_elementwise_kernel", [3000, 5, 0, 50, 16, 0, 0, 1024, 128, 0, 1, 1, 0]),
+            ("void at::native::vectorized_elementwise_kernel<4, FillFunctor<float>>(int, dq_t)", [
+                3000, 5, 0, 50, 16, 0, 0, 1024, 128, 0, 1, 1, 0]),
             ("kernel_cutlass_FlashAttentionBackwardPreprocess_object", [
                 20000, 10, 0, 60, 32, 0, 0, 512, 128, 0, 2, 1, 0]),
             ("kernel_cutlass_FlashAttentionBackwardSm90_object", [
@@ -58,7 +59,8 @@ def test_table_side_by_side(tmp_path, capsys):
         [
             ("void dualkv::cuda::detail::fwd_ws_kernel_sm90<bf16, 128>(FwdWsArgs)", [
                 800000, 30, 50, 12, 168, 190000, 0, 132, 384, 2, 2, 1, 0]),
-            ("bwd_pre_kernel", [25000, 9, 0, 55, 30, 0, 0, 512, 256, 0, 1, 1, 0]),
+            ("void dualkv::cuda::detail::bwd_pre_kernel<bf16, 128>(BwdParams, bool)", [
+                25000, 9, 0, 55, 30, 0, 0, 512, 256, 0, 1, 1, 0]),
             ("dkdv_ws_kernel_sm90", [2400000, 38, 48, 12, 240, 220000, 0, 132, 384, 5, 1, 1, 0]),
             ("dq_convert_kernel", [40000, 7, 0, 66, 24, 0, 0, 512, 256, 0, 1, 1, 0]),
         ],

@@ -185,7 +185,8 @@ def base(k: dict[str, tuple[str, str]], metric: str) -> float | None:
 
 
 def role_of(name: str) -> str:
-    low = name.lower()
+    """The role of a kernel by its name without template and parameter types."""
+    low = name.split("(")[0].split("<")[0].lower()
     return next((role for role, pat in ROLES if re.search(pat, low)), "other")
 
 
