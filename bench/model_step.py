@@ -16,17 +16,19 @@ after a P-token prompt), gradient checkpointing on:
                  group of size 1 that this script initialises (nccl on CUDA, gloo on CPU): what
                  the SP path costs when it does not split anything;
 * verl           (for hybrid sliding/global models such as Gemma 4) what veRL PR #7131 does: the
-                 N rows, HF SDPA on the global (full-attention) layers -- at head dim 512 PyTorch
-                 takes its memory-efficient kernel, K/V expanded as HF's sdpa does -- and the
-                 fastest windowed kernel at hand on the sliding layers (``--sliding-kernel``:
-                 ``dualkv-rows`` (default) runs DualKV's kernel on the rows as plain causal
-                 varlen attention with the window, each row its own group with no shared prompt:
-                 a FlashAttention-class windowed kernel standing in for FA2, which is not installed
-                 on the GPU machine; ``flex`` FlexAttention with a causal sliding-window BlockMask;
-                 ``sdpa`` SDPA with an explicit [L, L] window mask, which no flash/cuDNN backend
-                 of SDPA takes, so it runs dense); rows in micro-batches of ``--rows-micro-batch``
-                 with gradient accumulation (token-mean over the whole batch), full-vocabulary
-                 logits per micro-batch.
+                 N rows, with the strongest kernels its user has. On the global (full-attention)
+                 layers ``--full-kernel``: ``best`` (default) ffpa-attn's CuTe DSL kernels at head
+                 dims above 256 (Gemma 4's 512), FA4 (flash-attn-4) at 256 and below; ``sdpa`` HF
+                 SDPA (at head dim 512 PyTorch takes its memory-efficient kernel, K/V expanded as
+                 HF's sdpa does). On the sliding layers ``--sliding-kernel``: ``fa4`` (default)
+                 FA4 with its window; ``dualkv-rows`` DualKV's kernel on the rows as plain causal
+                 varlen attention with the window, each row its own group with no shared prompt;
+                 ``flex`` FlexAttention with a causal sliding-window BlockMask; ``sdpa`` SDPA with
+                 an explicit [L, L] window mask, which no flash/cuDNN backend of SDPA takes, so it
+                 runs dense. Where FA4 or ffpa-attn is not installed (or the device is not CUDA)
+                 the path says so and falls back to ``dualkv-rows`` / ``sdpa``. Rows in
+                 micro-batches of ``--rows-micro-batch`` with gradient accumulation (token-mean
+                 over the whole batch), full-vocabulary logits per micro-batch.
 
 Presets: Qwen3 shapes (dualkv.grpo_demo.PRESETS) and ``gemma4-31b`` (Gemma-4-31B's text layer
 stack: hidden 5376, 32 query heads, sliding layers head dim 256 with 16 KV heads and window 1024,
@@ -95,7 +97,10 @@ ALL_PATHS = (
     "dualkv-sp",
     "verl",
 )
-SLIDING_KERNELS = ("dualkv-rows", "flex", "sdpa")
+SLIDING_KERNELS = ("fa4", "dualkv-rows", "flex", "sdpa")
+FULL_KERNELS = ("best", "sdpa")
+# the packages behind the verl path's FA4 and ffpa-attn kernels
+KERNEL_MODULES = {"fa4": "flash_attn.cute.interface", "ffpa": "ffpa_attn"}
 HYBRID = "dualkv_bench_verl_hybrid"  # the verl path's attention implementation
 
 # Gemma-4-31B's text config (google/gemma-4-31B config.json text_config), minus its depth
@@ -116,8 +121,13 @@ GEMMA4_PRESETS: dict[str, dict[str, Any]] = {
     ),
 }  # fmt: skip
 
-# set by main(): the verl path's sliding-layer kernel and rows micro-batch
-OPTIONS: dict[str, Any] = {"sliding_kernel": "dualkv-rows", "rows_micro_batch": 0}
+# set by main() (resolve_kernels): the verl path's kernels on sliding and on full layers
+# ("ffpa", "fa4" or "sdpa") and its rows micro-batch
+OPTIONS: dict[str, Any] = {
+    "sliding_kernel": "dualkv-rows",
+    "full_kernel": "sdpa",
+    "rows_micro_batch": 0,
+}
 
 
 def build_any(preset: str, device: torch.device, dtype: torch.dtype,
@@ -157,6 +167,15 @@ def _sliding_rows_attention(module, query, key, value, scaling, window: int) -> 
     returns [N, L, Hq, D]."""
     n, hq, length, d = query.shape
     kernel = OPTIONS["sliding_kernel"]
+    if kernel == "fa4":  # (window - 1, 0) keys back and ahead: q - kv < window, causal
+        from flash_attn.cute.interface import flash_attn_func
+
+        q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+        window_size = (window - 1, None)
+        out, _ = flash_attn_func(
+            q, k, v, softmax_scale=scaling, causal=True, window_size=window_size
+        )
+        return out
     if kernel == "dualkv-rows":  # every row its own group, all prompt: plain causal varlen
         key_ = ("layout", n, length, query.device)
         if key_ not in _MASKS:
@@ -206,18 +225,61 @@ def hybrid_attention_forward(
     softcap=None,
     **kwargs,
 ):
-    """The verl path's attention: HF SDPA (causal) on full layers, the sliding kernel on sliding
-    layers. Rows without padding: no mask is built (HF's sdpa then runs is_causal)."""
+    """The verl path's attention: the full kernel (causal) on full layers, the sliding kernel on
+    sliding layers. Rows without padding: no mask is built (HF's sdpa then runs is_causal)."""
     if softcap:
         raise ValueError("the verl path does not run attention logit soft-capping")
     if sliding_window:
         return _sliding_rows_attention(
             module, query, key, value, scaling, int(sliding_window)
         ), None
+    if OPTIONS["full_kernel"] == "fa4":
+        from flash_attn.cute.interface import flash_attn_func
+
+        out, _ = flash_attn_func(*(x.transpose(1, 2) for x in (query, key, value)),
+                                 softmax_scale=scaling, causal=True)  # fmt: skip
+        return out, None
+    if OPTIONS["full_kernel"] == "ffpa":
+        from ffpa_attn import ffpa_attn_func
+
+        gqa = query.shape[1] != key.shape[1]
+        out = ffpa_attn_func(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa,
+                             backend="cutedsl")  # fmt: skip
+        return out.transpose(1, 2), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward(module, query, key, value, None, dropout=dropout,
                                   scaling=scaling, is_causal=True)  # fmt: skip
+
+
+def kernel_missing(kernel: str, device: torch.device) -> str | None:
+    """Why the verl path cannot run ``kernel`` (``fa4``, ``ffpa``) here; None if it can."""
+    import importlib
+
+    if device.type != "cuda":
+        return f"device {device.type}"
+    try:
+        importlib.import_module(KERNEL_MODULES[kernel])
+    except Exception as e:  # ImportError, or a native library that does not load
+        return f"{type(e).__name__}: {str(e)[:100]}"
+    return None
+
+
+def resolve_kernels(model: torch.nn.Module, sliding: str, full: str, device: torch.device) -> None:
+    """Sets OPTIONS' sliding and full kernels of the verl path for ``model``: as asked (``full``
+    ``best``: ffpa-attn above head dim 256, FA4 at or below), or, with the reason printed, the
+    fallback (``dualkv-rows`` / ``sdpa``) where a package is missing."""
+    if sliding == "fa4" and (why := kernel_missing("fa4", device)):
+        print(f"verl path: FA4 not available ({why}): sliding layers run dualkv-rows")
+        sliding = "dualkv-rows"
+    if full == "best":
+        full_dims = [d for d, w in _layer_attention(model) if not w]
+        full = "ffpa" if max(full_dims, default=0) > 256 else "fa4"
+        if why := kernel_missing(full, device):
+            name = {"ffpa": "ffpa-attn", "fa4": "FA4"}[full]
+            print(f"verl path: {name} not available ({why}): full layers run HF SDPA")
+            full = "sdpa"
+    OPTIONS.update(sliding_kernel=sliding, full_kernel=full)
 
 
 def register_hybrid() -> None:
@@ -481,8 +543,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     ap.add_argument("--layers", type=int, help="override the layer count (quick runs)")
     ap.add_argument("--sliding-window", type=int, help="override a Gemma 4 preset's window")
-    ap.add_argument("--sliding-kernel", choices=SLIDING_KERNELS, default="dualkv-rows",
+    ap.add_argument("--sliding-kernel", choices=SLIDING_KERNELS, default="fa4",
                     help="the verl path's kernel on sliding layers (see above)")  # fmt: skip
+    ap.add_argument("--full-kernel", choices=FULL_KERNELS, default="best",
+                    help="the verl path's kernel on full-attention layers (see above)")  # fmt: skip
     ap.add_argument(
         "--rows-micro-batch",
         type=int,
@@ -499,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.preset_tiny_cpu:
         args.presets, args.shapes, args.device = "tiny", ["4,64,16"], "cpu"
         args.paths, args.warmup, args.repeats = "standard,dualkv", 0, 1
-    OPTIONS.update(sliding_kernel=args.sliding_kernel, rows_micro_batch=args.rows_micro_batch)
+    OPTIONS.update(rows_micro_batch=args.rows_micro_batch)
     register_hybrid()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -521,6 +585,8 @@ def main(argv: list[str] | None = None) -> int:
             overrides["sliding_window"] = args.sliding_window
         model = build_any(preset, device, dtype, overrides=overrides)
         model.train()
+        if "verl" in paths:
+            resolve_kernels(model, args.sliding_kernel, args.full_kernel, device)
         if args.compile:
             compile_layers(model)
         for shape in args.shapes:
@@ -586,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
                 name = preset if preset in GEMMA4_PRESETS else f"Qwen3-{preset}"
                 if res["path"] == "verl":
                     mb = args.rows_micro_batch
-                    label += f" [{args.sliding_kernel} sliding"
+                    label += f" [{OPTIONS['sliding_kernel']} sliding, {OPTIONS['full_kernel']} full"
                     label += f", micro-batch {mb}]" if mb else "]"
                 line = (f"| {name} | {n}, {p}, {r} | {layout.token_reduction:.2f} | "
                         f"{label} | " + " | ".join(cells) + " |")  # fmt: skip
