@@ -396,6 +396,111 @@ def test_missing_position_ids_raise_under_compile(seed, whole) -> None:  # noqa:
         torch._dynamo.reset()
 
 
+def _traced_rule_graphs(pk, dynamic: bool) -> list:  # noqa: ANN001
+    """The forward graphs torch.compile makes of check_positions (aten ops after inductor's
+    decompositions, what inductor lowers)."""
+    import torch._dynamo
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._inductor.decomposition import select_decomp_table
+
+    graphs = []
+
+    def capture(gm, example_inputs):  # noqa: ANN001, ANN202
+        def keep(g, _inputs):  # noqa: ANN001, ANN202
+            graphs.append(g)
+            return g
+
+        return aot_module_simplified(
+            gm, example_inputs, fw_compiler=keep, decompositions=select_decomp_table()
+        )
+
+    torch._dynamo.reset()
+    try:
+        check = torch.compile(dkt.check_positions, backend=capture, fullgraph=True, dynamic=dynamic)
+        check(pk.position_ids.clone(), pk.layout)
+    finally:
+        torch._dynamo.reset()
+    return graphs
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_traced_position_rule_reduces_over_one_length(seed, dynamic) -> None:  # noqa: ANN001
+    # every reduction of the traced rule runs over the same number of elements: on CUDA,
+    # inductor's mix-order-reduction fusion asserted ("24575 v.s. 24576", torch 2.11-2.13) on
+    # the rule's reductions over T-1 and T tokens once they were large enough to be split
+    # (bench/model_step.py --compile at 16, 2048, 512 and beyond)
+    graphs = _traced_rule_graphs(_packed(seed), dynamic)
+    sizes = [
+        str(node.args[0].meta["val"].numel())
+        for g in graphs
+        for node in g.graph.nodes
+        if node.op == "call_function" and torch.Tag.reduction in getattr(node.target, "tags", ())
+    ]
+    assert len(sizes) >= 2, [g.code for g in graphs]  # the rule was traced
+    assert len(set(sizes)) == 1, sizes
+
+
+def _rule_oracle(pos: list[int], own: list[int]) -> bool:
+    """check_positions' rule restated on lists: on each stretch that attention never crosses (it
+    starts at logical position 0) the positions differ from the layout's by one constant, and
+    they are not 0..T-1 unless that is the layout's own numbering."""
+    shift: int | None = None
+    for p, o in zip(pos, own, strict=True):
+        if o == 0:
+            shift = p - o
+        elif p - o != shift:
+            return False
+    return pos != list(range(len(pos))) or pos == own
+
+
+def test_position_rule_matches_its_oracle(seed) -> None:
+    # eager and traced, the rule gives the oracle's verdict on right positions (a constant shift
+    # per stretch), positions off by one token, 0..T-1, and other batches' positions
+    import torch._dynamo
+
+    rng = random.Random(seed)
+    torch._dynamo.reset()
+    traced = torch.compile(dkt.check_positions, backend="aot_eager", fullgraph=True)
+    try:
+        for trial in range(6):
+            prompts, responses = random_groups(rng, groups=rng.randint(1, 4), p_range=(0, 6),
+                                               n_range=(1, 3), r_range=(1, 5))  # fmt: skip
+            pk = pack(prompts=prompts, responses=responses)
+            own = pk.position_ids[0].tolist()
+            t = len(own)
+            cands = [list(range(t)), [x + 1 for x in own]]
+            for _ in range(6):
+                shift, cand = 0, []
+                for o in own:
+                    shift = rng.randrange(-3, 9) if o == 0 else shift
+                    cand.append(o + shift)
+                cands.append(cand)
+                bad = list(cand)
+                bad[rng.randrange(t)] += rng.choice([-2, -1, 1, 3])
+                cands.append(bad)
+            other = pack(prompts=[[1] * rng.randint(0, t)], responses=[[[2] * 1]])
+            cands.append((other.position_ids[0].tolist() + list(range(t)))[:t])
+            for cand in cands:
+                want = _rule_oracle(cand, own)
+                pos = torch.tensor([cand])
+                try:
+                    dkt.check_positions(pos, pk.layout)
+                except ValueError:
+                    got = False
+                else:
+                    got = True
+                assert got == want, (trial, cand, own)
+                try:
+                    traced(pos.clone(), pk.layout)
+                except RuntimeError:
+                    got = False
+                else:
+                    got = True
+                assert got == want, ("traced", trial, cand, own)
+    finally:
+        torch._dynamo.reset()
+
+
 def test_empty_batch_through_the_model() -> None:
     # transformers' forward cannot run on 0 tokens: an empty batch gives empty log-probs
     model = tiny_model("qwen3")

@@ -369,6 +369,54 @@ def test_compiled_layers_with_checkpointing(seed, keep_attention, device, backen
         assert e_compiled <= 3 * e_plain + 1e-3, (name, e_compiled, e_plain)
 
 
+@pytest.mark.gpu
+def test_compiled_step_at_a_realistic_size(seed):
+    """The benchmark's shape (N, P, R) = (16, 8192, 1024), T = 24576 packed tokens, with inductor's
+    default settings on CUDA: the traced position check alone, then the step with every decoder
+    layer compiled under gradient checkpointing (bench/model_step.py --compile). Large reductions
+    are split there, which the small shapes of the other compiled tests never reach: the rule's
+    reductions over T - 1 and T tokens made inductor assert ("24575 v.s. 24576")."""
+    import torch._dynamo
+
+    n, p, r = 16, 8192, 1024
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, VOCAB, (p,), generator=g)
+    ids = torch.cat([prompt.expand(n, p), torch.randint(0, VOCAB, (n, r), generator=g)], 1)
+    pk = dualkv.pack(ids, torch.ones_like(ids), p, torch.zeros(n, dtype=torch.long), device="cuda")
+    torch._dynamo.reset()
+    try:
+        check = torch.compile(dkt.check_positions)
+        check(pk.position_ids.clone(), pk.layout)
+        check(pk.position_ids + 5, pk.layout)  # one group: a constant shift is the same function
+    finally:
+        torch._dynamo.reset()
+
+    adv = torch.randn(n, generator=g).cuda()
+
+    def step(model):  # noqa: ANN001, ANN202
+        model.zero_grad(set_to_none=True)
+        lp = dkt.packed_response_logprobs(model, pk)
+        dapo_loss(lp, lp.detach().float(), adv, pk.response_mask)[0].backward()
+        return lp.detach().float(), _grads(model)
+
+    def fresh(dtype):  # noqa: ANN001, ANN202
+        model = tiny_model("qwen3", dtype, seed=seed % 1000, head_dim=64).cuda()
+        model.set_attn_implementation("dualkv")
+        return model.train()
+
+    lp_ref, _ = step(fresh(torch.float32))
+    model = fresh(torch.bfloat16)
+    lp_eager, _ = step(model)
+    with _compiled_layers(model, "inductor"):
+        lp, grads = step(model)
+    # bf16 log-probs of ~16k tokens: the compiled step's RMS error against float32 within 3x the
+    # eager bf16 step's (inductor rounds the fused elementwise code its own way)
+    rms_c = (lp - lp_ref)[pk.response_mask].pow(2).mean().sqrt().item()
+    rms_e = (lp_eager - lp_ref)[pk.response_mask].pow(2).mean().sqrt().item()
+    assert rms_c <= 3 * rms_e + 1e-3, (rms_c, rms_e)
+    assert all(torch.isfinite(x).all() for x in grads.values())
+
+
 def test_compiled_decoder_one_graph_for_all_batches(seed):
     """The whole decoder through torch.compile: no graph break, and one graph for batches of
     other layouts (pack marks their sizes dynamic), with the eager values."""

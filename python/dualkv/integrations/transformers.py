@@ -340,8 +340,12 @@ def _positions_ok(position_ids: torch.Tensor, layout: Layout) -> torch.Tensor:
     pos = pos.to(own.device, torch.int64)
     delta = pos - own
     # a logical position 0 starts a stretch attention never crosses: a group's prompt, or a
-    # response of a group without a prompt
-    same = ((delta[1:] == delta[:-1]) | (own[1:] == 0)).all()
+    # response of a group without a prompt. Each token's shift is compared with the previous
+    # token's (the first token's with itself), so that every reduction of the rule runs over the
+    # T tokens: traced, reductions over T - 1 and T tokens made inductor's mix-order-reduction
+    # fusion assert once they were large enough to be split (CUDA, torch 2.11-2.13)
+    prev = torch.cat([delta[:1], delta[:-1]])
+    same = ((delta == prev) | (own == 0)).all()
     # 0..T-1 passes the per-stretch rule when every group has one response, yet it is what a call
     # without position_ids gives (wrong for absolute embeddings and length-dependent RoPE)
     numbered = delta.any() & (pos == torch.arange(pos.numel(), device=pos.device)).all()
