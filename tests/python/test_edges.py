@@ -501,6 +501,42 @@ def test_position_rule_matches_its_oracle(seed) -> None:
         torch._dynamo.reset()
 
 
+def test_positions_of_another_layout_say_so(seed) -> None:
+    # a layout of another batch with as many tokens, called with this batch's positions: the
+    # error said "the model was probably called without position_ids"; it says now that the
+    # positions do not follow the layout, and where
+    import torch._dynamo
+
+    model = tiny_model("qwen3", seed=seed % 1000)
+    model.set_attn_implementation("dualkv")
+    pk = pack(prompts=[[1, 2, 3], [7, 8]], responses=[[[4, 5], [6]], [[9, 10, 11]]])
+    other = pack(prompts=[[1, 2], [7, 8, 3]], responses=[[[4, 5], [6]], [[9, 10, 11]]])
+    assert other.total_tokens == pk.total_tokens
+    call = dict(input_ids=pk.input_ids, position_ids=pk.position_ids, dualkv_layout=other.layout)
+    with pytest.raises(ValueError, match="do not follow the layout's prompts and responses") as e:
+        model.model(**call)
+    msg = str(e.value)
+    assert "without position_ids" not in msg
+    # positions 0 1 2 | 3 4 | 3 ... against the layout's 0 1 | 2 3 | 2 ...: token 4 goes 3 -> 4
+    # where the layout goes 3 -> 2 (a second response of group 0)
+    assert "first at packed token 4: position_ids [..., 3, 4, ...]" in msg, msg
+    assert "[..., 3, 2, ...] within a group" in msg and "prefix_lens=[2, 3]" in msg, msg
+    # a call without position_ids is still named as such
+    with pytest.raises(ValueError, match="probably called without position_ids"):
+        model.model(input_ids=pk.input_ids, dualkv_layout=pk.layout)
+    # traced: the same rule and message (an assert in the graph, no location)
+    torch._dynamo.reset()
+    try:
+        run = torch.compile(model.model, backend="aot_eager")
+        with pytest.raises(RuntimeError, match="do not follow the layout's prompts") as e:
+            run(**call)
+        assert "without position_ids" not in str(e.value)
+        with pytest.raises(RuntimeError, match="probably called without position_ids"):
+            run(input_ids=pk.input_ids, dualkv_layout=pk.layout)
+    finally:
+        torch._dynamo.reset()
+
+
 def test_empty_batch_through_the_model() -> None:
     # transformers' forward cannot run on 0 tokens: an empty batch gives empty log-probs
     model = tiny_model("qwen3")

@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import reprlib
 import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, cast
@@ -278,6 +279,13 @@ _POSITIONS_MSG = (
     "P..P+R-1): the model was probably called without position_ids, so RoPE numbered the packed "
     "tokens 0..T-1. Pass position_ids=packed.position_ids (model(**packed.model_inputs()) does)"
 )
+_LAYOUT_MISMATCH_MSG = (
+    "position_ids are not the layout's logical positions (prompt 0..P-1, each response "
+    "P..P+R-1): they do not follow the layout's prompts and responses{where}, so the positions "
+    "and the layout are probably of different batches. Pass the positions and the layout of one "
+    "packed batch: position_ids=packed.position_ids, dualkv_layout=packed.layout "
+    "(model(**packed.model_inputs()) does)"
+)
 _SHARD_POSITIONS_MSG = (
     "position_ids are not this rank's slice of the sharded batch's positions: the model was "
     "probably called without position_ids, so each rank numbered its shard 0..S-1. Pass "
@@ -299,23 +307,32 @@ def check_positions(position_ids: torch.Tensor | None, layout: Layout | ShardedL
 
     Eager: free for the layout's own tensor (``packed.position_ids``, or a shard's
     ``batch.position_ids``); other tensors are compared once (one host synchronisation) and
-    remembered until they are changed in place. Under torch.compile the same rule is traced into
-    the graph as a device-side assert (``torch._assert_async``; no host synchronisation).
+    remembered until they are changed in place; the error says which rule failed (and where).
+    Under torch.compile the same rules are traced into the graph as device-side asserts
+    (``torch._assert_async``; no host synchronisation).
     """
     if position_ids is None:
         return
+    compiling = torch.compiler.is_compiling()
+    if not compiling and (
+        _is_layouts_own(position_ids, layout) or _checked_before(position_ids, layout)
+    ):
+        return
     if isinstance(layout, ShardedLayout):
-        rule = functools.partial(_shard_positions_ok, position_ids, layout)
         msg = f"{_SHARD_POSITIONS_MSG} (rank {layout.rank} of {layout.world_size})"
+        rules = [(_shard_positions_ok(position_ids, layout), msg)]
     else:
-        rule = functools.partial(_positions_ok, position_ids, layout)
-        msg = _POSITIONS_MSG
-    if torch.compiler.is_compiling():
-        torch._assert_async(rule(), msg)
+        numbered_ok, stretches_ok = _positions_rules(position_ids, layout)
+        mismatch = _LAYOUT_MISMATCH_MSG.format(where="")
+        rules = [(numbered_ok, _POSITIONS_MSG), (stretches_ok, mismatch)]
+    if compiling:
+        for ok, msg in rules:
+            torch._assert_async(ok, msg)
         return
-    if _is_layouts_own(position_ids, layout) or _checked_before(position_ids, layout):
-        return
-    if not bool(rule()):
+    if not bool(torch.stack([ok for ok, _ in rules]).all()):  # (one host synchronisation)
+        msg = next(msg for ok, msg in rules if not bool(ok))
+        if isinstance(layout, Layout) and msg is not _POSITIONS_MSG:
+            msg = _LAYOUT_MISMATCH_MSG.format(where=_first_mismatch(position_ids, layout))
         raise ValueError(msg)
     _remember(position_ids, layout)
 
@@ -329,8 +346,11 @@ def _is_layouts_own(position_ids: torch.Tensor, layout: Layout | ShardedLayout) 
     return pos.data_ptr() == own.data_ptr() and pos.numel() == own.numel() and pos.stride(0) == 1
 
 
-def _positions_ok(position_ids: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """The rule of :func:`check_positions` as tensor ops (a bool tensor; traceable)."""
+def _positions_rules(
+    position_ids: torch.Tensor, layout: Layout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rules of :func:`check_positions` as tensor ops (traceable): bool tensors ``(not
+    numbered 0..T-1, constant shift over each stretch)``."""
     own, pos = layout.position_ids, position_ids.reshape(-1)
     if pos.numel() != own.numel():
         raise ValueError(
@@ -349,7 +369,22 @@ def _positions_ok(position_ids: torch.Tensor, layout: Layout) -> torch.Tensor:
     # 0..T-1 passes the per-stretch rule when every group has one response, yet it is what a call
     # without position_ids gives (wrong for absolute embeddings and length-dependent RoPE)
     numbered = delta.any() & (pos == torch.arange(pos.numel(), device=pos.device)).all()
-    return same & ~numbered
+    return ~numbered, same
+
+
+def _first_mismatch(position_ids: torch.Tensor, layout: Layout) -> str:
+    """Where the positions first leave the layout's stretches, for the error message."""
+    pos = position_ids.reshape(-1).tolist()
+    own = layout.position_ids.tolist()
+    i = next(
+        i for i in range(1, len(own)) if own[i] != 0 and pos[i] - pos[i - 1] != own[i] - own[i - 1]
+    )
+    return (
+        f" (first at packed token {i}: position_ids [..., {pos[i - 1]}, {pos[i]}, ...] where the "
+        f"layout has [..., {own[i - 1]}, {own[i]}, ...] within a group; the layout's "
+        f"prefix_lens={reprlib.repr(list(layout.prefix_lens))}, "
+        f"response_lens={reprlib.repr([list(r) for r in layout.response_lens])})"
+    )
 
 
 def _shard_positions_ok(position_ids: torch.Tensor, layout: ShardedLayout) -> torch.Tensor:
