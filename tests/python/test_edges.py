@@ -501,6 +501,22 @@ def test_position_rule_matches_its_oracle(seed) -> None:
         torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_position_ids_of_another_length_name_it(seed, use_cache) -> None:  # noqa: ANN001
+    # one token short (or long) of the packed stream: RoPE failed on them with a broadcasting
+    # error ("The size of tensor a (11) must match the size of tensor b (10)") before the
+    # attention could check them
+    model = tiny_model("qwen3", seed=seed % 1000)
+    model.set_attn_implementation("dualkv")
+    pk = _packed(seed)
+    t = pk.total_tokens
+    longer = torch.cat([pk.position_ids, pk.position_ids[:, -1:] + 1], 1)
+    for pos in (pk.position_ids[:, :-1], longer):
+        with pytest.raises(ValueError, match=rf"position_ids has {pos.shape[1]} positions .* {t}"):
+            model(input_ids=pk.input_ids, position_ids=pos, dualkv_layout=pk.layout,
+                  use_cache=use_cache)  # fmt: skip
+
+
 def test_positions_of_another_layout_say_so(seed) -> None:
     # a layout of another batch with as many tokens, called with this batch's positions: the
     # error said "the model was probably called without position_ids"; it says now that the

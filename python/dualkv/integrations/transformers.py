@@ -40,6 +40,7 @@ import dataclasses
 import functools
 import inspect
 import reprlib
+import sys
 import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, cast
@@ -472,6 +473,8 @@ def dualkv_mask(
     )
     if mask_function is not None and relaxed:
         _check_causal(mask_function, kv_length, kwargs.get("device"))
+    if not torch.compiler.is_compiling():
+        _check_positions_length(sys._getframe(1), kwargs.get("q_length"))
     # A sliding-window or chunked mask (transformers passes its size as local_size) matters when
     # it is shorter than the stream (logical distances are below T): the layer's attention must
     # then apply that window itself, which dualkv_attention_forward checks. The attention decides
@@ -532,6 +535,23 @@ def _has_or_overlay(mask_function: Any, depth: int = 0) -> bool:
         if any(_has_or_overlay(f, depth + 1) for f in inner):
             return True
     return False
+
+
+def _check_positions_length(caller: Any, q_length: Any) -> None:
+    """Refuse position ids of another length than the packed stream, before the model's RoPE
+    fails on them with a broadcasting error: the mask function is the only ``"dualkv"`` code that
+    runs before RoPE, called by transformers' mask factory (``caller``, its frame), which holds
+    the model's ``position_ids``. Reads local variables only (no device work)."""
+    if caller is None or caller.f_globals.get("__name__") != "transformers.masking_utils":
+        return
+    pos = caller.f_locals.get("position_ids")
+    if isinstance(pos, torch.Tensor) and pos.dim() and q_length is not None:
+        if pos.shape[-1] != int(q_length):
+            raise ValueError(
+                f"position_ids has {pos.shape[-1]} positions per row but the packed stream has "
+                f"{int(q_length)} tokens: pass position_ids of shape [1, {int(q_length)}], the "
+                "packed batch's (packed.position_ids; model(**packed.model_inputs()) passes them)"
+            )
 
 
 def _check_causal(mask_function: Any, length: int, device: Any) -> None:
