@@ -116,6 +116,25 @@ def test_pack_refuses_string_tokens_and_fractional_width() -> None:
     assert torch.equal(a.input_ids, b.input_ids)
 
 
+@pytest.mark.parametrize(
+    "prompts,responses,where",
+    [
+        ([[1, 2, 3]], [[4, 5]], r"responses\[0\]\[0\] is a token id \(4\), not a response"),
+        ([[1, 2, 3]], [[[4, 5], 6]], r"responses\[0\]\[1\] is a token id \(6\), not a response"),
+        ([[1, 2, 3]], [4, 5], r"responses\[0\] is a token id \(4\), not a list of responses"),
+        ([1, 2, 3], [[[4, 5]]], r"prompts\[0\] is a token id \(1\), not a prompt"),
+    ],
+)
+def test_pack_names_responses_not_nested_per_prompt(prompts, responses, where) -> None:  # noqa: ANN001
+    # responses given flat (not one list of responses per prompt) failed with a raw
+    # "TypeError: object of type 'int' has no len()" or a group-count mismatch
+    with pytest.raises(TypeError, match=where) as e:
+        pack(prompts=prompts, responses=responses)
+    assert "responses=[[[4, 5], [6]]]" in str(e.value)  # the expected nesting
+    pk = pack(prompts=[[1, 2, 3]], responses=[[[4, 5]]])  # nested: one response of prompt 0
+    assert pk.input_ids.tolist() == [[1, 2, 3, 4, 5]]
+
+
 # --- 7. P = 0: the first response token has no prediction and is no loss token ---
 def test_empty_prompt_first_token_is_not_scored() -> None:
     pk = pack(prompts=[[], [7, 8]], responses=[[[1, 2, 3], [4]], [[5, 6]]])
