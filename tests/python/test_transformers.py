@@ -120,6 +120,31 @@ def test_packed_step_equals_rows_fp32(seed, family):
         assert e_p <= 3 * e_r + 1e-4 * scale + 1e-7, (name, e_p, e_r, scale)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_float64_model_under_bf16_autocast(seed, family):
+    """A float64 model under a trainer's bf16 autocast (TRL's default bf16=True): autocast never
+    casts float64, so the packed step is the one without autocast, bit for bit, as the rows with
+    SDPA are. It crashed ('expected m1 and m2 to have the same dtype, but got: c10::BFloat16 !=
+    double'): the backend cast q/k/v, and the log-probs the LM head, to bf16 whatever their
+    dtype."""
+    model = tiny_model(family, torch.float64, seed=seed % 1000)
+    ids, mask, pw, pk, adv, noise = _batch(seed, groups=2)
+    old = _old_logprobs(model, ids, mask, pw, noise).double()
+    want = _step(model, ids, mask, pw, pk, adv, old, packed=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp_p, loss_p, g_p = _step(model, ids, mask, pw, pk, adv, old, packed=True)
+        lp_r, _, g_r = _step(model, ids, mask, pw, pk, adv, old, packed=False)
+    assert lp_p.dtype == torch.float64
+    assert torch.equal(lp_p, want[0]) and torch.equal(loss_p, want[1])
+    assert g_p.keys() == want[2].keys() == g_r.keys()
+    assert all(torch.equal(g_p[name], g) for name, g in want[2].items())
+    # and the rows' step under the same autocast (the model computes its norms and RoPE in
+    # float32, whose roundings the two arrangements of the tokens meet in other orders)
+    torch.testing.assert_close(lp_p, lp_r, rtol=0, atol=1e-10)
+    for name, g in g_r.items():
+        assert (g_p[name] - g).abs().max() <= 1e-5 * g.abs().max() + 1e-12, name
+
+
 def _oracle_grads(family, seed, ids, mask, pw, pk, adv, old):
     """The rows step's gradients in float64 throughout (hf_helpers.Float64Throughout; MoE experts
     run eagerly, torch's grouped_mm has no float64)."""

@@ -55,6 +55,7 @@ except ImportError as e:  # the integration is an extra
         "'dualkv[transformers]' (or pip install transformers)"
     ) from e
 
+from .._autocast import autocast_inputs
 from ..attention import attention
 from ..layout import Layout
 from ..logprobs import logprobs_from_logits, response_logprobs
@@ -229,12 +230,10 @@ def dualkv_attention_forward(
             f"dualkv attention is causal; {type(module).__name__} is bidirectional (e.g. Gemma 4 "
             "with use_bidirectional_attention='all'), which a shared-prompt layout cannot pack"
         )
-    device_type = query.device.type
-    if torch.is_autocast_enabled(device_type):
-        # mixed precision (e.g. TRL's bf16=True): q and k may leave their norms in float32 while
-        # v comes from an autocast linear; attention runs in the autocast dtype, as SDPA's does
-        dtype = torch.get_autocast_dtype(device_type)
-        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    # mixed precision (e.g. TRL's bf16=True): q and k may leave their norms in float32 while v
+    # comes from an autocast linear; attention runs in the autocast dtype, as SDPA's does (and, as
+    # SDPA's, in float64 for a float64 model: autocast never casts float64)
+    query, key, value = autocast_inputs(query.device.type, query, key, value)
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
