@@ -63,8 +63,10 @@ H100/H200 SXM). Every path is credited these same FLOPs, whatever it computes.
     python bench/model_step.py --presets gemma4-tiny --shapes 4,64,16 --paths standard,verl,dualkv \
         --device cpu --warmup 0 --repeats 1 --rows-micro-batch 2  # its CPU smoke run
     python bench/model_step.py ... --out bench/RESULTS.md        # append the table
+    python bench/model_step.py ... --strict                      # exit 1 if a path fails
 
-OOM in a path is reported as such and the other paths go on.
+OOM in a path is reported as such and the other paths go on (with --strict the run then exits
+with status 1).
 """
 
 from __future__ import annotations
@@ -559,6 +561,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="append the markdown table to this file")
     ap.add_argument("--profile", type=int, default=0, metavar="K",
                     help="profile one more step per path: its top K GPU kernels")  # fmt: skip
+    ap.add_argument("--strict", action="store_true",
+                    help="exit with status 1 if a path fails (an error or OOM)")  # fmt: skip
     args = ap.parse_args(argv)
     if args.preset_tiny_cpu:
         args.presets, args.shapes, args.device = "tiny", ["4,64,16"], "cpu"
@@ -673,6 +677,10 @@ def main(argv: list[str] | None = None) -> int:
                     "useful FLOPs of the packed layout over "
                     f"{args.peak_tflops:.0f} TFLOP/s.\n\n")  # fmt: skip
             f.write(header + "\n" + "\n".join(x["line"] for x in rows) + "\n")
+    failed = [x["path"] for x in rows if "error" in x]
+    if args.strict and failed:
+        print(f"failed paths: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -416,6 +416,18 @@ def _check_tokens(tokens: Any, name: str) -> None:
             )
 
 
+def _check_nesting(items: Sequence[Any], name: str, what: str) -> None:
+    """A token id where a list is expected: responses not nested per prompt (a common slip)."""
+    for i, x in enumerate(items):
+        if isinstance(x, numbers.Integral) or (isinstance(x, torch.Tensor) and x.dim() == 0):
+            raise TypeError(
+                f"{name}[{i}] is a token id ({x!r}), not {what}: prompts holds one list of token "
+                "ids per prompt and responses, per prompt, the list of its responses (each a "
+                "list of token ids), e.g. prompts=[[1, 2, 3]], responses=[[[4, 5], [6]]] (one "
+                "response: responses=[[[4, 5]]])"
+            )
+
+
 def rows_from_lists(
     prompts: Sequence[Sequence[int]],
     responses: Sequence[Sequence[Sequence[int]]],
@@ -434,20 +446,29 @@ def rows_from_lists(
         ``(input_ids [B, L], attention_mask [B, L], prompt_width, group_ids [B])`` with the prompt
         left-padded to ``prompt_width = max P`` and the response right-padded to ``max R``.
     """
+    for name, value in (("prompts", prompts), ("responses", responses)):
+        if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+            raise TypeError(
+                f"{name} must be a list (one entry per prompt), got {type(value).__name__}"
+            )
+        _check_nesting(value, name, "a prompt" if name == "prompts" else "a list of responses")
     if len(prompts) != len(responses):
         raise ValueError(
             f"prompts has {len(prompts)} groups but responses has {len(responses)}; give one list "
             "of responses per prompt"
         )
-    pw = max((len(p) for p in prompts), default=0)
-    rw = max((len(r) for rs in responses for r in rs), default=0)
-    rows, masks, groups = [], [], []
     for g, (p, rs) in enumerate(zip(prompts, responses, strict=True)):
         _check_tokens(p, f"prompts[{g}]")
         if isinstance(rs, (str, bytes)) or not isinstance(rs, Sequence):
             raise TypeError(f"responses[{g}] must be a list of responses, got {type(rs).__name__}")
+        _check_nesting(rs, f"responses[{g}]", "a response")
         for i, r in enumerate(rs):
             _check_tokens(r, f"responses[{g}][{i}]")
+    pw = max((len(p) for p in prompts), default=0)
+    rw = max((len(r) for rs in responses for r in rs), default=0)
+    rows, masks, groups = [], [], []
+    for g, (p, rs) in enumerate(zip(prompts, responses, strict=True)):
+        for r in rs:
             pad_p, pad_r = pw - len(p), rw - len(r)
             rows.append(
                 [pad_id] * pad_p + [int(t) for t in p] + [int(t) for t in r] + [pad_id] * pad_r

@@ -116,6 +116,25 @@ def test_pack_refuses_string_tokens_and_fractional_width() -> None:
     assert torch.equal(a.input_ids, b.input_ids)
 
 
+@pytest.mark.parametrize(
+    "prompts,responses,where",
+    [
+        ([[1, 2, 3]], [[4, 5]], r"responses\[0\]\[0\] is a token id \(4\), not a response"),
+        ([[1, 2, 3]], [[[4, 5], 6]], r"responses\[0\]\[1\] is a token id \(6\), not a response"),
+        ([[1, 2, 3]], [4, 5], r"responses\[0\] is a token id \(4\), not a list of responses"),
+        ([1, 2, 3], [[[4, 5]]], r"prompts\[0\] is a token id \(1\), not a prompt"),
+    ],
+)
+def test_pack_names_responses_not_nested_per_prompt(prompts, responses, where) -> None:  # noqa: ANN001
+    # responses given flat (not one list of responses per prompt) failed with a raw
+    # "TypeError: object of type 'int' has no len()" or a group-count mismatch
+    with pytest.raises(TypeError, match=where) as e:
+        pack(prompts=prompts, responses=responses)
+    assert "responses=[[[4, 5], [6]]]" in str(e.value)  # the expected nesting
+    pk = pack(prompts=[[1, 2, 3]], responses=[[[4, 5]]])  # nested: one response of prompt 0
+    assert pk.input_ids.tolist() == [[1, 2, 3, 4, 5]]
+
+
 # --- 7. P = 0: the first response token has no prediction and is no loss token ---
 def test_empty_prompt_first_token_is_not_scored() -> None:
     pk = pack(prompts=[[], [7, 8]], responses=[[[1, 2, 3], [4]], [[5, 6]]])
@@ -391,6 +410,163 @@ def test_missing_position_ids_raise_under_compile(seed, whole) -> None:  # noqa:
             .last_hidden_state, want,
         )  # fmt: skip
         with pytest.raises(RuntimeError, match="position_ids are not the layout's logical"):
+            run(input_ids=pk.input_ids, dualkv_layout=pk.layout)
+    finally:
+        torch._dynamo.reset()
+
+
+def _traced_rule_graphs(pk, dynamic: bool) -> list:  # noqa: ANN001
+    """The forward graphs torch.compile makes of check_positions (aten ops after inductor's
+    decompositions, what inductor lowers)."""
+    import torch._dynamo
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._inductor.decomposition import select_decomp_table
+
+    graphs = []
+
+    def capture(gm, example_inputs):  # noqa: ANN001, ANN202
+        def keep(g, _inputs):  # noqa: ANN001, ANN202
+            graphs.append(g)
+            return g
+
+        return aot_module_simplified(
+            gm, example_inputs, fw_compiler=keep, decompositions=select_decomp_table()
+        )
+
+    torch._dynamo.reset()
+    try:
+        check = torch.compile(dkt.check_positions, backend=capture, fullgraph=True, dynamic=dynamic)
+        check(pk.position_ids.clone(), pk.layout)
+    finally:
+        torch._dynamo.reset()
+    return graphs
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_traced_position_rule_reduces_over_one_length(seed, dynamic) -> None:  # noqa: ANN001
+    # every reduction of the traced rule runs over the same number of elements: on CUDA,
+    # inductor's mix-order-reduction fusion asserted ("24575 v.s. 24576", torch 2.11-2.13) on
+    # the rule's reductions over T-1 and T tokens once they were large enough to be split
+    # (bench/model_step.py --compile at 16, 2048, 512 and beyond)
+    graphs = _traced_rule_graphs(_packed(seed), dynamic)
+    sizes = [
+        str(node.args[0].meta["val"].numel())
+        for g in graphs
+        for node in g.graph.nodes
+        if node.op == "call_function" and torch.Tag.reduction in getattr(node.target, "tags", ())
+    ]
+    assert len(sizes) >= 2, [g.code for g in graphs]  # the rule was traced
+    assert len(set(sizes)) == 1, sizes
+
+
+def _rule_oracle(pos: list[int], own: list[int]) -> bool:
+    """check_positions' rule restated on lists: on each stretch that attention never crosses (it
+    starts at logical position 0) the positions differ from the layout's by one constant, and
+    they are not 0..T-1 unless that is the layout's own numbering."""
+    shift: int | None = None
+    for p, o in zip(pos, own, strict=True):
+        if o == 0:
+            shift = p - o
+        elif p - o != shift:
+            return False
+    return pos != list(range(len(pos))) or pos == own
+
+
+def test_position_rule_matches_its_oracle(seed) -> None:
+    # eager and traced, the rule gives the oracle's verdict on right positions (a constant shift
+    # per stretch), positions off by one token, 0..T-1, and other batches' positions
+    import torch._dynamo
+
+    rng = random.Random(seed)
+    torch._dynamo.reset()
+    traced = torch.compile(dkt.check_positions, backend="aot_eager", fullgraph=True)
+    try:
+        for trial in range(6):
+            prompts, responses = random_groups(rng, groups=rng.randint(1, 4), p_range=(0, 6),
+                                               n_range=(1, 3), r_range=(1, 5))  # fmt: skip
+            pk = pack(prompts=prompts, responses=responses)
+            own = pk.position_ids[0].tolist()
+            t = len(own)
+            cands = [list(range(t)), [x + 1 for x in own]]
+            for _ in range(6):
+                shift, cand = 0, []
+                for o in own:
+                    shift = rng.randrange(-3, 9) if o == 0 else shift
+                    cand.append(o + shift)
+                cands.append(cand)
+                bad = list(cand)
+                bad[rng.randrange(t)] += rng.choice([-2, -1, 1, 3])
+                cands.append(bad)
+            other = pack(prompts=[[1] * rng.randint(0, t)], responses=[[[2] * 1]])
+            cands.append((other.position_ids[0].tolist() + list(range(t)))[:t])
+            for cand in cands:
+                want = _rule_oracle(cand, own)
+                pos = torch.tensor([cand])
+                try:
+                    dkt.check_positions(pos, pk.layout)
+                except ValueError:
+                    got = False
+                else:
+                    got = True
+                assert got == want, (trial, cand, own)
+                try:
+                    traced(pos.clone(), pk.layout)
+                except RuntimeError:
+                    got = False
+                else:
+                    got = True
+                assert got == want, ("traced", trial, cand, own)
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_position_ids_of_another_length_name_it(seed, use_cache) -> None:  # noqa: ANN001
+    # one token short (or long) of the packed stream: RoPE failed on them with a broadcasting
+    # error ("The size of tensor a (11) must match the size of tensor b (10)") before the
+    # attention could check them
+    model = tiny_model("qwen3", seed=seed % 1000)
+    model.set_attn_implementation("dualkv")
+    pk = _packed(seed)
+    t = pk.total_tokens
+    longer = torch.cat([pk.position_ids, pk.position_ids[:, -1:] + 1], 1)
+    for pos in (pk.position_ids[:, :-1], longer):
+        with pytest.raises(ValueError, match=rf"position_ids has {pos.shape[1]} positions .* {t}"):
+            model(input_ids=pk.input_ids, position_ids=pos, dualkv_layout=pk.layout,
+                  use_cache=use_cache)  # fmt: skip
+
+
+def test_positions_of_another_layout_say_so(seed) -> None:
+    # a layout of another batch with as many tokens, called with this batch's positions: the
+    # error said "the model was probably called without position_ids"; it says now that the
+    # positions do not follow the layout, and where
+    import torch._dynamo
+
+    model = tiny_model("qwen3", seed=seed % 1000)
+    model.set_attn_implementation("dualkv")
+    pk = pack(prompts=[[1, 2, 3], [7, 8]], responses=[[[4, 5], [6]], [[9, 10, 11]]])
+    other = pack(prompts=[[1, 2], [7, 8, 3]], responses=[[[4, 5], [6]], [[9, 10, 11]]])
+    assert other.total_tokens == pk.total_tokens
+    call = dict(input_ids=pk.input_ids, position_ids=pk.position_ids, dualkv_layout=other.layout)
+    with pytest.raises(ValueError, match="do not follow the layout's prompts and responses") as e:
+        model.model(**call)
+    msg = str(e.value)
+    assert "without position_ids" not in msg
+    # positions 0 1 2 | 3 4 | 3 ... against the layout's 0 1 | 2 3 | 2 ...: token 4 goes 3 -> 4
+    # where the layout goes 3 -> 2 (a second response of group 0)
+    assert "first at packed token 4: position_ids [..., 3, 4, ...]" in msg, msg
+    assert "[..., 3, 2, ...] within a group" in msg and "prefix_lens=[2, 3]" in msg, msg
+    # a call without position_ids is still named as such
+    with pytest.raises(ValueError, match="probably called without position_ids"):
+        model.model(input_ids=pk.input_ids, dualkv_layout=pk.layout)
+    # traced: the same rule and message (an assert in the graph, no location)
+    torch._dynamo.reset()
+    try:
+        run = torch.compile(model.model, backend="aot_eager")
+        with pytest.raises(RuntimeError, match="do not follow the layout's prompts") as e:
+            run(**call)
+        assert "without position_ids" not in str(e.value)
+        with pytest.raises(RuntimeError, match="probably called without position_ids"):
             run(input_ids=pk.input_ids, dualkv_layout=pk.layout)
     finally:
         torch._dynamo.reset()

@@ -39,6 +39,8 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import reprlib
+import sys
 import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, cast
@@ -53,6 +55,7 @@ except ImportError as e:  # the integration is an extra
         "'dualkv[transformers]' (or pip install transformers)"
     ) from e
 
+from .._autocast import autocast_inputs
 from ..attention import attention
 from ..layout import Layout
 from ..logprobs import logprobs_from_logits, response_logprobs
@@ -227,12 +230,10 @@ def dualkv_attention_forward(
             f"dualkv attention is causal; {type(module).__name__} is bidirectional (e.g. Gemma 4 "
             "with use_bidirectional_attention='all'), which a shared-prompt layout cannot pack"
         )
-    device_type = query.device.type
-    if torch.is_autocast_enabled(device_type):
-        # mixed precision (e.g. TRL's bf16=True): q and k may leave their norms in float32 while
-        # v comes from an autocast linear; attention runs in the autocast dtype, as SDPA's does
-        dtype = torch.get_autocast_dtype(device_type)
-        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    # mixed precision (e.g. TRL's bf16=True): q and k may leave their norms in float32 while v
+    # comes from an autocast linear; attention runs in the autocast dtype, as SDPA's does (and, as
+    # SDPA's, in float64 for a float64 model: autocast never casts float64)
+    query, key, value = autocast_inputs(query.device.type, query, key, value)
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
@@ -278,6 +279,13 @@ _POSITIONS_MSG = (
     "P..P+R-1): the model was probably called without position_ids, so RoPE numbered the packed "
     "tokens 0..T-1. Pass position_ids=packed.position_ids (model(**packed.model_inputs()) does)"
 )
+_LAYOUT_MISMATCH_MSG = (
+    "position_ids are not the layout's logical positions (prompt 0..P-1, each response "
+    "P..P+R-1): they do not follow the layout's prompts and responses{where}, so the positions "
+    "and the layout are probably of different batches. Pass the positions and the layout of one "
+    "packed batch: position_ids=packed.position_ids, dualkv_layout=packed.layout "
+    "(model(**packed.model_inputs()) does)"
+)
 _SHARD_POSITIONS_MSG = (
     "position_ids are not this rank's slice of the sharded batch's positions: the model was "
     "probably called without position_ids, so each rank numbered its shard 0..S-1. Pass "
@@ -299,23 +307,32 @@ def check_positions(position_ids: torch.Tensor | None, layout: Layout | ShardedL
 
     Eager: free for the layout's own tensor (``packed.position_ids``, or a shard's
     ``batch.position_ids``); other tensors are compared once (one host synchronisation) and
-    remembered until they are changed in place. Under torch.compile the same rule is traced into
-    the graph as a device-side assert (``torch._assert_async``; no host synchronisation).
+    remembered until they are changed in place; the error says which rule failed (and where).
+    Under torch.compile the same rules are traced into the graph as device-side asserts
+    (``torch._assert_async``; no host synchronisation).
     """
     if position_ids is None:
         return
+    compiling = torch.compiler.is_compiling()
+    if not compiling and (
+        _is_layouts_own(position_ids, layout) or _checked_before(position_ids, layout)
+    ):
+        return
     if isinstance(layout, ShardedLayout):
-        rule = functools.partial(_shard_positions_ok, position_ids, layout)
         msg = f"{_SHARD_POSITIONS_MSG} (rank {layout.rank} of {layout.world_size})"
+        rules = [(_shard_positions_ok(position_ids, layout), msg)]
     else:
-        rule = functools.partial(_positions_ok, position_ids, layout)
-        msg = _POSITIONS_MSG
-    if torch.compiler.is_compiling():
-        torch._assert_async(rule(), msg)
+        numbered_ok, stretches_ok = _positions_rules(position_ids, layout)
+        mismatch = _LAYOUT_MISMATCH_MSG.format(where="")
+        rules = [(numbered_ok, _POSITIONS_MSG), (stretches_ok, mismatch)]
+    if compiling:
+        for ok, msg in rules:
+            torch._assert_async(ok, msg)
         return
-    if _is_layouts_own(position_ids, layout) or _checked_before(position_ids, layout):
-        return
-    if not bool(rule()):
+    if not bool(torch.stack([ok for ok, _ in rules]).all()):  # (one host synchronisation)
+        msg = next(msg for ok, msg in rules if not bool(ok))
+        if isinstance(layout, Layout) and msg is not _POSITIONS_MSG:
+            msg = _LAYOUT_MISMATCH_MSG.format(where=_first_mismatch(position_ids, layout))
         raise ValueError(msg)
     _remember(position_ids, layout)
 
@@ -329,8 +346,11 @@ def _is_layouts_own(position_ids: torch.Tensor, layout: Layout | ShardedLayout) 
     return pos.data_ptr() == own.data_ptr() and pos.numel() == own.numel() and pos.stride(0) == 1
 
 
-def _positions_ok(position_ids: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """The rule of :func:`check_positions` as tensor ops (a bool tensor; traceable)."""
+def _positions_rules(
+    position_ids: torch.Tensor, layout: Layout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rules of :func:`check_positions` as tensor ops (traceable): bool tensors ``(not
+    numbered 0..T-1, constant shift over each stretch)``."""
     own, pos = layout.position_ids, position_ids.reshape(-1)
     if pos.numel() != own.numel():
         raise ValueError(
@@ -340,12 +360,31 @@ def _positions_ok(position_ids: torch.Tensor, layout: Layout) -> torch.Tensor:
     pos = pos.to(own.device, torch.int64)
     delta = pos - own
     # a logical position 0 starts a stretch attention never crosses: a group's prompt, or a
-    # response of a group without a prompt
-    same = ((delta[1:] == delta[:-1]) | (own[1:] == 0)).all()
+    # response of a group without a prompt. Each token's shift is compared with the previous
+    # token's (the first token's with itself), so that every reduction of the rule runs over the
+    # T tokens: traced, reductions over T - 1 and T tokens made inductor's mix-order-reduction
+    # fusion assert once they were large enough to be split (CUDA, torch 2.11-2.13)
+    prev = torch.cat([delta[:1], delta[:-1]])
+    same = ((delta == prev) | (own == 0)).all()
     # 0..T-1 passes the per-stretch rule when every group has one response, yet it is what a call
     # without position_ids gives (wrong for absolute embeddings and length-dependent RoPE)
     numbered = delta.any() & (pos == torch.arange(pos.numel(), device=pos.device)).all()
-    return same & ~numbered
+    return ~numbered, same
+
+
+def _first_mismatch(position_ids: torch.Tensor, layout: Layout) -> str:
+    """Where the positions first leave the layout's stretches, for the error message."""
+    pos = position_ids.reshape(-1).tolist()
+    own = layout.position_ids.tolist()
+    i = next(
+        i for i in range(1, len(own)) if own[i] != 0 and pos[i] - pos[i - 1] != own[i] - own[i - 1]
+    )
+    return (
+        f" (first at packed token {i}: position_ids [..., {pos[i - 1]}, {pos[i]}, ...] where the "
+        f"layout has [..., {own[i - 1]}, {own[i]}, ...] within a group; the layout's "
+        f"prefix_lens={reprlib.repr(list(layout.prefix_lens))}, "
+        f"response_lens={reprlib.repr([list(r) for r in layout.response_lens])})"
+    )
 
 
 def _shard_positions_ok(position_ids: torch.Tensor, layout: ShardedLayout) -> torch.Tensor:
@@ -433,6 +472,8 @@ def dualkv_mask(
     )
     if mask_function is not None and relaxed:
         _check_causal(mask_function, kv_length, kwargs.get("device"))
+    if not torch.compiler.is_compiling():
+        _check_positions_length(sys._getframe(1), kwargs.get("q_length"))
     # A sliding-window or chunked mask (transformers passes its size as local_size) matters when
     # it is shorter than the stream (logical distances are below T): the layer's attention must
     # then apply that window itself, which dualkv_attention_forward checks. The attention decides
@@ -493,6 +534,23 @@ def _has_or_overlay(mask_function: Any, depth: int = 0) -> bool:
         if any(_has_or_overlay(f, depth + 1) for f in inner):
             return True
     return False
+
+
+def _check_positions_length(caller: Any, q_length: Any) -> None:
+    """Refuse position ids of another length than the packed stream, before the model's RoPE
+    fails on them with a broadcasting error: the mask function is the only ``"dualkv"`` code that
+    runs before RoPE, called by transformers' mask factory (``caller``, its frame), which holds
+    the model's ``position_ids``. Reads local variables only (no device work)."""
+    if caller is None or caller.f_globals.get("__name__") != "transformers.masking_utils":
+        return
+    pos = caller.f_locals.get("position_ids")
+    if isinstance(pos, torch.Tensor) and pos.dim() and q_length is not None:
+        if pos.shape[-1] != int(q_length):
+            raise ValueError(
+                f"position_ids has {pos.shape[-1]} positions per row but the packed stream has "
+                f"{int(q_length)} tokens: pass position_ids of shape [1, {int(q_length)}], the "
+                "packed batch's (packed.position_ids; model(**packed.model_inputs()) passes them)"
+            )
 
 
 def _check_causal(mask_function: Any, length: int, device: Any) -> None:
