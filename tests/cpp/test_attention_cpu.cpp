@@ -602,7 +602,7 @@ TEST_F(BadArgs, LayoutTables) {
   segs[1].len += 5;  // past the end of the tokens
   expect_error_both([&](auto& a) { a.layout.segments = segs.data(); }, "segments[1]");
   segs = lt.segments;
-  segs[2].prompt_len = 2;  // a response whose region A is not its group's prompt
+  segs[2].root_len = 2;  // a response whose region A is not its tree's root
   expect_error_both([&](auto& a) { a.layout.segments = segs.data(); }, "segments[2]");
 }
 

@@ -14,6 +14,7 @@
 #include <sstream>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "convert.h"
@@ -84,10 +85,47 @@ inline Lens random_lens(std::mt19937_64& rng, int max_groups, int64_t max_p, int
   return l;
 }
 
+// A forest in the user's terms (Layout::tree's arguments).
+struct Forest {
+  std::vector<int64_t> parents, lengths;
+};
+
+inline std::string describe(const Forest& f) {
+  std::ostringstream os;
+  for (size_t i = 0; i < f.parents.size(); ++i)
+    os << (i ? " " : "") << f.parents[i] << ":" << f.lengths[i];
+  return os.str();
+}
+
+// A random forest of up to max_segments segments, depth up to max_depth, lengths as edge_length
+// (often 0 or 1) and, with `long_first`, a root longer than one tile. Parents are drawn among the
+// earlier segments, so the order is rarely depth-first.
+inline Forest random_forest(std::mt19937_64& rng, int max_segments, int max_depth, int64_t max_len,
+                            bool long_first) {
+  Forest f;
+  std::vector<int> depth;
+  const int n = int(uniform(rng, 1, max_segments));
+  for (int i = 0; i < n; ++i) {
+    int64_t p = uniform(rng, -1, i - 1);
+    if (uniform(rng, 0, 5) == 0) p = -1;  // more trees
+    if (p >= 0 && depth[size_t(p)] + 1 >= max_depth) p = -1;
+    depth.push_back(p < 0 ? 0 : depth[size_t(p)] + 1);
+    f.parents.push_back(p);
+    f.lengths.push_back(edge_length(rng, max_len));
+  }
+  if (long_first) {
+    f.lengths[0] = uniform(rng, 129, std::max<int64_t>(max_len, 140));
+    if (f.lengths[0] % 128 == 0) ++f.lengths[0];
+  }
+  return f;
+}
+
 // A Layout together with the tables a backend reads.
 struct LayoutTables {
-  explicit LayoutTables(const Lens& l)
-      : layout(l.prefix, l.responses),
+  explicit LayoutTables(const Lens& l) : LayoutTables(Layout(l.prefix, l.responses)) {}
+  explicit LayoutTables(const Forest& f) : LayoutTables(Layout::tree(f.parents, f.lengths)) {}
+  explicit LayoutTables(Layout l)
+      : layout(std::move(l)),
         segments(layout.segments()),
         query_tiles(layout.query_tiles()),
         key_tiles(layout.key_tiles()) {}
