@@ -52,21 +52,6 @@ void expect_segments(const Layout& l, const std::vector<Segment>& want) {
   }
 }
 
-// The depth-two layout as a forest: each prompt a root, its responses its children.
-Forest forest_of(const Lens& l) {
-  Forest f;
-  for (size_t g = 0; g < l.prefix.size(); ++g) {
-    const auto prompt = int64_t(f.parents.size());
-    f.parents.push_back(-1);
-    f.lengths.push_back(l.prefix[g]);
-    for (int64_t r : l.responses[g]) {
-      f.parents.push_back(prompt);
-      f.lengths.push_back(r);
-    }
-  }
-  return f;
-}
-
 TEST(Layout, Validation) {
   expect_layout_error({{-1}, {{}}}, "prefix_lens[0]");
   expect_layout_error({{2, 3}, {{1}, {4, -2}}}, "response_lens[1][1]");

@@ -300,10 +300,25 @@ inline void ref_row(const RefConfig& c, const std::vector<int>& qi, const std::v
   }
 }
 
-// Ordinary causal attention over the unshared rows: per group, the prompt's own causal row (for
-// the prompt's queries) and one row [prompt | response i] per response (for that response's
-// queries). Prompt key gradients are summed over the rows.
-inline RefResult reference(const Lens& l, const RefConfig& c, const std::vector<double>& q,
+// The depth-two layout as a forest: each prompt a root, its responses its children.
+inline Forest forest_of(const Lens& l) {
+  Forest f;
+  for (size_t g = 0; g < l.prefix.size(); ++g) {
+    const auto prompt = int64_t(f.parents.size());
+    f.parents.push_back(-1);
+    f.lengths.push_back(l.prefix[g]);
+    for (int64_t r : l.responses[g]) {
+      f.parents.push_back(prompt);
+      f.lengths.push_back(r);
+    }
+  }
+  return f;
+}
+
+// Ordinary causal attention over the unshared rows: each segment's queries in the row of its
+// root-to-segment path (its ancestors' tokens, then its own). Key gradients are summed over the
+// rows. (The depth-two layout: the prompt's own causal row, then [prompt | response i].)
+inline RefResult reference(const Forest& f, const RefConfig& c, const std::vector<double>& q,
                            const std::vector<double>& k, const std::vector<double>& v,
                            const std::vector<double>& dout, const std::vector<double>* dlse,
                            double (*rnd)(double) = nullptr) {
@@ -313,28 +328,27 @@ inline RefResult reference(const Lens& l, const RefConfig& c, const std::vector<
   r.lse.assign(size_t(c.Hq) * c.T, NAN);
   r.dk.assign(size_t(c.T) * c.Hkv * c.D, 0.0);
   r.dv.assign(r.dk.size(), 0.0);
+  // Packed tokens and logical positions of each segment's path, root first.
+  std::vector<std::vector<int>> path_tokens(f.parents.size()), path_pos(f.parents.size());
   int start = 0;
-  for (size_t g = 0; g < l.prefix.size(); ++g) {
-    const int P = int(l.prefix[g]);
-    std::vector<int> pi, ppos;
-    for (int j = 0; j < P; ++j) {
-      pi.push_back(start + j);
-      ppos.push_back(j);
+  for (size_t i = 0; i < f.parents.size(); ++i) {
+    std::vector<int> qi, qpos;
+    std::vector<int> ki, kpos;
+    if (f.parents[i] >= 0) {
+      ki = path_tokens[size_t(f.parents[i])];
+      kpos = path_pos[size_t(f.parents[i])];
     }
-    if (P > 0) ref_row(c, pi, ppos, pi, ppos, q, k, v, dout, dlse, rnd, r);
-    int rs = start + P;
-    for (int64_t R : l.responses[g]) {
-      std::vector<int> ri, rpos, ki = pi, kpos = ppos;
-      for (int j = 0; j < R; ++j) {
-        ri.push_back(rs + j);
-        rpos.push_back(P + j);
-        ki.push_back(rs + j);
-        kpos.push_back(P + j);
-      }
-      if (R > 0) ref_row(c, ri, rpos, ki, kpos, q, k, v, dout, dlse, rnd, r);
-      rs += int(R);
+    const int pos0 = int(kpos.size());
+    for (int j = 0; j < int(f.lengths[i]); ++j) {
+      qi.push_back(start + j);
+      qpos.push_back(pos0 + j);
+      ki.push_back(start + j);
+      kpos.push_back(pos0 + j);
     }
-    start = rs;
+    if (!qi.empty()) ref_row(c, qi, qpos, ki, kpos, q, k, v, dout, dlse, rnd, r);
+    path_tokens[i] = std::move(ki);
+    path_pos[i] = std::move(kpos);
+    start += int(f.lengths[i]);
   }
   return r;
 }
