@@ -282,9 +282,10 @@ struct KeyBlock {
 };
 
 // The key walk of queries [q0, q0 + nq) of segment `seg` in blocks of `B` keys, in the fixed
-// order of TREE_INTERFACE.md (one online softmax runs over all of them): its tree's root (region
-// 0; for a root query the root itself, causally), the middle ancestors (from the parent up to the
-// root's child, nearest first), then the segment itself (region 1, causally; empty for a root).
+// order of the CPU backend's for_each_key_region (src/cpu/kernels.h; one online softmax runs over
+// all of them): its tree's root (region 0; for a root query the root itself, causally), the
+// middle ancestors (from the parent up to the root's child, nearest first), then the segment
+// itself (region 1, causally; empty for a root).
 // The depth-two layout (prompt, then own response) has no middle ancestors: its walk keeps two
 // regions in registers, and only a walk with middle blocks reads the table again in at().
 template <int B>

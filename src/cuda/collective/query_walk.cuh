@@ -49,10 +49,10 @@ __device__ __forceinline__ bool seek_query_region(const Params& p, const Segment
   }
 }
 
-// The fixed walk of a key tile's dK/dV CTA over query blocks of BM (TREE_INTERFACE.md's query
-// walk): for each q head of the GQA group, the blocks of the keys' own segment, then of each of
-// its descendants that sees them, in increasing table index. query_walk_begin starts it,
-// query_walk_next steps it; false: past the end.
+// The fixed walk of a key tile's dK/dV CTA over query blocks of BM (the order of the CPU backend's
+// for_each_query_segment, src/cpu/kernels.h): for each q head of the GQA group, the blocks of the
+// keys' own segment, then of each of its descendants that sees them, in increasing table index.
+// query_walk_begin starts it, query_walk_next steps it; false: past the end.
 template <int BM>
 __device__ __forceinline__ bool query_walk_begin(const Params& p, const Segment& kseg, int ksi,
                                                  int pk_first, int pk_last, QIter& it) {
