@@ -243,18 +243,11 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// A contiguous key region seen by a query segment: the group's prompt (region A) or the query's
-// own response (region B). Keys [start, start + len) packed, logical positions from pos0.
+// A contiguous key region seen by a query segment: one segment of its ancestor chain or the
+// segment itself. Keys [start, start + len) packed, logical positions from pos0.
 struct Region {
   int32_t start, pos0, len;
 };
-
-// The key regions of query segment `seg`: [0] = prompt (region A), [1] = own response (region B,
-// empty for a prompt query).
-__device__ __forceinline__ void key_regions(const Segment& seg, Region (&r)[2]) {
-  r[0] = {seg.prompt_start, 0, seg.prompt_len};
-  r[1] = {seg.start, seg.pos0, seg.is_response() ? seg.len : 0};
-}
 
 // Blocks of `B` keys of region `r` (aligned to its start) seen by queries at positions
 // [pq_first, pq_last]: [*b0, *b0 + return value).
@@ -288,33 +281,67 @@ struct KeyBlock {
   __device__ __forceinline__ int count() const { return min(B, R.len - off); }
 };
 
-// The key blocks of `B` keys that queries [q0, q0 + nq) of segment `seg` walk, in order: the
-// prompt region's blocks, then the own response's. One online softmax runs over all of them.
+// The key walk of queries [q0, q0 + nq) of segment `seg` in blocks of `B` keys, in the fixed
+// order of the CPU backend's for_each_key_region (src/cpu/kernels.h; one online softmax runs over
+// all of them): its tree's root (region 0; for a root query the root itself, causally), the
+// middle ancestors (from the parent up to the root's child, nearest first), then the segment
+// itself (region 1, causally; empty for a root).
+// The depth-two layout (prompt, then own response) has no middle ancestors: its walk keeps two
+// regions in registers, and only a walk with middle blocks reads the table again in at().
 template <int B>
 struct KeyBlockWalk {
+  const Params& p;
   Region r0, r1;
-  int b00 = 0, b01 = 0;   // first block of each region
-  int nb0, total;         // blocks in region 0; in both
+  int b00 = 0, o1 = 0;    // region 0's first block; region 1's first block less its walk index
+  int nb0, nbe, total;    // blocks in region 0; up to the end of the middle ones; in the walk
+  int mid;                // (nbe > nb0) the table index of the parent, the first middle ancestor
   int pq_first, pq_last;  // logical positions of the first and last query
 
-  __device__ __forceinline__ KeyBlockWalk(const Segment& seg, int q0, int nq, const MaskRule& m) {
-    Region reg[2];
-    key_regions(seg, reg);
-    r0 = reg[0], r1 = reg[1];
+  __device__ __forceinline__ KeyBlockWalk(const Params& p_, const Segment& seg, int q0, int nq)
+      : p(p_) {
+    r0 = {seg.root_start, 0, seg.root_len};
+    r1 = {seg.start, seg.pos0, seg.is_root() ? 0 : seg.len};
     pq_first = seg.pos0 + (q0 - seg.start), pq_last = pq_first + nq - 1;
-    nb0 = key_blocks<B>(r0, pq_first, pq_last, m, &b00);
-    total = nb0 + key_blocks<B>(r1, pq_first, pq_last, m, &b01);
+    nb0 = key_blocks<B>(r0, pq_first, pq_last, p.mask, &b00);
+    nbe = nb0, mid = seg.parent;
+    if (seg.depth > 1) {
+      for (int a = mid; p.segs[a].depth > 0; a = p.segs[a].parent) {
+        int b0;
+        nbe += key_blocks<B>(region_of(a), pq_first, pq_last, p.mask, &b0);
+      }
+    }
+    int b01 = 0;
+    total = nbe + key_blocks<B>(r1, pq_first, pq_last, p.mask, &b01);
+    o1 = b01 - nbe;
   }
   // Key block j of the walk.
   __device__ __forceinline__ KeyBlock<B> at(int j) const {
     const bool first = j < nb0;
-    return {first ? r0 : r1, (first ? b00 + j : b01 + j - nb0) * B};
+    if (!first && j < nbe) return middle_block(j - nb0);
+    return {first ? r0 : r1, (first ? b00 + j : o1 + j) * B};
   }
   // Whether key block `kb` needs per-element masking against the walk's queries (`nq` rows of a
   // `BM`-row tile).
   __device__ __forceinline__ bool masked(const KeyBlock<B>& kb, int nq, int BM,
                                          const MaskRule& m) const {
     return needs_mask(nq, BM, kb.count(), B, pq_first, pq_last, kb.pos(), kb.pos() + B - 1, m);
+  }
+
+ private:
+  __device__ __forceinline__ Region region_of(int a) const {
+    const Segment* s = p.segs + a;
+    return {s->start, s->pos0, s->len};
+  }
+  // Block j of the middle ancestors' blocks (0 <= j < nbe - nb0): the chain read again from the
+  // parent.
+  __device__ __forceinline__ KeyBlock<B> middle_block(int j) const {
+    for (int a = mid;; a = p.segs[a].parent) {
+      const Region r = region_of(a);
+      int b0 = 0;
+      const int n = key_blocks<B>(r, pq_first, pq_last, p.mask, &b0);
+      if (j < n) return {r, (b0 + j) * B};
+      j -= n;
+    }
   }
 };
 
@@ -428,7 +455,7 @@ struct KeyTileCta {
 };
 
 // Blocks of `B` queries of segment `qs` (aligned to its start) that see some key at positions
-// [pk_first, pk_last] of the same group (the keys are in qs's prompt or in qs itself).
+// [pk_first, pk_last] of the same tree (the keys are in qs itself or in one of its ancestors).
 template <int B>
 __device__ __forceinline__ bool query_blocks(const Segment& qs, int pk_first, int pk_last,
                                              const MaskRule& m, int* b0, int* b1) {

@@ -18,6 +18,8 @@ struct QIter {
   __device__ __forceinline__ int count(int BM) const { return min(BM, qs.len - qb * BM); }
 };
 
+// The first query segment from table index si on, in the walk of key segment kseg (table index
+// ksi), whose queries see some of the keys at positions [pk_first, pk_last]: its blocks go to it.
 template <int BM>
 __device__ __forceinline__ bool seek_query_region(const Params& p, const Segment& kseg, int ksi,
                                                   int si, int pk_first, int pk_last, QIter& it) {
@@ -26,10 +28,15 @@ __device__ __forceinline__ bool seek_query_region(const Params& p, const Segment
     if (si == ksi) {
       s = kseg;
     } else {
-      // Other query regions only for a prompt key: the responses of its group, which follow it.
-      if (kseg.is_response() || si >= p.nseg) return false;
+      // The other query segments are kseg's descendants, all in (ksi, kseg.last_desc]; the
+      // pre-order rank tells them from the other segments there (an order that is not
+      // depth-first). The depth-two layout: a prompt's responses follow it, a response has none.
+      // Its subtree's fields are read from the table here, not kept from kseg: the producer
+      // warps of the warp-specialised dK/dV kernels walk at 24 registers.
+      const Segment& k = p.segs[ksi];
+      if (si > k.last_desc) return false;
       s = p.segs[si];
-      if (s.group != kseg.group) return false;
+      if (!(k.pre < s.pre && s.pre < k.pre_end)) continue;
     }
     int b0, b1;
     if (query_blocks<BM>(s, pk_first, pk_last, p.mask, &b0, &b1)) {
@@ -42,9 +49,10 @@ __device__ __forceinline__ bool seek_query_region(const Params& p, const Segment
   }
 }
 
-// The fixed walk of a key tile's dK/dV CTA over query blocks of BM: for each q head of the GQA
-// group, the blocks of the keys' own segment, then (prompt keys) of each later segment of the
-// group that sees them. query_walk_begin starts it, query_walk_next steps it; false: past the end.
+// The fixed walk of a key tile's dK/dV CTA over query blocks of BM (the order of the CPU backend's
+// for_each_query_segment, src/cpu/kernels.h): for each q head of the GQA group, the blocks of the
+// keys' own segment, then of each of its descendants that sees them, in increasing table index.
+// query_walk_begin starts it, query_walk_next steps it; false: past the end.
 template <int BM>
 __device__ __forceinline__ bool query_walk_begin(const Params& p, const Segment& kseg, int ksi,
                                                  int pk_first, int pk_last, QIter& it) {

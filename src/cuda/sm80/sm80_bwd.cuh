@@ -3,9 +3,9 @@
 //   1. bwd_pre (collective/bwd_preprocess.cuh): delta = rowsum(dO * O) - dlse and
 //      lse2 = lse * log2(e) into the workspace.
 //   2. dkdv: one CTA per (key block, kv head). It loops, in a fixed order, over every q head of
-//      the kv head's group and every query block that sees the key block (for a prompt key block:
-//      the prompt's own later queries, then each response's queries; for a response key block: its
-//      own later queries; the walk: collective/query_walk.cuh), accumulating dK and dV in
+//      the kv head's group and every query block that sees the key block (its segment's own later
+//      queries, then those of each descendant segment; in the depth-two layout a prompt key
+//      block's responses; the walk: collective/query_walk.cuh), accumulating dK and dV in
 //      registers: deterministic, no atomics.
 //      Each warp owns 16 keys (S^T = K Q^T lives in registers as the A operand of dV += P^T dO and
 //      dK += dS^T Q).
@@ -370,7 +370,7 @@ __global__ void __launch_bounds__(DqCfg<D, kSmall>::THREADS, DqCfg<D, kSmall>::M
 
   load_q_do_rows<T, SwzTiles, BM, D, THREADS, Cfg::FRESH_ADDR>(p, q0, nq, h, sQ, sdO);
 
-  const KeyBlockWalk<BN> walk(seg, q0, nq, p.mask);
+  const KeyBlockWalk<BN> walk(p, seg, q0, nq);
   const int total = walk.total, pq_first = walk.pq_first;
   auto load_kv = [&](int j, int stage) {
     load_kv_block<SwzTiles, BN, D, THREADS, Cfg::FRESH_ADDR>(

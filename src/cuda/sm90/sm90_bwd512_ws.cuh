@@ -545,7 +545,7 @@ __global__ void __launch_bounds__(384, 1)
   const Segment& seg = cta.seg;
   const int cb0 = int(rank) * DH;
 
-  const KeyBlockWalk<BN> walk(seg, q0, nq, p.mask);
+  const KeyBlockWalk<BN> walk(p, seg, q0, nq);
   const int total = walk.total, pq_first = walk.pq_first;
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;

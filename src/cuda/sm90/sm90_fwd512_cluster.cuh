@@ -340,7 +340,7 @@ __global__ void __launch_bounds__(384, 1)
   const int h = cta.h, hk = cta.hk, q0 = cta.q0, nq = cta.nq;
   const int cb0 = int(rank) * DH;  // this CTA's first column
 
-  const KeyBlockWalk<BN> walk(cta.seg, q0, nq, p.mask);
+  const KeyBlockWalk<BN> walk(p, cta.seg, q0, nq);
   const int total = walk.total, pq_first = walk.pq_first;
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
