@@ -20,7 +20,8 @@ from hf_helpers import VOCAB, Float64Throughout, tiny_model
 
 def _distinct_groups(rng: random.Random, groups: int) -> tuple[list, list]:
     """Prompts and responses where no two responses of a group (and no two prompts) begin alike,
-    so that the prefix tree is exactly the prompt/response layout."""
+    so that the prefix tree is exactly the prompt/response layout (two responses or more: a
+    prompt with one response is one row, packed as one segment)."""
     firsts = rng.sample(range(VOCAB), groups)
     prompts = [
         [firsts[g]] + [rng.randrange(VOCAB) for _ in range(rng.randint(2, 20))]
@@ -28,7 +29,7 @@ def _distinct_groups(rng: random.Random, groups: int) -> tuple[list, list]:
     ]
     responses = []
     for _ in range(groups):
-        n = rng.randint(1, 5)
+        n = rng.randint(2, 5)
         starts = rng.sample(range(VOCAB), n)
         responses.append(
             [[s] + [rng.randrange(VOCAB) for _ in range(rng.randint(0, 12))] for s in starts]
@@ -52,9 +53,9 @@ def test_prompt_groups_pack_as_the_prompt_response_layout(seed):
 
 
 def _tree_rows(rng: random.Random) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Multi-turn / branching rows: a random token tree (a system prompt shared by two tasks,
-    turns that branch), rows = the paths to random nodes (inner nodes too: per-turn samples, each
-    a prefix of the next), each split into prompt | its last turn as the response."""
+    """Multi-turn / branching rows: a random token tree (turns that branch), rows = the paths to
+    random nodes (inner nodes too: per-turn samples, each a prefix of the next), each split into
+    prompt | response at a random token."""
     nodes = [([rng.randrange(VOCAB) for _ in range(rng.randint(1, 9))], -1)]
     for _ in range(rng.randint(3, 12)):
         parent = rng.randrange(len(nodes))
@@ -66,12 +67,13 @@ def _tree_rows(rng: random.Random) -> tuple[torch.Tensor, torch.Tensor, int]:
         while n >= 0:
             path.append(nodes[n][0])
             n = nodes[n][1]
-        path = path[::-1]
-        cut = rng.randint(0, len(path) - 1)
-        prompt = [t for seg in path[:cut] for t in seg]
-        resp = [t for seg in path[cut:] for t in seg]
-        prompts.append(prompt)
-        responses.append([resp])
+        tokens = [t for seg in path[::-1] for t in seg]
+        # the prompt | response cut anywhere (an empty prompt too), not only at branch points
+        cut = rng.randint(0, len(tokens) - 1)
+        prompts.append(tokens[:cut])
+        responses.append([tokens[cut:]])
+    if not any(prompts):  # (the rows reference reads the response's predictor at column pw - 1)
+        prompts[0], responses[0] = prompts[0] + responses[0][0][:1], [responses[0][0][1:]]
     ids, mask, pw, _ = rows_from_lists(prompts, responses)
     junk = torch.randint(0, VOCAB, ids.shape)
     return torch.where(mask.bool(), ids, junk), mask, pw
@@ -114,8 +116,10 @@ def test_tree_packing_shares_across_groups():
     prompts = [system + [100, 101], system + [102]]
     responses = [[[7, 8], [9]], [[7]]]
     pk = pack(prompts=prompts, responses=responses, tree=True)
-    # the system prompt (69 tokens >= min_shared 64) is shared by both groups' rows
-    assert pk.total_tokens == len(system) + 2 + 2 + 1 + 1 + 1
+    # the system prompt (69 tokens >= min_shared 64) is shared by both groups' rows; group 0's
+    # own prompt tokens [100, 101] (2 < 64) are repeated in its two responses' segments
+    assert pk.total_tokens == len(system) + (2 + 2) + (2 + 1) + (1 + 1)
+    assert pk.layout.lengths == (len(system), 4, 3, 2)
     assert pk.layout.parents[0] == -1 and pk.layout.lengths[0] == len(system)
 
 
