@@ -215,6 +215,59 @@ def _group_name(group_ids: Any, row: int, code: int) -> Any:
     return group_ids[row] if not isinstance(group_ids, torch.Tensor) else int(group_ids[row])
 
 
+def _row_lengths(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_width: int,
+    position_ids: torch.Tensor | None,
+) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checks trainer rows (veRL layout) and reads their lengths on the host: ``(prompt_width,
+    prompt mask [B, pw], prompt lengths [B], response lengths [B])``."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, L], got shape {tuple(input_ids.shape)}")
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, "
+            f"got {tuple(attention_mask.shape)}"
+        )
+    if position_ids is not None and position_ids.shape != input_ids.shape:
+        raise ValueError(
+            f"position_ids must have the shape of input_ids {tuple(input_ids.shape)}, "
+            f"got {tuple(position_ids.shape)}"
+        )
+    num_rows, width = input_ids.shape
+    if isinstance(prompt_width, bool) or not isinstance(prompt_width, numbers.Integral):
+        raise TypeError(f"prompt_width must be an int (a column count), got {prompt_width!r}")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must be an integer tensor of token ids, got {input_ids.dtype}")
+    pw = int(prompt_width)
+    if not 0 <= pw <= width:
+        raise ValueError(f"prompt_width must be in [0, {width}], got {prompt_width}")
+    rw = width - pw
+
+    # --- lengths and mask shape (host, once per batch) -----------------------------------------
+    mask = attention_mask.detach().to("cpu") != 0
+    pmask, rmask = mask[:, :pw], mask[:, pw:]
+    plen, rlen = pmask.sum(1), rmask.sum(1)
+    cols_p, cols_r = torch.arange(pw), torch.arange(rw)
+    bad_p = (pmask != (cols_p[None, :] >= (pw - plen)[:, None])).any(1)
+    bad_r = (rmask != (cols_r[None, :] < rlen[:, None])).any(1)
+    if bool(bad_p.any()):
+        rows = bad_p.nonzero().flatten()[:8].tolist()
+        raise ValueError(
+            f"attention_mask: the prompt part (columns [0, {pw})) of rows {rows} is not "
+            "left-padded "
+            "(real prompt tokens must be contiguous and end at prompt_width)"
+        )
+    if bool(bad_r.any()):
+        rows = bad_r.nonzero().flatten()[:8].tolist()
+        raise ValueError(
+            f"attention_mask: the response part (columns [{pw}, {width})) of rows {rows} is not "
+            "right-padded (real response tokens must be contiguous and start at prompt_width)"
+        )
+    return pw, pmask, plen, rlen
+
+
 def pack_rows(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
@@ -250,49 +303,11 @@ def pack_rows(
             or rows of one group whose prompts (or prompt position ids) differ (naming the group
             and rows).
     """
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be [B, L], got shape {tuple(input_ids.shape)}")
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError(
-            f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, "
-            f"got {tuple(attention_mask.shape)}"
-        )
-    if position_ids is not None and position_ids.shape != input_ids.shape:
-        raise ValueError(
-            f"position_ids must have the shape of input_ids {tuple(input_ids.shape)}, "
-            f"got {tuple(position_ids.shape)}"
-        )
+    pw, pmask, plen, rlen = _row_lengths(input_ids, attention_mask, prompt_width, position_ids)
     num_rows, width = input_ids.shape
-    if isinstance(prompt_width, bool) or not isinstance(prompt_width, numbers.Integral):
-        raise TypeError(f"prompt_width must be an int (a column count), got {prompt_width!r}")
-    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-        raise TypeError(f"input_ids must be an integer tensor of token ids, got {input_ids.dtype}")
-    pw = int(prompt_width)
-    if not 0 <= pw <= width:
-        raise ValueError(f"prompt_width must be in [0, {width}], got {prompt_width}")
     rw = width - pw
     device = input_ids.device
-
-    # --- lengths and mask shape (host, once per batch) -----------------------------------------
-    mask = attention_mask.detach().to("cpu") != 0
-    pmask, rmask = mask[:, :pw], mask[:, pw:]
-    plen, rlen = pmask.sum(1), rmask.sum(1)
-    cols_p, cols_r = torch.arange(pw), torch.arange(rw)
-    bad_p = (pmask != (cols_p[None, :] >= (pw - plen)[:, None])).any(1)
-    bad_r = (rmask != (cols_r[None, :] < rlen[:, None])).any(1)
-    if bool(bad_p.any()):
-        rows = bad_p.nonzero().flatten()[:8].tolist()
-        raise ValueError(
-            f"attention_mask: the prompt part (columns [0, {pw})) of rows {rows} is not "
-            "left-padded "
-            "(real prompt tokens must be contiguous and end at prompt_width)"
-        )
-    if bool(bad_r.any()):
-        rows = bad_r.nonzero().flatten()[:8].tolist()
-        raise ValueError(
-            f"attention_mask: the response part (columns [{pw}, {width})) of rows {rows} is not "
-            "right-padded (real response tokens must be contiguous and start at prompt_width)"
-        )
+    cols_r = torch.arange(rw)
 
     # --- groups ----------------------------------------------------------------------------------
     if group_ids is None:
@@ -502,6 +517,8 @@ def pack(
     group_ids: Any = None,
     *,
     position_ids: torch.Tensor | None = None,
+    tree: bool = False,
+    min_shared: int | None = None,
     prompts: Sequence[Sequence[int]] | None = None,
     responses: Sequence[Sequence[Sequence[int]]] | None = None,
     device: torch.device | str | None = None,
@@ -515,6 +532,10 @@ def pack(
     :func:`pack_lists`). With rows, a ``device`` other than ``input_ids``' moves the rows there
     first.
 
+    ``tree=True`` packs the rows as a prefix tree of everything they share, across groups and
+    beyond the prompt (multi-turn and branching rollouts; group ids are then not needed): see
+    :func:`dualkv.tree_packing.pack_rows_tree`, whose ``min_shared`` it passes on.
+
     Returns:
         A :class:`PackedBatch`: packed ``input_ids``/``position_ids`` ``[1, T]``, the ``layout``
         and the index maps back to the rows.
@@ -526,8 +547,14 @@ def pack(
             )
         if prompts is None or responses is None:
             raise ValueError("token-list packing needs both prompts= and responses=")
-        return pack_lists(prompts, responses, device=device)
-    if input_ids is None or attention_mask is None or prompt_width is None:
+        if not tree:
+            if min_shared is not None:
+                raise ValueError("min_shared applies to tree packing only: pass tree=True with it")
+            return pack_lists(prompts, responses, device=device)
+        input_ids, attention_mask, prompt_width, _ = rows_from_lists(
+            prompts, responses, device=device
+        )
+    elif input_ids is None or attention_mask is None or prompt_width is None:
         raise ValueError(
             "row packing needs input_ids, attention_mask and prompt_width "
             "(or pass prompts= and responses=)"
@@ -536,4 +563,11 @@ def pack(
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         if position_ids is not None:
             position_ids = position_ids.to(device)
+    if tree:
+        from .tree_packing import DEFAULT_MIN_SHARED, pack_rows_tree
+
+        shared = DEFAULT_MIN_SHARED if min_shared is None else min_shared
+        return pack_rows_tree(input_ids, attention_mask, prompt_width, position_ids, shared)
+    if min_shared is not None:
+        raise ValueError("min_shared applies to tree packing only: pass tree=True with it")
     return pack_rows(input_ids, attention_mask, prompt_width, group_ids, position_ids)
