@@ -55,12 +55,12 @@ except ImportError as e:  # the integration is an extra
         "'dualkv[transformers]' (or pip install transformers)"
     ) from e
 
-from .._autocast import autocast_inputs
-from ..attention import attention
-from ..layout import Layout
-from ..logprobs import logprobs_from_logits, response_logprobs
-from ..packing import PackedBatch
-from ..parallel import ShardedLayout, ulysses_attention
+from ..._autocast import autocast_inputs
+from ...attention import attention
+from ...layout import Layout
+from ...logprobs import logprobs_from_logits, response_logprobs
+from ...packing import PackedBatch
+from ...parallel import ShardedLayout, ulysses_attention
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
