@@ -517,13 +517,13 @@ def sequence_parallel_logprobs(
     shard, and every rank returns the global log-probs (see :func:`response_logprobs` for
     ``grad_scale`` and the gradients). ``kwargs`` go to the decoder's forward.
     """
-    from .integrations.transformers import _decoder, _lm_head, check_packed_model
+    from .integrations.transformers import check_packed_model, decoder_of, lm_head_of
 
     check_packed_model(model, kwargs, packed)
     batch = shard_batch(packed, group, pad_id=pad_id)
-    out = _decoder(model)(**batch.model_inputs(), **kwargs)
+    out = decoder_of(model)(**batch.model_inputs(), **kwargs)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    weight, bias, softcap = _lm_head(model)
+    weight, bias, softcap = lm_head_of(model)
     return response_logprobs(
         hidden, weight, batch, temperature=temperature, return_entropy=return_entropy,
         lm_head_bias=bias, logit_softcap=softcap, chunk_size=chunk_size, grad_scale=grad_scale,

@@ -261,7 +261,7 @@ def test_gradient_checkpointing_kwarg_and_context(seed, family, keep_attention):
     model.set_attn_implementation("dualkv")
     model.train()
     ids, mask, pw, pk, adv, noise = _batch(seed, groups=2)
-    weight, bias, softcap = dkt._lm_head(model)
+    weight, bias, softcap = dkt.lm_head_of(model)
 
     def loss_of(hidden):
         lp = dualkv.response_logprobs(hidden, model.get_output_embeddings().weight, pk,

@@ -312,7 +312,7 @@ def row_positions(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Te
     0..L-1 (left padding included: absolute embeddings such as GPT-2's see it), and OPT / BioGPT
     number the real tokens from 0 by the attention mask. The packed rows must see the same.
     """
-    model_type = getattr(dkt._text_config(model), "model_type", None)
+    model_type = getattr(dkt.text_config_of(model), "model_type", None)
     if model_type in MASK_POSITION_MODEL_TYPES:
         return (mask.long().cumsum(1) - 1).clamp(min=0)
     return torch.arange(ids.shape[1], device=ids.device).expand_as(ids)

@@ -231,7 +231,7 @@ def _install_packed_forward(model: Any) -> None:
     lm_forward = model.forward
     head_forward = head.forward
     softcap = _hf.lm_head_softcap(model)
-    _hf.check_token_mixers(_hf._text_config(model), model)
+    _hf.check_token_mixers(_hf.text_config_of(model), model)
 
     def packed_head(
         hidden: torch.Tensor,
@@ -271,7 +271,7 @@ def _install_packed_forward(model: Any) -> None:
             # the guards of every packed forward, on the global batch (length-dependent RoPE,
             # Llama 4's attention temperature, ...), as packed_hidden_states runs them
             _hf.check_packed_model(model, {}, packed.packed)
-            out = _hf._decoder(model)(**packed.model_inputs())
+            out = _hf.decoder_of(model)(**packed.model_inputs())
             hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         else:
             hidden = _hf.packed_hidden_states(model, packed)

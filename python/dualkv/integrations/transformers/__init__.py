@@ -73,14 +73,17 @@ __all__ = [
     "check_token_mixers",
     "checkpoint_kwargs",
     "current_layout",
+    "decoder_of",
     "dualkv_attention_forward",
     "dualkv_mask",
     "enable_gradient_checkpointing",
+    "lm_head_of",
     "lm_head_softcap",
     "packed_hidden_states",
     "packed_response_logprobs",
     "register",
     "rows_response_logprobs",
+    "text_config_of",
     "use_layout",
 ]
 
@@ -132,7 +135,7 @@ def use_layout(
 
         # on the decoder (base model): it sees the keyword whether the caller runs the causal LM
         # or the decoder alone
-        target = _decoder(model)
+        target = decoder_of(model)
         handle = target.register_forward_pre_hook(hook, with_kwargs=True)
     _LAYOUT_STACK.append((layout, deterministic))
     try:
@@ -431,7 +434,7 @@ def check_token_mixers(config: Any, model: PreTrainedModel | None = None) -> Non
     other = sorted(set(types or ()) - _PACKABLE_LAYER_TYPES) if isinstance(types, list) else []
     found = [f"layer types {other}"] if other else []
     if model is not None and model not in _MIXERS_CHECKED:
-        for name, m in _decoder(model).named_modules():  # (not a vision / audio tower)
+        for name, m in decoder_of(model).named_modules():  # (not a vision / audio tower)
             cls = type(m).__name__
             if isinstance(m, torch.nn.Conv1d) or any(x in cls for x in _SEQUENCE_MIXER_NAMES):
                 found.append(f"{name} ({cls})")
@@ -651,7 +654,7 @@ def enable_gradient_checkpointing(model: PreTrainedModel, keep_attention: bool =
     )
 
 
-def _decoder(model: PreTrainedModel) -> torch.nn.Module:
+def decoder_of(model: PreTrainedModel) -> torch.nn.Module:
     """The decoder stack of a causal LM (what returns the final hidden states)."""
     get = getattr(model, "get_decoder", None)
     decoder = get() if callable(get) else None
@@ -663,7 +666,9 @@ def _decoder(model: PreTrainedModel) -> torch.nn.Module:
     return decoder
 
 
-def _text_config(model: PreTrainedModel) -> Any:
+def text_config_of(model: PreTrainedModel) -> Any:
+    """The config of the model's text decoder (a multimodal model's text config; else the
+    model's config)."""
     config = model.config
     get_text = getattr(config, "get_text_config", None)
     return get_text() if callable(get_text) else config
@@ -679,8 +684,8 @@ def packed_hidden_states(
     check_packed_model(model, kwargs, packed)
     if packed.total_tokens == 0:  # (an empty batch: transformers' forward cannot run on 0 tokens)
         embed = cast(torch.Tensor, model.get_input_embeddings().weight)
-        return embed.new_zeros(1, 0, _text_config(model).hidden_size)
-    out = _decoder(model)(**packed.model_inputs(), **kwargs)
+        return embed.new_zeros(1, 0, text_config_of(model).hidden_size)
+    out = decoder_of(model)(**packed.model_inputs(), **kwargs)
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
@@ -697,7 +702,7 @@ def check_packed_model(
     placeholder token that a multimodal model's forward would embed otherwise than its text
     decoder. ``decoder``: the module the packed forward runs, when not the text decoder (TRL's
     trainer runs ``model.base_model``, which embeds those tokens as the model does)."""
-    config = _text_config(model)
+    config = text_config_of(model)
     impl = getattr(config, "_attn_implementation", None)
     if impl != ATTN_IMPLEMENTATION:
         raise ValueError(
@@ -714,7 +719,7 @@ def check_packed_model(
             f"({_OWN_ATTENTION_MODEL_TYPES[model_type]}) instead of through the attention "
             "implementation, so they would attend over the whole packed stream; not supported yet"
         )
-    text_decoder = _decoder(model)
+    text_decoder = decoder_of(model)
     if not _takes_position_ids(text_decoder):
         raise NotImplementedError(
             f"{type(text_decoder).__name__} takes no position_ids (it numbers its tokens 0..T-1 "
@@ -749,7 +754,7 @@ def _check_media_tokens(model: PreTrainedModel, input_ids: torch.Tensor) -> None
     would not embed it as its text decoder does (one host synchronisation, for such models only;
     an assert in the graph under torch.compile)."""
     config = model.config
-    text_config = _text_config(model)
+    text_config = text_config_of(model)
     if config is text_config:
         return
     ids = sorted(
@@ -828,7 +833,7 @@ def check_rope_length(model: PreTrainedModel, length: Any, what: str) -> None:
     batch's length and ``length()`` (positions + 1 of ``what``; called only for such a model)
     is past the length where they change: the packed stream and the rows it stands for would
     get different frequencies. Below it, such a RoPE is the plain one."""
-    ropes = _length_dependent_ropes(_text_config(model))
+    ropes = _length_dependent_ropes(text_config_of(model))
     if not ropes:
         return
     n = int(length())
@@ -907,7 +912,7 @@ def lm_head_softcap(model: PreTrainedModel) -> float | None:
     Raises ``NotImplementedError`` for a model that scales its logits (Cohere's ``logit_scale``,
     Granite's ``logits_scaling``, ...): scoring them unscaled would be a silent wrong answer.
     """
-    text_config = _text_config(model)
+    text_config = text_config_of(model)
     scale = _logit_scale(text_config)
     if scale != 1.0:
         raise NotImplementedError(
@@ -961,7 +966,9 @@ def _code_names(code: Any) -> set[str]:
     return names
 
 
-def _lm_head(model: PreTrainedModel) -> tuple[torch.Tensor, torch.Tensor | None, float | None]:
+def lm_head_of(model: PreTrainedModel) -> tuple[torch.Tensor, torch.Tensor | None, float | None]:
+    """``(weight, bias, final logit softcap)`` of the model's LM head, for
+    :func:`dualkv.response_logprobs` (the softcap as :func:`lm_head_softcap`)."""
     head = model.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings (LM head)")
@@ -983,7 +990,7 @@ def packed_response_logprobs(
     soft-capping when configured). ``kwargs`` go to the decoder's forward.
     """
     hidden = packed_hidden_states(model, packed, **kwargs)
-    weight, bias, softcap = _lm_head(model)
+    weight, bias, softcap = lm_head_of(model)
     return response_logprobs(
         hidden, weight, packed, temperature=temperature, return_entropy=return_entropy,
         lm_head_bias=bias, logit_softcap=softcap, chunk_size=chunk_size,
