@@ -149,7 +149,7 @@ class PackedBatch:
         return PackedBatch(**fields)
 
 
-def _group_codes(group_ids: Any, num_rows: int) -> torch.Tensor:
+def group_codes(group_ids: Any, num_rows: int) -> torch.Tensor:
     """Group ids (tensor, array or sequence of hashables) -> int64 codes in first-seen order."""
     if isinstance(group_ids, torch.Tensor):
         g = group_ids.detach().to("cpu").reshape(-1)
@@ -190,7 +190,7 @@ def _id_key(gid: Any, row: int) -> Any:
     return gid
 
 
-def _prompt_groups(
+def prompt_group_codes(
     input_ids: torch.Tensor, prompt_mask: torch.Tensor, position_ids: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Group codes (first-seen order) of rows whose real prompt tokens (and, when given, their
@@ -205,7 +205,7 @@ def _prompt_groups(
         pos = torch.where(real, position_ids[:, :pw].to(input_ids.device, torch.int64), 0)
         key = torch.cat([key, pos], 1)
     _, inverse = torch.unique(key, dim=0, return_inverse=True)
-    return _group_codes(inverse, num_rows)
+    return group_codes(inverse, num_rows)
 
 
 def _group_name(group_ids: Any, row: int, code: int) -> Any:
@@ -215,7 +215,7 @@ def _group_name(group_ids: Any, row: int, code: int) -> Any:
     return group_ids[row] if not isinstance(group_ids, torch.Tensor) else int(group_ids[row])
 
 
-def _row_lengths(
+def checked_row_lengths(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     prompt_width: int,
@@ -303,7 +303,9 @@ def pack_rows(
             or rows of one group whose prompts (or prompt position ids) differ (naming the group
             and rows).
     """
-    pw, pmask, plen, rlen = _row_lengths(input_ids, attention_mask, prompt_width, position_ids)
+    pw, pmask, plen, rlen = checked_row_lengths(
+        input_ids, attention_mask, prompt_width, position_ids
+    )
     num_rows, width = input_ids.shape
     rw = width - pw
     device = input_ids.device
@@ -311,9 +313,9 @@ def pack_rows(
 
     # --- groups ----------------------------------------------------------------------------------
     if group_ids is None:
-        row_group = _prompt_groups(input_ids, pmask, position_ids)
+        row_group = prompt_group_codes(input_ids, pmask, position_ids)
     else:
-        row_group = _group_codes(group_ids, num_rows)
+        row_group = group_codes(group_ids, num_rows)
     num_groups = int(row_group.max()) + 1 if num_rows else 0
     ref_row = torch.full((num_groups,), num_rows, dtype=torch.int64)
     ref_row.scatter_reduce_(0, row_group, torch.arange(num_rows), reduce="amin")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .layout import Layout
-from .packing import PackedBatch, _row_lengths
+from .packing import PackedBatch, checked_row_lengths
 from .prefix_forest import prefix_forest
 
 __all__ = ["DEFAULT_MIN_SHARED", "pack_rows_tree"]
@@ -47,7 +47,9 @@ def pack_rows_tree(
         without tokens). The response maps (``response_index``, ``token_sources``, ...) are those
         of :func:`dualkv.pack_rows`.
     """
-    pw, _pmask, plen, rlen = _row_lengths(input_ids, attention_mask, prompt_width, position_ids)
+    pw, _pmask, plen, rlen = checked_row_lengths(
+        input_ids, attention_mask, prompt_width, position_ids
+    )
     num_rows, width = input_ids.shape
     rw = width - pw
     device = input_ids.device

@@ -50,7 +50,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import FusedCausalLMOutput
 
 from ..logprobs import response_logprobs
-from ..packing import PackedBatch, _prompt_groups, pack
+from ..packing import PackedBatch, pack, prompt_group_codes
 from . import transformers as dkt
 
 __all__ = [
@@ -191,7 +191,7 @@ def add_packed_lm_head(
 def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
     """``[B]`` int64 group code of each row (first-seen order): rows with identical real prompt
     tokens (left-padded ``prompt_ids`` under ``prompt_mask``) share a code."""
-    return _prompt_groups(prompt_ids, prompt_mask != 0)
+    return prompt_group_codes(prompt_ids, prompt_mask != 0)
 
 
 def group_microbatches(

@@ -68,7 +68,7 @@ import torch
 
 from .. import parallel as _sp
 from ..logprobs import response_logprobs
-from ..packing import PackedBatch, _prompt_groups, pack_rows
+from ..packing import PackedBatch, pack_rows, prompt_group_codes
 from . import transformers as _hf  # registers attn_implementation="dualkv"
 
 try:
@@ -168,7 +168,7 @@ def prompt_groups(
     mask = attention_mask.detach().to("cpu") != 0
     plen = mask[:, :pw].sum(1)
     rlen = mask[:, pw:].sum(1)
-    group = _prompt_groups(prompts.detach().to("cpu"), mask[:, :pw])
+    group = prompt_group_codes(prompts.detach().to("cpu"), mask[:, :pw])
     return group, plen, rlen
 
 
