@@ -676,11 +676,11 @@ def test_self_test_passes_and_can_fail(seed, monkeypatch) -> None:
     assert report.value("max grad error / scale") < 1e-3
     assert model.config._attn_implementation == "sdpa"  # restored
     # a packed path that is wrong by 1% is reported as a failure
-    real = dkt.attention
-    monkeypatch.setattr(dkt, "attention", lambda *a, **kw: real(*a, **kw) * 1.01)
+    real = dkt.attention_backend.attention
+    monkeypatch.setattr(dkt.attention_backend, "attention", lambda *a, **kw: real(*a, **kw) * 1.01)
     bad = check.self_test(model, seed=seed % 1000, out=None)
     assert not bad.passed and bad.value("max log-prob error") > report.measures[0][2]
-    monkeypatch.setattr(dkt, "attention", real)
+    monkeypatch.setattr(dkt.attention_backend, "attention", real)
     # a NaN in one parameter's packed gradient is a failure, whichever parameters follow it
     emb = model.get_input_embeddings().weight
 
@@ -709,24 +709,26 @@ def test_self_test_16bit_yardstick_window_and_reference(seed, monkeypatch) -> No
     report = check.self_test(model, seed=seed % 1000, out=None)
     assert report.passed, report.lines
     assert next(model.parameters()).dtype == torch.bfloat16  # (the yardstick is a copy)
-    real = dkt.attention
+    real = dkt.attention_backend.attention
     monkeypatch.setattr(
-        dkt, "attention",
+        dkt.attention_backend, "attention",
         lambda q, k, v, layout, softmax_scale=None, **kw: real(
             q, k, v, layout, softmax_scale=(softmax_scale or q.shape[-1] ** -0.5) * 1.15, **kw
         ),
     )  # fmt: skip
     assert not check.self_test(model, seed=seed % 1000, out=None).passed
-    monkeypatch.setattr(dkt, "attention", real)
+    monkeypatch.setattr(dkt.attention_backend, "attention", real)
 
     config = tiny_config("gemma3")
     config.sliding_window = 512  # longer than the batch: the check shrinks it
     gemma = tiny_model("gemma3", config=config, seed=seed % 1000)
     assert check.self_test(gemma, seed=seed % 1000, out=None).passed
     assert gemma.config.sliding_window == 512  # restored
-    monkeypatch.setattr(dkt, "attention", lambda *a, **kw: real(*a, **{**kw, "window": None}))
+    monkeypatch.setattr(
+        dkt.attention_backend, "attention", lambda *a, **kw: real(*a, **{**kw, "window": None})
+    )
     assert not check.self_test(gemma, seed=seed % 1000, out=None).passed
-    monkeypatch.setattr(dkt, "attention", real)
+    monkeypatch.setattr(dkt.attention_backend, "attention", real)
 
     gemma2 = tiny_model("gemma2", seed=seed % 1000)
     report = check.self_test(gemma2, seed=seed % 1000, out=None)
