@@ -85,7 +85,11 @@ import torch
 import dualkv
 from dualkv import parallel
 from dualkv.grpo_demo import build_model
-from dualkv.integrations.transformers import enable_gradient_checkpointing, packed_hidden_states
+from dualkv.integrations.transformers import (
+    enable_gradient_checkpointing,
+    packed_hidden_states,
+    sequence_parallel_logprobs,
+)
 from dualkv.logprobs import logprobs_from_logits, response_logprobs
 from dualkv.losses import dapo_loss, group_advantages
 from dualkv.packing import pack_rows
@@ -409,7 +413,7 @@ def step(model, path: str, ids, mask, gid, adv, p: int, old: torch.Tensor) -> to
         head = model.get_output_embeddings().weight
         if path == "dualkv-sp":
             model.set_attn_implementation("dualkv")
-            lp = parallel.sequence_parallel_logprobs(model, packed)
+            lp = sequence_parallel_logprobs(model, packed)
             loss, _ = dapo_loss(lp, old, adv, resp_mask)
             loss.backward()
             parallel.all_reduce_gradients(model.parameters())

@@ -394,7 +394,7 @@ class Policy(torch.nn.Module):
 
     def forward(self, packed: PackedBatch, group: Any, grad_scale: float,
                 temperature: float = TEMPERATURE, return_entropy: bool = False) -> Any:  # fmt: skip
-        out = parallel.sequence_parallel_logprobs(
+        out = dkt.sequence_parallel_logprobs(
             self.model, packed, group, temperature, return_entropy=return_entropy,
             grad_scale=grad_scale,
         )  # fmt: skip
@@ -475,7 +475,7 @@ def exact_model(ctx: Ctx, family: str, config: str, seed: int) -> list[Check]:
         return lp.detach(), ent.detach(), loss.detach(), _grads(m)
 
     ref = step(model, dkt.packed_response_logprobs, model, packed)
-    sp = step(model, parallel.sequence_parallel_logprobs, model, packed, None, sum_grads=True)
+    sp = step(model, dkt.sequence_parallel_logprobs, model, packed, None, sum_grads=True)
 
     from torch.distributed.device_mesh import init_device_mesh
 

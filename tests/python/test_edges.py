@@ -591,10 +591,9 @@ def test_multimodal_inputs_refused_by_the_packed_forward() -> None:
         with pytest.raises(NotImplementedError, match=name):
             dkt.packed_response_logprobs(model, pk, **{name: torch.zeros(1)})
     dkt.packed_response_logprobs(model, pk, pixel_values=None)  # None is no input
-    from dualkv import parallel
 
     with pytest.raises(NotImplementedError, match="pixel_values"):  # the sharded forward too
-        parallel.sequence_parallel_logprobs(model, pk, None, pixel_values=torch.zeros(1))
+        dkt.sequence_parallel_logprobs(model, pk, None, pixel_values=torch.zeros(1))
 
 
 def test_positions_shift_per_response_without_prompt(seed) -> None:

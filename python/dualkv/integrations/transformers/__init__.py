@@ -59,7 +59,12 @@ from .attention_backend import (
     use_layout,
 )
 from .checkpointing import checkpoint_kwargs, enable_gradient_checkpointing
-from .logprobs import packed_hidden_states, packed_response_logprobs, rows_response_logprobs
+from .logprobs import (
+    packed_hidden_states,
+    packed_response_logprobs,
+    rows_response_logprobs,
+    sequence_parallel_logprobs,
+)
 from .mask import LocalMask, dualkv_mask
 from .model_guards import MULTIMODAL_ARGS, check_packed_model, check_rope_length, refuse_multimodal
 from .model_parts import decoder_of, lm_head_of, lm_head_softcap, text_config_of
@@ -89,6 +94,7 @@ __all__ = [
     "refuse_multimodal",
     "register",
     "rows_response_logprobs",
+    "sequence_parallel_logprobs",
     "text_config_of",
     "use_layout",
 ]

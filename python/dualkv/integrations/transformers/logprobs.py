@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from ... import parallel
 from ...logprobs import logprobs_from_logits, response_logprobs
 from ...packing import PackedBatch
 from .model_guards import check_packed_model
@@ -86,3 +87,34 @@ def rows_response_logprobs(
     return logprobs_from_logits(
         logits, labels, attention_mask[:, prompt_width:] != 0, temperature, return_entropy
     )
+
+
+def sequence_parallel_logprobs(
+    model: PreTrainedModel,
+    packed: PackedBatch,
+    group: Any = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    chunk_size: int | None = None,
+    grad_scale: float = 1.0,
+    pad_id: int = 0,
+    **kwargs: Any,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Response log-probs ``[B, R_max]`` (and entropy) of a HF causal LM with
+    ``attn_implementation="dualkv"``, the packed batch sharded over ``group``.
+
+    The entry point for trainers (e.g. veRL's ``ulysses_sequence_parallel_size``): every rank of
+    the SP group calls it with the same global ``packed`` batch; each runs the decoder on its
+    shard, and every rank returns the global log-probs (see
+    :func:`dualkv.parallel.response_logprobs` for ``grad_scale`` and the gradients). ``kwargs`` go
+    to the decoder's forward.
+    """
+    check_packed_model(model, kwargs, packed)
+    batch = parallel.shard_batch(packed, group, pad_id=pad_id)
+    out = decoder_of(model)(**batch.model_inputs(), **kwargs)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    weight, bias, softcap = lm_head_of(model)
+    return parallel.response_logprobs(
+        hidden, weight, batch, temperature=temperature, return_entropy=return_entropy,
+        lm_head_bias=bias, logit_softcap=softcap, chunk_size=chunk_size, grad_scale=grad_scale,
+    )  # fmt: skip
