@@ -30,7 +30,7 @@ after a P-token prompt), gradient checkpointing on:
                  micro-batches of ``--rows-micro-batch`` with gradient accumulation (token-mean
                  over the whole batch), full-vocabulary logits per micro-batch.
 
-Presets: Qwen3 shapes (dualkv.grpo_demo.PRESETS) and ``gemma4-31b`` (Gemma-4-31B's text layer
+Presets: Qwen3 shapes (dualkv.demos.grpo_step.PRESETS) and ``gemma4-31b`` (Gemma-4-31B's text layer
 stack: hidden 5376, 32 query heads, sliding layers head dim 256 with 16 KV heads and window 1024,
 full layers head dim 512 with 4 KV heads and attention_k_eq_v, proportional partial RoPE, 5
 sliding : 1 full, final logit softcap 30, vocab 262144; ``--layers`` sets the depth, default 6,
@@ -84,7 +84,7 @@ import torch
 
 import dualkv
 from dualkv import parallel
-from dualkv.grpo_demo import build_model
+from dualkv.demos.grpo_step import build_model
 from dualkv.integrations.transformers import (
     enable_gradient_checkpointing,
     packed_hidden_states,
@@ -138,7 +138,7 @@ OPTIONS: dict[str, Any] = {
 
 def build_any(preset: str, device: torch.device, dtype: torch.dtype,
               overrides: dict[str, Any] | None = None) -> torch.nn.Module:  # fmt: skip
-    """A random causal LM of a Qwen3 (grpo_demo) or Gemma 4 (GEMMA4_PRESETS) preset."""
+    """A random causal LM of a Qwen3 (demos.grpo_step) or Gemma 4 (GEMMA4_PRESETS) preset."""
     if preset not in GEMMA4_PRESETS:
         return build_model(preset, device, dtype, overrides=overrides)
     from transformers import AutoModelForCausalLM, Gemma4TextConfig
@@ -537,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--presets",
         default="1.7b,4b",
-        help="Qwen3 shapes (dualkv.grpo_demo.PRESETS) or gemma4-31b, gemma4-tiny",
+        help="Qwen3 shapes (dualkv.demos.grpo_step.PRESETS) or gemma4-31b, gemma4-tiny",
     )
     ap.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="N,P,R triples")
     ap.add_argument("--paths", default="standard,flex,dualkv", help=f"subset of {ALL_PATHS}")

@@ -551,7 +551,7 @@ def part_exact(ctx: Ctx, args: argparse.Namespace) -> bool:
 # --- part: per-layer communication ---------------------------------------------------------------
 def layer_shapes(ctx: Ctx, args: argparse.Namespace) -> list[tuple[str, int, int, int, int]]:
     """(name, Hq, Hkv, D, T) of the layers to time: the Qwen3 preset's, Gemma 4's two kinds."""
-    from dualkv.grpo_demo import PRESETS
+    from dualkv.demos.grpo_step import PRESETS
 
     c = PRESETS[args.preset]
     n, p, r = args.shapes[0]
@@ -874,7 +874,7 @@ def main(argv: list[str] | None = None) -> int:
         default=int.from_bytes(os.urandom(3), "little"),
         help="the inputs' seed (default: fresh, the largest of the ranks' draws)",
     )
-    ap.add_argument("--preset", default="8b", help="Qwen3 preset (dualkv.grpo_demo.PRESETS)")
+    ap.add_argument("--preset", default="8b", help="Qwen3 preset (dualkv.demos.grpo_step.PRESETS)")
     ap.add_argument("--layers", type=int, default=4, help="Qwen3 decoder layers (cut)")
     ap.add_argument("--shapes", nargs="+", type=_shape,
                     default=[(16, 32768, 2048), (16, 65536, 2048)], help="N,P,R")  # fmt: skip

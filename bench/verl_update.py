@@ -62,7 +62,7 @@ def free_port() -> int:
 def save_model(preset: str, path: str, device: str, seed: int) -> None:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from dualkv.grpo_demo import PRESETS
+    from dualkv.demos.grpo_step import PRESETS
 
     cfg = Qwen3Config(max_position_embeddings=40960, rms_norm_eps=1e-6, **PRESETS[preset])
     torch.manual_seed(seed)
@@ -295,7 +295,7 @@ def run_engine(kind: str, path: str, shape: tuple[int, int, int], args: argparse
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--preset", default="1.7b", help="Qwen3 shape of dualkv.grpo_demo.PRESETS")
+    ap.add_argument("--preset", default="1.7b", help="Qwen3 shape (dualkv.demos.grpo_step.PRESETS)")
     ap.add_argument("--shapes", nargs="+", default=["16,8192,1024", "32,4096,2048"],
                     help="N,P,R per shape")  # fmt: skip
     ap.add_argument("--groups", type=int, default=2, help="prompt groups per mini-batch")
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.distributed.init_process_group(backend, rank=0, world_size=1)
     if args.device == "cuda":
         torch.cuda.set_device(0)
-    from dualkv.grpo_demo import PRESETS
+    from dualkv.demos.grpo_step import PRESETS
 
     vocab = int(PRESETS[args.preset]["vocab_size"])
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"

@@ -1,7 +1,7 @@
 """The main job: one GRPO/DAPO policy-update step, standard rows vs DualKV packed, side by side.
 
-    python -m dualkv.grpo_demo                      # tiny random Qwen3 on CPU, a few seconds
-    python -m dualkv.grpo_demo --preset 1.7b --groups 1 --n 16 --prompt-len 8192 \\
+    python -m dualkv.demo                           # tiny random Qwen3 on CPU, a few seconds
+    python -m dualkv.demo --preset 1.7b --groups 1 --n 16 --prompt-len 8192 \\
         --response-len 1024 --grad-ckpt --steps 5   # Qwen3-1.7B shape on a GPU
 
 Each step builds a random GRPO batch (G prompts x N sampled responses of uneven length, in the
@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .logprobs import logprobs_from_logits
-from .losses import dapo_loss, group_advantages, grpo_loss
-from .packing import PackedBatch, pack_rows, rows_from_lists
+from ..logprobs import logprobs_from_logits
+from ..losses import dapo_loss, group_advantages, grpo_loss
+from ..packing import PackedBatch, pack_rows, rows_from_lists
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -87,7 +87,7 @@ def build_model(
     """
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from .integrations import transformers as _register  # noqa: F401  (registers "dualkv")
+    from ..integrations import transformers as _register  # noqa: F401  (registers "dualkv")
 
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
@@ -233,7 +233,7 @@ def _standard_logprobs(model: PreTrainedModel, batch: Batch, temperature: float)
 def _packed_logprobs(
     model: PreTrainedModel, batch: Batch, temperature: float, chunk_size: int | None
 ) -> torch.Tensor:
-    from .integrations.transformers import packed_response_logprobs
+    from ..integrations.transformers import packed_response_logprobs
 
     lp = packed_response_logprobs(model, batch.packed, temperature, chunk_size=chunk_size)
     assert isinstance(lp, torch.Tensor)  # no entropy asked for
@@ -309,7 +309,7 @@ def _checkpointing(model: PreTrainedModel, args: argparse.Namespace, keep_attent
     outputs, the standard path gets plain checkpointing (the selective-checkpoint policy would
     only add its per-op dispatch overhead there)."""
     if args.grad_ckpt:
-        from .integrations.transformers import enable_gradient_checkpointing
+        from ..integrations.transformers import enable_gradient_checkpointing
 
         enable_gradient_checkpointing(model, keep_attention=keep_attention)
 

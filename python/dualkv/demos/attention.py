@@ -1,8 +1,8 @@
 """Attention-level demo: a random multi-group layout through DualKV and through the unshared
 reference rows; prints the token reduction rho, the max error and the timings.
 
-    python -m dualkv.demo_attention                 # tiny default, CPU
-    python -m dualkv.demo_attention --device cuda --groups 2 --prompt 8192 --responses 16 \\
+    python -m dualkv.demos.attention                # tiny default, CPU
+    python -m dualkv.demos.attention --device cuda --groups 2 --prompt 8192 --responses 16 \\
         --response-len 1024 --heads 32 --kv-heads 8 --head-dim 128
 """
 
