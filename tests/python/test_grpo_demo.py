@@ -45,3 +45,13 @@ def test_grpo_demo_packed_only():
     assert loss is not None and torch.isfinite(loss) and loss != 0
     assert res.max_logprob_diff is None and res.loss_diff is None
 
+
+def test_old_demo_module_names_are_deprecation_aliases():
+    from dualkv import demo_attention
+    from dualkv.demos import attention
+
+    with pytest.warns(DeprecationWarning, match="dualkv.demos.grpo_step"):
+        from dualkv.grpo_demo import PRESETS
+    assert PRESETS is grpo_step.PRESETS
+    with pytest.warns(DeprecationWarning, match="dualkv.demos.attention"):
+        assert demo_attention.main is attention.main
