@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .packing import group_codes
+from .trainer_rows import group_codes
 
 __all__ = [
     "LOSS_AGG_MODES",

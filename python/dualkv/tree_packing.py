@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 
 from .layout import Layout
-from .packing import PackedBatch, checked_row_lengths
+from .packed_batch import PackedBatch
 from .prefix_forest import prefix_forest
+from .trainer_rows import checked_row_lengths
 
 __all__ = ["DEFAULT_MIN_SHARED", "pack_rows_tree"]
 

@@ -50,7 +50,8 @@ from trl import GRPOTrainer
 from trl.trainer.utils import FusedCausalLMOutput
 
 from ..logprobs import response_logprobs
-from ..packing import PackedBatch, pack, prompt_group_codes
+from ..packing import PackedBatch, pack
+from ..trainer_rows import prompt_group_codes
 from . import transformers as dkt
 
 __all__ = [

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..packing import prompt_group_codes
+from ..trainer_rows import prompt_group_codes
 
 
 def prompt_groups(
