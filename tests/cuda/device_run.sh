@@ -6,7 +6,7 @@
 # sm80, sm90-nopp, and the A/B paths sm90-sepdq at D <= 128, sm90-d256-sync at
 # D = 256, sm90-d512-sm80 at D = 512); racecheck runs the
 # sm80 path only (on the wgmma paths it outruns its time limit). `trees` (not in the default
-# steps): TREES rounds (default 6) of the random prefix-tree forests on every path, then the bench
+# steps): TREES rounds (default 3) of the random prefix-tree forests on every path, then the bench
 # of the branching-rollout forest next to the depth-two micro-batch at the same heads.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -34,8 +34,8 @@ for s in "${steps[@]}"; do
     fallback_check "$OUT/test.log" || rc=1
     [ $rc = 0 ] || status=1 ;;
   trees)
-    echo "== prefix trees: ${TREES:-6} rounds of random forests, every path =="
-    timeout 360 $BIN --trees "${TREES:-6}" --race 0 >"$OUT/trees.log" 2>&1; rc=$?
+    echo "== prefix trees: ${TREES:-3} rounds of random forests, every path =="
+    timeout 360 $BIN --trees "${TREES:-3}" --race 0 >"$OUT/trees.log" 2>&1; rc=$?
     grep -E "FAIL|error" "$OUT/trees.log" | head -30; tail -2 "$OUT/trees.log"; echo "rc=$rc"
     fallback_check "$OUT/trees.log" || rc=1
     [ $rc = 0 ] || status=1
