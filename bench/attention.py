@@ -40,9 +40,12 @@ each layout its token reduction rho (unshared row tokens / packed tokens).
     python bench/attention.py --shapes plain --head-dims 64,128 --methods dualkv,fa4-rows
     python bench/attention.py --shape 16,8192,1024,16,8,128   # a shape of your own (Qwen3-1.7B)
     python bench/attention.py --multi 16,8,128                # the realistic micro-batch
-    python bench/attention.py --shapes tree --methods dualkv,flex,fa4-rows,sdpa_cudnn
-                              # the three tree batches (32/8/128), each then its depth-two twin
+    python bench/attention.py --shapes tree --methods dualkv,flex,fa4-rows,sdpa_cudnn \
+        --out $OUT/trees                  # the three tree batches (32/8/128)
+    python bench/attention.py --shapes tree-d2 --methods dualkv --out $OUT/twins   # their twins
+    python bench/attention.py --summary $OUT/trees/attention.json $OUT/twins/attention.json
     python bench/attention.py --tree agentic,16,8,128 --methods dualkv,flex   # one tree
+(bench/trees_gpu.sh runs the tree benchmarks in a few device calls.)
 """
 
 from __future__ import annotations
@@ -95,9 +98,9 @@ SHAPES: list[tuple] = [
     (16, 8192, 1024, 16, 8, 128),
     (64, 4096, 512, 32, 8, 128),
 ]
-# Prefix trees (issue 33; trees.py: "branching", "agentic", "sysprompt") with these heads: the
-# tree as (name, 0, 0, Hq, Hkv, D), then its depth-two twin (TreeBatch.twin: the depth-two
-# layout of comparable size, for the "tree >= 90% of the depth-two kernel's TF/s" comparison).
+# Prefix trees (issue 33; trees.py: "branching", "agentic", "sysprompt") with these heads, as
+# (name, 0, 0, Hq, Hkv, D); and their depth-two twins (TreeBatch.twin: the depth-two layout of
+# comparable size, for the "tree >= 90% of the depth-two kernel's TF/s" comparison).
 TREE_HEADS = (32, 8, 128)
 _FIRST_TREE = len(SHAPES)
 SHAPES += [(name, 0, 0, *TREE_HEADS) for name in TREES]
@@ -106,8 +109,8 @@ SHAPE_SETS = {
     "packed": [0, 1, 2, 3, 4, 5, 19, 20],
     "plain": list(range(6, 17)),
     "d512": [14, 15, 16, 17, 18],
-    # each tree followed by its depth-two twin
-    "tree": [_FIRST_TREE + i + k * len(TREES) for i in range(len(TREES)) for k in (0, 1)],
+    "tree": list(range(_FIRST_TREE, _FIRST_TREE + len(TREES))),
+    "tree-d2": list(range(_FIRST_TREE + len(TREES), _FIRST_TREE + 2 * len(TREES))),
 }
 Groups = list[tuple[int, list[int]]]  # (prompt length, response lengths) per group
 
@@ -784,6 +787,35 @@ def check_methods(
     return status
 
 
+def tree_summary(rows: list[dict]) -> list[str]:
+    """Issue 33's comparisons from timed rows (attention.json's, any runs together), one line per
+    tree shape timed with dualkv: its fwd+bwd TF/s against DualKV's on the depth-two twin with
+    the same heads (bar: >= 0.90), and its speed-up over FlexAttention with the tree mask and
+    over each rows method (time ratios; bar against Flex: >= 2x), with the token reduction."""
+    timed = {(r["shape"], r["method"]): r for r in rows if "fwd_bwd_ms" in r}
+    out = []
+    for (shape, method), r in timed.items():
+        name = shape.split(" ")[0]
+        if method != "dualkv" or name not in TREES:
+            continue
+        heads = shape[shape.index(" Hq=") :]
+        n, p, rr = TREES[name]().twin()
+        twin = timed.get((f"N={n} P={p} R={rr}{heads}", "dualkv"))
+        parts = [f"{shape}: rho {r.get('rho', float('nan')):.2f}, DualKV "
+                 f"{r['fwd_bwd_tflops']:.0f} TF/s"]  # fmt: skip
+        if twin is not None:
+            ratio = r["fwd_bwd_tflops"] / twin["fwd_bwd_tflops"]
+            parts.append(f"{ratio:.2f} of the depth-two twin's {twin['fwd_bwd_tflops']:.0f} "
+                         f"(bar 0.90: {'met' if ratio >= 0.9 else 'NOT met'})")  # fmt: skip
+        for (s2, m2), o in timed.items():
+            if s2 == shape and m2 != "dualkv":
+                speed = o["fwd_bwd_ms"] / r["fwd_bwd_ms"]
+                bar = f" (bar 2x: {'met' if speed >= 2 else 'NOT met'})" if m2 == "flex" else ""
+                parts.append(f"{speed:.2f}x {m2}{bar}")
+        out.append("; ".join(parts))
+    return out
+
+
 def parse_shapes(args: argparse.Namespace, ap: argparse.ArgumentParser) -> list[tuple]:
     """The shapes to time: --shape / --multi, else --shapes (indices into SHAPES or names of
     SHAPE_SETS), filtered by --head-dims."""
@@ -879,7 +911,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         "so that a run under a time limit still ends with its table and JSON",
     )
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
+    ap.add_argument(
+        "--summary",
+        nargs="+",
+        metavar="JSON",
+        help="print the tree comparisons (tree_summary) of these attention.json files and exit",
+    )
     args = ap.parse_args(argv)
+    if args.summary:
+        return args, [], []
     methods = [m for m in args.methods.split(",") if m]
     for m in methods:
         if m not in RUNNERS:
@@ -890,6 +930,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 def main() -> None:
     start = time.monotonic()
     args, shapes, methods = parse_args()
+    if args.summary:
+        rows = []
+        for path in args.summary:
+            with open(path) as f:
+                rows += json.load(f)["rows"]
+        print("\n".join(tree_summary(rows)) or "no tree shape timed with dualkv")
+        return
     rows = []
     # the check per head configuration, at CHECK_LAYOUT and (for tree shapes) at CHECK_TREE
     checks: dict[tuple[tuple[int, int, int], bool], dict[str, str]] = {}
@@ -897,6 +944,26 @@ def main() -> None:
         for heads, tree in dict.fromkeys((sh[3:], isinstance(sh[0], str)) for sh in shapes):
             checks[(heads, tree)] = check_methods(methods, *heads, tree=tree)
     reductions: dict[str, float] = {}
+
+    def save() -> None:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "attention.json"), "w") as f:
+            json.dump(
+                dict(
+                    gpu=torch.cuda.get_device_name(),
+                    torch=torch.__version__,
+                    lead_spin=args.lead_spin,
+                    checks={
+                        ",".join(map(str, heads)) + (",tree" if tree else ""): v
+                        for (heads, tree), v in checks.items()
+                    },
+                    token_reduction=reductions,
+                    rows=rows,
+                ),
+                f,
+                indent=1,
+            )
+
     for i, (n, p, r, hq, hkv, d) in enumerate(shapes):
         if args.budget is not None and time.monotonic() - start > args.budget:
             print(f"--budget {args.budget:.0f} s spent: not run {shapes[i:]}", flush=True)
@@ -969,23 +1036,8 @@ def main() -> None:
             print_row(rows[-1], flush=True)  # as it comes: a run cut short keeps its figures
         del c
         torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "attention.json"), "w") as f:
-        json.dump(
-            dict(
-                gpu=torch.cuda.get_device_name(),
-                torch=torch.__version__,
-                lead_spin=args.lead_spin,
-                checks={
-                    ",".join(map(str, heads)) + (",tree" if tree else ""): v
-                    for (heads, tree), v in checks.items()
-                },
-                token_reduction=reductions,
-                rows=rows,
-            ),
-            f,
-            indent=1,
-        )
+        save()  # after each shape: a run stopped by a time limit keeps the shapes it timed
+    save()
     timing = "GPU time (--lead-spin)" if args.lead_spin else "host launch latency included"
     print(
         f"\nGPU {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, {timing}; "
@@ -998,6 +1050,8 @@ def main() -> None:
         print_row(row)
     print("token reduction rho (unshared row tokens / packed tokens): " + ", ".join(
         f"{shape.split(' Hq')[0]} {rho:.2f}" for shape, rho in reductions.items()))  # fmt: skip
+    for line in tree_summary(rows):
+        print(line)
     try:
         plot(rows, os.path.join(args.out, "attention.png"))
     except ImportError:

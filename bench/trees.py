@@ -76,6 +76,14 @@ class TreeBatch:
     def packed_tokens(self) -> int:
         return sum(self.lengths)
 
+    def tree_tokens(self) -> list[int]:
+        """Packed tokens of each tree (its root's subtree), roots in list order."""
+        roots = [s for s, p in enumerate(self.parents) if p < 0]
+        out = [0] * len(roots)
+        for s, n in enumerate(self.lengths):
+            out[roots.index(self.path(s)[0])] += n
+        return out
+
     @property
     def row_tokens(self) -> int:
         """Tokens of the unshared rows."""

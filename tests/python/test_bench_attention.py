@@ -228,9 +228,11 @@ def test_command_line_subsets():
                 ["--shapes", "plain", "--head-dims", "96"]):  # fmt: skip
         with pytest.raises(SystemExit):
             ba.parse_args(bad)
-    _, shapes, _ = ba.parse_args(["--shapes", "tree"])
-    assert [sh[0] for sh in shapes[::2]] == list(ba.TREES)  # each tree, then its twin
-    assert shapes[1::2] == [(*ba.TREES[name]().twin(), *ba.TREE_HEADS) for name in ba.TREES]
+    _, shapes, _ = ba.parse_args(["--shapes", "tree,tree-d2"])
+    assert shapes[:3] == [(name, 0, 0, *ba.TREE_HEADS) for name in ba.TREES]
+    assert shapes[3:] == [(*ba.TREES[name]().twin(), *ba.TREE_HEADS) for name in ba.TREES]
+    args, shapes, _ = ba.parse_args(["--summary", "a.json", "b.json"])
+    assert args.summary == ["a.json", "b.json"] and shapes == []
     _, shapes, _ = ba.parse_args(["--tree", "agentic,16,8,128", "--tree", "branching,32,8,64"])
     assert shapes == [("agentic", 0, 0, 16, 8, 128), ("branching", 0, 0, 32, 8, 64)]
     for bad in (["--tree", "forest,16,8,128"], ["--tree", "agentic,16,8"]):
@@ -239,3 +241,32 @@ def test_command_line_subsets():
     # every default method and shape set is known
     assert set(ba.METHODS + ba.EXTRA_METHODS) == set(ba.RUNNERS)
     assert all(i < len(ba.SHAPES) for s in ba.SHAPE_SETS.values() for i in s)
+
+
+def test_tree_summary():
+    """The issue's comparisons from timed rows: tree vs its depth-two twin (TF/s ratio, bar 0.9)
+    and speed-ups over the other methods on the tree (bar 2x over Flex)."""
+    n, p, r = ba.TREES["agentic"]().twin()
+    heads = " Hq=32 Hkv=8 D=128"
+    tree = "agentic T=78023" + heads
+
+    def row(shape, method, ms, tflops):
+        return dict(shape=shape, method=method, fwd_bwd_ms=ms, fwd_bwd_tflops=tflops, rho=8.99)
+
+    rows = [
+        row(tree, "dualkv", 50.0, 380.0),
+        row(tree, "flex", 120.0, 158.0),
+        row(tree, "sdpa_cudnn", 400.0, 47.0),
+        dict(shape=tree, method="fa4-rows", error="skipped: flash-attn-4 not available"),
+        row(f"N={n} P={p} R={r}" + heads, "dualkv", 60.0, 400.0),
+        row("N=16 P=8192 R=1024" + heads, "dualkv", 24.0, 413.0),
+    ]
+    (line,) = ba.tree_summary(rows)
+    assert line.startswith(f"{tree}: rho 8.99, DualKV 380 TF/s; 0.95 of the depth-two twin's 400")
+    assert "(bar 0.90: met)" in line and "2.40x flex (bar 2x: met)" in line
+    assert "8.00x sdpa_cudnn" in line and "fa4" not in line
+    rows[0]["fwd_bwd_tflops"] = 300.0
+    rows[0]["fwd_bwd_ms"] = 70.0
+    (line,) = ba.tree_summary(rows)
+    assert "0.75 of the depth-two twin's" in line and "NOT met" in line
+    assert ba.tree_summary(rows[4:]) == []
