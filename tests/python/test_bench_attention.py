@@ -270,3 +270,45 @@ def test_tree_summary():
     (line,) = ba.tree_summary(rows)
     assert "0.75 of the depth-two twin's" in line and "NOT met" in line
     assert ba.tree_summary(rows[4:]) == []
+
+
+def test_main_runs_a_tree_and_its_twin_on_cpu(tmp_path, monkeypatch, capsys):
+    """The whole command (check, timing loop, table, JSON, summary) on a tiny agentic tree and its
+    depth-two twin, with the CUDA-only parts replaced: CPU tensors, a wall-clock timer."""
+    import json
+    import time
+
+    import trees
+
+    tiny = trees.agentic(tasks=1, scale=0.02)
+    monkeypatch.setitem(ba.TREES, "agentic", lambda: tiny)
+    monkeypatch.setattr(ba.Case.__init__, "__defaults__", ("cpu", torch.float32, 0))
+    monkeypatch.setattr(ba.check_methods, "__defaults__", ("cpu", False))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "CPU")
+
+    def wall_ms(fn, warmup, repeats, lead_spin=False):
+        t0 = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - t0)
+
+    monkeypatch.setattr(ba, "time_ms", wall_ms)
+    n, p, r = tiny.twin()
+    argv = ["attention.py", "--tree", "agentic,4,2,16", "--shape", f"{n},{p},{r},4,2,16",
+            "--methods", "dualkv,flex", "--out", str(tmp_path)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    ba.main()
+    saved = json.loads((tmp_path / "attention.json").read_text())
+    assert saved["checks"]["4,2,16,tree"]["dualkv"] == "ok"
+    assert saved["checks"]["4,2,16"]["dualkv"] == "ok"
+    twin_row, _, tree_row, flex_row = saved["rows"]  # (--shape's shapes come first)
+    assert tree_row["method"] == "dualkv" and tree_row["shape"].startswith("agentic T=")
+    assert tree_row["rho"] == pytest.approx(tiny.row_tokens / tiny.packed_tokens)
+    assert "error" in flex_row  # (FlexAttention has no CPU backward)
+    assert twin_row["shape"] == f"N={n} P={p} R={r} Hq=4 Hkv=2 D=16"
+    out = capsys.readouterr().out
+    assert "of the depth-two twin's" in out and "token reduction rho" in out
+    monkeypatch.setattr(
+        sys, "argv", ["attention.py", "--summary", str(tmp_path / "attention.json")]
+    )
+    ba.main()
+    assert capsys.readouterr().out.startswith(tree_row["shape"] + ": rho")

@@ -73,3 +73,20 @@ def test_command_line_rejects_unknown_shapes(options):
     for bad in (["--shapes", "forest"], ["--shapes", "4,64"], ["--paths", "dualkv,tree"]):
         with pytest.raises(SystemExit):
             ms.main([*bad, "--device", "cpu", "--presets", "tiny"])
+
+
+def test_main_on_a_tree_shape(options, capsys):
+    """The command on the agentic shape (tiny, CPU): the tree's rho, the packed T, a table row
+    per path, the same loss on each."""
+    argv = ["--presets", "tiny", "--shapes", "agentic", "--tree-scale", "0.01", "--min-shared",
+            "1", "--device", "cpu", "--paths", "dualkv,dualkv-depth2", "--warmup", "0",
+            "--repeats", "1", "--layers", "1", "--no-grad-ckpt"]  # fmt: skip
+    assert ms.main(argv) == 0
+    out = capsys.readouterr().out
+    tree = trees.agentic(tasks=1, scale=0.01)
+    label = f"agentic, 22 rows, T {tree.packed_tokens} | {tree.row_tokens / tree.packed_tokens:.2f}"
+    assert f"| Qwen3-tiny | {label} | dualkv |" in out
+    assert f"| Qwen3-tiny | {label} | dualkv-depth2 |" in out
+    (losses,) = [x for x in out.splitlines() if x.startswith("losses: ")]
+    values = [float(x.split(" ")[-1]) for x in losses[len("losses: ") :].split(", ")]
+    assert len(values) == 2 and values[0] == pytest.approx(values[1], rel=1e-5)
