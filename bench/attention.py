@@ -374,6 +374,13 @@ def run_flex(c: Case) -> Runner:
 
     device = c.q.device
     T = c.layout.total_tokens
+    if device.type == "cuda":
+        # A graph per shape and grad mode (the forward runs under no_grad too), and per shape of
+        # the compiled tree mask: past dynamo's default of 8 the later shapes would run the
+        # unfused flex_attention (out of memory at D = 256).
+        from model_step import allow_recompiles
+
+        allow_recompiles()
     if c.groups is None:
         block_mask = tree_block_mask(list(c.layout.parents), list(c.layout.lengths), device)
     else:
@@ -393,12 +400,6 @@ def run_flex(c: Case) -> Runner:
 
     flex: Callable[..., Tensor] = flex_attention
     if device.type == "cuda":
-        # A graph per shape and grad mode (the forward runs under no_grad too): past dynamo's
-        # default of 8 the later shapes would run the unfused flex_attention (out of memory at
-        # D = 256).
-        from model_step import allow_recompiles
-
-        allow_recompiles()
         flex = torch.compile(flex_attention, dynamic=False)
     q, k, v = c.leaves(*(t.transpose(0, 1)[None] for t in (c.q, c.k, c.v)))
     dout = c.dout.transpose(0, 1)[None]
