@@ -99,9 +99,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parts = set(args.parts.split(","))
     if not parts or parts - {"attention", "model"}:
         ap.error("--parts: attention and/or model")
-    heads = [tuple(int(x) for x in h.split(",")) for h in args.heads]
-    if any(len(h) != 3 for h in heads):
-        ap.error("--heads takes Hq,Hkv,D")
+    heads: list[tuple[int, int, int]] = []
+    for h in args.heads:
+        parts_h = h.split(",")
+        if len(parts_h) != 3 or not all(x.isdigit() for x in parts_h):
+            ap.error(f"--heads takes Hq,Hkv,D, got {h!r}")
+        heads.append((int(parts_h[0]), int(parts_h[1]), int(parts_h[2])))
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 

@@ -317,7 +317,7 @@ def tree_mask_tensors(
     Segment a is an ancestor of segment s, or s itself, iff pre[a] <= pre[s] < end[a]."""
     n = len(parents)
     children: list[list[int]] = [[] for _ in range(n)]
-    roots = []
+    roots: list[int] = []
     for s, p in enumerate(parents):
         (children[p] if p >= 0 else roots).append(s)
     pre, end, pos0 = [0] * n, [0] * n, [0] * n
