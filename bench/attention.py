@@ -1,15 +1,19 @@
 """Attention benchmark on the GPU: DualKV vs the ways a trainer runs shared-prompt attention today.
 
 For each layout (N responses of R tokens sharing a prompt of P tokens, one group; plain causal
-attention, N = 1 and R = 0, where every method computes the same function; or the realistic
-micro-batch: several groups of different P, N and long-tailed R) it times the forward and
-forward+backward of
-  dualkv      DualKV on the packed layout (P + N*R tokens)
+attention, N = 1 and R = 0, where every method computes the same function; the realistic
+micro-batch: several groups of different P, N and long-tailed R; or a prefix-tree batch of
+bench/trees.py: branching rollouts, an agentic multi-turn batch, a system prompt shared by
+groups) it times the forward and forward+backward of
+  dualkv      DualKV on the packed layout (P + N*R tokens; a tree: every segment once)
   sdpa_cudnn  PyTorch SDPA, cuDNN backend, causal, on the N unshared rows of P + R tokens
-              (several groups: every group's rows, right-padded to the longest row)
+              (several groups: every group's rows, right-padded to the longest row; a tree:
+              every row, a root-to-leaf path or, agentic, each turn's whole prefix)
   sdpa_fa2    PyTorch SDPA, FlashAttention-2 backend, same rows
   sdpa_mem    PyTorch SDPA, memory-efficient backend, same rows (the only one that takes D = 512)
-  flex        FlexAttention on the packed layout with a shared-prefix block mask
+  flex        FlexAttention on the packed layout with a shared-prefix block mask (a tree: the tree
+              mask of trees.tree_mask_mod, pre-order intervals + causal on logical positions, as
+              AReaL-style tree training builds it; create_block_mask compiled)
   cudnn_3pass the 3-pass + lse-merge composition (below) with cuDNN's attention ops
   mem_3pass   the composition with PyTorch's memory-efficient attention ops (D = 512)
   fa4-rows    FlashAttention-4 (flash-attn-4, CuTe DSL; head dims <= 256 on Hopper), causal
@@ -25,8 +29,10 @@ A method whose package is missing, or whose kernels do not take the shape, is sk
 reason printed. Before timing, each method is checked at a small layout (CHECK_LAYOUT) with each
 timed head configuration: output and gradients against the float64 reference of the unshared
 rows, FlashAttention's tolerance rule; a method that fails is not timed.
+Trees are checked at CHECK_TREE instead (the 3-pass composition does not apply to them).
 Reported: the median time (CUDA events) and useful TFLOP/s on the packed layout's FLOP count
-(dualkv.Layout.flops: 4*D*Hq*allowed pairs forward, 2.5x that backward).
+(dualkv.Layout.flops: 4*D*Hq*allowed pairs forward, 2.5x that backward; a tree's too), and for
+each layout its token reduction rho (unshared row tokens / packed tokens).
 
     python bench/attention.py                 # the packed reference shapes, all methods
     python bench/attention.py --shapes packed,plain,d512      # every shape of SHAPE_SETS
@@ -34,6 +40,12 @@ Reported: the median time (CUDA events) and useful TFLOP/s on the packed layout'
     python bench/attention.py --shapes plain --head-dims 64,128 --methods dualkv,fa4-rows
     python bench/attention.py --shape 16,8192,1024,16,8,128   # a shape of your own (Qwen3-1.7B)
     python bench/attention.py --multi 16,8,128                # the realistic micro-batch
+    python bench/attention.py --shapes tree --methods dualkv,flex,fa4-rows,sdpa_cudnn \
+        --out $OUT/trees                  # the three tree batches (32/8/128)
+    python bench/attention.py --shapes tree-d2 --methods dualkv --out $OUT/twins   # their twins
+    python bench/attention.py --summary $OUT/trees/attention.json $OUT/twins/attention.json
+    python bench/attention.py --tree agentic,16,8,128 --methods dualkv,flex   # one tree
+(bench/trees_gpu.sh runs the tree benchmarks in a few device calls.)
 """
 
 from __future__ import annotations
@@ -51,14 +63,15 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from trees import TREES, TreeBatch, forest_rows, tree_block_mask
 
 import dualkv
-from dualkv.reference import unshared_attention
 
 Tensor = torch.Tensor
 
-# (N, P, R, Hq, Hkv, D); N = 0: the realistic micro-batch (`realistic_groups`) with those heads.
-SHAPES = [
+# (N, P, R, Hq, Hkv, D); N = 0: the realistic micro-batch (`realistic_groups`) with those heads;
+# N a name of trees.TREES: that prefix-tree batch with those heads.
+SHAPES: list[tuple] = [
     # DESIGN.md's packed reference shapes
     (16, 8192, 1024, 32, 8, 128),
     (32, 4096, 2048, 32, 8, 128),
@@ -85,10 +98,19 @@ SHAPES = [
     (16, 8192, 1024, 16, 8, 128),
     (64, 4096, 512, 32, 8, 128),
 ]
+# Prefix trees (issue 33; trees.py: "branching", "agentic", "sysprompt") with these heads, as
+# (name, 0, 0, Hq, Hkv, D); and their depth-two twins (TreeBatch.twin: the depth-two layout of
+# comparable size, for the "tree >= 90% of the depth-two kernel's TF/s" comparison).
+TREE_HEADS = (32, 8, 128)
+_FIRST_TREE = len(SHAPES)
+SHAPES += [(name, 0, 0, *TREE_HEADS) for name in TREES]
+SHAPES += [(*TREES[name]().twin(), *TREE_HEADS) for name in TREES]
 SHAPE_SETS = {
     "packed": [0, 1, 2, 3, 4, 5, 19, 20],
     "plain": list(range(6, 17)),
     "d512": [14, 15, 16, 17, 18],
+    "tree": list(range(_FIRST_TREE, _FIRST_TREE + len(TREES))),
+    "tree-d2": list(range(_FIRST_TREE + len(TREES), _FIRST_TREE + 2 * len(TREES))),
 }
 Groups = list[tuple[int, list[int]]]  # (prompt length, response lengths) per group
 
@@ -132,6 +154,15 @@ HEAD_DIMS: dict[str, tuple[int, int, str]] = {
 }
 # (N, P, R) of the correctness check: off every kernel's tile boundaries.
 CHECK_LAYOUT = (3, 200, 72)
+# The tree of the correctness check (tree shapes): two trees, depth 4, segments off the tile
+# boundaries, a one-token segment, rows that end where the tree goes on (per-turn samples).
+CHECK_TREE = TreeBatch(
+    "check",
+    parents=[-1, 0, 1, 1, 3, 0, 5, -1, 7, 7],
+    lengths=[200, 72, 33, 150, 129, 1, 90, 130, 64, 17],
+    rows=[(2, 1), (4, 1), (1, 1), (3, 3), (6, 5), (7, 7), (8, 8), (9, 9)],
+    task=[0, 0, 0, 0, 0, 1, 1, 1],
+)
 
 
 # GPU clock cycles of the spin queued before each timed call with --lead-spin (~1 ms at the
@@ -165,11 +196,12 @@ class Skip(Exception):
 
 
 class Case:
-    """Packed and row-layout inputs of one layout (random): `groups` of (P, [R_1..R_N])."""
+    """Packed and row-layout inputs of one layout (random): `groups` of (P, [R_1..R_N]), or a
+    prefix-tree batch (trees.TreeBatch)."""
 
     def __init__(
         self,
-        groups: Groups,
+        groups: Groups | TreeBatch,
         hq: int,
         hkv: int,
         d: int,
@@ -177,12 +209,21 @@ class Case:
         dtype: torch.dtype = torch.bfloat16,
         seed: int = 0,
     ) -> None:
-        self.groups, self.hq, self.hkv, self.d = groups, hq, hkv, d
-        # one group of equal responses: the shape the single-group methods (3-pass) take
-        (self.p, rs), *rest = groups
-        self.n, self.r = len(rs), rs[0] if rs else 0
-        self.single = not rest and all(x == self.r for x in rs)
-        self.layout = dualkv.Layout([p for p, _ in groups], [r for _, r in groups], device=device)
+        self.hq, self.hkv, self.d = hq, hkv, d
+        if isinstance(groups, TreeBatch):
+            self.groups: Groups | None = None
+            self.tree: TreeBatch | None = groups
+            self.layout = dualkv.Layout.tree(*groups.layout_forest(), device=device)
+            self.single = False
+        else:
+            self.groups, self.tree = groups, None
+            # one group of equal responses: the shape the single-group methods (3-pass) take
+            (self.p, rs), *rest = groups
+            self.n, self.r = len(rs), rs[0] if rs else 0
+            self.single = not rest and all(x == self.r for x in rs)
+            self.layout = dualkv.Layout(
+                [p for p, _ in groups], [r for _, r in groups], device=device
+            )
         T = self.layout.total_tokens
         g = torch.Generator(device=device).manual_seed(seed)
         mk = lambda h: torch.randn(T, h, d, device=device, dtype=dtype, generator=g)  # noqa: E731
@@ -191,31 +232,25 @@ class Case:
         self.scale = 1.0 / math.sqrt(d)
         self.flops_fwd = self.layout.flops(d, hq)
         self.flops_bwd = self.layout.flops(d, hq, backward=True)
-        # The unshared rows [prompt | response] (a group without responses: its prompt alone),
-        # as the packed tokens they hold, and for each packed token the (row, position) its
-        # output is read back from (a prompt token: its first row's copy; every copy computes
-        # the same output).
-        rows: list[Tensor] = []
-        source: list[tuple[int, int]] = []
-        start = 0
-        for p, rs in groups:
-            prompt = torch.arange(start, start + p)
-            start += p
-            for i, r in enumerate(rs or [0]):
-                rows.append(torch.cat([prompt, torch.arange(start, start + r)]))
-                if i == 0:
-                    source += [(len(rows) - 1, j) for j in range(p)]
-                source += [(len(rows) - 1, p + j) for j in range(r)]
-                start += r
+        # The unshared rows: every root-to-leaf path of the layout's segments (for groups:
+        # [prompt | response], a group without responses its prompt alone), as the packed tokens
+        # they hold, and for each packed token the (row, position) its output is read back from:
+        # the first row that holds it (every copy computes the same output).
+        rows = forest_rows(list(self.layout.parents), list(self.layout.lengths))
         lens = [len(x) for x in rows]
         offsets = [0, *itertools.accumulate(lens)]
         length = max(lens)
-        src = torch.tensor(source)
+        row_of = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(lens))
+        col_of = torch.arange(offsets[-1]) - torch.tensor(offsets[:-1])[row_of]
+        flat = torch.cat(rows)
+        first = torch.full((T,), offsets[-1], dtype=torch.int64)
+        first.scatter_reduce_(0, flat, torch.arange(offsets[-1]), reduce="amin")
+        src = torch.stack([row_of[first], col_of[first]], 1)
         # varlen (the rows concatenated): token index, cumulative lengths, source position
-        self.rows_index = torch.cat(rows).to(device)
+        self.rows_index = flat.to(device)
         self.rows_cu = torch.tensor(offsets, dtype=torch.int32, device=device)
         self.rows_max = length
-        self.rows_source = (torch.tensor(offsets)[src[:, 0]] + src[:, 1]).to(device)
+        self.rows_source = first.to(device)
         # padded [rows, L] (SDPA), right-padded with token 0: causal attention never lets a
         # real query see a padded key
         pad = torch.stack([torch.cat([x, x.new_zeros(length - len(x))]) for x in rows])
@@ -332,28 +367,40 @@ def run_varlen_rows(c: Case, attend: Callable[..., Tensor]) -> Runner:
 
 
 def run_flex(c: Case) -> Runner:
+    """FlexAttention on the packed stream: a shared-prefix block mask for groups, the tree mask
+    (trees.tree_mask_mod: ancestor test by pre-order intervals, causal on logical positions) for
+    a tree. Compiled on CUDA; eager on the CPU (FlexAttention's dense reference: forward only)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    pos = c.layout.position_ids
-    # Per token: its group, and its segment (0 for the prompt, i + 1 for response i).
-    group, seg = [], []
-    for gi, (p, rs) in enumerate(c.groups):
-        group += [gi] * (p + sum(rs))
-        seg += [0] * p + [i + 1 for i, r in enumerate(rs) for _ in range(r)]
-    grp, seg_t = (torch.tensor(x, device="cuda") for x in (group, seg))
-
-    def mask_mod(b, h, qi, ki):  # noqa: ANN001, ANN202
-        same = (grp[ki] == grp[qi]) & ((seg_t[ki] == 0) | (seg_t[ki] == seg_t[qi]))
-        return same & (pos[ki] <= pos[qi])
-
-    # A graph per shape and grad mode (the forward runs under no_grad too): past dynamo's default
-    # of 8 the later shapes would run the unfused flex_attention (out of memory at D = 256).
-    from model_step import allow_recompiles
-
-    allow_recompiles()
+    device = c.q.device
     T = c.layout.total_tokens
-    block_mask = create_block_mask(mask_mod, 1, 1, T, T, device="cuda")
-    flex = torch.compile(flex_attention, dynamic=False)
+    if device.type == "cuda":
+        # A graph per shape and grad mode (the forward runs under no_grad too), and per shape of
+        # the compiled tree mask: past dynamo's default of 8 the later shapes would run the
+        # unfused flex_attention (out of memory at D = 256).
+        from model_step import allow_recompiles
+
+        allow_recompiles()
+    if c.groups is None:
+        block_mask = tree_block_mask(list(c.layout.parents), list(c.layout.lengths), device)
+    else:
+        pos = c.layout.position_ids
+        # Per token: its group, and its segment (0 for the prompt, i + 1 for response i).
+        group, seg = [], []
+        for gi, (p, rs) in enumerate(c.groups):
+            group += [gi] * (p + sum(rs))
+            seg += [0] * p + [i + 1 for i, r in enumerate(rs) for _ in range(r)]
+        grp, seg_t = (torch.tensor(x, device=device) for x in (group, seg))
+
+        def mask_mod(b, h, qi, ki):  # noqa: ANN001, ANN202
+            same = (grp[ki] == grp[qi]) & ((seg_t[ki] == 0) | (seg_t[ki] == seg_t[qi]))
+            return same & (pos[ki] <= pos[qi])
+
+        block_mask = create_block_mask(mask_mod, 1, 1, T, T, device=device)
+
+    flex: Callable[..., Tensor] = flex_attention
+    if device.type == "cuda":
+        flex = torch.compile(flex_attention, dynamic=False)
     q, k, v = c.leaves(*(t.transpose(0, 1)[None] for t in (c.q, c.k, c.v)))
     dout = c.dout.transpose(0, 1)[None]
     fwd = lambda: flex(q, k, v, block_mask=block_mask, scale=c.scale, enable_gqa=True)  # noqa: E731
@@ -672,27 +719,46 @@ def max_err(a: Tensor, b: Tensor) -> float:
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
 
+def rows_reference(c: Case, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Plain PyTorch causal attention on each unshared row of `c`, in q's dtype; each packed
+    token's output read from its source row: [T, Hq, D]. Differentiable (the rows are gathered
+    from the packed tensors, so a shared token's dk/dv sum over its rows)."""
+    g = c.hq // c.hkv
+    cu = c.rows_cu.tolist()
+    outs = []
+    for a, b in zip(cu[:-1], cu[1:]):
+        idx = c.rows_index[a:b]
+        kk, vv = (x[idx].repeat_interleave(g, 1) for x in (k, v))
+        s = torch.einsum("qhd,khd->hqk", q[idx], kk) * c.scale
+        future = torch.ones(b - a, b - a, dtype=torch.bool, device=s.device).triu(1)
+        s = s.masked_fill(future, float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), vv))
+    return torch.cat(outs)[c.rows_source]
+
+
 def check_methods(
-    methods: list[str], hq: int, hkv: int, d: int, device: str = "cuda"
+    methods: list[str], hq: int, hkv: int, d: int, device: str = "cuda", tree: bool = False
 ) -> dict[str, str]:
-    """Each method's output and dq/dk/dv at CHECK_LAYOUT with these heads, against the float64
-    reference of the unshared rows (dualkv.reference), by FlashAttention's rule as the package's
-    tests apply it: error <= 2x (output) / 3x (gradients) the error of the plain PyTorch rows in
-    the same precision, plus 1e-4 (gradients: at least 2 ulps of the reference). Prints a line
-    per method; returns {method: "ok" | "FAIL ..." | "skipped: ..." | "error: ..."}."""
+    """Each method's output and dq/dk/dv at CHECK_LAYOUT (`tree`: CHECK_TREE) with these heads,
+    against the float64 reference of the unshared rows (rows_reference), by FlashAttention's rule
+    as the package's tests apply it: error <= 2x (output) / 3x (gradients) the error of the plain
+    PyTorch rows in the same precision, plus 1e-4 (gradients: at least 2 ulps of the reference).
+    Prints a line per method; returns {method: "ok" | "FAIL ..." | "skipped: ..." | "error:
+    ..."}."""
     n, p, r = CHECK_LAYOUT
-    c = Case([(p, [r] * n)], hq, hkv, d, device=device, seed=1)
+    c = Case(CHECK_TREE if tree else [(p, [r] * n)], hq, hkv, d, device=device, seed=1)
 
     def rows(dtype: torch.dtype) -> list[Tensor]:
         q, k, v = (t.detach().to(dtype).requires_grad_() for t in (c.q, c.k, c.v))
-        out, _ = unshared_attention(q, k, v, [p], [[r] * n], c.scale)
+        out = rows_reference(c, q, k, v)
         out.backward(c.dout.to(dtype))
         return [t.detach() for t in (out, *grads_of([q, k, v]))]
 
     exact, plain = rows(torch.float64), rows(c.q.dtype)
     ulps = [0.0] + [2 * max_err(g.to(c.q.dtype) + 0.3 - 0.3, g.to(c.q.dtype)) for g in exact[1:]]
     status: dict[str, str] = {}
-    print(f"check at N={n} P={p} R={r} Hq={hq} Hkv={hkv} D={d} (max error vs float64; "
+    where = f"tree {CHECK_TREE.lengths}" if tree else f"N={n} P={p} R={r}"
+    print(f"check at {where} Hq={hq} Hkv={hkv} D={d} (max error vs float64; "
           "PyTorch rows in the same precision in brackets):", flush=True)  # fmt: skip
     for m in methods:
         try:
@@ -722,6 +788,35 @@ def check_methods(
     return status
 
 
+def tree_summary(rows: list[dict]) -> list[str]:
+    """Issue 33's comparisons from timed rows (attention.json's, any runs together), one line per
+    tree shape timed with dualkv: its fwd+bwd TF/s against DualKV's on the depth-two twin with
+    the same heads (bar: >= 0.90), and its speed-up over FlexAttention with the tree mask and
+    over each rows method (time ratios; bar against Flex: >= 2x), with the token reduction."""
+    timed = {(r["shape"], r["method"]): r for r in rows if "fwd_bwd_ms" in r}
+    out = []
+    for (shape, method), r in timed.items():
+        name = shape.split(" ")[0]
+        if method != "dualkv" or name not in TREES:
+            continue
+        heads = shape[shape.index(" Hq=") :]
+        n, p, rr = TREES[name]().twin()
+        twin = timed.get((f"N={n} P={p} R={rr}{heads}", "dualkv"))
+        parts = [f"{shape}: rho {r.get('rho', float('nan')):.2f}, DualKV "
+                 f"{r['fwd_bwd_tflops']:.0f} TF/s"]  # fmt: skip
+        if twin is not None:
+            ratio = r["fwd_bwd_tflops"] / twin["fwd_bwd_tflops"]
+            parts.append(f"{ratio:.2f} of the depth-two twin's {twin['fwd_bwd_tflops']:.0f} "
+                         f"(bar 0.90: {'met' if ratio >= 0.9 else 'NOT met'})")  # fmt: skip
+        for (s2, m2), o in timed.items():
+            if s2 == shape and m2 != "dualkv":
+                speed = o["fwd_bwd_ms"] / r["fwd_bwd_ms"]
+                bar = f" (bar 2x: {'met' if speed >= 2 else 'NOT met'})" if m2 == "flex" else ""
+                parts.append(f"{speed:.2f}x {m2}{bar}")
+        out.append("; ".join(parts))
+    return out
+
+
 def parse_shapes(args: argparse.Namespace, ap: argparse.ArgumentParser) -> list[tuple]:
     """The shapes to time: --shape / --multi, else --shapes (indices into SHAPES or names of
     SHAPE_SETS), filtered by --head-dims."""
@@ -732,6 +827,11 @@ def parse_shapes(args: argparse.Namespace, ap: argparse.ArgumentParser) -> list[
     if any(len(sh) != 3 for sh in multi):
         ap.error("--multi takes three integers Hq,Hkv,D")
     shapes += [(0, 0, 0, *sh) for sh in multi]
+    for spec in args.tree:
+        name, *heads = spec.split(",")
+        if name not in TREES or len(heads) != 3 or not all(h.isdigit() for h in heads):
+            ap.error(f"--tree takes NAME,Hq,Hkv,D with NAME one of {list(TREES)}, got {spec!r}")
+        shapes.append((name, 0, 0, *(int(h) for h in heads)))
     if not shapes:
         picked: list[int] = []
         for s in args.shapes.split(","):
@@ -773,6 +873,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         help="the realistic micro-batch (realistic_groups) with these heads (repeatable); "
         "replaces --shapes",
     )
+    ap.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="NAME,Hq,Hkv,D",
+        help=f"a prefix-tree batch of bench/trees.py ({', '.join(TREES)}) with these heads "
+        "(repeatable); replaces --shapes",
+    )
     ap.add_argument("--head-dims", help="keep only the shapes of these head dims, e.g. 64,128")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--warmup", type=int, default=3)
@@ -804,7 +912,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         "so that a run under a time limit still ends with its table and JSON",
     )
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
+    ap.add_argument(
+        "--summary",
+        nargs="+",
+        metavar="JSON",
+        help="print the tree comparisons (tree_summary) of these attention.json files and exit",
+    )
     args = ap.parse_args(argv)
+    if args.summary:
+        return args, [], []
     methods = [m for m in args.methods.split(",") if m]
     for m in methods:
         if m not in RUNNERS:
@@ -815,22 +931,59 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 def main() -> None:
     start = time.monotonic()
     args, shapes, methods = parse_args()
+    if args.summary:
+        rows = []
+        for path in args.summary:
+            with open(path) as f:
+                rows += json.load(f)["rows"]
+        print("\n".join(tree_summary(rows)) or "no tree shape timed with dualkv")
+        return
     rows = []
-    checks: dict[tuple[int, int, int], dict[str, str]] = {}
+    # the check per head configuration, at CHECK_LAYOUT and (for tree shapes) at CHECK_TREE
+    checks: dict[tuple[tuple[int, int, int], bool], dict[str, str]] = {}
     if args.check:
-        for heads in dict.fromkeys(sh[3:] for sh in shapes):
-            checks[heads] = check_methods(methods, *heads)
+        for heads, tree in dict.fromkeys((sh[3:], isinstance(sh[0], str)) for sh in shapes):
+            checks[(heads, tree)] = check_methods(methods, *heads, tree=tree)
+    reductions: dict[str, float] = {}
+
+    def save() -> None:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "attention.json"), "w") as f:
+            json.dump(
+                dict(
+                    gpu=torch.cuda.get_device_name(),
+                    torch=torch.__version__,
+                    lead_spin=args.lead_spin,
+                    checks={
+                        ",".join(map(str, heads)) + (",tree" if tree else ""): v
+                        for (heads, tree), v in checks.items()
+                    },
+                    token_reduction=reductions,
+                    rows=rows,
+                ),
+                f,
+                indent=1,
+            )
+
     for i, (n, p, r, hq, hkv, d) in enumerate(shapes):
         if args.budget is not None and time.monotonic() - start > args.budget:
             print(f"--budget {args.budget:.0f} s spent: not run {shapes[i:]}", flush=True)
             break
-        groups = realistic_groups() if n == 0 else [(p, [r] * n)]
-        c = Case(groups, hq, hkv, d)
-        shape = f"N={n} P={p} R={r} Hq={hq} Hkv={hkv} D={d}"
-        if n == 0:
-            shape = f"multi T={c.layout.total_tokens} Hq={hq} Hkv={hkv} D={d}"
-            per_group = [(p, len(rs), sum(rs), max(rs)) for p, rs in groups]
-            print(f"{shape}: (P, N, sum R, max R) per group {per_group}")
+        is_tree = isinstance(n, str)
+        if is_tree:
+            tree = TREES[n]()
+            c = Case(tree, hq, hkv, d)
+            shape = f"{n} T={c.layout.total_tokens} Hq={hq} Hkv={hkv} D={d}"
+            print(f"{tree.describe()}; depth-two twin N,P,R = {','.join(map(str, tree.twin()))}")
+        else:
+            groups = realistic_groups() if n == 0 else [(p, [r] * n)]
+            c = Case(groups, hq, hkv, d)
+            shape = f"N={n} P={p} R={r} Hq={hq} Hkv={hkv} D={d}"
+            if n == 0:
+                shape = f"multi T={c.layout.total_tokens} Hq={hq} Hkv={hkv} D={d}"
+                per_group = [(p, len(rs), sum(rs), max(rs)) for p, rs in groups]
+                print(f"{shape}: (P, N, sum R, max R) per group {per_group}")
+        reductions[shape] = c.layout.token_reduction
         # The methods in turn, every other round in reverse (--rounds): a GPU's clocks follow its
         # recent load, so a method timed right after an idle moment or after a heavy one is not
         # timed like the others; each figure is the median over the rounds.
@@ -839,7 +992,7 @@ def main() -> None:
         diffs: dict[str, float] = {}
         errors: dict[str, str] = {}
         for m in methods:  # failed the check: not timed (a wrong baseline is worse than none)
-            status = checks.get((hq, hkv, d), {}).get(m, "ok")
+            status = checks.get(((hq, hkv, d), is_tree), {}).get(m, "ok")
             if status.startswith("FAIL"):
                 errors[m] = f"not timed: failed the correctness check ({status[5:][:90]})"
         for rnd in range(args.rounds):
@@ -878,24 +1031,14 @@ def main() -> None:
                         fwd_bwd_tflops=(c.flops_fwd + c.flops_bwd) / t_fb / 1e9,
                         max_diff=diffs[m],
                         rounds=len(times[m]),
+                        rho=reductions[shape],
                     )
                 )
             print_row(rows[-1], flush=True)  # as it comes: a run cut short keeps its figures
         del c
         torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "attention.json"), "w") as f:
-        json.dump(
-            dict(
-                gpu=torch.cuda.get_device_name(),
-                torch=torch.__version__,
-                lead_spin=args.lead_spin,
-                checks={",".join(map(str, k)): v for k, v in checks.items()},
-                rows=rows,
-            ),
-            f,
-            indent=1,
-        )
+        save()  # after each shape: a run stopped by a time limit keeps the shapes it timed
+    save()
     timing = "GPU time (--lead-spin)" if args.lead_spin else "host launch latency included"
     print(
         f"\nGPU {torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, {timing}; "
@@ -906,6 +1049,10 @@ def main() -> None:
     print("{:<38} {:<12} {:>8} {:>9} {:>8} {:>9} {:>9}".format(*head))
     for row in rows:
         print_row(row)
+    print("token reduction rho (unshared row tokens / packed tokens): " + ", ".join(
+        f"{shape.split(' Hq')[0]} {rho:.2f}" for shape, rho in reductions.items()))  # fmt: skip
+    for line in tree_summary(rows):
+        print(line)
     try:
         plot(rows, os.path.join(args.out, "attention.png"))
     except ImportError:

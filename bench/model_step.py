@@ -11,6 +11,8 @@ after a P-token prompt), gradient checkpointing on:
 * dualkv         the packed stream with attn_implementation="dualkv" and chunked log-probs;
                  checkpointing keeps the attention outputs (no attention forward in the recompute);
 * dualkv-recompute  as dualkv, but the checkpoint recompute runs the attention forward again;
+* dualkv-depth2  as dualkv, on DualKV's prompt/response packing (rows grouped by identical
+                 prompt): on a tree shape, what DualKV shared before prefix trees;
 * dualkv-sp      as dualkv, through the sequence-parallel code path (dualkv.parallel: sharded
                  batch, Ulysses attention, sharded log-probs, gradient all-reduce) over a process
                  group of size 1 that this script initialises (nccl on CUDA, gloo on CPU): what
@@ -29,6 +31,14 @@ after a P-token prompt), gradient checkpointing on:
                  the path says so and falls back to ``dualkv-rows`` / ``sdpa``. Rows in
                  micro-batches of ``--rows-micro-batch`` with gradient accumulation (token-mean
                  over the whole batch), full-vocabulary logits per micro-batch.
+
+Tree shapes (issue 33; ``--shapes agentic``, ``branching`` or ``sysprompt``: bench/trees.py,
+``--tasks`` trees of the agentic one, default 1: 22 per-turn rows of a 6K context, rho ~ 9): the
+rows in the trainer layout (left-padded prompt, right-padded response; a row's response is its
+last turn / its response), the packed paths on ``dualkv.pack(..., tree=True)`` (``--min-shared``;
+flex with the tree mask of trees.tree_block_mask), ``standard`` and ``verl`` on the ragged rows,
+each row a forward/backward of its own (no padding; SDPA, resp. FA4 where installed), full logits
+of its response, the token-mean loss over the batch. MFU on the tree's useful FLOPs.
 
 Presets: Qwen3 shapes (dualkv.demos.grpo_step.PRESETS) and ``gemma4-31b`` (Gemma-4-31B's text layer
 stack: hidden 5376, 32 query heads, sliding layers head dim 256 with 16 KV heads and window 1024,
@@ -62,6 +72,10 @@ H100/H200 SXM). Every path is credited these same FLOPs, whatever it computes.
         --paths verl,dualkv --rows-micro-batch 1                  # Gemma-4-31B layer stack
     python bench/model_step.py --presets gemma4-tiny --shapes 4,64,16 --paths standard,verl,dualkv \
         --device cpu --warmup 0 --repeats 1 --rows-micro-batch 2  # its CPU smoke run
+    python bench/model_step.py --presets 1.7b --shapes agentic \
+        --paths standard,flex,dualkv,dualkv-depth2                # the agentic tree batch
+    python bench/model_step.py --presets tiny --shapes agentic --tree-scale 0.02 --device cpu \
+        --paths standard,dualkv,dualkv-depth2 --warmup 0 --repeats 1   # its CPU smoke run
     python bench/model_step.py ... --out bench/RESULTS.md        # append the table
     python bench/model_step.py ... --strict                      # exit 1 if a path fails
 
@@ -81,6 +95,7 @@ import traceback
 from typing import Any
 
 import torch
+from trees import TREES, TreeBatch, tree_block_mask
 
 import dualkv
 from dualkv import parallel
@@ -92,7 +107,7 @@ from dualkv.integrations.transformers import (
 )
 from dualkv.logprobs import logprobs_from_logits, response_logprobs
 from dualkv.losses import dapo_loss, group_advantages
-from dualkv.packing import pack_rows
+from dualkv.packing import pack_rows, rows_from_lists
 
 ALL_PATHS = (
     "standard",
@@ -100,6 +115,7 @@ ALL_PATHS = (
     "flex-chunked",
     "dualkv",
     "dualkv-recompute",
+    "dualkv-depth2",
     "dualkv-sp",
     "verl",
 )
@@ -133,6 +149,9 @@ OPTIONS: dict[str, Any] = {
     "sliding_kernel": "dualkv-rows",
     "full_kernel": "sdpa",
     "rows_micro_batch": 0,
+    # set per shape by main(): a tree shape's rows are ragged and packed with tree=True
+    "tree": False,
+    "min_shared": None,  # dualkv.pack's min_shared for trees (None: its default)
 }
 
 
@@ -312,10 +331,58 @@ def make_rows(n: int, p: int, r: int, vocab: int, device: torch.device, seed: in
     return ids, mask, gid, group_advantages(rewards, gid)
 
 
+def make_tree_rows(tree: TreeBatch, vocab: int, device: torch.device, seed: int):
+    """A tree batch's rows in the trainer layout (left-padded prompt of width ``pw``, right-padded
+    response): ``(ids, mask, task, advantages, pw)``; GRPO groups = the tree's tasks."""
+    prompts, responses, task = tree.token_rows(vocab, seed)
+    ids, mask, pw, _ = rows_from_lists(prompts, [[r] for r in responses], device=device)
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.rand(len(task), generator=g).to(device)
+    gid = torch.tensor(task, device=device)
+    return ids, mask, gid, group_advantages(rewards, gid), pw
+
+
+def pack_batch(path: str, ids, mask, gid, p: int) -> dualkv.PackedBatch:
+    """The packed batch of ``path``: a tree shape packed as a prefix tree, except on
+    ``dualkv-depth2`` (rows grouped by identical prompt: DualKV's prompt/response packing)."""
+    if path == "dualkv-depth2":
+        return pack_rows(ids, mask, p)
+    if OPTIONS["tree"]:
+        return dualkv.pack(ids, mask, p, tree=True, min_shared=OPTIONS["min_shared"])
+    return pack_rows(ids, mask, p, gid)
+
+
+def rows_step(model, path: str, ids, mask, adv, p: int, old: torch.Tensor) -> torch.Tensor:
+    """The rows path of a tree shape (ragged rows): each row alone (no padding), full logits of
+    its response, the token-mean loss over the whole batch, a backward per row (gradient
+    accumulation); ``standard`` with HF SDPA, ``verl`` with its kernels (FA4 where installed)."""
+    model.set_attn_implementation("sdpa" if path == "standard" else HYBRID)
+    plen = mask[:, :p].sum(1).tolist()
+    rlen = mask[:, p:].sum(1).tolist()
+    resp_mask = mask[:, p:].bool()
+    n_tok = resp_mask.sum()
+    total = torch.zeros((), device=ids.device)
+    for b, (pb, rb) in enumerate(zip(plen, rlen)):
+        row = ids[b : b + 1, p - pb : p + rb]
+        out = model(input_ids=row, use_cache=False, logits_to_keep=rb + 1)
+        logits = out.logits[:, :-1]  # (a final soft-cap, if any, is in the model's logits)
+        lp = logprobs_from_logits(logits, row[:, pb:])
+        del out, logits
+        loss, _ = dapo_loss(lp, old[b : b + 1, :rb], adv[b : b + 1], resp_mask[b : b + 1, :rb],
+                            num_tokens=n_tok)  # fmt: skip
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
 def flex_block_mask(layout: dualkv.Layout, device: torch.device, window: int | None = None):
     """FlexAttention BlockMask of the shared-prompt layout (same rule as DualKV's, with the
-    sliding window on logical positions when given)."""
+    sliding window on logical positions when given); of a tree layout, the tree mask
+    (trees.tree_block_mask)."""
     from torch.nn.attention.flex_attention import create_block_mask
+
+    if layout.is_tree:
+        return tree_block_mask(list(layout.parents), list(layout.lengths), device, window)
 
     seg, grp = [], []
     s = 0
@@ -384,6 +451,8 @@ def compile_layers(model: torch.nn.Module) -> None:
 def step(model, path: str, ids, mask, gid, adv, p: int, old: torch.Tensor) -> torch.Tensor:
     """One timed step of ``path``; returns the loss."""
     r = ids.shape[1] - p
+    if OPTIONS["tree"] and path in ("standard", "verl"):
+        return rows_step(model, path, ids, mask, adv, p, old)
     if path == "verl":  # the N rows in micro-batches, hybrid attention, full logits
         model.set_attn_implementation(HYBRID)
         resp_mask = mask[:, p:].bool()
@@ -408,7 +477,7 @@ def step(model, path: str, ids, mask, gid, adv, p: int, old: torch.Tensor) -> to
         del out, logits
         resp_mask = mask[:, p:].bool()
     else:
-        packed = pack_rows(ids, mask, p, gid)
+        packed = pack_batch(path, ids, mask, gid, p)
         resp_mask = packed.response_mask
         head = model.get_output_embeddings().weight
         if path == "dualkv-sp":
@@ -471,7 +540,9 @@ def init_group_of_one(device: torch.device) -> None:
 def checkpointing_for(model, path: str) -> None:
     """Gradient checkpointing as each path runs it: DualKV keeps its attention outputs (the
     selective policy would only add its per-op dispatch cost to the other paths)."""
-    enable_gradient_checkpointing(model, keep_attention=path in ("dualkv", "dualkv-sp"))
+    enable_gradient_checkpointing(
+        model, keep_attention=path in ("dualkv", "dualkv-depth2", "dualkv-sp")
+    )
 
 
 def profiled_step(model, path, ids, mask, gid, adv, p, old):  # noqa: ANN201
@@ -539,7 +610,14 @@ def main(argv: list[str] | None = None) -> int:
         default="1.7b,4b",
         help="Qwen3 shapes (dualkv.demos.grpo_step.PRESETS) or gemma4-31b, gemma4-tiny",
     )
-    ap.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="N,P,R triples")
+    ap.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES),
+                    help=f"N,P,R triples or tree batches ({', '.join(TREES)})")  # fmt: skip
+    ap.add_argument("--tasks", type=int, default=1,
+                    help="trees (tasks) of the agentic tree shape")  # fmt: skip
+    ap.add_argument("--tree-scale", type=float, default=1.0,
+                    help="scale every length of a tree shape (smoke runs)")  # fmt: skip
+    ap.add_argument("--min-shared", type=int, default=None,
+                    help="dualkv.pack's min_shared for tree shapes (default: its own)")  # fmt: skip
     ap.add_argument("--paths", default="standard,flex,dualkv", help=f"subset of {ALL_PATHS}")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
@@ -571,7 +649,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.preset_tiny_cpu:
         args.presets, args.shapes, args.device = "tiny", ["4,64,16"], "cpu"
         args.paths, args.warmup, args.repeats = "standard,dualkv", 0, 1
-    OPTIONS.update(rows_micro_batch=args.rows_micro_batch)
+    OPTIONS.update(rows_micro_batch=args.rows_micro_batch, min_shared=args.min_shared)
+    for shape in args.shapes:
+        if shape not in TREES and len(shape.split(",")) != 3:
+            ap.error(f"--shapes: {shape!r} is neither N,P,R nor one of {list(TREES)}")
     register_hybrid()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -584,7 +665,8 @@ def main(argv: list[str] | None = None) -> int:
         init_group_of_one(device)
     rows: list[dict[str, Any]] = []
     base = "verl" if "verl" in paths and "standard" not in paths else "standard"
-    header = (f"| model | N, P, R | rho | path | step time | peak memory | MFU | vs {base} |\n"
+    header = (f"| model | N, P, R (or tree) | rho | path | step time | peak memory | MFU | "
+              f"vs {base} |\n"
               "|---|---|---|---|---|---|---|---|")  # fmt: skip
     print(header, flush=True)
     for preset in args.presets.split(","):
@@ -598,13 +680,28 @@ def main(argv: list[str] | None = None) -> int:
         if args.compile:
             compile_layers(model)
         for shape in args.shapes:
-            n, p, r = (int(x) for x in shape.split(","))
-            ids, mask, gid, adv = make_rows(
-                n, p, r, model.config.vocab_size, device, seed=n + p + r
-            )
-            layout = dualkv.Layout([p], [[r] * n])
-            flops = useful_flops(model, layout, n * r)
-            old = torch.zeros(n, r, device=device)  # on-policy-ish: ratio = exp(logp)
+            OPTIONS["tree"] = shape in TREES
+            if OPTIONS["tree"]:
+                extra = {"tasks": args.tasks} if shape == "agentic" else {}
+                tree = TREES[shape](scale=args.tree_scale, **extra)
+                ids, mask, gid, adv, p = make_tree_rows(
+                    tree, model.config.vocab_size, device, seed=len(tree.rows)
+                )
+                layout = pack_batch("dualkv", ids, mask, gid, p).layout
+                resp_tokens = int(mask[:, p:].sum())
+                rho = int(mask.sum()) / layout.total_tokens  # rows that end inside a tree count
+                what = f"{shape}, {len(tree.rows)} rows, T {layout.total_tokens}"
+                print(f"{tree.describe()}; packed by dualkv.pack(tree=True): {what}", flush=True)
+            else:
+                n, p, r = (int(x) for x in shape.split(","))
+                ids, mask, gid, adv = make_rows(
+                    n, p, r, model.config.vocab_size, device, seed=n + p + r
+                )
+                layout = dualkv.Layout([p], [[r] * n])
+                resp_tokens, rho, what = n * r, layout.token_reduction, f"{n}, {p}, {r}"
+            flops = useful_flops(model, layout, resp_tokens)
+            # on-policy-ish: ratio = exp(logp)
+            old = torch.zeros(ids.shape[0], ids.shape[1] - p, device=device)
             # --rounds: the paths take turns (round 1: each path, round 2: each path, ...), so
             # that a drift of the GPU's clocks over the run reaches every path alike; each path's
             # time is the median of all its rounds' steps.
@@ -662,7 +759,7 @@ def main(argv: list[str] | None = None) -> int:
                     mb = args.rows_micro_batch
                     label += f" [{OPTIONS['sliding_kernel']} sliding, {OPTIONS['full_kernel']} full"
                     label += f", micro-batch {mb}]" if mb else "]"
-                line = (f"| {name} | {n}, {p}, {r} | {layout.token_reduction:.2f} | "
+                line = (f"| {name} | {what} | {rho:.2f} | "
                         f"{label} | " + " | ".join(cells) + " |")  # fmt: skip
                 print(line, flush=True)
                 rows.append({"line": line, **res})

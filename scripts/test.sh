@@ -2,7 +2,8 @@
 # Runs every test on a fresh machine: installs what is missing, checks style and types
 # (scripts/lint.sh), builds the C++ core and its ctest suite, compiles a representative subset
 # of the CUDA kernels when nvcc is present (no GPU needed), installs the package and runs pytest
-# (GPU tests are skipped, with a reason, without a GPU), then tests/python/test_verl.py in veRL
+# (GPU tests are skipped, with a reason, without a GPU), then tests/python/test_verl.py (and
+# test_bench_verl_update.py, whose veRL batch tests need it) in veRL
 # 0.9.1's own environment (scripts/setup_verl_env.sh: build/venv-verl, ~3.5 min when new).
 # Usage: bash scripts/test.sh [extra pytest args]
 set -euo pipefail
@@ -28,4 +29,5 @@ python3 -m pytest tests/python -ra -q "$@"
 
 echo "== veRL engine: tests/python/test_verl.py in veRL's own environment (setup_verl_env.sh) =="
 VERL_PY="$(bash scripts/setup_verl_env.sh)"
-"$VERL_PY" -m pytest tests/python/test_verl.py -ra -q -p no:cacheprovider
+"$VERL_PY" -m pytest tests/python/test_verl.py tests/python/test_bench_verl_update.py -ra -q \
+  -p no:cacheprovider
