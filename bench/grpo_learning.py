@@ -9,9 +9,11 @@ exact-match rate is logged beside it (a reward function of weight 0). With ``num
 completions per prompt, the prompt dominates the tokens of a group: rho is large.
 
 1. A tiny Qwen3-shaped model (random init from a config, a word-level tokenizer of its own: no hub
-   access) is fitted by a plain supervised loop on the task's format until its *sampled* exact-match
-   rate (temperature 1) reaches ``--warmup-target``: above zero, far from perfect, so GRPO's
-   group advantages are not all zero.
+   access) is fitted by a plain supervised loop on the task's format (prompt lengths drawn up to
+   ``--prompt-len``) until its *sampled* exact-match rate (temperature 1) on full-length prompts
+   reaches ``--warmup-target``: above zero, far from perfect, so GRPO's group advantages are not
+   all zero. (The sums are learnt in a sudden drop of the loss after a long plateau; the target
+   stops the warm-up early in that drop.)
 2. GRPO runs for ``--steps`` steps twice from that model, with the same seed and data: TRL's
    ``GRPOTrainer`` (SDPA on the padded rows) and ``DualKVGRPOTrainer`` (packed prompt groups).
    Generation is transformers' ``model.generate`` with SDPA in both, so the first step's
@@ -55,25 +57,27 @@ FILLER = (
 VOCAB = [PAD, EOS, UNK, *DIGITS, "+", "=", QUESTION, *FILLER]
 
 # Each preset fills the options left unset. "toy": the CPU test (seconds); "cpu": a CPU learning
-# check (tens of minutes); "gpu": one H200, both trainers in a few minutes.
+# check (~5 min on 2 free cores); "gpu": one H200, a few minutes. GRPO's learning rate is a tenth
+# of the warm-up's, ramped up over 10 steps (--lr-warmup): on the cpu preset a third of it made
+# the reward fall (2 seeds of 2), so did a tenth without the ramp (1 of 2).
 PRESETS: dict[str, dict[str, Any]] = {
     "toy": dict(
         hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16, intermediate=64, digits=2,
-        prompt_len=40, warmup_steps=10, warmup_batch=8, warmup_lr=3e-3, warmup_target=1.0,
-        warmup_eval_every=10, eval_prompts=4, steps=3, prompts_per_step=2, num_generations=4,
+        prompt_len=40, warmup_steps=30, warmup_batch=16, warmup_lr=2e-2, warmup_target=1.0,
+        warmup_eval_every=30, eval_prompts=4, steps=3, prompts_per_step=2, num_generations=8,
         grad_accum=2, lr=1e-3, dtype="float32",
     ),
     "cpu": dict(
         hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, intermediate=384, digits=2,
         prompt_len=24, warmup_steps=3000, warmup_batch=64, warmup_lr=3e-3, warmup_target=0.25,
-        warmup_eval_every=100, eval_prompts=128, steps=100, prompts_per_step=4,
+        warmup_eval_every=50, eval_prompts=128, steps=100, prompts_per_step=4,
         num_generations=8, grad_accum=2, lr=3e-4, dtype="float32",
     ),
     "gpu": dict(
         hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64, intermediate=1536, digits=2,
-        prompt_len=2048, warmup_steps=2000, warmup_batch=32, warmup_lr=1e-3, warmup_target=0.25,
-        warmup_eval_every=100, eval_prompts=64, steps=100, prompts_per_step=4,
-        num_generations=16, grad_accum=2, lr=3e-4, dtype="bfloat16",
+        prompt_len=2048, warmup_steps=3000, warmup_batch=32, warmup_lr=1e-3, warmup_target=0.25,
+        warmup_eval_every=25, eval_prompts=64, steps=100, prompts_per_step=4,
+        num_generations=16, grad_accum=2, lr=1e-4, dtype="bfloat16",
     ),
 }  # fmt: skip
 
@@ -106,6 +110,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--num-generations", type=int, default=None)
     g.add_argument("--grad-accum", type=int, default=None, help="micro-batches per step")
     g.add_argument("--lr", type=float, default=None)
+    g.add_argument("--lr-warmup", type=int, default=10, help="steps of linear learning-rate ramp")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="bfloat16: fp32 weights, bf16 autocast (TRL's bf16=True)")  # fmt: skip
     args = p.parse_args(argv)
@@ -210,6 +215,7 @@ def warm_up(model: Any, tok: Any, args: argparse.Namespace, out: Any) -> dict[st
     examples = [make_example(rng, args.digits, args.prompt_len) for _ in range(args.eval_prompts)]
     model.to(args.device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.warmup_lr, weight_decay=0.0)
+    ramp = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 50))
     log: list[dict[str, float]] = []
     t0 = time.perf_counter()
     step = 0
@@ -231,8 +237,8 @@ def warm_up(model: Any, tok: Any, args: argparse.Namespace, out: Any) -> dict[st
         with autocast(args):
             loss = model(input_ids=ids.to(args.device), labels=labels.to(args.device)).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        ramp.step()
         opt.zero_grad(set_to_none=True)
         if step % args.warmup_eval_every == 0 or step == args.warmup_steps:
             digits, exact = sampled_rewards(model, tok, examples, args)
@@ -286,9 +292,9 @@ def run_trainer(mode: str, args: argparse.Namespace, model_dir: str, data: Any) 
         per_device_train_batch_size=rows // args.grad_accum,
         gradient_accumulation_steps=args.grad_accum, num_generations=args.num_generations,
         max_completion_length=completion_len(args.digits), max_steps=args.steps,
-        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, beta=0.0,
-        loss_type="dapo", temperature=1.0, top_k=0, top_p=1.0,
-        reward_weights=[1.0, 0.0], report_to=[], logging_steps=1, save_strategy="no",
+        learning_rate=args.lr, lr_scheduler_type="constant_with_warmup",
+        warmup_steps=args.lr_warmup, beta=0.0, loss_type="dapo", temperature=1.0, top_k=0,
+        top_p=1.0, reward_weights=[1.0, 0.0], report_to=[], logging_steps=1, save_strategy="no",
         use_cpu=args.device == "cpu", bf16=args.dtype == "bfloat16", seed=args.seed,
         model_init_kwargs={"attn_implementation": "sdpa", "dtype": torch.float32},
         shuffle_dataset=False, dataloader_num_workers=0, disable_tqdm=True,
@@ -360,24 +366,27 @@ def plot(result: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"trl": "tab:blue", "dualkv": "tab:orange"}
+    # TRL wide and solid, DualKV narrow and dashed on top: where the curves agree both show
+    style = {"trl": dict(color="tab:blue", lw=3.0), "dualkv": dict(color="tab:orange", lw=1.5)}
     names = {"trl": "TRL GRPOTrainer (SDPA rows)", "dualkv": "DualKVGRPOTrainer (packed)"}
     fig, (ax_r, ax_t) = plt.subplots(1, 2, figsize=(12, 4.2))
     for mode, logs in result["runs"].items():
         steps = [s["step"] for s in logs]
         rewards = [s["reward"] for s in logs]
         smooth = [statistics.fmean(rewards[max(0, i - 9) : i + 1]) for i in range(len(rewards))]
-        ax_r.plot(steps, rewards, color=colors[mode], alpha=0.25, lw=0.8)
-        ax_r.plot(steps, smooth, color=colors[mode], lw=2, label=f"{names[mode]} (10-step mean)")
-        ax_t.plot(steps, [s["step_time"] for s in logs], color=colors[mode], lw=1.5,
-                  label=f"{names[mode]}: step")  # fmt: skip
-        ax_t.plot(steps, [s["step_time"] - s["gen_time"] for s in logs], color=colors[mode],
-                  lw=1.5, ls="--", label=f"{names[mode]}: step - generation")  # fmt: skip
+        dash = "--" if mode == "dualkv" else "-"
+        ax_r.plot(steps, rewards, color=style[mode]["color"], alpha=0.3, lw=0.8)
+        ax_r.plot(steps, smooth, ls=dash, label=f"{names[mode]}, 10-step mean", **style[mode])
+        ax_t.plot(steps, [s["step_time"] for s in logs], ls=dash, label=f"{names[mode]}: step",
+                  **style[mode])  # fmt: skip
+        ax_t.plot(steps, [s["step_time"] - s["gen_time"] for s in logs], ls=":", alpha=0.8,
+                  color=style[mode]["color"], lw=1.5,
+                  label=f"{names[mode]}: step minus generation")  # fmt: skip
     a = result["args"]
     ax_r.set(xlabel="GRPO step", ylabel="reward (digit credit)", ylim=(0, 1.02),
              title=f"reward, {a['prompts_per_step']} prompts x {a['num_generations']} "
              f"completions per step")  # fmt: skip
-    ax_t.set(xlabel="GRPO step", ylabel="seconds", yscale="log",
+    ax_t.set(xlabel="GRPO step", ylabel="seconds", ylim=(0, None),
              title=f"step time ({result['device']}, prompt {a['prompt_len']} tokens)")  # fmt: skip
     for ax in (ax_r, ax_t):
         ax.grid(alpha=0.3)

@@ -52,7 +52,7 @@ def test_toy_run_both_trainers(tmp_path, seed):
     text = out.getvalue()
 
     warm = result["warmup"]["log"]
-    assert result["warmup"]["steps"] == 10 and warm[0]["step"] == 1 and warm[-1]["step"] == 10
+    assert result["warmup"]["steps"] == 30 and warm[0]["step"] == 1 and warm[-1]["step"] == 30
     assert warm[-1]["loss"] < warm[0]["loss"]  # the supervised steps fit the answers
     assert 0.0 <= warm[-1]["reward"] <= 1.0
 
@@ -65,16 +65,20 @@ def test_toy_run_both_trainers(tmp_path, seed):
             assert math.isfinite(s["loss"]) and math.isfinite(s["grad_norm"]), (mode, s)
             assert s["step_time"] > s["gen_time"] > 0, (mode, s)
             assert 1.0 <= s["completion_len"] <= grpo_learning.completion_len(2), (mode, s)
-        if mode == "dualkv":  # 4 completions of <= 4 tokens share each 40-token prompt
-            assert all(s["token_reduction"] > 2.5 for s in logs), logs
+        if mode == "dualkv":  # 8 completions of <= 4 tokens share each 40-token prompt
+            assert all(s["token_reduction"] > 4.5 for s in logs), logs
         else:
             assert all(s["token_reduction"] is None for s in logs), logs
-    trl, dk = runs["trl"][0], runs["dualkv"][0]
-    # same weights, data and seed in float32: the same completions at step 1
-    for key in ("reward", "exact", "completion_len"):
-        assert dk[key] == trl[key], key
-    assert dk["loss"] == pytest.approx(trl["loss"], rel=1e-4, abs=1e-6)
-    assert dk["grad_norm"] == pytest.approx(trl["grad_norm"], rel=1e-4, abs=1e-7)
+    # Same weights, data and seed in float32: the same completions at step 1, so the same rewards
+    # and (TRL's rows against DualKV's packed groups) the same loss and gradient. The parameters
+    # then differ by float32 rounding only, too little to change a sampled token in 3 steps.
+    # (A draw where every completion of a step scores alike has no gradient to compare: rare at
+    # this warm-up, ~0.1 reward per completion.)
+    for trl, dk in zip(runs["trl"], runs["dualkv"], strict=True):
+        for key in ("reward", "exact", "completion_len"):
+            assert dk[key] == trl[key], (key, trl, dk)
+        assert dk["loss"] == pytest.approx(trl["loss"], rel=1e-4, abs=1e-6), (trl, dk)
+        assert dk["grad_norm"] == pytest.approx(trl["grad_norm"], rel=1e-4, abs=1e-7), (trl, dk)
     summary = result["summary"]
     assert summary["step1_reward_diff"] == 0.0
     assert summary["trl"]["reward_first10"] == pytest.approx(
