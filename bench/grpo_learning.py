@@ -17,13 +17,20 @@ completions per prompt, the prompt dominates the tokens of a group: rho is large
 2. GRPO runs for ``--steps`` steps twice from that model, with the same seed and data: TRL's
    ``GRPOTrainer`` (SDPA on the padded rows) and ``DualKVGRPOTrainer`` (packed prompt groups).
    Generation is transformers' ``model.generate`` with SDPA in both, so the first step's
-   completions, and hence its rewards, are the same; afterwards the runs drift apart by rounding.
-3. Per step: mean reward, exact-match rate, loss, step time and its generation part. Written to
-   ``--out``: ``grpo_learning.json`` (both curves and the settings) and ``grpo_learning.png``
-   (reward and step time per step, both trainers; needs matplotlib, else ``--plot JSON`` later).
+   completions, and hence its rewards, are the same; afterwards the runs drift apart by rounding
+   (in float32 they stay equal for many steps; in bf16 they part sooner, and the reward curves
+   then agree within their sampling noise).
+3. Per step: mean reward, exact-match rate, loss, gradient norm, step time and its generation
+   part (the rest is the trainer's log-prob passes, loss, backward and optimizer step; DualKV
+   changes only that part). Written to ``--out``: ``grpo_learning.json`` (both curves and the
+   settings) and ``grpo_learning.png`` (reward and step time per step, both trainers; needs
+   matplotlib, else ``--plot JSON`` later). The summary printed last: reward over the first and
+   last 10 steps, median step / generation / rest times, the last-20-step reward gap against its
+   standard error, and DualKV's speed-up of the step and of the rest.
 
     python bench/grpo_learning.py --preset toy --out /tmp/grpo-toy        # CPU, seconds
-    python bench/grpo_learning.py --preset gpu --out .out/grpo-learning   # one H200, ~5 min
+    python bench/grpo_learning.py --preset cpu --out /tmp/grpo-cpu        # CPU, ~5 min
+    python bench/grpo_learning.py --preset gpu --out .out/grpo-learning   # one H200
 
 On the GPU machine trl and datasets are carried as wheels (``.whl/trl``: see bench/trl_grpo.py's
 docstring; ``scripts/gpu_check.sh learn`` installs them and runs the gpu preset).
