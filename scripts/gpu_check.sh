@@ -2,7 +2,7 @@
 # The GPU machine's job, one call: build the package (CUDA library included) against the
 # machine's torch, run the GPU tests on each kernel path, the standalone CUDA tests and
 # sanitizers, then the benchmarks.
-# Logs and results go to $OUT. Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|model|trl|learn|multigpu]...
+# Logs and results go to $OUT. Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|model|trl|multigpu]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-.out/gpu}"
@@ -83,8 +83,9 @@ for step in "${steps[@]}"; do
       --json "$OUT/trl_grpo.json" 2>&1 | grep -v "^{" | tee "$OUT/trl_grpo.log" | tail -20 || status=1
     ;;
   learn)
-    # A GRPO run that learns (bench/grpo_learning.py --preset gpu): supervised warm-up, then
-    # 100 GRPO steps with TRL's trainer and with DualKV's; JSON and plot to $OUT/grpo_learning.
+    # `gpu_check.sh learn`: a GRPO run that learns (bench/grpo_learning.py --preset gpu): a
+    # supervised warm-up, then 100 GRPO steps with TRL's trainer and with DualKV's; JSON and plot
+    # to $OUT/grpo_learning (LEARN_ARGS: extra options, e.g. "--lr 3e-4").
     echo "== GRPO learning run: TRL GRPOTrainer and DualKVGRPOTrainer =="
     trl_stack || status=1
     python3 bench/grpo_learning.py --preset gpu ${LEARN_ARGS:-} --out "$OUT/grpo_learning" 2>&1 |
