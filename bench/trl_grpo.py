@@ -124,7 +124,7 @@ class StepLog:
     peak_gib: float | None = None  # the run's peak GPU memory (whole run: generation included)
 
 
-def timing_subclass(base: type) -> type:
+def timing_subclass(base: type) -> tuple[type, type]:
     """``base`` with wall-clock timing of generation and of each optimizer step."""
     from transformers import TrainerCallback
 

@@ -12,6 +12,20 @@ steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(build test compiled sanitize bench)
 export PYTHONUNBUFFERED=1
 status=0
+
+# trl, datasets, dill, multiprocess are not on the GPU image: their cp312 wheels are carried in
+# .whl/trl (and pyarrow>=24 / fsspec<=2026.9.0 if the image's are outside datasets' range; the
+# versions are printed). bench/trl_grpo.py's docstring has the pip download command.
+trl_stack() {
+  if ls .whl/trl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site-trl .whl/trl/*.whl && export PYTHONPATH="/tmp/site-trl:${PYTHONPATH:-}"
+  fi
+  python3 -c "import pyarrow, fsspec, pandas, accelerate, datasets, trl; print('trl', trl.__version__, \
+    'datasets', datasets.__version__, 'pyarrow', pyarrow.__version__, 'fsspec', fsspec.__version__, \
+    'accelerate', accelerate.__version__)"
+}
+
 for step in "${steps[@]}"; do
   case "$step" in
   build)
@@ -72,22 +86,22 @@ for step in "${steps[@]}"; do
       tee "$OUT/model_step.log" | tail -20
     ;;
   trl)
-    # TRL GRPO with and without DualKV (issue 15). trl, datasets, dill, multiprocess are not on
-    # the GPU image: carry their cp312 wheels in .whl/trl (and pyarrow>=24 / fsspec<=2026.9.0
-    # if the image's are outside datasets' range; the step prints them). bench/trl_grpo.py's
-    # docstring has the pip download command.
+    # TRL GRPO with and without DualKV (issue 15); the trainer stack from .whl/trl (trl_stack)
     echo "== TRL GRPOTrainer run, with and without DualKV =="
-    if ls .whl/trl/*.whl >/dev/null 2>&1; then
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site-trl .whl/trl/*.whl && export PYTHONPATH="/tmp/site-trl:${PYTHONPATH:-}"
-    fi
-    python3 -c "import pyarrow, fsspec, pandas, accelerate, datasets, trl; print('trl', trl.__version__, \
-      'datasets', datasets.__version__, 'pyarrow', pyarrow.__version__, 'fsspec', fsspec.__version__, \
-      'accelerate', accelerate.__version__)" || status=1
+    trl_stack || status=1
     python3 bench/trl_grpo.py --device cuda ${TRL_ARGS:---model-preset qwen3-0.6b \
       --dtype bfloat16 --steps 5 --prompts-per-step 2 --num-generations 16 --prompt-len 2048 \
       --max-completion-length 128 --grad-accum 2 --lr 1e-5 --gradient-checkpointing} \
       --json "$OUT/trl_grpo.json" 2>&1 | grep -v "^{" | tee "$OUT/trl_grpo.log" | tail -20 || status=1
+    ;;
+  learn)
+    # `gpu_check.sh learn`: a GRPO run that learns (bench/grpo_learning.py --preset gpu): a
+    # supervised warm-up, then 100 GRPO steps with TRL's trainer and with DualKV's; JSON and plot
+    # to $OUT/grpo_learning (LEARN_ARGS: extra options, e.g. "--lr 3e-4").
+    echo "== GRPO learning run: TRL GRPOTrainer and DualKVGRPOTrainer =="
+    trl_stack || status=1
+    python3 bench/grpo_learning.py --preset gpu ${LEARN_ARGS:-} --out "$OUT/grpo_learning" 2>&1 |
+      tee "$OUT/grpo_learning.log" | tail -40 || status=1
     ;;
   multigpu)
     # issue 18 (bench/multi_gpu.py): exactness, per-layer all-to-alls, the Qwen3-8B-shaped and

@@ -18,3 +18,5 @@ python3 -m pip install -q "scikit-build-core>=0.10" pytest numpy "transformers==
 # TRL integration tests (tests/python/test_trl.py): trl 1.16.0 and its trainer stack; pip's
 # resolution keeps the torch and transformers above (checked with --dry-run).
 python3 -m pip install -q "trl==1.16.0" "accelerate==1.15.0" "datasets==5.2.0"
+# The GRPO learning run's plot (tests/python/test_grpo_learning.py)
+python3 -m pip install -q "matplotlib==3.11.2"
