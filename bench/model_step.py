@@ -11,24 +11,36 @@ after a P-token prompt), gradient checkpointing on:
 * dualkv         the packed stream with attn_implementation="dualkv" and chunked log-probs;
                  checkpointing keeps the attention outputs (no attention forward in the recompute);
 * dualkv-recompute  as dualkv, but the checkpoint recompute runs the attention forward again;
+* dualkv-depth2  as dualkv, on DualKV's prompt/response packing (rows grouped by identical
+                 prompt): on a tree shape, what DualKV shared before prefix trees;
 * dualkv-sp      as dualkv, through the sequence-parallel code path (dualkv.parallel: sharded
                  batch, Ulysses attention, sharded log-probs, gradient all-reduce) over a process
                  group of size 1 that this script initialises (nccl on CUDA, gloo on CPU): what
                  the SP path costs when it does not split anything;
 * verl           (for hybrid sliding/global models such as Gemma 4) what veRL PR #7131 does: the
-                 N rows, HF SDPA on the global (full-attention) layers -- at head dim 512 PyTorch
-                 takes its memory-efficient kernel, K/V expanded as HF's sdpa does -- and the
-                 fastest windowed kernel at hand on the sliding layers (``--sliding-kernel``:
-                 ``dualkv-rows`` (default) runs DualKV's kernel on the rows as plain causal
-                 varlen attention with the window, each row its own group with no shared prompt:
-                 a FlashAttention-class windowed kernel standing in for FA2, which is not installed
-                 on the GPU machine; ``flex`` FlexAttention with a causal sliding-window BlockMask;
-                 ``sdpa`` SDPA with an explicit [L, L] window mask, which no flash/cuDNN backend
-                 of SDPA takes, so it runs dense); rows in micro-batches of ``--rows-micro-batch``
-                 with gradient accumulation (token-mean over the whole batch), full-vocabulary
-                 logits per micro-batch.
+                 N rows, with the strongest kernels its user has. On the global (full-attention)
+                 layers ``--full-kernel``: ``best`` (default) ffpa-attn's CuTe DSL kernels at head
+                 dims above 256 (Gemma 4's 512), FA4 (flash-attn-4) at 256 and below; ``sdpa`` HF
+                 SDPA (at head dim 512 PyTorch takes its memory-efficient kernel, K/V expanded as
+                 HF's sdpa does). On the sliding layers ``--sliding-kernel``: ``fa4`` (default)
+                 FA4 with its window; ``dualkv-rows`` DualKV's kernel on the rows as plain causal
+                 varlen attention with the window, each row its own group with no shared prompt;
+                 ``flex`` FlexAttention with a causal sliding-window BlockMask; ``sdpa`` SDPA with
+                 an explicit [L, L] window mask, which no flash/cuDNN backend of SDPA takes, so it
+                 runs dense. Where FA4 or ffpa-attn is not installed (or the device is not CUDA)
+                 the path says so and falls back to ``dualkv-rows`` / ``sdpa``. Rows in
+                 micro-batches of ``--rows-micro-batch`` with gradient accumulation (token-mean
+                 over the whole batch), full-vocabulary logits per micro-batch.
 
-Presets: Qwen3 shapes (dualkv.grpo_demo.PRESETS) and ``gemma4-31b`` (Gemma-4-31B's text layer
+Tree shapes (issue 33; ``--shapes agentic``, ``branching`` or ``sysprompt``: bench/trees.py,
+``--tasks`` trees of the agentic one, default 1: 22 per-turn rows of a 6K context, rho ~ 9): the
+rows in the trainer layout (left-padded prompt, right-padded response; a row's response is its
+last turn / its response), the packed paths on ``dualkv.pack(..., tree=True)`` (``--min-shared``;
+flex with the tree mask of trees.tree_block_mask), ``standard`` and ``verl`` on the ragged rows,
+each row a forward/backward of its own (no padding; SDPA, resp. FA4 where installed), full logits
+of its response, the token-mean loss over the batch. MFU on the tree's useful FLOPs.
+
+Presets: Qwen3 shapes (dualkv.demos.grpo_step.PRESETS) and ``gemma4-31b`` (Gemma-4-31B's text layer
 stack: hidden 5376, 32 query heads, sliding layers head dim 256 with 16 KV heads and window 1024,
 full layers head dim 512 with 4 KV heads and attention_k_eq_v, proportional partial RoPE, 5
 sliding : 1 full, final logit softcap 30, vocab 262144; ``--layers`` sets the depth, default 6,
@@ -60,9 +72,15 @@ H100/H200 SXM). Every path is credited these same FLOPs, whatever it computes.
         --paths verl,dualkv --rows-micro-batch 1                  # Gemma-4-31B layer stack
     python bench/model_step.py --presets gemma4-tiny --shapes 4,64,16 --paths standard,verl,dualkv \
         --device cpu --warmup 0 --repeats 1 --rows-micro-batch 2  # its CPU smoke run
+    python bench/model_step.py --presets 1.7b --shapes agentic \
+        --paths standard,flex,dualkv,dualkv-depth2                # the agentic tree batch
+    python bench/model_step.py --presets tiny --shapes agentic --tree-scale 0.02 --device cpu \
+        --paths standard,dualkv,dualkv-depth2 --warmup 0 --repeats 1   # its CPU smoke run
     python bench/model_step.py ... --out bench/RESULTS.md        # append the table
+    python bench/model_step.py ... --strict                      # exit 1 if a path fails
 
-OOM in a path is reported as such and the other paths go on.
+OOM in a path is reported as such and the other paths go on (with --strict the run then exits
+with status 1).
 """
 
 from __future__ import annotations
@@ -77,14 +95,19 @@ import traceback
 from typing import Any
 
 import torch
+from trees import TREES, TreeBatch, tree_block_mask
 
 import dualkv
 from dualkv import parallel
-from dualkv.grpo_demo import build_model
-from dualkv.integrations.transformers import enable_gradient_checkpointing, packed_hidden_states
+from dualkv.demos.grpo_step import build_model
+from dualkv.integrations.transformers import (
+    enable_gradient_checkpointing,
+    packed_hidden_states,
+    sequence_parallel_logprobs,
+)
 from dualkv.logprobs import logprobs_from_logits, response_logprobs
 from dualkv.losses import dapo_loss, group_advantages
-from dualkv.packing import pack_rows
+from dualkv.packing import pack_rows, rows_from_lists
 
 ALL_PATHS = (
     "standard",
@@ -92,10 +115,14 @@ ALL_PATHS = (
     "flex-chunked",
     "dualkv",
     "dualkv-recompute",
+    "dualkv-depth2",
     "dualkv-sp",
     "verl",
 )
-SLIDING_KERNELS = ("dualkv-rows", "flex", "sdpa")
+SLIDING_KERNELS = ("fa4", "dualkv-rows", "flex", "sdpa")
+FULL_KERNELS = ("best", "sdpa")
+# the packages behind the verl path's FA4 and ffpa-attn kernels
+KERNEL_MODULES = {"fa4": "flash_attn.cute.interface", "ffpa": "ffpa_attn"}
 HYBRID = "dualkv_bench_verl_hybrid"  # the verl path's attention implementation
 
 # Gemma-4-31B's text config (google/gemma-4-31B config.json text_config), minus its depth
@@ -116,13 +143,21 @@ GEMMA4_PRESETS: dict[str, dict[str, Any]] = {
     ),
 }  # fmt: skip
 
-# set by main(): the verl path's sliding-layer kernel and rows micro-batch
-OPTIONS: dict[str, Any] = {"sliding_kernel": "dualkv-rows", "rows_micro_batch": 0}
+# set by main() (resolve_kernels): the verl path's kernels on sliding and on full layers
+# ("ffpa", "fa4" or "sdpa") and its rows micro-batch
+OPTIONS: dict[str, Any] = {
+    "sliding_kernel": "dualkv-rows",
+    "full_kernel": "sdpa",
+    "rows_micro_batch": 0,
+    # set per shape by main(): a tree shape's rows are ragged and packed with tree=True
+    "tree": False,
+    "min_shared": None,  # dualkv.pack's min_shared for trees (None: its default)
+}
 
 
 def build_any(preset: str, device: torch.device, dtype: torch.dtype,
               overrides: dict[str, Any] | None = None) -> torch.nn.Module:  # fmt: skip
-    """A random causal LM of a Qwen3 (grpo_demo) or Gemma 4 (GEMMA4_PRESETS) preset."""
+    """A random causal LM of a Qwen3 (demos.grpo_step) or Gemma 4 (GEMMA4_PRESETS) preset."""
     if preset not in GEMMA4_PRESETS:
         return build_model(preset, device, dtype, overrides=overrides)
     from transformers import AutoModelForCausalLM, Gemma4TextConfig
@@ -157,6 +192,15 @@ def _sliding_rows_attention(module, query, key, value, scaling, window: int) -> 
     returns [N, L, Hq, D]."""
     n, hq, length, d = query.shape
     kernel = OPTIONS["sliding_kernel"]
+    if kernel == "fa4":  # (window - 1, 0) keys back and ahead: q - kv < window, causal
+        from flash_attn.cute.interface import flash_attn_func
+
+        q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+        window_size = (window - 1, None)
+        out, _ = flash_attn_func(
+            q, k, v, softmax_scale=scaling, causal=True, window_size=window_size
+        )
+        return out
     if kernel == "dualkv-rows":  # every row its own group, all prompt: plain causal varlen
         key_ = ("layout", n, length, query.device)
         if key_ not in _MASKS:
@@ -206,18 +250,61 @@ def hybrid_attention_forward(
     softcap=None,
     **kwargs,
 ):
-    """The verl path's attention: HF SDPA (causal) on full layers, the sliding kernel on sliding
-    layers. Rows without padding: no mask is built (HF's sdpa then runs is_causal)."""
+    """The verl path's attention: the full kernel (causal) on full layers, the sliding kernel on
+    sliding layers. Rows without padding: no mask is built (HF's sdpa then runs is_causal)."""
     if softcap:
         raise ValueError("the verl path does not run attention logit soft-capping")
     if sliding_window:
         return _sliding_rows_attention(
             module, query, key, value, scaling, int(sliding_window)
         ), None
+    if OPTIONS["full_kernel"] == "fa4":
+        from flash_attn.cute.interface import flash_attn_func
+
+        out, _ = flash_attn_func(*(x.transpose(1, 2) for x in (query, key, value)),
+                                 softmax_scale=scaling, causal=True)  # fmt: skip
+        return out, None
+    if OPTIONS["full_kernel"] == "ffpa":
+        from ffpa_attn import ffpa_attn_func
+
+        gqa = query.shape[1] != key.shape[1]
+        out = ffpa_attn_func(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa,
+                             backend="cutedsl")  # fmt: skip
+        return out.transpose(1, 2), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward(module, query, key, value, None, dropout=dropout,
                                   scaling=scaling, is_causal=True)  # fmt: skip
+
+
+def kernel_missing(kernel: str, device: torch.device) -> str | None:
+    """Why the verl path cannot run ``kernel`` (``fa4``, ``ffpa``) here; None if it can."""
+    import importlib
+
+    if device.type != "cuda":
+        return f"device {device.type}"
+    try:
+        importlib.import_module(KERNEL_MODULES[kernel])
+    except Exception as e:  # ImportError, or a native library that does not load
+        return f"{type(e).__name__}: {str(e)[:100]}"
+    return None
+
+
+def resolve_kernels(model: torch.nn.Module, sliding: str, full: str, device: torch.device) -> None:
+    """Sets OPTIONS' sliding and full kernels of the verl path for ``model``: as asked (``full``
+    ``best``: ffpa-attn above head dim 256, FA4 at or below), or, with the reason printed, the
+    fallback (``dualkv-rows`` / ``sdpa``) where a package is missing."""
+    if sliding == "fa4" and (why := kernel_missing("fa4", device)):
+        print(f"verl path: FA4 not available ({why}): sliding layers run dualkv-rows")
+        sliding = "dualkv-rows"
+    if full == "best":
+        full_dims = [d for d, w in _layer_attention(model) if not w]
+        full = "ffpa" if max(full_dims, default=0) > 256 else "fa4"
+        if why := kernel_missing(full, device):
+            name = {"ffpa": "ffpa-attn", "fa4": "FA4"}[full]
+            print(f"verl path: {name} not available ({why}): full layers run HF SDPA")
+            full = "sdpa"
+    OPTIONS.update(sliding_kernel=sliding, full_kernel=full)
 
 
 def register_hybrid() -> None:
@@ -244,10 +331,58 @@ def make_rows(n: int, p: int, r: int, vocab: int, device: torch.device, seed: in
     return ids, mask, gid, group_advantages(rewards, gid)
 
 
+def make_tree_rows(tree: TreeBatch, vocab: int, device: torch.device, seed: int):
+    """A tree batch's rows in the trainer layout (left-padded prompt of width ``pw``, right-padded
+    response): ``(ids, mask, task, advantages, pw)``; GRPO groups = the tree's tasks."""
+    prompts, responses, task = tree.token_rows(vocab, seed)
+    ids, mask, pw, _ = rows_from_lists(prompts, [[r] for r in responses], device=device)
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.rand(len(task), generator=g).to(device)
+    gid = torch.tensor(task, device=device)
+    return ids, mask, gid, group_advantages(rewards, gid), pw
+
+
+def pack_batch(path: str, ids, mask, gid, p: int) -> dualkv.PackedBatch:
+    """The packed batch of ``path``: a tree shape packed as a prefix tree, except on
+    ``dualkv-depth2`` (rows grouped by identical prompt: DualKV's prompt/response packing)."""
+    if path == "dualkv-depth2":
+        return pack_rows(ids, mask, p)
+    if OPTIONS["tree"]:
+        return dualkv.pack(ids, mask, p, tree=True, min_shared=OPTIONS["min_shared"])
+    return pack_rows(ids, mask, p, gid)
+
+
+def rows_step(model, path: str, ids, mask, adv, p: int, old: torch.Tensor) -> torch.Tensor:
+    """The rows path of a tree shape (ragged rows): each row alone (no padding), full logits of
+    its response, the token-mean loss over the whole batch, a backward per row (gradient
+    accumulation); ``standard`` with HF SDPA, ``verl`` with its kernels (FA4 where installed)."""
+    model.set_attn_implementation("sdpa" if path == "standard" else HYBRID)
+    plen = mask[:, :p].sum(1).tolist()
+    rlen = mask[:, p:].sum(1).tolist()
+    resp_mask = mask[:, p:].bool()
+    n_tok = resp_mask.sum()
+    total = torch.zeros((), device=ids.device)
+    for b, (pb, rb) in enumerate(zip(plen, rlen)):
+        row = ids[b : b + 1, p - pb : p + rb]
+        out = model(input_ids=row, use_cache=False, logits_to_keep=rb + 1)
+        logits = out.logits[:, :-1]  # (a final soft-cap, if any, is in the model's logits)
+        lp = logprobs_from_logits(logits, row[:, pb:])
+        del out, logits
+        loss, _ = dapo_loss(lp, old[b : b + 1, :rb], adv[b : b + 1], resp_mask[b : b + 1, :rb],
+                            num_tokens=n_tok)  # fmt: skip
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
 def flex_block_mask(layout: dualkv.Layout, device: torch.device, window: int | None = None):
     """FlexAttention BlockMask of the shared-prompt layout (same rule as DualKV's, with the
-    sliding window on logical positions when given)."""
+    sliding window on logical positions when given); of a tree layout, the tree mask
+    (trees.tree_block_mask)."""
     from torch.nn.attention.flex_attention import create_block_mask
+
+    if layout.is_tree:
+        return tree_block_mask(list(layout.parents), list(layout.lengths), device, window)
 
     seg, grp = [], []
     s = 0
@@ -323,6 +458,8 @@ def compile_layers(model: torch.nn.Module) -> None:
 def step(model, path: str, ids, mask, gid, adv, p: int, old: torch.Tensor) -> torch.Tensor:
     """One timed step of ``path``; returns the loss."""
     r = ids.shape[1] - p
+    if OPTIONS["tree"] and path in ("standard", "verl"):
+        return rows_step(model, path, ids, mask, adv, p, old)
     if path == "verl":  # the N rows in micro-batches, hybrid attention, full logits
         model.set_attn_implementation(HYBRID)
         resp_mask = mask[:, p:].bool()
@@ -347,12 +484,12 @@ def step(model, path: str, ids, mask, gid, adv, p: int, old: torch.Tensor) -> to
         del out, logits
         resp_mask = mask[:, p:].bool()
     else:
-        packed = pack_rows(ids, mask, p, gid)
+        packed = pack_batch(path, ids, mask, gid, p)
         resp_mask = packed.response_mask
         head = model.get_output_embeddings().weight
         if path == "dualkv-sp":
             model.set_attn_implementation("dualkv")
-            lp = parallel.sequence_parallel_logprobs(model, packed)
+            lp = sequence_parallel_logprobs(model, packed)
             loss, _ = dapo_loss(lp, old, adv, resp_mask)
             loss.backward()
             parallel.all_reduce_gradients(model.parameters())
@@ -410,7 +547,9 @@ def init_group_of_one(device: torch.device) -> None:
 def checkpointing_for(model, path: str) -> None:
     """Gradient checkpointing as each path runs it: DualKV keeps its attention outputs (the
     selective policy would only add its per-op dispatch cost to the other paths)."""
-    enable_gradient_checkpointing(model, keep_attention=path in ("dualkv", "dualkv-sp"))
+    enable_gradient_checkpointing(
+        model, keep_attention=path in ("dualkv", "dualkv-depth2", "dualkv-sp")
+    )
 
 
 def profiled_step(model, path, ids, mask, gid, adv, p, old):  # noqa: ANN201
@@ -476,9 +615,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--presets",
         default="1.7b,4b",
-        help="Qwen3 shapes (dualkv.grpo_demo.PRESETS) or gemma4-31b, gemma4-tiny",
+        help="Qwen3 shapes (dualkv.demos.grpo_step.PRESETS) or gemma4-31b, gemma4-tiny",
     )
-    ap.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="N,P,R triples")
+    ap.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES),
+                    help=f"N,P,R triples or tree batches ({', '.join(TREES)})")  # fmt: skip
+    ap.add_argument("--tasks", type=int, default=1,
+                    help="trees (tasks) of the agentic tree shape")  # fmt: skip
+    ap.add_argument("--tree-scale", type=float, default=1.0,
+                    help="scale every length of a tree shape (smoke runs)")  # fmt: skip
+    ap.add_argument("--min-shared", type=int, default=None,
+                    help="dualkv.pack's min_shared for tree shapes (default: its own)")  # fmt: skip
     ap.add_argument("--paths", default="standard,flex,dualkv", help=f"subset of {ALL_PATHS}")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
@@ -488,8 +634,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     ap.add_argument("--layers", type=int, help="override the layer count (quick runs)")
     ap.add_argument("--sliding-window", type=int, help="override a Gemma 4 preset's window")
-    ap.add_argument("--sliding-kernel", choices=SLIDING_KERNELS, default="dualkv-rows",
+    ap.add_argument("--sliding-kernel", choices=SLIDING_KERNELS, default="fa4",
                     help="the verl path's kernel on sliding layers (see above)")  # fmt: skip
+    ap.add_argument("--full-kernel", choices=FULL_KERNELS, default="best",
+                    help="the verl path's kernel on full-attention layers (see above)")  # fmt: skip
     ap.add_argument(
         "--rows-micro-batch",
         type=int,
@@ -502,11 +650,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="append the markdown table to this file")
     ap.add_argument("--profile", type=int, default=0, metavar="K",
                     help="profile one more step per path: its top K GPU kernels")  # fmt: skip
+    ap.add_argument("--strict", action="store_true",
+                    help="exit with status 1 if a path fails (an error or OOM)")  # fmt: skip
     args = ap.parse_args(argv)
     if args.preset_tiny_cpu:
         args.presets, args.shapes, args.device = "tiny", ["4,64,16"], "cpu"
         args.paths, args.warmup, args.repeats = "standard,dualkv", 0, 1
-    OPTIONS.update(sliding_kernel=args.sliding_kernel, rows_micro_batch=args.rows_micro_batch)
+    OPTIONS.update(rows_micro_batch=args.rows_micro_batch, min_shared=args.min_shared)
+    for shape in args.shapes:
+        if shape not in TREES and len(shape.split(",")) != 3:
+            ap.error(f"--shapes: {shape!r} is neither N,P,R nor one of {list(TREES)}")
     register_hybrid()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -519,7 +672,8 @@ def main(argv: list[str] | None = None) -> int:
         init_group_of_one(device)
     rows: list[dict[str, Any]] = []
     base = "verl" if "verl" in paths and "standard" not in paths else "standard"
-    header = (f"| model | N, P, R | rho | path | step time | peak memory | MFU | vs {base} |\n"
+    header = (f"| model | N, P, R (or tree) | rho | path | step time | peak memory | MFU | "
+              f"vs {base} |\n"
               "|---|---|---|---|---|---|---|---|")  # fmt: skip
     print(header, flush=True)
     for preset in args.presets.split(","):
@@ -528,16 +682,33 @@ def main(argv: list[str] | None = None) -> int:
             overrides["sliding_window"] = args.sliding_window
         model = build_any(preset, device, dtype, overrides=overrides)
         model.train()
+        if "verl" in paths:
+            resolve_kernels(model, args.sliding_kernel, args.full_kernel, device)
         if args.compile:
             compile_layers(model)
         for shape in args.shapes:
-            n, p, r = (int(x) for x in shape.split(","))
-            ids, mask, gid, adv = make_rows(
-                n, p, r, model.config.vocab_size, device, seed=n + p + r
-            )
-            layout = dualkv.Layout([p], [[r] * n])
-            flops = useful_flops(model, layout, n * r)
-            old = torch.zeros(n, r, device=device)  # on-policy-ish: ratio = exp(logp)
+            OPTIONS["tree"] = shape in TREES
+            if OPTIONS["tree"]:
+                extra = {"tasks": args.tasks} if shape == "agentic" else {}
+                tree = TREES[shape](scale=args.tree_scale, **extra)
+                ids, mask, gid, adv, p = make_tree_rows(
+                    tree, model.config.vocab_size, device, seed=len(tree.rows)
+                )
+                layout = pack_batch("dualkv", ids, mask, gid, p).layout
+                resp_tokens = int(mask[:, p:].sum())
+                rho = int(mask.sum()) / layout.total_tokens  # rows that end inside a tree count
+                what = f"{shape}, {len(tree.rows)} rows, T {layout.total_tokens}"
+                print(f"{tree.describe()}; packed by dualkv.pack(tree=True): {what}", flush=True)
+            else:
+                n, p, r = (int(x) for x in shape.split(","))
+                ids, mask, gid, adv = make_rows(
+                    n, p, r, model.config.vocab_size, device, seed=n + p + r
+                )
+                layout = dualkv.Layout([p], [[r] * n])
+                resp_tokens, rho, what = n * r, layout.token_reduction, f"{n}, {p}, {r}"
+            flops = useful_flops(model, layout, resp_tokens)
+            # on-policy-ish: ratio = exp(logp)
+            old = torch.zeros(ids.shape[0], ids.shape[1] - p, device=device)
             # --rounds: the paths take turns (round 1: each path, round 2: each path, ...), so
             # that a drift of the GPU's clocks over the run reaches every path alike; each path's
             # time is the median of all its rounds' steps.
@@ -593,9 +764,9 @@ def main(argv: list[str] | None = None) -> int:
                 name = preset if preset in GEMMA4_PRESETS else f"Qwen3-{preset}"
                 if res["path"] == "verl":
                     mb = args.rows_micro_batch
-                    label += f" [{args.sliding_kernel} sliding"
+                    label += f" [{OPTIONS['sliding_kernel']} sliding, {OPTIONS['full_kernel']} full"
                     label += f", micro-batch {mb}]" if mb else "]"
-                line = (f"| {name} | {n}, {p}, {r} | {layout.token_reduction:.2f} | "
+                line = (f"| {name} | {what} | {rho:.2f} | "
                         f"{label} | " + " | ".join(cells) + " |")  # fmt: skip
                 print(line, flush=True)
                 rows.append({"line": line, **res})
@@ -614,6 +785,10 @@ def main(argv: list[str] | None = None) -> int:
                     "useful FLOPs of the packed layout over "
                     f"{args.peak_tflops:.0f} TFLOP/s.\n\n")  # fmt: skip
             f.write(header + "\n" + "\n".join(x["line"] for x in rows) + "\n")
+    failed = [x["path"] for x in rows if "error" in x]
+    if args.strict and failed:
+        print(f"failed paths: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 

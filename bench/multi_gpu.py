@@ -21,8 +21,8 @@ a dry run; a plain ``python`` start is a group of one). Parts (``--parts``, defa
   model). In float32 on CPU that is tight (~1e-6 of the scale); in bf16 it is bf16's noise.
 * ``comm``   the all-to-alls of one decoder layer (forward: q, k, v in and the output back;
   backward: the output gradient in and dq, dk, dv back), timed for the Qwen3 preset's layer (and
-  Gemma 4's sliding and full layers) at the first shape's packed length, next to the README's
-  formula ``(sp-1)/sp^2 * T * D * b * (2 Hq + 2 Hkv')`` bytes sent per rank and direction.
+  Gemma 4's sliding and full layers) at the first shape's packed length, next to the formula of
+  docs/trainers.md ``(sp-1)/sp^2 * T * D * b * (2 Hq + 2 Hkv')`` bytes sent per rank and direction.
 * ``qwen``   a Qwen3-shaped model (``--preset``, default 8b: real widths, ``--layers`` cut) on one
   prompt group per step (N responses of R after a P-token prompt, ``--shapes``) with SP = world
   size (``--sp`` < world: dp = world/sp data-parallel replicas, each its own group) + FSDP2
@@ -394,7 +394,7 @@ class Policy(torch.nn.Module):
 
     def forward(self, packed: PackedBatch, group: Any, grad_scale: float,
                 temperature: float = TEMPERATURE, return_entropy: bool = False) -> Any:  # fmt: skip
-        out = parallel.sequence_parallel_logprobs(
+        out = dkt.sequence_parallel_logprobs(
             self.model, packed, group, temperature, return_entropy=return_entropy,
             grad_scale=grad_scale,
         )  # fmt: skip
@@ -475,7 +475,7 @@ def exact_model(ctx: Ctx, family: str, config: str, seed: int) -> list[Check]:
         return lp.detach(), ent.detach(), loss.detach(), _grads(m)
 
     ref = step(model, dkt.packed_response_logprobs, model, packed)
-    sp = step(model, parallel.sequence_parallel_logprobs, model, packed, None, sum_grads=True)
+    sp = step(model, dkt.sequence_parallel_logprobs, model, packed, None, sum_grads=True)
 
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -551,7 +551,7 @@ def part_exact(ctx: Ctx, args: argparse.Namespace) -> bool:
 # --- part: per-layer communication ---------------------------------------------------------------
 def layer_shapes(ctx: Ctx, args: argparse.Namespace) -> list[tuple[str, int, int, int, int]]:
     """(name, Hq, Hkv, D, T) of the layers to time: the Qwen3 preset's, Gemma 4's two kinds."""
-    from dualkv.grpo_demo import PRESETS
+    from dualkv.demos.grpo_step import PRESETS
 
     c = PRESETS[args.preset]
     n, p, r = args.shapes[0]
@@ -874,7 +874,7 @@ def main(argv: list[str] | None = None) -> int:
         default=int.from_bytes(os.urandom(3), "little"),
         help="the inputs' seed (default: fresh, the largest of the ranks' draws)",
     )
-    ap.add_argument("--preset", default="8b", help="Qwen3 preset (dualkv.grpo_demo.PRESETS)")
+    ap.add_argument("--preset", default="8b", help="Qwen3 preset (dualkv.demos.grpo_step.PRESETS)")
     ap.add_argument("--layers", type=int, default=4, help="Qwen3 decoder layers (cut)")
     ap.add_argument("--shapes", nargs="+", type=_shape,
                     default=[(16, 32768, 2048), (16, 65536, 2048)], help="N,P,R")  # fmt: skip

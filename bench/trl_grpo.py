@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from dualkv.grpo_demo import PRESETS as DEMO_PRESETS
+from dualkv.demos.grpo_step import PRESETS as DEMO_PRESETS
 
 PRESETS: dict[str, dict[str, Any]] = {
     # a tiny Qwen3 (runs in seconds on CPU; smaller than the demo's "tiny")

@@ -21,6 +21,19 @@ tokens, in veRL's no-padding layout. Two engines, built by veRL from the same sa
 * dualkv  dualkv.integrations.verl's engine (``attn_implementation="dualkv"``): packed groups,
           dynamic batch size counting P+NR packed tokens.
 
+``--shapes agentic``: the agentic multi-turn batch of bench/trees.py (issue 33), a group per task
+(``--groups`` tasks): a 6K context, trajectories branching in two at turns 1-3 into 8, a 4th turn
+each, turns of 300-900 tokens; every turn a training sample, so the rows are each turn's whole
+prefix (prompt: everything before the turn, left-padded; response: the turn), 22 rows per task,
+rho ~ 9 over the whole tree. DualKV's budgets count a task's packed tree tokens (1, 2, ... tasks
+per micro-batch), veRL's the longest row (1, 2, 4, ... rows). The DualKV engine
+(dualkv.integrations.verl) groups rows by identical prompt and packs prompt/response pairs
+(pack_rows): on this batch that shares only the prompts of sibling turns (two rows each), so the
+run measures the depth-two engine until the engine packs rows sharing earlier turns as a tree
+(its budget of one tree's packed tokens then takes several micro-batches: the table's count;
+"responses / micro-batch" is what a tree engine holds); then the same command measures tree
+packing (the budgets already hold whole trees).
+
 Both with gradient checkpointing, bf16 mixed precision (fp32 master weights, AdamW). For each
 engine the micro-batch budget (``max_token_len_per_gpu``) is raised step by step (responses per
 micro-batch: 1, 2, 4, ... rows for verl; 1, 2, ... whole groups for dualkv) until it runs out of
@@ -31,9 +44,13 @@ largest common budget is printed side by side (bf16: close, not equal).
     python bench/verl_update.py --device cuda                       # both shapes, 1.7B
     python bench/verl_update.py --device cuda --shapes 16,8192,1024 --groups 2 --steps 3
     python bench/verl_update.py --device cpu --preset tiny --shapes 4,32,8   # smoke run
+    python bench/verl_update.py --device cuda --shapes agentic --groups 1 --steps 1 \
+        --capacity-max-groups 0 --baseline-attn dualkv_rows --baseline-logprobs fused
+    python bench/verl_update.py --device cpu --preset tiny --shapes agentic --groups 1 \
+        --tree-scale 0.01 --capacity-max-groups 0 --steps 1 --warmup 0     # its smoke run
 
-Needs veRL 0.9.1 importable next to dualkv (see bench/RESULTS.md for how it was carried to the
-GPU machine).
+Needs veRL 0.9.1 importable next to dualkv (bench/verl_gpu_wheels.sh makes the wheels to carry to
+the GPU machine and prints how to unpack them there; bench/RESULTS.md has the runs).
 """
 
 from __future__ import annotations
@@ -48,9 +65,10 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+from trees import agentic
 
 
 def free_port() -> int:
@@ -62,7 +80,7 @@ def free_port() -> int:
 def save_model(preset: str, path: str, device: str, seed: int) -> None:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from dualkv.grpo_demo import PRESETS
+    from dualkv.demos.grpo_step import PRESETS
 
     cfg = Qwen3Config(max_position_embeddings=40960, rms_norm_eps=1e-6, **PRESETS[preset])
     torch.manual_seed(seed)
@@ -76,33 +94,64 @@ def save_model(preset: str, path: str, device: str, seed: int) -> None:
     del model
 
 
-def make_batch(g: int, n: int, p: int, r: int, vocab: int, seed: int) -> Any:
-    """veRL's padded rollout batch of g groups (n responses each), in no-padding layout."""
+class Rows(NamedTuple):
+    """A mini-batch's rows as token lists, one row per response, with what the budgets need."""
+
+    prompts: list[list[int]]
+    responses: list[list[int]]
+    group_tokens: int  # packed tokens of the largest group (P + sum R; a tree: its segments)
+    rows_per_group: int
+    row_max: int  # tokens of the longest row
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of all the rows."""
+        return sum(len(p) + len(r) for p, r in zip(self.prompts, self.responses))
+
+
+def shape_rows(shape: str, groups: int, vocab: int, gen: torch.Generator, seed: int,
+               scale: float = 1.0) -> Rows:  # fmt: skip
+    """The rows of ``groups`` groups of ``shape``: ``N,P,R`` (one prompt, N responses) or
+    ``agentic`` (bench/trees.py, its lengths times ``scale``: a task's per-turn rows, each turn's
+    whole prefix, the turn its response; a group is a task)."""
+    if shape == "agentic":
+        tree = agentic(tasks=groups, seed=seed, scale=scale)
+        prompts, responses, task = tree.token_rows(vocab, seed)
+        longest = max(len(p) + len(r) for p, r in zip(prompts, responses))
+        return Rows(prompts, responses, max(tree.tree_tokens()), len(prompts) // groups, longest)
+    n, p, r = (int(x) for x in shape.split(","))
+    prompts, responses = [], []
+    for _ in range(groups):
+        prompt = torch.randint(0, vocab, (p,), generator=gen).tolist()
+        for _ in range(n):
+            prompts.append(prompt)
+            responses.append(torch.randint(0, vocab, (r,), generator=gen).tolist())
+    return Rows(prompts, responses, p + n * r, n, p + r)
+
+
+def make_batch(rows: Rows, vocab: int, gen: torch.Generator) -> Any:
+    """veRL's rollout batch of ``rows`` (left-padded prompts, right-padded responses), in its
+    no-padding layout."""
     from tensordict import TensorDict
     from verl.workers.utils.padding import left_right_2_no_padding
 
-    gen = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(g):
-        prompt = torch.randint(0, vocab, (p,), generator=gen)
-        for _ in range(n):
-            rows.append(torch.cat([prompt, torch.randint(0, vocab, (r,), generator=gen)]))
-    ids = torch.stack(rows)
-    b = ids.shape[0]
-    mask = torch.ones_like(ids)
-    response_mask = mask[:, p:].clone()
+    from dualkv import rows_from_lists
+
+    ids, mask, pw, _ = rows_from_lists(rows.prompts, [[r] for r in rows.responses])
+    b, rw = ids.shape[0], ids.shape[1] - pw
+    response_mask = mask[:, pw:].clone()
     td = TensorDict(
         {
             "input_ids": ids,
             "attention_mask": mask,
-            "position_ids": (mask.cumsum(-1) - 1),
-            "prompts": ids[:, :p].clone(),
-            "responses": ids[:, p:].clone(),
+            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+            "prompts": ids[:, :pw].clone(),
+            "responses": ids[:, pw:].clone(),
             "response_mask": response_mask,
-            "advantages": torch.randn(b, 1, generator=gen).expand(b, r).clone(),
+            "advantages": torch.randn(b, 1, generator=gen).expand(b, rw).clone(),
             # near the random model's log-probs (about -log V): ratios near 1, some clipped
             "old_log_probs": -torch.log(torch.tensor(float(vocab)))
-            + 0.1 * torch.randn(b, r, generator=gen),
+            + 0.1 * torch.randn(b, rw, generator=gen),
         },
         batch_size=[b],
     )
@@ -182,19 +231,22 @@ def build_engine(kind: str, path: str, args: argparse.Namespace) -> Any:
     return engine
 
 
-def budgets(kind: str, g: int, n: int, p: int, r: int) -> list[tuple[int, int]]:
-    """(max_token_len_per_gpu, responses per micro-batch) candidates, ascending."""
+def budgets(kind: str, g: int, rows: Rows) -> list[tuple[int, int]]:
+    """(max_token_len_per_gpu, responses per micro-batch) candidates, ascending: DualKV whole
+    groups (1, 2, ... of the largest group's packed tokens), veRL rows (1, 2, 4, ... longest
+    rows, then all of them)."""
     out = []
     if kind == "dualkv":
         for groups in range(1, g + 1):
-            out.append((groups * (p + n * r), groups * n))
+            out.append((groups * rows.group_tokens, groups * rows.rows_per_group))
     else:
+        total = len(rows.prompts)
         k = 1
-        while k <= g * n:
-            out.append((k * (p + r), k))
+        while k <= total:
+            out.append((k * rows.row_max, k))
             k *= 2
-        if out[-1][1] != g * n:
-            out.append((g * n * (p + r), g * n))
+        if out[-1][1] != total:
+            out.append((total * rows.row_max, total))
     return out
 
 
@@ -246,7 +298,7 @@ def measure(engine: Any, batch: Any, budget: int, loss_fn: Any, steps: int, warm
     return ok
 
 
-def run_engine(kind: str, path: str, shape: tuple[int, int, int], args: argparse.Namespace,
+def run_engine(kind: str, path: str, shape: str, args: argparse.Namespace,
                vocab: int) -> list[dict[str, Any]]:  # fmt: skip
     """Timing on a mini-batch of ``--groups`` groups at rising micro-batch budgets, then the
     capacity probe: mini-batches of one micro-batch of 2G, 4G, ... groups (one step each) up to
@@ -254,9 +306,11 @@ def run_engine(kind: str, path: str, shape: tuple[int, int, int], args: argparse
     from verl.workers.config import FSDPActorConfig
     from verl.workers.utils.losses import ppo_loss
 
-    n, p, r = shape
-    batch = make_batch(args.groups, n, p, r, vocab, seed=args.seed)
-    actor = FSDPActorConfig(strategy=args.strategy, rollout_n=n, use_dynamic_bsz=True)
+    gen = torch.Generator().manual_seed(args.seed)
+    rows = shape_rows(shape, args.groups, vocab, gen, args.seed, args.tree_scale)
+    batch = make_batch(rows, vocab, gen)
+    actor = FSDPActorConfig(strategy=args.strategy, rollout_n=rows.rows_per_group,
+                            use_dynamic_bsz=True)  # fmt: skip
 
     def loss_fn(model_output: Any, data: Any, dp_group: Any = None) -> Any:
         return ppo_loss(actor, model_output, data, dp_group)
@@ -264,9 +318,9 @@ def run_engine(kind: str, path: str, shape: tuple[int, int, int], args: argparse
     engine = build_engine(kind, path, args)
     results = []
     fits = True
-    for budget, per_mb in budgets(kind, args.groups, n, p, r):
+    for budget, per_mb in budgets(kind, args.groups, rows):
         rec: dict[str, Any] = dict(
-            engine=kind, phase="time", N=n, P=p, R=r, groups=args.groups,
+            engine=kind, phase="time", shape=shape, groups=args.groups,
             max_token_len_per_gpu=budget, responses_per_micro_batch=per_mb,
         )  # fmt: skip
         fits = measure(engine, batch, budget, loss_fn, args.steps, args.warmup, rec, args)
@@ -275,11 +329,13 @@ def run_engine(kind: str, path: str, shape: tuple[int, int, int], args: argparse
             break
     g = args.groups * 2
     while fits and g <= args.capacity_max_groups:
-        big = make_batch(g, n, p, r, vocab, seed=args.seed + g)
-        budget = g * (p + n * r) if kind == "dualkv" else g * n * (p + r)
+        big_gen = torch.Generator().manual_seed(args.seed + g)
+        big_rows = shape_rows(shape, g, vocab, big_gen, args.seed + g, args.tree_scale)
+        big = make_batch(big_rows, vocab, big_gen)
+        budget = g * big_rows.group_tokens if kind == "dualkv" else big_rows.tokens
         rec = dict(
-            engine=kind, phase="capacity", N=n, P=p, R=r, groups=g, max_token_len_per_gpu=budget,
-            responses_per_micro_batch=g * n,
+            engine=kind, phase="capacity", shape=shape, groups=g, max_token_len_per_gpu=budget,
+            responses_per_micro_batch=len(big_rows.prompts),
         )  # fmt: skip
         fits = measure(engine, big, budget, loss_fn, 1, 0, rec, args)
         results.append(rec)
@@ -295,10 +351,13 @@ def run_engine(kind: str, path: str, shape: tuple[int, int, int], args: argparse
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--preset", default="1.7b", help="Qwen3 shape of dualkv.grpo_demo.PRESETS")
+    ap.add_argument("--preset", default="1.7b", help="Qwen3 shape (dualkv.demos.grpo_step.PRESETS)")
     ap.add_argument("--shapes", nargs="+", default=["16,8192,1024", "32,4096,2048"],
-                    help="N,P,R per shape")  # fmt: skip
-    ap.add_argument("--groups", type=int, default=2, help="prompt groups per mini-batch")
+                    help="N,P,R per shape, or agentic (see above)")  # fmt: skip
+    ap.add_argument("--groups", type=int, default=2,
+                    help="prompt groups (agentic: tasks) per mini-batch")  # fmt: skip
+    ap.add_argument("--tree-scale", type=float, default=1.0,
+                    help="scale the agentic shape's lengths (smoke runs)")  # fmt: skip
     ap.add_argument("--engines", default="dualkv,verl")
     ap.add_argument("--baseline-attn", default=None,
                     help="veRL engine's attention (default: flash_attention_2 if flash_attn "
@@ -320,6 +379,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the records to this file")
     args = ap.parse_args(argv)
+    for shape in args.shapes:
+        if shape != "agentic" and not (
+            len(shape.split(",")) == 3 and all(x.isdigit() for x in shape.split(","))
+        ):
+            ap.error(f"--shapes: {shape!r} is neither N,P,R nor agentic")
 
     if args.baseline_attn is None:
         try:
@@ -350,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.distributed.init_process_group(backend, rank=0, world_size=1)
     if args.device == "cuda":
         torch.cuda.set_device(0)
-    from dualkv.grpo_demo import PRESETS
+    from dualkv.demos.grpo_step import PRESETS
 
     vocab = int(PRESETS[args.preset]["vocab_size"])
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
@@ -362,16 +426,18 @@ def main(argv: list[str] | None = None) -> int:
     records: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as path:
         save_model(args.preset, path, args.device, args.seed)
-        for shape_s in args.shapes:
-            shape = tuple(int(x) for x in shape_s.split(","))
-            assert len(shape) == 3, shape_s
+        for shape in args.shapes:
+            rows = shape_rows(shape, args.groups, vocab, torch.Generator(), args.seed,
+                              args.tree_scale)  # fmt: skip
+            print(f"# {shape}: {len(rows.prompts)} rows, {rows.tokens} row tokens, largest group "
+                  f"{rows.group_tokens} packed tokens", flush=True)  # fmt: skip
             for kind in args.engines.split(","):
-                records += run_engine(kind, path, shape, args, vocab)  # type: ignore[arg-type]
-    print("\n| engine | phase | N, P, R | groups / mini-batch | responses / micro-batch | "
-          "budget (tokens) | micro-batches | step (s) | peak (GiB) |")  # fmt: skip
+                records += run_engine(kind, path, shape, args, vocab)
+    print("\n| engine | phase | N, P, R (or tree) | groups / mini-batch | responses / micro-batch "
+          "| budget (tokens) | micro-batches | step (s) | peak (GiB) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
     for rec in records:
-        shape = f"{rec['N']}, {rec['P']}, {rec['R']}"
+        shape = rec["shape"]
         if rec.get("oom"):
             step_s, peak, mbs = "OOM", "OOM", "-"
         else:
@@ -380,11 +446,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {rec['engine']} | {rec['phase']} | {shape} | {rec['groups']} | "
               f"{rec['responses_per_micro_batch']} | {rec['max_token_len_per_gpu']} | {mbs} | "
               f"{step_s} | {peak} |")  # fmt: skip
-    for shape_s in args.shapes:
-        n, p, r = (int(x) for x in shape_s.split(","))
+    for shape in args.shapes:
         ok = {}
         for rec in records:
-            same = (rec["N"], rec["P"], rec["R"]) == (n, p, r) and rec["phase"] == "time"
+            same = rec["shape"] == shape and rec["phase"] == "time"
             if same and not rec.get("oom"):
                 key = rec["engine"]
                 if key not in ok or rec["responses_per_micro_batch"] > ok[key][0]:
@@ -395,12 +460,12 @@ def main(argv: list[str] | None = None) -> int:
                          f"loss {v[2]:.6f}" for k, v in ok.items())  # fmt: skip
         cap = {}
         for rec in records:
-            if (rec["N"], rec["P"], rec["R"]) == (n, p, r) and not rec.get("oom"):
+            if rec["shape"] == shape and not rec.get("oom"):
                 cap[rec["engine"]] = max(
                     cap.get(rec["engine"], 0), rec["responses_per_micro_batch"]
                 )
         caps = ", ".join(f"{k} {v}" for k, v in cap.items())
-        print(f"# ({n}, {p}, {r}): {line}; largest micro-batch that ran (responses): {caps}")
+        print(f"# ({shape}): {line}; largest micro-batch that ran (responses): {caps}")
     if args.json:
         with open(args.json, "w") as f:
             for rec in records:

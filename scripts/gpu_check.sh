@@ -2,13 +2,14 @@
 # The GPU machine's job, one call: build the package (CUDA library included) against the
 # machine's torch, run the GPU tests on each kernel path, the standalone CUDA tests and
 # sanitizers, then the benchmarks.
-# Logs and results go to $OUT. Usage: bash scripts/gpu_check.sh [build|test|sanitize|bench|model|trl|multigpu]...
+# Logs and results go to $OUT.
+# Usage: bash scripts/gpu_check.sh [build|test|compiled|sanitize|bench|model|trl|multigpu]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-.out/gpu}"
 mkdir -p "$OUT"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(build test sanitize bench)
+[ ${#steps[@]} -eq 0 ] && steps=(build test compiled sanitize bench)
 export PYTHONUNBUFFERED=1
 status=0
 for step in "${steps[@]}"; do
@@ -44,6 +45,17 @@ for step in "${steps[@]}"; do
       grep -q "kernels cannot run" "$log" && { echo "FAIL: the warp-specialised kernels fell back"; rc=1; }
       [ $rc = 0 ] || status=1
     done
+    ;;
+  compiled)
+    # issue 34: the model step with compiled decoder layers (inductor's default settings) at a
+    # realistic shape, where inductor splits large reductions, which the GPU tests' small compiled
+    # shapes never reach (a traced rule of mixed reduction lengths made inductor assert there).
+    # A few steps of Qwen3-1.7B; --strict: a path that fails fails the step.
+    echo "== compiled model step (issue 34) =="
+    python3 bench/model_step.py --presets 1.7b --shapes ${COMPILED_SHAPES:-16,2048,512} \
+      --paths "${COMPILED_PATHS:-dualkv}" --compile --warmup 1 --repeats 2 --strict \
+      >"$OUT/compiled_step.log" 2>&1 || status=1
+    grep -E "^\||^losses|failed paths|Error" "$OUT/compiled_step.log" | tail -12
     ;;
   sanitize)
     # The standalone CUDA test binary (built on the dev machine into .out/, carried along):

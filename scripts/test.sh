@@ -4,10 +4,10 @@
 # style and types (scripts/lint.sh), builds the C++ core and its ctest suite, compiles a
 # representative subset of the CUDA kernels when nvcc is present (no GPU needed), installs the
 # package and runs pytest (GPU tests are skipped, with a reason, without a GPU), then
-# tests/python/test_verl.py in veRL 0.9.1's own environment (scripts/setup_verl_env.sh:
-# build/venv-verl, ~3.5 min when new) and the core CPU tests against the newest torch and
-# transformers on the package registries (scripts/test_newest.sh: build/venv-newest;
-# DUALKV_SKIP_NEWEST=1 skips them).
+# tests/python/test_verl.py (and test_bench_verl_update.py, whose veRL batch tests need it) in
+# veRL 0.9.1's own environment (scripts/setup_verl_env.sh: build/venv-verl, ~3.5 min when new)
+# and the core CPU tests against the newest torch and transformers on the package registries
+# (scripts/test_newest.sh: build/venv-newest; DUALKV_SKIP_NEWEST=1 skips them).
 # Usage: bash scripts/test.sh [extra pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,7 +33,8 @@ echo "== Python package: install and pytest =="
 
 echo "== veRL engine: tests/python/test_verl.py in veRL's own environment (setup_verl_env.sh) =="
 VERL_PY="$(bash scripts/setup_verl_env.sh)"
-"$VERL_PY" -m pytest tests/python/test_verl.py -ra -q -p no:cacheprovider
+"$VERL_PY" -m pytest tests/python/test_verl.py tests/python/test_bench_verl_update.py -ra -q \
+  -p no:cacheprovider
 
 if [ "${DUALKV_SKIP_NEWEST:-0}" != 1 ]; then
   echo "== Newest releases: core CPU tests against the newest torch and transformers (test_newest.sh) =="

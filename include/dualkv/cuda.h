@@ -6,7 +6,7 @@
 // producer warps, wgmma); DUALKV_FORCE_SM80=1, or any other GPU, the sm_80 (mma.sync) ones. The
 // sm_90a backward at head dim 64/128 adds dQ up inside the dK/dV kernel (fp32 bulk reductions:
 // not bitwise reproducible); `deterministic` (or DUALKV_FUSED_DQ=0) runs a separate dQ pass
-// instead, as every other path does: bitwise reproducible. README.md lists the switches.
+// instead, as every other path does: bitwise reproducible. docs/kernels.md lists the switches.
 #pragma once
 
 #include <cuda_runtime_api.h>

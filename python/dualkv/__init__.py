@@ -9,6 +9,7 @@ from .layout import Layout
 from .logprobs import logprobs_from_logits, response_logprobs
 from .losses import aggregate, dapo_loss, group_advantages, grpo_loss, policy_loss
 from .packing import PackedBatch, pack, pack_lists, pack_rows, rows_from_lists
+from .tree_packing import pack_rows_tree
 
 __version__ = "0.1.0"
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "pack",
     "pack_lists",
     "pack_rows",
+    "pack_rows_tree",
     "policy_loss",
     "response_logprobs",
     "rows_from_lists",

@@ -68,7 +68,7 @@ def _no_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     return None
 
 
-_NO_FUNCTORCH = (
+NO_FUNCTORCH_MESSAGE = (
     "dualkv.attention under torch.func transforms (vmap, grad, jacrev, jacfwd, hessian) is not "
     "supported yet (the op has no batching rule); use torch.autograd, or call it per example"
 )
@@ -90,7 +90,7 @@ def check_no_tangents(what: str, *tensors: torch.Tensor | None) -> None:
 
 
 def _no_vmap(info: Any, in_dims: Any, *args: Any) -> Any:
-    raise NotImplementedError(_NO_FUNCTORCH)
+    raise NotImplementedError(NO_FUNCTORCH_MESSAGE)
 
 
 torch.library.register_autograd("dualkv::bwd", _no_double_backward, setup_context=_no_setup)

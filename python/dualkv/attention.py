@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ._ops import _NO_FUNCTORCH, check_no_tangents, ops
+from ._ops import NO_FUNCTORCH_MESSAGE, check_no_tangents, ops
 from .layout import Layout, check_window
 
 
@@ -52,7 +52,7 @@ def attention(
         raise TypeError(f"layout must be a dualkv.Layout, got {type(layout).__name__}")
     if not torch.compiler.is_compiling():
         if torch._C._are_functorch_transforms_active():
-            raise NotImplementedError(_NO_FUNCTORCH)
+            raise NotImplementedError(NO_FUNCTORCH_MESSAGE)
         check_no_tangents("dualkv.attention", q, k, v)
     if q.dim() != 3:
         raise ValueError(f"q must have shape [T, Hq, D], got {tuple(q.shape)}")

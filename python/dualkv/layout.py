@@ -1,4 +1,4 @@
-"""The shared-prompt layout of a micro-batch (dualkv.Layout)."""
+"""The layout of a micro-batch (dualkv.Layout): shared prompts, or prefix trees."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from ._ops import ops
 _MAX_LEN = 2**31 - 1
 
 
-def _int_list(value: Any, name: str) -> list[int]:
+def _ints(value: Any, name: str) -> list[int]:
+    """``value`` (a sequence, or a 1-D tensor or numpy array) as a list of Python ints; a bool, a
+    float or a nested list raises TypeError naming the entry."""
     if isinstance(value, torch.Tensor) or (
         hasattr(value, "tolist") and type(value).__module__ == "numpy"
     ):
@@ -30,11 +32,31 @@ def _int_list(value: Any, name: str) -> list[int]:
     for i, x in enumerate(value):
         if isinstance(x, bool) or not isinstance(x, numbers.Integral):
             raise TypeError(f"{name}[{i}] must be an int, got {type(x).__name__} ({x!r})")
-        if int(x) > _MAX_LEN:  # (negative lengths are reported by the C++ core ...)
-            raise ValueError(f"{name}[{i}] = {int(x)} exceeds the int32 range of the layout")
-        if int(x) < -_MAX_LEN:  # (... where they fit its int64 arguments)
-            raise ValueError(f"{name}[{i}] = {int(x)} is negative")
         out.append(int(x))
+    return out
+
+
+def _int_list(value: Any, name: str) -> list[int]:
+    """Lengths as the C++ core takes them (it checks signs and totals)."""
+    out = _ints(value, name)
+    for i, x in enumerate(out):
+        if x > _MAX_LEN:  # (negative lengths are reported by the C++ core ...)
+            raise ValueError(f"{name}[{i}] = {x} exceeds the int32 range of the layout")
+        if x < -_MAX_LEN:  # (... where they fit its int64 arguments)
+            raise ValueError(f"{name}[{i}] = {x} is negative")
+    return out
+
+
+def _parent_list(value: Any, name: str) -> list[int]:
+    """Parent indices; the C++ core checks that each is -1 or an earlier segment (one that does
+    not fit its int64 arguments is refused here with the same rule)."""
+    out = _ints(value, name)
+    for i, x in enumerate(out):
+        if not -1 <= x <= _MAX_LEN:
+            raise ValueError(
+                f"{name}[{i}] = {x}: a segment's parent must come before it in the list "
+                f"({name}[i] < i) or be -1 for a root"
+            )
     return out
 
 
@@ -98,7 +120,9 @@ _EAGER_ONLY = (
 
 
 class Layout:
-    """G prompt groups packed as ``[prompt | response 1 | ... | response N]``, group after group.
+    """G prompt groups packed as ``[prompt | response 1 | ... | response N]``, group after group;
+    or, built with :meth:`Layout.tree`, a forest of prefix-tree segments (a prompt/response layout
+    is its depth-two case).
 
     Args:
         prefix_lens: ``P_g`` for each group (prompt tokens, >= 0).
@@ -135,16 +159,80 @@ class Layout:
                 f"prefix_lens has {len(prefix)} groups but response_lens has {len(responses)}; "
                 "give one list of response lengths per prompt"
             )
-        self._prefix_lens = tuple(prefix)
-        self._response_lens = tuple(tuple(r) for r in responses)
+        self._prefix_lens: tuple[int, ...] | None = tuple(prefix)
+        self._response_lens: tuple[tuple[int, ...], ...] | None = tuple(tuple(r) for r in responses)
+        # The depth-two forest: each prompt a root, its responses its children.
+        parents: list[int] = []
+        for rs in responses:
+            parents += [-1] + [len(parents)] * len(rs)
+        self._parents = tuple(parents)
+        self._lengths = tuple(x for p, rs in zip(prefix, responses) for x in (p, *rs))
+        self._unshared = sum(p * len(r) + sum(r) for p, r in zip(prefix, responses))
         counts = [len(r) for r in responses]
         flat = [x for r in responses for x in r]
-        tables = ops.layout_tables(prefix, counts, flat)
-        self._host_tables = tables
+        self._set_tables(ops.layout_tables(prefix, counts, flat), device)
+
+    @classmethod
+    @eager_only
+    def tree(
+        cls,
+        parents: Sequence[int] | torch.Tensor,
+        lengths: Sequence[int] | torch.Tensor,
+        device: torch.device | str | None = None,
+    ) -> Layout:
+        """A forest of prefix-tree segments, listed in packed order.
+
+        Segment ``i`` holds ``lengths[i]`` consecutive packed tokens; its parent is segment
+        ``parents[i]`` (an earlier one: ``parents[i] < i``) or ``-1`` for a root. The order need
+        not be depth-first (``parents=[-1, 0, 0, 1]`` is breadth-first). A token attends to every
+        token of its ancestor segments and causally within its own segment; logical positions
+        continue from the parent's end, so each root-to-leaf path is an ordinary row to RoPE (and
+        to a sliding window). Empty segments are legal (an empty one's children hang from its
+        nearest non-empty ancestor).
+
+        Args:
+            parents: the parent index of each segment, ``-1`` for a root.
+            lengths: the tokens of each segment (>= 0).
+            device: where the metadata tensors live (the device of q/k/v), as for ``Layout``.
+
+        Raises ``TypeError``/``ValueError`` naming the argument for non-int entries, mismatched
+        sizes, a parent that is not an earlier segment, negative lengths, or positions or a total
+        beyond the int32 range.
+
+        Example: a 4096-token system prompt, two branches, and a child of the first branch::
+
+            dualkv.Layout.tree(parents=[-1, 0, 0, 1], lengths=[4096, 700, 512, 300])
+        """
+        par = _parent_list(parents, "parents")
+        lens = _int_list(lengths, "lengths")
+        if len(par) != len(lens):
+            raise ValueError(
+                f"parents has {len(par)} entries but lengths has {len(lens)}; give one parent "
+                "per segment"
+            )
+        self = object.__new__(cls)
+        self._prefix_lens = self._response_lens = None
+        self._parents, self._lengths = tuple(par), tuple(lens)
+        *tables, self._unshared = ops.tree_tables(par, lens)
+        self._set_tables(tuple(tables), device)
+        return self
+
+    def _set_tables(
+        self, tables: Sequence[torch.Tensor], device: torch.device | str | None
+    ) -> None:
+        self._host_tables = tuple(tables)
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         self.segments, self.query_tiles, self.key_tiles, self.position_ids = (
             mark_per_batch(t.to(self._device), 0) for t in tables
         )
+
+    def _depth_two(self, name: str) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+        if self._prefix_lens is None or self._response_lens is None:
+            raise ValueError(
+                f"Layout.{name}: a tree layout (Layout.tree) has no prompt groups; it has "
+                "parents and lengths instead"
+            )
+        return self._prefix_lens, self._response_lens
 
     # --- structure --------------------------------------------------------------------------
     @property
@@ -153,28 +241,49 @@ class Layout:
         return self._device
 
     @property
+    def is_tree(self) -> bool:
+        """True for a layout built with :meth:`Layout.tree`, False for the prompt/response one."""
+        return self._prefix_lens is None
+
+    @property
+    def parents(self) -> tuple[int, ...]:
+        """Parent of each segment (-1 for a root), as given to :meth:`Layout.tree`; for the
+        prompt/response layout, its depth-two forest (each prompt followed by its responses)."""
+        return self._parents
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """Tokens of each segment, in the order of :attr:`parents` (empty segments included)."""
+        return self._lengths
+
+    @property
+    def num_segments(self) -> int:
+        """Number of segments in :attr:`parents` / :attr:`lengths` (empty ones included)."""
+        return len(self._lengths)
+
+    @property
     def prefix_lens(self) -> tuple[int, ...]:
-        """Prompt length of each group."""
-        return self._prefix_lens
+        """Prompt length of each group (a tree layout raises ValueError)."""
+        return self._depth_two("prefix_lens")[0]
 
     @property
     def response_lens(self) -> tuple[tuple[int, ...], ...]:
-        """Response lengths of each group."""
-        return self._response_lens
+        """Response lengths of each group (a tree layout raises ValueError)."""
+        return self._depth_two("response_lens")[1]
 
     @property
     def num_groups(self) -> int:
-        """Number of prompt groups G."""
-        return len(self._prefix_lens)
+        """Number of prompt groups G (a tree layout raises ValueError)."""
+        return len(self._depth_two("num_groups")[0])
 
     @property
     def num_responses(self) -> int:
-        """Total number of responses over all groups."""
-        return sum(len(r) for r in self._response_lens)
+        """Total number of responses over all groups (a tree layout raises ValueError)."""
+        return sum(len(r) for r in self._depth_two("num_responses")[1])
 
     @property
     def total_tokens(self) -> int:
-        """Packed tokens T = sum over groups of P + sum(R).
+        """Packed tokens T: the sum of all segment lengths (P + sum(R) over the groups).
 
         (A size of the layout's ``position_ids``: symbolic under torch.compile, so that a compiled
         graph is not specialised to one layout's T.)
@@ -183,8 +292,9 @@ class Layout:
 
     @property
     def unshared_tokens(self) -> int:
-        """Tokens of the standard layout: one row of P + R_i per response."""
-        return sum(p * len(r) + sum(r) for p, r in zip(self._prefix_lens, self._response_lens))
+        """Tokens of the standard layout: one row of P + R_i per response; for a tree, one row
+        per root-to-leaf path (a leaf of :attr:`parents`, empty ones included)."""
+        return self._unshared
 
     @property
     def token_reduction(self) -> float:
@@ -194,9 +304,12 @@ class Layout:
 
     def allowed_pairs(self, window: int | None = None) -> int:
         """Number of (query, key) pairs the mask allows (with an optional sliding window)."""
+        w = check_window(window)
+        if self._prefix_lens is None or self._response_lens is None:
+            return int(ops.tree_pairs(list(self._parents), list(self._lengths), w))
         counts = [len(r) for r in self._response_lens]
         flat = [x for r in self._response_lens for x in r]
-        return int(ops.layout_pairs(list(self._prefix_lens), counts, flat, check_window(window)))
+        return int(ops.layout_pairs(list(self._prefix_lens), counts, flat, w))
 
     def flops(
         self, head_dim: int, num_q_heads: int, window: int | None = None, backward: bool = False
@@ -217,8 +330,11 @@ class Layout:
         return new
 
     def __repr__(self) -> str:
-        return (
-            f"dualkv.Layout(groups={self.num_groups}, responses={self.num_responses}, "
+        tail = (
             f"total_tokens={self.total_tokens}, rho={self.token_reduction:.2f}, "
             f"device={self.device})"
         )
+        if self.is_tree:
+            trees = sum(1 for p in self._parents if p < 0)
+            return f"dualkv.Layout.tree(segments={self.num_segments}, roots={trees}, {tail}"
+        return f"dualkv.Layout(groups={self.num_groups}, responses={self.num_responses}, {tail}"

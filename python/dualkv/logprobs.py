@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ._autocast import autocast_inputs
 from ._ops import check_no_tangents, ops
 from .packing import PackedBatch
 
@@ -284,15 +285,19 @@ def score_tokens(
     chunk = int(chunk_size) if chunk_size is not None else max(16, _CHUNK_BYTES // per_token)
     if chunk < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    # Under autocast the logits are computed in its dtype, as the rows' LM head would; the op then
-    # runs with autocast off, so that its backward (which may run after the autocast block has
-    # ended) recomputes the same logits its forward's lse came from.
+    # Under autocast the logits are computed in the dtype the rows' LM head would use (autocast's
+    # rule: float64 stays float64); the op then runs with autocast off, so that its backward
+    # (which may run after the autocast block has ended) recomputes the same logits its
+    # forward's lse came from. Outside autocast, the LM head follows the hidden states' dtype.
     dev = hidden_states.device.type
     autocast = torch.is_autocast_enabled(dev)
-    dtype = torch.get_autocast_dtype(dev) if autocast else hidden_states.dtype
-    hidden_states = hidden_states.to(dtype)
-    weight = lm_head_weight.to(dtype)
-    bias = lm_head_bias.to(dtype) if lm_head_bias is not None else None
+    if autocast:
+        hidden_states, weight = autocast_inputs(dev, hidden_states, lm_head_weight)
+        bias = autocast_inputs(dev, lm_head_bias)[0] if lm_head_bias is not None else None
+    else:
+        dtype = hidden_states.dtype
+        weight = lm_head_weight.to(dtype)
+        bias = lm_head_bias.to(dtype) if lm_head_bias is not None else None
     with torch.autocast(dev, enabled=False) if autocast else contextlib.nullcontext():
         logp, _lse, ent = _chunked_logprobs(
             hidden_states, weight, bias, sources, labels,

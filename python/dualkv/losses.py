@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .packing import _group_codes
+from .trainer_rows import group_codes
 
 __all__ = [
     "LOSS_AGG_MODES",
@@ -288,7 +288,7 @@ def group_advantages(
         ``[B]`` float32 advantages; a singleton group gets ``reward`` (mean 0, std 1), as in veRL.
     """
     r = rewards.float().reshape(-1)
-    codes = _group_codes(group_ids, r.numel())  # on the host: the group count needs no sync
+    codes = group_codes(group_ids, r.numel())  # on the host: the group count needs no sync
     groups = int(codes.max()) + 1 if r.numel() else 0
     codes = codes.to(r.device)
     count = torch.zeros(groups, device=r.device).index_add_(0, codes, torch.ones_like(r))

@@ -38,8 +38,8 @@ over the group is the gradient of the global loss (:func:`all_reduce_gradients`,
 reduction over a mesh that includes the SP ranks: if that reduction *averages* over the SP ranks,
 as FSDP over a flat ``dp * sp`` mesh does, pass ``grad_scale=sp``, as veRL's Ulysses gather does).
 
-For trainers (the veRL engine): :func:`sequence_parallel_logprobs` is the one call per micro-batch
-(shard, forward, log-probs).
+For trainers: :func:`dualkv.integrations.transformers.sequence_parallel_logprobs` is the one call
+per micro-batch of a HF model (shard, forward, log-probs).
 
 Cost per decoder layer and rank (T packed tokens, element size b bytes, ``Hkv' = Hkv * m``):
 
@@ -59,9 +59,10 @@ without graph breaks (checked with the eager and aot_eager backends on gloo).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -71,9 +72,6 @@ from .layout import Layout
 from .logprobs import score_tokens
 from .packing import PackedBatch
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
-
 __all__ = [
     "ShardedBatch",
     "ShardedLayout",
@@ -81,10 +79,24 @@ __all__ = [
     "all_to_all",
     "kv_replication",
     "response_logprobs",
-    "sequence_parallel_logprobs",
     "shard_batch",
     "ulysses_attention",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # moved to the HF integration (it runs a transformers model), which imports this module
+    if name == "sequence_parallel_logprobs":
+        from .integrations.transformers import sequence_parallel_logprobs
+
+        warnings.warn(
+            "dualkv.parallel.sequence_parallel_logprobs moved to "
+            "dualkv.integrations.transformers.sequence_parallel_logprobs",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return sequence_parallel_logprobs
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _group_size(group: Any) -> tuple[int, int]:
@@ -496,38 +508,6 @@ def response_logprobs(
     if return_entropy:
         return summed[0].view(shape), summed[1].view(shape)
     return summed.view(shape)
-
-
-def sequence_parallel_logprobs(
-    model: PreTrainedModel,
-    packed: PackedBatch,
-    group: Any = None,
-    temperature: float = 1.0,
-    return_entropy: bool = False,
-    chunk_size: int | None = None,
-    grad_scale: float = 1.0,
-    pad_id: int = 0,
-    **kwargs: Any,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Response log-probs ``[B, R_max]`` (and entropy) of a HF causal LM with
-    ``attn_implementation="dualkv"``, the packed batch sharded over ``group``.
-
-    The entry point for trainers (e.g. veRL's ``ulysses_sequence_parallel_size``): every rank of
-    the SP group calls it with the same global ``packed`` batch; each runs the decoder on its
-    shard, and every rank returns the global log-probs (see :func:`response_logprobs` for
-    ``grad_scale`` and the gradients). ``kwargs`` go to the decoder's forward.
-    """
-    from .integrations.transformers import _decoder, _lm_head, check_packed_model
-
-    check_packed_model(model, kwargs, packed)
-    batch = shard_batch(packed, group, pad_id=pad_id)
-    out = _decoder(model)(**batch.model_inputs(), **kwargs)
-    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    weight, bias, softcap = _lm_head(model)
-    return response_logprobs(
-        hidden, weight, batch, temperature=temperature, return_entropy=return_entropy,
-        lm_head_bias=bias, logit_softcap=softcap, chunk_size=chunk_size, grad_scale=grad_scale,
-    )  # fmt: skip
 
 
 def all_reduce_gradients(parameters: Iterable[torch.nn.Parameter], group: Any = None) -> None:

@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <limits>
 #include <memory>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -86,29 +87,9 @@ void check_layout(const LayoutView& lv, int32_t T, const char* fn) {
   if (T == 0) return;
   DUALKV_CHECK(lv.segments != nullptr && lv.query_tiles != nullptr && lv.key_tiles != nullptr, fn,
                ": layout.segments, layout.query_tiles and layout.key_tiles must not be null");
-  int32_t prompt = -1;  // index of the latest prompt segment
-  for (int32_t i = 0; i < lv.num_segments; ++i) {
-    const Segment& s = lv.segments[i];
-    if (!s.is_response()) prompt = i;
-    // A response's region A must be its group's prompt segment (or absent when P = 0): the
-    // backward finds the queries of a prompt key by walking the segments that follow it.
-    const bool same_prompt =
-        !s.is_response() ||
-        (s.prompt_len == 0 ? prompt < 0 || lv.segments[prompt].group != s.group
-                           : prompt >= 0 && lv.segments[prompt].group == s.group &&
-                                 lv.segments[prompt].start == s.prompt_start &&
-                                 lv.segments[prompt].len == s.prompt_len);
-    const bool ok =
-        s.len > 0 && s.start >= 0 && int64_t(s.start) + s.len <= T && s.prompt_len >= 0 &&
-        s.prompt_start >= 0 && int64_t(s.prompt_start) + s.prompt_len <= T && s.pos0 >= 0 &&
-        int64_t(s.pos0) + s.len <= std::numeric_limits<int32_t>::max() &&
-        (s.is_response() ? s.pos0 == s.prompt_len
-                         : s.pos0 == 0 && s.start == s.prompt_start && s.len == s.prompt_len) &&
-        (i == 0 || s.group >= lv.segments[i - 1].group) && same_prompt;
-    DUALKV_CHECK(ok, fn, ": layout.segments[", i, "] is inconsistent (start ", s.start, ", len ",
-                 s.len, ", pos0 ", s.pos0, ", prompt_start ", s.prompt_start, ", prompt_len ",
-                 s.prompt_len, ", T ", T, ")");
-  }
+  // The walks follow the table's links: it must be exactly the table of its own forest.
+  check_segment_table(lv.segments, lv.num_segments, T,
+                      (std::string(fn) + ": layout.segments").c_str());
   // Each tile table must cover every token exactly once: otherwise outputs would be left unwritten
   // or written twice.
   std::vector<uint8_t> seen(static_cast<size_t>(T));

@@ -71,13 +71,31 @@ struct Region {
   int32_t len;
 };
 
-// The key regions visible to queries of `seg`: the group's prompt (region A), then, for a
-// response, the response itself (region B).
-inline int key_regions(const Segment& seg, Region* r) {
-  int n = 0;
-  if (seg.prompt_len > 0) r[n++] = {seg.prompt_start, 0, seg.prompt_len};
-  if (seg.is_response()) r[n++] = {seg.start, seg.pos0, seg.len};
-  return n;
+// The key walk of a query segment: fn(region) for each key region its queries see, in a fixed
+// order: its tree's root (for a root query: itself, causally), the ancestors between root and
+// segment from the parent upwards, then the segment itself (causally). The depth-two layout's
+// order is the prompt, then the own response.
+template <class Fn>
+inline void for_each_key_region(const Segment* segs, const Segment& seg, Fn&& fn) {
+  fn(Region{seg.root_start, 0, seg.root_len});
+  if (seg.is_root()) return;
+  for (int32_t a = seg.parent; segs[a].depth > 0; a = segs[a].parent) {
+    fn(Region{segs[a].start, segs[a].pos0, segs[a].len});
+  }
+  fn(Region{seg.start, seg.pos0, seg.len});
+}
+
+// The query walk of a key segment k: fn(i) for each segment i whose queries see k's keys, in a
+// fixed order: k itself, then its descendants in increasing table index (all within
+// (k, last_desc]; the pre-order ranks tell them from the other segments there). The depth-two
+// layout's order is the prompt, then its responses.
+template <class Fn>
+inline void for_each_query_segment(const Segment* segs, int32_t k, Fn&& fn) {
+  fn(k);
+  const Segment& ks = segs[k];
+  for (int32_t i = k + 1; i <= ks.last_desc; ++i) {
+    if (ks.pre < segs[i].pre && segs[i].pre < ks.pre_end) fn(i);
+  }
 }
 
 }  // namespace dualkv::cpu::detail

@@ -153,22 +153,19 @@ inline void block_products(const Problem<A>& p, int32_t pq0, int n, int32_t kb, 
 }
 
 // Calls fn(kb, bk, row0) for each block of up to kBlock keys that query rows at logical positions
-// [pq0, pq0 + n) of `seg` see: the prompt region, then the own response; kb is the block's first
-// logical position, bk its length, row0 its first packed token.
+// [pq0, pq0 + n) of `seg` see, region by region in the order of the key walk; kb is the block's
+// first logical position, bk its length, row0 its first packed token.
 template <class A, class Fn>
 void for_each_key_block(const Problem<A>& p, const Segment& seg, int32_t pq0, int n, Fn&& fn) {
   constexpr int B = kBlock<A>;
-  Region regions[2];
-  const int nr = key_regions(seg, regions);
-  for (int ri = 0; ri < nr; ++ri) {
-    const Region& rg = regions[ri];
+  for_each_key_region(p.segs, seg, [&](const Region& rg) {
     // Keys any row of the tile sees in this region, as logical positions [klo, khi).
     const int32_t klo = std::max(rg.pos0, p.mask.lowest_key(pq0));
     const int32_t khi = int32_t(std::min<int64_t>(int64_t(rg.pos0) + rg.len, int64_t(pq0) + n));
     for (int32_t kb = klo; kb < khi; kb += B) {
       fn(kb, int(std::min<int64_t>(B, int64_t(khi) - kb)), rg.start + (kb - rg.pos0));
     }
-  }
+  });
 }
 
 // Forward for query rows [t0, t0 + n) of segment `seg`, q head h (n <= kTileSize). Leaves the
@@ -251,8 +248,8 @@ void dq_rows(const Problem<A>& p, const Segment& seg, int32_t t0, int n, int h, 
 
 // dk, dv (accumulated into dk/dv [nk][Dp]; dk still to be multiplied by scale) of the keys
 // [k0, k0 + nk) of segment seg_index, kv head hk, nk <= kBlock. Walks every query that sees these
-// keys in a fixed order: q heads of the kv group; the segment's own later queries, then, for a
-// prompt, each response of the group in packed order; clipped by MaskRule::highest_query.
+// keys in a fixed order: q heads of the kv group; the segment's own later queries, then its
+// descendants' queries in packed order (the query walk); clipped by MaskRule::highest_query.
 template <class A>
 void dkdv_block(const Problem<A>& p, int32_t seg_index, int32_t k0, int nk, int hk, A* dk, A* dv,
                 Scratch<A>& sc) {
@@ -264,17 +261,13 @@ void dkdv_block(const Problem<A>& p, int32_t seg_index, int32_t k0, int nk, int 
   const int64_t kv_row = (int64_t(hk) * p.T + k0) * Dp;
   transpose_block(p.k + kv_row, nk, Dp, sc.kt.data());
   transpose_block(p.v + kv_row, nk, Dp, sc.vt.data());
-  int32_t seg_end = seg_index + 1;
-  if (!seg.is_response()) {
-    while (seg_end < p.nseg && p.segs[seg_end].group == seg.group) ++seg_end;
-  }
   A* s = sc.s.data();
   A* dp = sc.dp.data();
   A* pt = sc.pt.data();
   A* dst = sc.dst.data();
   for (int r = 0; r < p.group; ++r) {
     const int h = hk * p.group + r;
-    for (int32_t qi = seg_index; qi < seg_end; ++qi) {
+    for_each_query_segment(p.segs, seg_index, [&](int32_t qi) {
       const Segment& qs = p.segs[qi];
       const int64_t lo = std::max(qs.pos0, kp0);
       const int64_t hi = std::min<int64_t>(int64_t(qs.pos0) + qs.len - 1, qmax);
@@ -306,6 +299,6 @@ void dkdv_block(const Problem<A>& p, int32_t seg_index, int32_t k0, int nk, int 
           gemv<A, true>(dk + int64_t(j) * Dp, dst + j * kQBlock, q, nq, Dp, Dp);
         }
       }
-    }
+    });
   }
 }

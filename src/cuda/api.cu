@@ -205,7 +205,7 @@ int env_switch(const char* name) {
 
 }  // namespace
 
-// The only reader of the environment (the switches are documented in README.md and policy.h;
+// The only reader of the environment (the switches are documented in docs/kernels.md and policy.h;
 // env_switch.h lists the settings each accepts). A setting is one digit, blanks around it
 // ignored; unset or empty = the default; any other value, and a removed switch that is set, warn
 // once on stderr and are ignored.

@@ -1,7 +1,7 @@
 // The environment switches of the CUDA kernels as values: which settings each accepts, which
 // switches were removed, and the strict parser that resolve_policy (api.cu, the only reader of
 // the environment) applies to them. Plain C++ (no CUDA), so the C++ core's tests cover it.
-// README.md lists the switches; policy.h says what each selects.
+// docs/kernels.md lists the switches; policy.h says what each selects.
 #pragma once
 
 #include <cstring>

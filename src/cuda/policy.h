@@ -1,8 +1,8 @@
 // Run-time kernel options: read from the environment in one place (resolve_policy, api.cu), once
 // per entry-point call, and passed to the launchers; no launcher or kernel reads the environment.
 // Unset = the fastest path; every switch is for A/B timing or cross-checking (every path computes
-// the same function); README.md lists them, env_switch.h the settings each accepts (others warn
-// and are ignored).
+// the same function); docs/kernels.md lists them, env_switch.h the settings each accepts (others
+// warn and are ignored).
 #pragma once
 
 namespace dualkv::cuda::detail {
@@ -30,26 +30,27 @@ struct KernelPolicy {
   // take turns issuing their GEMMs); DUALKV_SM90_PINGPONG=0 turns it off.
   bool pingpong = true;
   // The sm_90a backward at D = 64, 128 computes dQ inside the dK/dV kernel (5 matmul units per
-  // block pair instead of 7; bulk async fp32 reductions, so not bitwise reproducible): H200,
-  // (16, 8192, 1024), Hq 32, Hkv 8, D 128: 13.98 ms backward vs 15.97 ms with the separate dQ
-  // pass (bench/RESULTS.md, third session). False when the call is deterministic (the separate
-  // pass: no atomics, bitwise reproducible) or DUALKV_FUSED_DQ=0 (A/B). The other paths (sm_80, D =
-  // 256, D = 512) always run a separate, deterministic dQ pass.
+  // block pair instead of 7: the separate pass recomputes S and dP; bulk async fp32 reductions,
+  // so not bitwise reproducible). It is the faster backward (bench/RESULTS.md, the deterministic
+  // column; src/cuda/LAB_NOTEBOOK.md, "Defaults and deletions"). False when the call is
+  // deterministic (the separate pass: no atomics, bitwise reproducible) or DUALKV_FUSED_DQ=0
+  // (A/B). The other paths (sm_80, D = 256, D = 512) always run a separate, deterministic dQ pass.
   bool fused_dq = true;
-  // D = 512 on sm_90a: the wgmma backward of sm90/sm90_bwd512_ws.cuh (126.9 vs 247.7 ms for the
-  // sm_80 backward at (16, 8192, 1024), Hq 32, Hkv 4, H200); DUALKV_SM90_D512_BWD=0 runs the
-  // sm_80 one (A/B, cross-check).
+  // D = 512 on sm_90a: the wgmma backward of sm90/sm90_bwd512_ws.cuh (2-CTA clusters splitting
+  // the head dim, so that wgmma tiles fit; faster than the sm_80 mma.sync backward:
+  // bench/RESULTS.md); DUALKV_SM90_D512_BWD=0 runs the sm_80 one (A/B, cross-check).
   bool d512_bwd_sm90 = true;
   // D = 256 backward on sm_90a: sm90/sm90_bwd256_ws.cuh's warp-specialised dK/dV kernel (TMA
   // producer warp, 2-stage ring) + the warp-specialised dQ pass (sm90_dq_ws.cuh, 3 stages);
-  // DUALKV_SM90_D256_BWD=0 the synchronous D = 256 backward (A/B; backward 28-36% slower).
+  // DUALKV_SM90_D256_BWD=0 the synchronous D = 256 backward (A/B; slower: every thread loads
+  // with cp.async and waits for each product, where the warp-specialised kernels overlap them).
   bool d256_bwd_ws = true;
   // The order of the dK/dV kernels' CTAs (Params::key_chunk; every backward path): key tiles in
   // chunks of n, the kv heads outer within a chunk, so that the CTAs running together walk the
   // same kv head's queries (L2 reuse of Q, dO and the dQ reductions), or n = 0: the kv heads of a
-  // key tile next to each other. -1 (unset): 32 for the fused sm_90a backward at D = 64, else 0
-  // (H200, paths in turn: D = 64 backward 3.06 -> 2.79 ms; D = 128 / 256 within +-3%, noise;
-  // ncu at (32, 4096, 2048) D = 128: L2 hit rate 63 -> 72%, DRAM reads 38.5 -> 27.6 GB);
+  // key tile next to each other. -1 (unset): 32 for the fused sm_90a backward at D = 64, where
+  // its L2 reuse made the backward faster, else 0 (no measurable difference at the other head
+  // dims; src/cuda/LAB_NOTEBOOK.md, "The dK/dV kernels' CTA order");
   // DUALKV_BWD_KEY_ORDER=0|1|2|3 sets n = 0 / 16 / 32 / 64 (A/B).
   int bwd_key_chunk = -1;
   // D = 256 and 512 on the sm_80 path: the small shared-memory configs (launch.h, kSmemSmall =

@@ -29,6 +29,13 @@ Layout make_layout(at::IntArrayRef prefix_lens, at::IntArrayRef response_counts,
       [&] { return Layout(std::vector<int64_t>(prefix_lens.begin(), prefix_lens.end()), nested); });
 }
 
+Layout make_tree(at::IntArrayRef parents, at::IntArrayRef lengths) {
+  return translate_errors([&] {
+    return Layout::tree(std::vector<int64_t>(parents.begin(), parents.end()),
+                        std::vector<int64_t>(lengths.begin(), lengths.end()));
+  });
+}
+
 template <typename T>
 at::Tensor int32_table(const std::vector<T>& rows, int64_t fields) {
   at::Tensor t = at::empty({int64_t(rows.size()), fields}, at::kInt);
@@ -36,10 +43,11 @@ at::Tensor int32_table(const std::vector<T>& rows, int64_t fields) {
   return t;
 }
 
-// (segments [S,7] int32, query_tiles [n,4] int32, key_tiles [m,4] int32, position_ids [T] int64)
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layout_tables(
-    at::IntArrayRef prefix_lens, at::IntArrayRef response_counts, at::IntArrayRef response_lens) {
-  const Layout layout = make_layout(prefix_lens, response_counts, response_lens);
+using Tables = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// (segments [S, kSegmentFields] int32, query_tiles [n, 4] int32, key_tiles [m, 4] int32,
+// position_ids [T] int64)
+Tables tables_of(const Layout& layout) {
   const std::vector<int64_t> pos = layout.position_ids();
   at::Tensor position_ids = at::empty({int64_t(pos.size())}, at::kLong);
   if (!pos.empty()) std::memcpy(position_ids.data_ptr<int64_t>(), pos.data(), pos.size() * 8);
@@ -48,11 +56,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layout_tables(
           int32_table(layout.key_tiles(), kTileFields), position_ids};
 }
 
-int64_t layout_pairs(at::IntArrayRef prefix_lens, at::IntArrayRef response_counts,
-                     at::IntArrayRef response_lens, std::optional<int64_t> window) {
-  const Layout layout = make_layout(prefix_lens, response_counts, response_lens);
+Tables layout_tables(at::IntArrayRef prefix_lens, at::IntArrayRef response_counts,
+                     at::IntArrayRef response_lens) {
+  return tables_of(make_layout(prefix_lens, response_counts, response_lens));
+}
+
+// The tables of Layout::tree and its unshared tokens (one row per root-to-leaf path).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t> tree_tables(
+    at::IntArrayRef parents, at::IntArrayRef lengths) {
+  const Layout layout = make_tree(parents, lengths);
+  const auto [segments, query_tiles, key_tiles, position_ids] = tables_of(layout);
+  return {segments, query_tiles, key_tiles, position_ids, layout.unshared_tokens()};
+}
+
+int64_t pairs_of(const Layout& layout, std::optional<int64_t> window) {
   const ScoreParams score = check_score({1.0, window, 0.0});
   return layout.allowed_pairs(score.mask);
+}
+
+int64_t layout_pairs(at::IntArrayRef prefix_lens, at::IntArrayRef response_counts,
+                     at::IntArrayRef response_lens, std::optional<int64_t> window) {
+  return pairs_of(make_layout(prefix_lens, response_counts, response_lens), window);
+}
+
+int64_t tree_pairs(at::IntArrayRef parents, at::IntArrayRef lengths,
+                   std::optional<int64_t> window) {
+  return pairs_of(make_tree(parents, lengths), window);
 }
 
 // The Meta implementations are what torch.compile traces with: output shapes from q's symbolic
@@ -110,6 +139,11 @@ TORCH_LIBRARY(dualkv, m) {
       "layout_pairs(int[] prefix_lens, int[] response_counts, int[] response_lens, "
       "int? window) -> int",
       &layout_pairs);
+  m.def(
+      "tree_tables(int[] parents, int[] lengths) -> (Tensor segments, Tensor query_tiles, "
+      "Tensor key_tiles, Tensor position_ids, int unshared_tokens)",
+      &tree_tables);
+  m.def("tree_pairs(int[] parents, int[] lengths, int? window) -> int", &tree_pairs);
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, Tensor segments, Tensor query_tiles, "
       "Tensor key_tiles, SymInt total_tokens, float softmax_scale, int? window, float softcap, "

@@ -11,6 +11,7 @@
 #include <functional>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "dualkv/cpu.h"
@@ -193,9 +194,9 @@ Call<S> run_attention(std::mt19937_64& rng, const LayoutTables& lt, const Config
 }
 
 template <class S>
-RefResult reference_of(const Lens& lens, const Call<S>& r, double (*rnd)(double)) {
+RefResult reference_of(const Forest& forest, const Call<S>& r, double (*rnd)(double)) {
   std::vector<double> dlse(r.dlse.begin(), r.dlse.end());
-  return reference(lens, r.ref, r.q.values, r.k.values, r.v.values, r.dout.values,
+  return reference(forest, r.ref, r.q.values, r.k.values, r.v.values, r.dout.values,
                    r.dlse.empty() ? nullptr : &dlse, rnd);
 }
 
@@ -208,8 +209,8 @@ int64_t draw_window(std::mt19937_64& rng, bool on) {
 // fp16/bf16 (DESIGN.md): at most 2x (outputs) / 3x (gradients) the error of a plain
 // low-precision implementation against the same oracle, plus a tiny absolute slack.
 template <class S>
-void check_against_reference(const Lens& lens, const Call<S>& r) {
-  const RefResult ref = reference_of(lens, r, nullptr);
+void check_against_reference(const Forest& forest, const Call<S>& r) {
+  const RefResult ref = reference_of(forest, r, nullptr);
   struct Item {
     const char* name;
     std::vector<double> got;
@@ -224,7 +225,7 @@ void check_against_reference(const Lens& lens, const Call<S>& r) {
                              {"dv", as_double(r.dv), &ref.dv, true}};
   RefResult lp;
   constexpr bool kLow = sizeof(S) == 2;
-  if constexpr (kLow) lp = reference_of(lens, r, &round_to<S>);
+  if constexpr (kLow) lp = reference_of(forest, r, &round_to<S>);
   const std::vector<double>* lp_of[] = {&lp.out, &lp.lse, &lp.dq, &lp.dk, &lp.dv};
   // The gradients' scale: a gradient that cancels to exactly 0 (dq, dk with a window of 1, where
   // dP = delta) still carries float32 rounding of the terms that cancel, which are of this size.
@@ -306,7 +307,7 @@ void run_case(const Config& c) {
                (c.window ? std::to_string(window) : std::string("off")));
   const LayoutTables lt(lens);
   const Call<S> r = run_attention<S>(rng, lt, c, window);
-  check_against_reference(lens, r);
+  check_against_reference(forest_of(lens), r);
 }
 
 TEST_P(AttentionVsReference, OutputsAndGradients) {
@@ -324,6 +325,54 @@ TEST_P(AttentionVsReference, OutputsAndGradients) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cpu, AttentionVsReference, ::testing::ValuesIn(all_cases()),
+                         [](const auto& info) { return info.param.name; });
+
+// Prefix trees: random forests (depth up to 5, often empty or one-token segments, a root longer
+// than one tile, parents in any earlier position) against the oracle of their root-to-leaf rows.
+class TreeAttentionVsReference : public ::testing::TestWithParam<Case> {};
+
+template <class S>
+void run_tree_case(const Config& c) {
+  DUALKV_SEEDED_RNG(rng);
+  for (int iter = 0; iter < 2; ++iter) {
+    const Forest forest = random_forest(rng, 10, 5, 100, /*long_first=*/iter == 0);
+    const int64_t window = draw_window(rng, c.window);
+    SCOPED_TRACE("forest " + describe(forest) + " window " +
+                 (c.window ? std::to_string(window) : std::string("off")));
+    const LayoutTables lt(forest);
+    const Call<S> r = run_attention<S>(rng, lt, c, window);
+    check_against_reference(forest, r);
+  }
+}
+
+TEST_P(TreeAttentionVsReference, OutputsAndGradients) {
+  const Case& p = GetParam();
+  switch (p.dtype) {
+    case DType::kFloat64:
+      return run_tree_case<double>(p.config);
+    case DType::kFloat32:
+      return run_tree_case<float>(p.config);
+    case DType::kBFloat16:
+      return run_tree_case<cpu::BFloat16>(p.config);
+    case DType::kFloat16:
+      return run_tree_case<cpu::Half>(p.config);
+  }
+}
+
+std::vector<Case> tree_cases() {
+  std::vector<Case> cases;
+  const std::pair<DType, Config> list[] = {
+      {DType::kFloat64, {4, 4, 64, false, false, true, Strides::kContiguous}},
+      {DType::kFloat64, {4, 1, 64, true, true, true, Strides::kHeadMajor}},
+      {DType::kFloat32, {8, 2, 128, true, true, false, Strides::kPadded}},
+      {DType::kBFloat16, {4, 1, 64, true, false, true, Strides::kContiguous}},
+      {DType::kFloat16, {2, 2, 128, false, true, true, Strides::kContiguous}},
+  };
+  for (const auto& [t, c] : list) cases.push_back({t, c, case_name(t, c)});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cpu, TreeAttentionVsReference, ::testing::ValuesIn(tree_cases()),
                          [](const auto& info) { return info.param.name; });
 
 // ---- special layouts and inputs -------------------------------------------------------------
@@ -344,7 +393,7 @@ TEST(AttentionCpu, EdgeLayouts) {
     for (bool window : {false, true}) {
       const Config c{4, 2, 64, window, !window, true, Strides::kContiguous};
       const Call<double> r = run_attention<double>(rng, lt, c, window ? 2 : kNoWindow);
-      check_against_reference(lens, r);
+      check_against_reference(forest_of(lens), r);
     }
   }
 }
@@ -378,7 +427,7 @@ TEST(AttentionCpu, LargeScores) {
   for (auto& x : r.lse) x = NAN;
   cpu::attention_forward(forward_args(lt, r));
   cpu::attention_backward(backward_args(lt, r));
-  const RefResult ref = reference_of(lens, r, nullptr);
+  const RefResult ref = reference_of(forest_of(lens), r, nullptr);
   const Err e = compare(as_double(r.out), ref.out);
   EXPECT_FALSE(e.nan);
   EXPECT_LE(e.max_err, 1e-4 * std::max(1.0, e.max_ref));
@@ -602,7 +651,7 @@ TEST_F(BadArgs, LayoutTables) {
   segs[1].len += 5;  // past the end of the tokens
   expect_error_both([&](auto& a) { a.layout.segments = segs.data(); }, "segments[1]");
   segs = lt.segments;
-  segs[2].prompt_len = 2;  // a response whose region A is not its group's prompt
+  segs[2].root_len = 2;  // a response whose region A is not its tree's root
   expect_error_both([&](auto& a) { a.layout.segments = segs.data(); }, "segments[2]");
 }
 

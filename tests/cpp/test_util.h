@@ -14,6 +14,7 @@
 #include <sstream>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "convert.h"
@@ -84,10 +85,47 @@ inline Lens random_lens(std::mt19937_64& rng, int max_groups, int64_t max_p, int
   return l;
 }
 
+// A forest in the user's terms (Layout::tree's arguments).
+struct Forest {
+  std::vector<int64_t> parents, lengths;
+};
+
+inline std::string describe(const Forest& f) {
+  std::ostringstream os;
+  for (size_t i = 0; i < f.parents.size(); ++i)
+    os << (i ? " " : "") << f.parents[i] << ":" << f.lengths[i];
+  return os.str();
+}
+
+// A random forest of up to max_segments segments, depth up to max_depth, lengths as edge_length
+// (often 0 or 1) and, with `long_first`, a root longer than one tile. Parents are drawn among the
+// earlier segments, so the order is rarely depth-first.
+inline Forest random_forest(std::mt19937_64& rng, int max_segments, int max_depth, int64_t max_len,
+                            bool long_first) {
+  Forest f;
+  std::vector<int> depth;
+  const int n = int(uniform(rng, 1, max_segments));
+  for (int i = 0; i < n; ++i) {
+    int64_t p = uniform(rng, -1, i - 1);
+    if (uniform(rng, 0, 5) == 0) p = -1;  // more trees
+    if (p >= 0 && depth[size_t(p)] + 1 >= max_depth) p = -1;
+    depth.push_back(p < 0 ? 0 : depth[size_t(p)] + 1);
+    f.parents.push_back(p);
+    f.lengths.push_back(edge_length(rng, max_len));
+  }
+  if (long_first) {
+    f.lengths[0] = uniform(rng, 129, std::max<int64_t>(max_len, 140));
+    if (f.lengths[0] % 128 == 0) ++f.lengths[0];
+  }
+  return f;
+}
+
 // A Layout together with the tables a backend reads.
 struct LayoutTables {
-  explicit LayoutTables(const Lens& l)
-      : layout(l.prefix, l.responses),
+  explicit LayoutTables(const Lens& l) : LayoutTables(Layout(l.prefix, l.responses)) {}
+  explicit LayoutTables(const Forest& f) : LayoutTables(Layout::tree(f.parents, f.lengths)) {}
+  explicit LayoutTables(Layout l)
+      : layout(std::move(l)),
         segments(layout.segments()),
         query_tiles(layout.query_tiles()),
         key_tiles(layout.key_tiles()) {}
@@ -262,10 +300,25 @@ inline void ref_row(const RefConfig& c, const std::vector<int>& qi, const std::v
   }
 }
 
-// Ordinary causal attention over the unshared rows: per group, the prompt's own causal row (for
-// the prompt's queries) and one row [prompt | response i] per response (for that response's
-// queries). Prompt key gradients are summed over the rows.
-inline RefResult reference(const Lens& l, const RefConfig& c, const std::vector<double>& q,
+// The depth-two layout as a forest: each prompt a root, its responses its children.
+inline Forest forest_of(const Lens& l) {
+  Forest f;
+  for (size_t g = 0; g < l.prefix.size(); ++g) {
+    const auto prompt = int64_t(f.parents.size());
+    f.parents.push_back(-1);
+    f.lengths.push_back(l.prefix[g]);
+    for (int64_t r : l.responses[g]) {
+      f.parents.push_back(prompt);
+      f.lengths.push_back(r);
+    }
+  }
+  return f;
+}
+
+// Ordinary causal attention over the unshared rows: each segment's queries in the row of its
+// root-to-segment path (its ancestors' tokens, then its own). Key gradients are summed over the
+// rows. (The depth-two layout: the prompt's own causal row, then [prompt | response i].)
+inline RefResult reference(const Forest& f, const RefConfig& c, const std::vector<double>& q,
                            const std::vector<double>& k, const std::vector<double>& v,
                            const std::vector<double>& dout, const std::vector<double>* dlse,
                            double (*rnd)(double) = nullptr) {
@@ -275,28 +328,27 @@ inline RefResult reference(const Lens& l, const RefConfig& c, const std::vector<
   r.lse.assign(size_t(c.Hq) * c.T, NAN);
   r.dk.assign(size_t(c.T) * c.Hkv * c.D, 0.0);
   r.dv.assign(r.dk.size(), 0.0);
+  // Packed tokens and logical positions of each segment's path, root first.
+  std::vector<std::vector<int>> path_tokens(f.parents.size()), path_pos(f.parents.size());
   int start = 0;
-  for (size_t g = 0; g < l.prefix.size(); ++g) {
-    const int P = int(l.prefix[g]);
-    std::vector<int> pi, ppos;
-    for (int j = 0; j < P; ++j) {
-      pi.push_back(start + j);
-      ppos.push_back(j);
+  for (size_t i = 0; i < f.parents.size(); ++i) {
+    std::vector<int> qi, qpos;
+    std::vector<int> ki, kpos;
+    if (f.parents[i] >= 0) {
+      ki = path_tokens[size_t(f.parents[i])];
+      kpos = path_pos[size_t(f.parents[i])];
     }
-    if (P > 0) ref_row(c, pi, ppos, pi, ppos, q, k, v, dout, dlse, rnd, r);
-    int rs = start + P;
-    for (int64_t R : l.responses[g]) {
-      std::vector<int> ri, rpos, ki = pi, kpos = ppos;
-      for (int j = 0; j < R; ++j) {
-        ri.push_back(rs + j);
-        rpos.push_back(P + j);
-        ki.push_back(rs + j);
-        kpos.push_back(P + j);
-      }
-      if (R > 0) ref_row(c, ri, rpos, ki, kpos, q, k, v, dout, dlse, rnd, r);
-      rs += int(R);
+    const int pos0 = int(kpos.size());
+    for (int j = 0; j < int(f.lengths[i]); ++j) {
+      qi.push_back(start + j);
+      qpos.push_back(pos0 + j);
+      ki.push_back(start + j);
+      kpos.push_back(pos0 + j);
     }
-    start = rs;
+    if (!qi.empty()) ref_row(c, qi, qpos, ki, kpos, q, k, v, dout, dlse, rnd, r);
+    path_tokens[i] = std::move(ki);
+    path_pos[i] = std::move(kpos);
+    start += int(f.lengths[i]);
   }
   return r;
 }

@@ -1,19 +1,22 @@
 // Standalone test and benchmark of the CUDA library (no torch).
 //
 //   dualkv_cuda_test [--seed S] [--quick] [--small] [--no-check] [--race N] [--random N]
-//                    [--bench] [--bench-reps N] [--bench-rounds N]
+//                    [--trees N] [--bench] [--bench-reps N] [--bench-rounds N]
 //                    [--path default|sm80|sm90-nopp|sm90-sepdq|sm90-d512-sm80|
 //                            sm90-d256-sync|key-chunk0|
 //                            key-chunk16|key-chunk32|key-chunk64|sm80-d512-small|
 //                            sm80-d256-small]
-//                    [--shape N,P,R,Hq,Hkv,D | multi,Hq,Hkv,D]...
+//                    [--shape N,P,R,Hq,Hkv,D | multi,Hq,Hkv,D | tree,Hq,Hkv,D]...
 //   (--small: the quick matrix and 3 race repeats, for compute-sanitizer; --path: those kernel
 //   paths only (comma-separated); --random N: instead of the matrix, N rounds of its random-layout
-//   cases; a failed check prints where its largest error is, and the seed that reproduces the run;
+//   cases; --trees N: likewise its random prefix-tree forests (Layout::tree); a failed check
+//   prints where its largest error is, and the seed that reproduces the run;
 //   --shape: bench only these single-group shapes, with a 1-row reference; multi,Hq,Hkv,D: the
-//   realistic micro-batch of bench/attention.py)
+//   realistic micro-batch of bench/attention.py; tree,Hq,Hkv,D: issue 33's branching rollouts, a
+//   4K prompt with 4 branches at each of 3 depths of 512-1024 tokens)
 //
-// Correctness: random layouts over a case matrix; every output is compared with the CPU backend
+// Correctness: random layouts over a case matrix (the prompt/response layout and prefix-tree
+// forests of Layout::tree); every output is compared with the CPU backend
 // run in float64 on the same (rounded) inputs (the reference), and the GPU's max error must be at
 // most 2x (forward) / 3x (gradients) the max error of DESIGN.md's baseline, a plain
 // implementation in the same 16-bit precision (`run_plain`: the unshared rows with every product,
@@ -117,6 +120,8 @@ struct Case {
   std::string name;
   std::vector<int64_t> P;
   std::vector<std::vector<int64_t>> R;
+  // A prefix-tree case (Layout::tree) when `lengths` is not empty; P and R are then unused.
+  std::vector<int64_t> parents, lengths;
   int Hq = 4, Hkv = 2, D = 128;
   DType dt = DType::kBFloat16;
   int32_t window = kNoWindow;
@@ -124,6 +129,10 @@ struct Case {
   bool dlse = false;
   float mag = 1.f;  // input magnitude (large-magnitude cases)
 };
+
+Layout layout_of(const Case& c) {
+  return c.lengths.empty() ? Layout(c.P, c.R) : Layout::tree(c.parents, c.lengths);
+}
 
 // The layout's tables on the host and the device.
 struct Tables {
@@ -320,7 +329,8 @@ HostOut run_reference(const Case& c, const Inputs& in, const Tables& tb) {
 
 // DESIGN.md's baseline: a plain implementation run in the 16-bit dtype, as PyTorch runs
 // python/dualkv/reference.py (what the Python tests compare with). Each segment is its row's
-// queries on their own ([prompt] or [prompt | response]); every product, scale, softcap step
+// queries on their own (its ancestors' tokens root first, then its own: [prompt] or
+// [prompt | response] in the depth-two layout); every product, scale, softcap step
 // and softmax rounds its result to the dtype (fp32 inside), and so does every step of autograd's
 // backward; per-head key gradients are summed over the GQA group, then added into the shared
 // prompt's gradients row by row, each add rounded.
@@ -350,16 +360,18 @@ HostOut run_plain(const Case& c, const Inputs& in, const Tables& tb) {
   HostOut r;
   r.out.assign(nq, 0.0), r.dq.assign(nq, 0.0), r.lse.assign(size_t(T) * Hq, -INFINITY);
   const int nseg = int(tb.seg.size());
-  // Per segment: its row's key tokens and positions ([prompt | own tokens] for a response), and
-  // their gradients per q head (rounded per head), then per kv head (rounded per row).
+  // Per segment: its row's key tokens and positions (every ancestor's tokens, root first, then its
+  // own), and their gradients per q head (rounded per head), then per kv head (rounded per row).
   std::vector<std::vector<int>> keys(nseg), kpos(nseg);
   std::vector<std::vector<float>> dkh(nseg), dvh(nseg), dk_row(nseg), dv_row(nseg);
   for (int si = 0; si < nseg; ++si) {
-    const Segment& s = tb.seg[si];
-    if (s.is_response())
-      for (int j = 0; j < s.prompt_len; ++j)
-        keys[si].push_back(s.prompt_start + j), kpos[si].push_back(j);
-    for (int j = 0; j < s.len; ++j) keys[si].push_back(s.start + j), kpos[si].push_back(s.pos0 + j);
+    std::vector<int> row;  // the segments of the row, own first
+    for (int a = si; a >= 0; a = tb.seg[a].parent) row.push_back(a);
+    for (auto a = row.rbegin(); a != row.rend(); ++a) {
+      const Segment& s = tb.seg[*a];
+      for (int j = 0; j < s.len; ++j)
+        keys[si].push_back(s.start + j), kpos[si].push_back(s.pos0 + j);
+    }
     dkh[si].resize(keys[si].size() * Hq * D), dvh[si].resize(keys[si].size() * Hq * D);
   }
   const MaskRule rule = sp.mask;
@@ -555,6 +567,12 @@ std::string describe(const Case& c, int T) {
   if (c.softcap > 0) s += " cap=" + std::to_string(int(c.softcap));
   if (c.dlse) s += " dlse";
   if (c.mag != 1.f) s += " mag=" + std::to_string(int(c.mag));
+  if (!c.lengths.empty()) {
+    s += " forest (parent:length):";
+    for (size_t i = 0; i < c.lengths.size(); ++i)
+      s += " " + std::to_string(c.parents[i]) + ":" + std::to_string(c.lengths[i]);
+    return s + "]";
+  }
   s += " groups:";
   for (size_t g = 0; g < c.P.size(); ++g) {
     s += " (P" + std::to_string(c.P[g]) + " R";
@@ -576,10 +594,9 @@ void explain(const Case& c, const Tables& tb, int heads, const Err& e,
   for (size_t si = 0; si < tb.seg.size(); ++si) {
     const Segment& sg = tb.seg[si];
     if (tok >= sg.start && tok < sg.start + sg.len) {
-      seg = "group " + std::to_string(sg.group) +
-            (sg.is_response() ? " response " + std::to_string(sg.response_index) : " prompt") +
-            " position " + std::to_string(sg.pos0 + (tok - sg.start)) + " of " +
-            std::to_string(sg.pos0 + sg.len);
+      seg = "tree " + std::to_string(sg.group) + " segment " + std::to_string(si) + " (depth " +
+            std::to_string(sg.depth) + ", parent " + std::to_string(sg.parent) + ") position " +
+            std::to_string(sg.pos0 + (tok - sg.start)) + " of " + std::to_string(sg.pos0 + sg.len);
     }
   }
   std::printf("      worst at token %lld (%s), head %d, col %d: gpu %.6g ref %.6g plain %.6g\n",
@@ -587,7 +604,7 @@ void explain(const Case& c, const Tables& tb, int heads, const Err& e,
 }
 
 void run_case(const Case& c, std::mt19937_64& rng) {
-  const Layout L(c.P, c.R);
+  const Layout L = layout_of(c);
   const int T = L.total_tokens();
   std::printf("%s\n", describe(c, T).c_str());
   if (!cuda::supports(c.dt, c.D)) {
@@ -665,12 +682,18 @@ void run_case(const Case& c, std::mt19937_64& rng) {
 }
 
 // Repeats the whole forward + backward `reps` times: out, lse, dk, dv (and dq in deterministic
-// mode) must be bitwise equal every time.
-void race_test(int reps, std::mt19937_64& rng) {
+// mode) must be bitwise equal every time. Case `tree`: a prefix-tree layout (depth 3, not
+// depth-first), else the depth-two one.
+void race_test(int reps, bool tree, std::mt19937_64& rng) {
   Case c;
-  c.name = "race";
-  c.P = {700, 129, 0};
-  c.R = {{300, 1, 64, 0, 257}, {128, 127}, {90, 33}};
+  c.name = tree ? "race-tree" : "race";
+  if (tree) {
+    c.parents = {-1, 0, 0, 1, 1, -1, 5, 2, 3};
+    c.lengths = {700, 129, 1, 300, 0, 90, 257, 64, 33};
+  } else {
+    c.P = {700, 129, 0};
+    c.R = {{300, 1, 64, 0, 257}, {128, 127}, {90, 33}};
+  }
   c.Hq = 8, c.Hkv = 2, c.D = 128;
   if (!cuda::supports(c.dt, c.D)) c.D = 64;
   if (!cuda::supports(c.dt, c.D)) c.D = 256;
@@ -684,7 +707,7 @@ void race_test(int reps, std::mt19937_64& rng) {
                       });
     if (only && cuda::supports(c.dt, d)) c.D = d;
   }
-  const Layout L(c.P, c.R);
+  const Layout L = layout_of(c);
   const Tables tb = make_tables(L);
   const Inputs in = make_inputs(c, L.total_tokens(), rng);
   GpuCase g(c, in, tb);
@@ -756,6 +779,81 @@ std::vector<Case> random_cases(std::mt19937_64& rng) {
   return cs;
 }
 
+// A random forest for Layout::tree: 1-3 trees, the first with a chain down to depth max_depth,
+// then fan-outs of 1-8 children under random segments, at most max_segments in all; lengths
+// often 0 or 1, else short or crossing the 64-key blocks and 128-token tiles; listed in
+// depth-first, breadth-first or a random order (parents always first).
+void rand_forest(Case& c, std::mt19937_64& rng, int max_depth, int max_segments) {
+  std::vector<int> par, depth;  // in the order made
+  auto add = [&](int p) {
+    par.push_back(p);
+    depth.push_back(p < 0 ? 0 : depth[size_t(p)] + 1);
+  };
+  const int trees = 1 + int(rng() % 3);
+  for (int t = 0; t < trees; ++t) add(-1);
+  for (int d = 0; d < max_depth; ++d) add(d == 0 ? 0 : int(par.size()) - 1);
+  for (int tries = 0; tries < 8 && int(par.size()) < max_segments; ++tries) {
+    const int p = int(rng() % par.size());
+    if (depth[size_t(p)] >= max_depth) continue;
+    const int n = std::min(1 + int(rng() % 8), max_segments - int(par.size()));
+    for (int i = 0; i < n; ++i) add(p);
+  }
+  const int n = int(par.size());
+  std::vector<std::vector<int>> kids(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i)
+    if (par[size_t(i)] >= 0) kids[size_t(par[size_t(i)])].push_back(i);
+  // The listing order: 0 depth-first, 1 breadth-first, 2 any segment whose parent is listed.
+  const int how = int(rng() % 3);
+  std::vector<int> order, open;
+  for (int i = 0; i < n; ++i)
+    if (par[size_t(i)] < 0) open.push_back(i);
+  std::reverse(open.begin(), open.end());
+  while (!open.empty()) {
+    size_t at = how == 0 ? open.size() - 1 : how == 1 ? 0 : size_t(rng() % open.size());
+    const int i = open[at];
+    open.erase(open.begin() + std::ptrdiff_t(at));
+    order.push_back(i);
+    const auto& k = kids[size_t(i)];
+    if (how == 0)
+      open.insert(open.end(), k.rbegin(), k.rend());
+    else
+      open.insert(open.end(), k.begin(), k.end());
+  }
+  std::vector<int> index(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) index[size_t(order[size_t(i)])] = i;
+  std::uniform_int_distribution<int> short_len(2, 48), long_len(100, 220);
+  c.parents.assign(size_t(n), -1), c.lengths.assign(size_t(n), 0);
+  for (int i = 0; i < n; ++i) {
+    const int o = order[size_t(i)];
+    c.parents[size_t(i)] = par[size_t(o)] < 0 ? -1 : index[size_t(par[size_t(o)])];
+    const int k = int(rng() % 8);
+    c.lengths[size_t(i)] = k == 0 ? 0 : k == 1 ? 1 : k < 5 ? short_len(rng) : long_len(rng);
+  }
+}
+
+// Random forests (rand_forest, depth 1-5) over every (head dim, dtype) pair, at the GQA ratios
+// 1:1, 4:1, 8:1 and MQA; window (crossing segment ends) or softcap with dlse on some: fresh every
+// call.
+std::vector<Case> random_tree_cases(std::mt19937_64& rng) {
+  const int dims[4] = {64, 128, 256, 512};
+  const DType dts[2] = {DType::kBFloat16, DType::kFloat16};
+  const int gqa[4][2] = {{4, 4}, {8, 2}, {8, 1}, {16, 1}};
+  std::vector<Case> cs;
+  for (int i = 0; i < 8; ++i) {
+    Case c;
+    c.name = "tree-random";
+    c.D = dims[i % 4];
+    c.dt = dts[(i + i / 4) % 2];
+    c.Hq = gqa[(i + i / 4) % 4][0], c.Hkv = gqa[(i + i / 4) % 4][1];
+    if (c.D == 512) c.Hq = std::min(c.Hq, 8);  // the CPU reference's time
+    rand_forest(c, rng, 1 + int(rng() % 5), 24);
+    if (i % 3 == 1) c.window = 1 + int(rng() % 300);
+    if (i % 3 == 2) c.softcap = 30.f, c.dlse = true;
+    cs.push_back(c);
+  }
+  return cs;
+}
+
 std::vector<Case> case_matrix(std::mt19937_64& rng, bool quick) {
   std::vector<Case> cs;
   auto add = [&](Case c) { cs.push_back(c); };
@@ -771,7 +869,24 @@ std::vector<Case> case_matrix(std::mt19937_64& rng, bool quick) {
       c.R = {{200, 129, 1, 0}};
       c.Hq = 4, c.Hkv = 1;
       add(c);
+      // A forest listed out of depth-first order: an empty inner segment (its child hangs from
+      // the root), one-token segments, tile-crossing lengths, depth 3, a second tree.
+      Case t = c;
+      t.name = "tree";
+      t.parents = {-1, 0, 0, 1, 2, 1, 3, 4, -1, 8, 8, 5};
+      t.lengths = {150, 70, 0, 129, 1, 64, 200, 33, 40, 0, 90, 1};
+      t.Hq = 8, t.Hkv = 2;
+      if (!quick || dt == DType::kBFloat16) add(t);  // --small (sanitizers): bf16 only
       if (quick) continue;
+      // A chain down to depth 5 with MQA; the window crosses several segment ends.
+      t.name = "tree-chain-window+cap";
+      t.parents = {-1, 0, 1, 2, 3, 4, 0, 6};
+      t.lengths = {100, 30, 1, 45, 70, 130, 200, 64};
+      t.Hq = 4, t.Hkv = 1;
+      t.window = 97;
+      t.softcap = 20.f;
+      t.dlse = true;
+      add(t);
       c.name = "multigroup";
       c.P = {128, 0, 1, 257};
       c.R = {{128, 64}, {100, 5}, {1, 1, 0}, {}};
@@ -789,6 +904,7 @@ std::vector<Case> case_matrix(std::mt19937_64& rng, bool quick) {
   }
   if (!quick) {
     for (Case& c : random_cases(rng)) add(c);
+    for (Case& c : random_tree_cases(rng)) add(c);
     for (int D : dims) {
       Case c;
       c.name = "window=1";
@@ -822,6 +938,7 @@ struct BenchShape {
   int N, P, R, Hq, Hkv, D;
   const char* ref;     // DESIGN.md figures
   bool multi = false;  // the realistic micro-batch (multi_group_layout) instead of N, P, R
+  bool tree = false;   // the branching-rollout forest (branching_tree_layout) instead of N, P, R
 };
 
 // bench/attention.py's realistic micro-batch (`realistic_groups(seed=0)`: 4 groups, prompts 1K -
@@ -833,6 +950,23 @@ Layout multi_group_layout() {
        {525, 1737, 967, 1416, 316, 325, 282, 929},
        {650, 1748, 4096, 291, 543, 4096, 245, 2872, 2018},
        {564, 652, 348, 1060, 204, 790, 1084, 90, 839, 263, 423, 850, 291}});
+}
+
+// Issue 33's branching rollouts: a 4096-token prompt, 4 branches at each of 3 depths (84
+// segments below the root, 512-1024 tokens each, fixed draws), listed depth-first.
+Layout branching_tree_layout() {
+  std::mt19937_64 rng(33);
+  std::vector<int64_t> parents{-1}, lengths{4096};
+  auto grow = [&](auto&& self, int64_t parent, int depth) -> void {
+    for (int b = 0; b < 4; ++b) {
+      const auto me = int64_t(parents.size());
+      parents.push_back(parent);
+      lengths.push_back(512 + int64_t(rng() % 513));
+      if (depth < 3) self(self, me, depth + 1);
+    }
+  };
+  grow(grow, 0, 1);
+  return Layout::tree(parents, lengths);
 }
 
 float median(std::vector<float> v) {
@@ -870,8 +1004,9 @@ void bench(int reps, int rounds) {
   std::vector<Row> rows;
   for (const BenchShape& s : shapes) {
     if (!cuda::supports(DType::kBFloat16, s.D)) continue;
-    const Layout L =
-        s.multi ? multi_group_layout() : Layout({s.P}, {std::vector<int64_t>(size_t(s.N), s.R)});
+    const Layout L = s.multi  ? multi_group_layout()
+                     : s.tree ? branching_tree_layout()
+                              : Layout({s.P}, {std::vector<int64_t>(size_t(s.N), s.R)});
     const int T = L.total_tokens();
     const Tables tb = make_tables(L);
     const size_t nq = size_t(T) * s.Hq * s.D, nk = size_t(T) * s.Hkv * s.D;
@@ -953,9 +1088,9 @@ void bench(int reps, int rounds) {
     for (size_t i = 0; i < paths.size(); ++i) {
       Row r;
       char name[128];
-      if (s.multi) {
-        std::snprintf(name, sizeof name, "%s multi T=%d Hq=%d Hkv=%d D=%d", paths[i]->name, T, s.Hq,
-                      s.Hkv, s.D);
+      if (s.multi || s.tree) {
+        std::snprintf(name, sizeof name, "%s %s T=%d Hq=%d Hkv=%d D=%d", paths[i]->name,
+                      s.multi ? "multi" : "tree", T, s.Hq, s.Hkv, s.D);
       } else {
         std::snprintf(name, sizeof name, "%s N=%d P=%d R=%d Hq=%d Hkv=%d D=%d", paths[i]->name, s.N,
                       s.P, s.R, s.Hq, s.Hkv, s.D);
@@ -991,7 +1126,7 @@ void bench(int reps, int rounds) {
 int main(int argc, char** argv) {
   uint64_t seed = uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
   bool quick = false, check = true, do_bench = false;
-  int race = 100, bench_reps = 10, bench_rounds = 1, random_rounds = 0;
+  int race = 100, bench_reps = 10, bench_rounds = 1, random_rounds = 0, tree_rounds = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--seed" && i + 1 < argc)
@@ -1018,17 +1153,22 @@ int main(int argc, char** argv) {
       }
     else if (a == "--random" && i + 1 < argc)
       random_rounds = std::atoi(argv[++i]);
+    else if (a == "--trees" && i + 1 < argc)
+      tree_rounds = std::atoi(argv[++i]);
     else if (a == "--shape" && i + 1 < argc) {
       BenchShape s{};
       const char* arg = argv[++i];
       s.multi = std::strncmp(arg, "multi,", 6) == 0;
-      const bool ok = s.multi ? std::sscanf(arg + 6, "%d,%d,%d", &s.Hq, &s.Hkv, &s.D) == 3
-                              : std::sscanf(arg, "%d,%d,%d,%d,%d,%d", &s.N, &s.P, &s.R, &s.Hq,
-                                            &s.Hkv, &s.D) == 6;
+      s.tree = std::strncmp(arg, "tree,", 5) == 0;
+      const bool ok = s.multi  ? std::sscanf(arg + 6, "%d,%d,%d", &s.Hq, &s.Hkv, &s.D) == 3
+                      : s.tree ? std::sscanf(arg + 5, "%d,%d,%d", &s.Hq, &s.Hkv, &s.D) == 3
+                               : std::sscanf(arg, "%d,%d,%d,%d,%d,%d", &s.N, &s.P, &s.R, &s.Hq,
+                                             &s.Hkv, &s.D) == 6;
       if (!ok || s.N < 0 || s.P < 0 || s.R < 0 || s.Hq <= 0 || s.Hkv <= 0 || s.Hq % s.Hkv != 0) {
         std::fprintf(stderr,
-                     "--shape N,P,R,Hq,Hkv,D or multi,Hq,Hkv,D (Hkv divides Hq; multi: the "
-                     "realistic micro-batch of bench/attention.py)\n");
+                     "--shape N,P,R,Hq,Hkv,D, multi,Hq,Hkv,D or tree,Hq,Hkv,D (Hkv divides Hq; "
+                     "multi: the realistic micro-batch of bench/attention.py; tree: the "
+                     "branching-rollout forest)\n");
         return 2;
       }
       s.ref = "-";
@@ -1037,7 +1177,8 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: %s [--seed S] [--quick] [--small] [--no-check] [--race N] [--bench] "
                    "[--bench-reps N] [--bench-rounds N] [--path NAME[,NAME...]] [--random N] "
-                   "[--shape N,P,R,Hq,Hkv,D | multi,Hq,Hkv,D]...\n",
+                   "[--trees N] "
+                   "[--shape N,P,R,Hq,Hkv,D | multi,Hq,Hkv,D | tree,Hq,Hkv,D]...\n",
                    argv[0]);
       return 2;
     }
@@ -1097,8 +1238,10 @@ int main(int argc, char** argv) {
       expect(threw, "a layout with no query tiles for T > 0 must be rejected");
       break;
     }
-    // --random N: only N rounds of the random layouts (a cheap hunt for layout edge cases).
-    const auto cases = random_rounds > 0 ? std::vector<Case>{} : case_matrix(rng, quick);
+    // --random N / --trees N: only N rounds of the random layouts / forests (a cheap hunt for
+    // layout edge cases).
+    const auto cases =
+        random_rounds > 0 || tree_rounds > 0 ? std::vector<Case>{} : case_matrix(rng, quick);
     for (const Case& c : cases) {
       run_case(c, rng);
       std::fflush(stdout);
@@ -1107,7 +1250,14 @@ int main(int argc, char** argv) {
       for (const Case& c : random_cases(rng)) run_case(c, rng);
       std::fflush(stdout);
     }
-    if (race > 0) race_test(race, rng);
+    for (int r = 0; r < tree_rounds; ++r) {
+      for (const Case& c : random_tree_cases(rng)) run_case(c, rng);
+      std::fflush(stdout);
+    }
+    if (race > 0) {
+      race_test(race, false, rng);
+      race_test(race, true, rng);
+    }
     std::printf("\ncorrectness: %d checks, %d failures\n", g_checks, g_failures);
     // The inputs are fresh every run: a failure is reproduced with the same seed and switches.
     if (g_failures > 0)

@@ -116,6 +116,25 @@ def test_pack_refuses_string_tokens_and_fractional_width() -> None:
     assert torch.equal(a.input_ids, b.input_ids)
 
 
+@pytest.mark.parametrize(
+    "prompts,responses,where",
+    [
+        ([[1, 2, 3]], [[4, 5]], r"responses\[0\]\[0\] is a token id \(4\), not a response"),
+        ([[1, 2, 3]], [[[4, 5], 6]], r"responses\[0\]\[1\] is a token id \(6\), not a response"),
+        ([[1, 2, 3]], [4, 5], r"responses\[0\] is a token id \(4\), not a list of responses"),
+        ([1, 2, 3], [[[4, 5]]], r"prompts\[0\] is a token id \(1\), not a prompt"),
+    ],
+)
+def test_pack_names_responses_not_nested_per_prompt(prompts, responses, where) -> None:  # noqa: ANN001
+    # responses given flat (not one list of responses per prompt) failed with a raw
+    # "TypeError: object of type 'int' has no len()" or a group-count mismatch
+    with pytest.raises(TypeError, match=where) as e:
+        pack(prompts=prompts, responses=responses)
+    assert "responses=[[[4, 5], [6]]]" in str(e.value)  # the expected nesting
+    pk = pack(prompts=[[1, 2, 3]], responses=[[[4, 5]]])  # nested: one response of prompt 0
+    assert pk.input_ids.tolist() == [[1, 2, 3, 4, 5]]
+
+
 # --- 7. P = 0: the first response token has no prediction and is no loss token ---
 def test_empty_prompt_first_token_is_not_scored() -> None:
     pk = pack(prompts=[[], [7, 8]], responses=[[[1, 2, 3], [4]], [[5, 6]]])
@@ -396,6 +415,163 @@ def test_missing_position_ids_raise_under_compile(seed, whole) -> None:  # noqa:
         torch._dynamo.reset()
 
 
+def _traced_rule_graphs(pk, dynamic: bool) -> list:  # noqa: ANN001
+    """The forward graphs torch.compile makes of check_positions (aten ops after inductor's
+    decompositions, what inductor lowers)."""
+    import torch._dynamo
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._inductor.decomposition import select_decomp_table
+
+    graphs = []
+
+    def capture(gm, example_inputs):  # noqa: ANN001, ANN202
+        def keep(g, _inputs):  # noqa: ANN001, ANN202
+            graphs.append(g)
+            return g
+
+        return aot_module_simplified(
+            gm, example_inputs, fw_compiler=keep, decompositions=select_decomp_table()
+        )
+
+    torch._dynamo.reset()
+    try:
+        check = torch.compile(dkt.check_positions, backend=capture, fullgraph=True, dynamic=dynamic)
+        check(pk.position_ids.clone(), pk.layout)
+    finally:
+        torch._dynamo.reset()
+    return graphs
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_traced_position_rule_reduces_over_one_length(seed, dynamic) -> None:  # noqa: ANN001
+    # every reduction of the traced rule runs over the same number of elements: on CUDA,
+    # inductor's mix-order-reduction fusion asserted ("24575 v.s. 24576", torch 2.11-2.13) on
+    # the rule's reductions over T-1 and T tokens once they were large enough to be split
+    # (bench/model_step.py --compile at 16, 2048, 512 and beyond)
+    graphs = _traced_rule_graphs(_packed(seed), dynamic)
+    sizes = [
+        str(node.args[0].meta["val"].numel())
+        for g in graphs
+        for node in g.graph.nodes
+        if node.op == "call_function" and torch.Tag.reduction in getattr(node.target, "tags", ())
+    ]
+    assert len(sizes) >= 2, [g.code for g in graphs]  # the rule was traced
+    assert len(set(sizes)) == 1, sizes
+
+
+def _rule_oracle(pos: list[int], own: list[int]) -> bool:
+    """check_positions' rule restated on lists: on each stretch that attention never crosses (it
+    starts at logical position 0) the positions differ from the layout's by one constant, and
+    they are not 0..T-1 unless that is the layout's own numbering."""
+    shift: int | None = None
+    for p, o in zip(pos, own, strict=True):
+        if o == 0:
+            shift = p - o
+        elif p - o != shift:
+            return False
+    return pos != list(range(len(pos))) or pos == own
+
+
+def test_position_rule_matches_its_oracle(seed) -> None:
+    # eager and traced, the rule gives the oracle's verdict on right positions (a constant shift
+    # per stretch), positions off by one token, 0..T-1, and other batches' positions
+    import torch._dynamo
+
+    rng = random.Random(seed)
+    torch._dynamo.reset()
+    traced = torch.compile(dkt.check_positions, backend="aot_eager", fullgraph=True)
+    try:
+        for trial in range(6):
+            prompts, responses = random_groups(rng, groups=rng.randint(1, 4), p_range=(0, 6),
+                                               n_range=(1, 3), r_range=(1, 5))  # fmt: skip
+            pk = pack(prompts=prompts, responses=responses)
+            own = pk.position_ids[0].tolist()
+            t = len(own)
+            cands = [list(range(t)), [x + 1 for x in own]]
+            for _ in range(6):
+                shift, cand = 0, []
+                for o in own:
+                    shift = rng.randrange(-3, 9) if o == 0 else shift
+                    cand.append(o + shift)
+                cands.append(cand)
+                bad = list(cand)
+                bad[rng.randrange(t)] += rng.choice([-2, -1, 1, 3])
+                cands.append(bad)
+            other = pack(prompts=[[1] * rng.randint(0, t)], responses=[[[2] * 1]])
+            cands.append((other.position_ids[0].tolist() + list(range(t)))[:t])
+            for cand in cands:
+                want = _rule_oracle(cand, own)
+                pos = torch.tensor([cand])
+                try:
+                    dkt.check_positions(pos, pk.layout)
+                except ValueError:
+                    got = False
+                else:
+                    got = True
+                assert got == want, (trial, cand, own)
+                try:
+                    traced(pos.clone(), pk.layout)
+                except RuntimeError:
+                    got = False
+                else:
+                    got = True
+                assert got == want, ("traced", trial, cand, own)
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_position_ids_of_another_length_name_it(seed, use_cache) -> None:  # noqa: ANN001
+    # one token short (or long) of the packed stream: RoPE failed on them with a broadcasting
+    # error ("The size of tensor a (11) must match the size of tensor b (10)") before the
+    # attention could check them
+    model = tiny_model("qwen3", seed=seed % 1000)
+    model.set_attn_implementation("dualkv")
+    pk = _packed(seed)
+    t = pk.total_tokens
+    longer = torch.cat([pk.position_ids, pk.position_ids[:, -1:] + 1], 1)
+    for pos in (pk.position_ids[:, :-1], longer):
+        with pytest.raises(ValueError, match=rf"position_ids has {pos.shape[1]} positions .* {t}"):
+            model(input_ids=pk.input_ids, position_ids=pos, dualkv_layout=pk.layout,
+                  use_cache=use_cache)  # fmt: skip
+
+
+def test_positions_of_another_layout_say_so(seed) -> None:
+    # a layout of another batch with as many tokens, called with this batch's positions: the
+    # error said "the model was probably called without position_ids"; it says now that the
+    # positions do not follow the layout, and where
+    import torch._dynamo
+
+    model = tiny_model("qwen3", seed=seed % 1000)
+    model.set_attn_implementation("dualkv")
+    pk = pack(prompts=[[1, 2, 3], [7, 8]], responses=[[[4, 5], [6]], [[9, 10, 11]]])
+    other = pack(prompts=[[1, 2], [7, 8, 3]], responses=[[[4, 5], [6]], [[9, 10, 11]]])
+    assert other.total_tokens == pk.total_tokens
+    call = dict(input_ids=pk.input_ids, position_ids=pk.position_ids, dualkv_layout=other.layout)
+    with pytest.raises(ValueError, match="do not follow the layout's prompts and responses") as e:
+        model.model(**call)
+    msg = str(e.value)
+    assert "without position_ids" not in msg
+    # positions 0 1 2 | 3 4 | 3 ... against the layout's 0 1 | 2 3 | 2 ...: token 4 goes 3 -> 4
+    # where the layout goes 3 -> 2 (a second response of group 0)
+    assert "first at packed token 4: position_ids [..., 3, 4, ...]" in msg, msg
+    assert "[..., 3, 2, ...] within a group" in msg and "prefix_lens=[2, 3]" in msg, msg
+    # a call without position_ids is still named as such
+    with pytest.raises(ValueError, match="probably called without position_ids"):
+        model.model(input_ids=pk.input_ids, dualkv_layout=pk.layout)
+    # traced: the same rule and message (an assert in the graph, no location)
+    torch._dynamo.reset()
+    try:
+        run = torch.compile(model.model, backend="aot_eager")
+        with pytest.raises(RuntimeError, match="do not follow the layout's prompts") as e:
+            run(**call)
+        assert "without position_ids" not in str(e.value)
+        with pytest.raises(RuntimeError, match="probably called without position_ids"):
+            run(input_ids=pk.input_ids, dualkv_layout=pk.layout)
+    finally:
+        torch._dynamo.reset()
+
+
 def test_empty_batch_through_the_model() -> None:
     # transformers' forward cannot run on 0 tokens: an empty batch gives empty log-probs
     model = tiny_model("qwen3")
@@ -415,10 +591,9 @@ def test_multimodal_inputs_refused_by_the_packed_forward() -> None:
         with pytest.raises(NotImplementedError, match=name):
             dkt.packed_response_logprobs(model, pk, **{name: torch.zeros(1)})
     dkt.packed_response_logprobs(model, pk, pixel_values=None)  # None is no input
-    from dualkv import parallel
 
     with pytest.raises(NotImplementedError, match="pixel_values"):  # the sharded forward too
-        parallel.sequence_parallel_logprobs(model, pk, None, pixel_values=torch.zeros(1))
+        dkt.sequence_parallel_logprobs(model, pk, None, pixel_values=torch.zeros(1))
 
 
 def test_positions_shift_per_response_without_prompt(seed) -> None:
@@ -500,11 +675,11 @@ def test_self_test_passes_and_can_fail(seed, monkeypatch) -> None:
     assert report.value("max grad error / scale") < 1e-3
     assert model.config._attn_implementation == "sdpa"  # restored
     # a packed path that is wrong by 1% is reported as a failure
-    real = dkt.attention
-    monkeypatch.setattr(dkt, "attention", lambda *a, **kw: real(*a, **kw) * 1.01)
+    real = dkt.attention_backend.attention
+    monkeypatch.setattr(dkt.attention_backend, "attention", lambda *a, **kw: real(*a, **kw) * 1.01)
     bad = check.self_test(model, seed=seed % 1000, out=None)
     assert not bad.passed and bad.value("max log-prob error") > report.measures[0][2]
-    monkeypatch.setattr(dkt, "attention", real)
+    monkeypatch.setattr(dkt.attention_backend, "attention", real)
     # a NaN in one parameter's packed gradient is a failure, whichever parameters follow it
     emb = model.get_input_embeddings().weight
 
@@ -533,24 +708,26 @@ def test_self_test_16bit_yardstick_window_and_reference(seed, monkeypatch) -> No
     report = check.self_test(model, seed=seed % 1000, out=None)
     assert report.passed, report.lines
     assert next(model.parameters()).dtype == torch.bfloat16  # (the yardstick is a copy)
-    real = dkt.attention
+    real = dkt.attention_backend.attention
     monkeypatch.setattr(
-        dkt, "attention",
+        dkt.attention_backend, "attention",
         lambda q, k, v, layout, softmax_scale=None, **kw: real(
             q, k, v, layout, softmax_scale=(softmax_scale or q.shape[-1] ** -0.5) * 1.15, **kw
         ),
     )  # fmt: skip
     assert not check.self_test(model, seed=seed % 1000, out=None).passed
-    monkeypatch.setattr(dkt, "attention", real)
+    monkeypatch.setattr(dkt.attention_backend, "attention", real)
 
     config = tiny_config("gemma3")
     config.sliding_window = 512  # longer than the batch: the check shrinks it
     gemma = tiny_model("gemma3", config=config, seed=seed % 1000)
     assert check.self_test(gemma, seed=seed % 1000, out=None).passed
     assert gemma.config.sliding_window == 512  # restored
-    monkeypatch.setattr(dkt, "attention", lambda *a, **kw: real(*a, **{**kw, "window": None}))
+    monkeypatch.setattr(
+        dkt.attention_backend, "attention", lambda *a, **kw: real(*a, **{**kw, "window": None})
+    )
     assert not check.self_test(gemma, seed=seed % 1000, out=None).passed
-    monkeypatch.setattr(dkt, "attention", real)
+    monkeypatch.setattr(dkt.attention_backend, "attention", real)
 
     gemma2 = tiny_model("gemma2", seed=seed % 1000)
     report = check.self_test(gemma2, seed=seed % 1000, out=None)

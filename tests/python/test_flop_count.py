@@ -128,7 +128,7 @@ def test_model_step_useful_flops(preset: str, model_step) -> None:  # noqa: ANN0
     """bench/model_step.py's MFU numerator: 6 x (decoder weights) x packed tokens + 6 x hidden x
     vocab x scored tokens (N x R; the embedding lookup is free) + 3.5 x each layer's attention
     forward count with that layer's head dim and window; checkpoint recompute not counted."""
-    from dualkv.grpo_demo import PRESETS
+    from dualkv.demos.grpo_step import PRESETS
 
     model = model_step.build_any(preset, torch.device("cpu"), torch.float32)
     c = model.config  # the preset's fields (Gemma 4's config refuses per-layer reads like head_dim)

@@ -297,3 +297,40 @@ def test_bench_verl_baseline_is_the_same_step(sliding_kernel):
     for k, g in out["dualkv"][1].items():
         err = (out["verl"][1][k] - g).abs().max().item()
         assert err <= 1e-4 * g.abs().max().item() + 1e-7, (k, err)
+
+
+def test_bench_verl_baseline_kernels(monkeypatch):
+    """bench/model_step.py's verl path takes the strongest kernels a Gemma 4 user has (ffpa-attn
+    on full layers above head dim 256, FA4 at or below and on sliding layers) where their
+    packages load on a CUDA device, and falls back to DualKV's rows / HF SDPA otherwise."""
+    import os
+    import sys
+    import types
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+    import model_step as ms
+
+    monkeypatch.setattr(ms, "OPTIONS", dict(ms.OPTIONS))
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    small = ms.build_any("gemma4-tiny", cpu, torch.float32, overrides={"num_hidden_layers": 2})
+    large = ms.build_any(
+        "gemma4-tiny",
+        cpu,
+        torch.float32,
+        overrides={"num_hidden_layers": 2, "global_head_dim": 320},
+    )
+
+    def resolved(model, device, sliding="fa4", full="best"):
+        ms.resolve_kernels(model, sliding, full, device)
+        return ms.OPTIONS["sliding_kernel"], ms.OPTIONS["full_kernel"]
+
+    for name in ("flash_attn.cute.interface", "ffpa_attn"):  # importable
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    assert resolved(small, cuda) == ("fa4", "fa4")
+    assert resolved(large, cuda) == ("fa4", "ffpa")
+    assert resolved(large, cuda, "flex", "sdpa") == ("flex", "sdpa")
+    assert resolved(large, cpu) == ("dualkv-rows", "sdpa")
+    for name in ("flash_attn.cute.interface", "ffpa_attn"):  # not installed
+        monkeypatch.setitem(sys.modules, name, None)
+    assert resolved(small, cuda) == ("dualkv-rows", "sdpa")
+    assert resolved(large, cuda) == ("dualkv-rows", "sdpa")

@@ -32,14 +32,18 @@ def test_structure_and_positions() -> None:
     assert layout.position_ids.tolist() == [0, 1, 2, 3, 4, 3, 0, 1, 0, 1]
     assert layout.unshared_tokens == (3 + 2) + (3 + 0) + (3 + 1) + 2
     assert layout.token_reduction == pytest.approx(layout.unshared_tokens / 10)
-    # segments: [start, len, pos0, prompt_start, prompt_len, group, response_index], non-empty only
+    # segments, non-empty only: [start, len, pos0, root_start, root_len, group, parent, depth,
+    # pre, pre_end, last_desc]; group 1 has no prompt, so its response is a tree of its own
     assert layout.segments.tolist() == [
-        [0, 3, 0, 0, 3, 0, -1],
-        [3, 2, 3, 0, 3, 0, 0],
-        [5, 1, 3, 0, 3, 0, 2],
-        [6, 2, 0, 6, 0, 1, 0],
-        [8, 2, 0, 8, 2, 2, -1],
+        [0, 3, 0, 0, 3, 0, -1, 0, 0, 3, 2],
+        [3, 2, 3, 0, 3, 0, 0, 1, 1, 2, 1],
+        [5, 1, 3, 0, 3, 0, 0, 1, 2, 3, 2],
+        [6, 2, 0, 6, 2, 1, -1, 0, 3, 4, 3],
+        [8, 2, 0, 8, 2, 2, -1, 0, 4, 5, 4],
     ]
+    assert not layout.is_tree and layout.num_segments == 7
+    assert layout.parents == (-1, 0, 0, 0, -1, 4, -1)
+    assert layout.lengths == (3, 2, 0, 1, 0, 2, 2)
     assert "groups=3" in repr(layout)
 
 

@@ -217,6 +217,28 @@ def test_logprobs_gradient_under_autocast(seed, device):
         assert (got - want).norm() <= 1e-2 * want.norm(), ((got - want).norm(), want.norm())
 
 
+def test_logprobs_float64_under_autocast(seed):
+    """autocast never casts float64: a float64 model under a trainer's bf16 autocast scores in
+    float64, as the rows' LM head (F.linear under the same autocast) does; the LM head was cast to
+    bf16 before (the HF backend's q/k/v too, and the model then crashed: 'expected m1 and m2 to
+    have the same dtype')."""
+    torch.manual_seed(seed)
+    vocab, h = 50, 16
+    pk = pack(prompts=[[1, 2, 3], [4]], responses=[[[5, 6, 7], [8]], [[9, 10]]])
+    hidden = torch.randn(pk.total_tokens, h, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(vocab, h, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(vocab, dtype=torch.float64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp = response_logprobs(hidden, weight, pk, lm_head_bias=bias)[pk.response_mask]
+        z = torch.nn.functional.linear(hidden[pk.token_sources], weight, bias)
+    assert z.dtype == lp.dtype == torch.float64
+    want = torch.log_softmax(z, -1).gather(-1, pk.token_labels[:, None])[:, 0]
+    torch.testing.assert_close(lp, want, rtol=0, atol=1e-12)
+    got = torch.autograd.grad(lp.sum(), (hidden, weight, bias))
+    for a, b in zip(got, torch.autograd.grad(want.sum(), (hidden, weight, bias)), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_rows_reference_gradient_with_masked_nonfinite_logits(bad):
     """A masked (padding) row of non-finite logits stays out of the gradient too, not only of

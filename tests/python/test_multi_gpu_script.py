@@ -65,8 +65,8 @@ def test_exactness_and_comm_parts_on_two_gloo_processes(tmp_path, seed):
     assert sum("(KV x2)" in r["case"] for r in checks) == 5
 
     # per-layer all-to-alls: T = 64 + 4 * 16 = 128 (a multiple of 2), so the bytes sent are
-    # exactly the README's (sp-1)/sp^2 * T * D * b * (2 Hq + 2 Hkv') (b = 4 in float32); Gemma's
-    # T = 50 + 14 = 64 as well
+    # exactly docs/trainers.md's (sp-1)/sp^2 * T * D * b * (2 Hq + 2 Hkv') (b = 4 in float32);
+    # Gemma's T = 50 + 14 = 64 as well
     comm = {r["layer"]: r for r in recs if r["part"] == "comm"}
     assert set(comm) == {"Qwen3-tiny full", "gemma4-tiny sliding", "gemma4-tiny full"}
     for r in comm.values():

@@ -232,8 +232,8 @@ def _model_step(model, packed, adv, old, sharded: bool, group: Any = None):
 
     model.zero_grad(set_to_none=True)
     if sharded:
-        lp, ent = parallel.sequence_parallel_logprobs(model, packed, group, TEMPERATURE,
-                                                      return_entropy=True)  # fmt: skip
+        lp, ent = dkt.sequence_parallel_logprobs(model, packed, group, TEMPERATURE,
+                                                 return_entropy=True)  # fmt: skip
     else:
         lp, ent = dkt.packed_response_logprobs(model, packed, temperature=TEMPERATURE,
                                                return_entropy=True)  # fmt: skip
@@ -284,7 +284,7 @@ def _fsdp_run(seed: int) -> None:
     for layer in model.model.layers:
         fully_shard(layer, mesh=flat)
     packed, adv, old = batches[dp_rank]
-    lp = parallel.sequence_parallel_logprobs(model, packed, sp_group, TEMPERATURE, grad_scale=2.0)
+    lp = dkt.sequence_parallel_logprobs(model, packed, sp_group, TEMPERATURE, grad_scale=2.0)
     dualkv.dapo_loss(lp, old, adv, packed.response_mask)[0].backward()
     for n, p in model.named_parameters():
         if "layers" in n:  # FSDP's reduce-scatter averaged these over the 4 ranks
@@ -421,12 +421,22 @@ def _mask_window_worker(rank: int, world: int, seed: int) -> None:
             model.set_attn_implementation("dualkv")
             if refused:
                 with pytest.raises(NotImplementedError, match=f"limits attention to {window}"):
-                    parallel.sequence_parallel_logprobs(model, packed)
+                    dkt.sequence_parallel_logprobs(model, packed)
             else:
-                lp = parallel.sequence_parallel_logprobs(model, packed)
+                lp = dkt.sequence_parallel_logprobs(model, packed)
                 torch.testing.assert_close(lp, rows * packed.response_mask, rtol=0, atol=1e-4)
 
 
 def test_window_in_the_mask_only_raises_under_sequence_parallelism(seed):
     pytest.importorskip("transformers")
     _spawn(_mask_window_worker, 2, seed)
+
+
+def test_sequence_parallel_logprobs_moved() -> None:
+    """The old name in dualkv.parallel is a deprecation alias of the HF integration's function."""
+    dkt = pytest.importorskip("dualkv.integrations.transformers")
+    with pytest.warns(DeprecationWarning, match="dualkv.integrations.transformers"):
+        moved = parallel.sequence_parallel_logprobs
+    assert moved is dkt.sequence_parallel_logprobs
+    with pytest.raises(AttributeError):
+        parallel.no_such_name  # noqa: B018

@@ -120,6 +120,31 @@ def test_packed_step_equals_rows_fp32(seed, family):
         assert e_p <= 3 * e_r + 1e-4 * scale + 1e-7, (name, e_p, e_r, scale)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_float64_model_under_bf16_autocast(seed, family):
+    """A float64 model under a trainer's bf16 autocast (TRL's default bf16=True): autocast never
+    casts float64, so the packed step is the one without autocast, bit for bit, as the rows with
+    SDPA are. It crashed ('expected m1 and m2 to have the same dtype, but got: c10::BFloat16 !=
+    double'): the backend cast q/k/v, and the log-probs the LM head, to bf16 whatever their
+    dtype."""
+    model = tiny_model(family, torch.float64, seed=seed % 1000)
+    ids, mask, pw, pk, adv, noise = _batch(seed, groups=2)
+    old = _old_logprobs(model, ids, mask, pw, noise).double()
+    want = _step(model, ids, mask, pw, pk, adv, old, packed=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp_p, loss_p, g_p = _step(model, ids, mask, pw, pk, adv, old, packed=True)
+        lp_r, _, g_r = _step(model, ids, mask, pw, pk, adv, old, packed=False)
+    assert lp_p.dtype == torch.float64
+    assert torch.equal(lp_p, want[0]) and torch.equal(loss_p, want[1])
+    assert g_p.keys() == want[2].keys() == g_r.keys()
+    assert all(torch.equal(g_p[name], g) for name, g in want[2].items())
+    # and the rows' step under the same autocast (the model computes its norms and RoPE in
+    # float32, whose roundings the two arrangements of the tokens meet in other orders)
+    torch.testing.assert_close(lp_p, lp_r, rtol=0, atol=1e-10)
+    for name, g in g_r.items():
+        assert (g_p[name] - g).abs().max() <= 1e-5 * g.abs().max() + 1e-12, name
+
+
 def _oracle_grads(family, seed, ids, mask, pw, pk, adv, old):
     """The rows step's gradients in float64 throughout (hf_helpers.Float64Throughout; MoE experts
     run eagerly, torch's grouped_mm has no float64)."""
@@ -245,7 +270,7 @@ def test_gradient_checkpointing_kwarg_and_context(seed, family, keep_attention):
     model.set_attn_implementation("dualkv")
     model.train()
     ids, mask, pw, pk, adv, noise = _batch(seed, groups=2)
-    weight, bias, softcap = dkt._lm_head(model)
+    weight, bias, softcap = dkt.lm_head_of(model)
 
     def loss_of(hidden):
         lp = dualkv.response_logprobs(hidden, model.get_output_embeddings().weight, pk,
@@ -379,6 +404,56 @@ def test_compiled_layers_with_checkpointing(seed, keep_attention, device, backen
         e_plain = max(_rel_l2(want[name], g), _rel_l2(want_rows[name], g))
         e_compiled = _rel_l2(got[name], g)
         assert e_compiled <= 3 * e_plain + 1e-3, (name, e_compiled, e_plain)
+
+
+@pytest.mark.gpu
+def test_compiled_step_at_a_realistic_size(seed):
+    """The benchmark's shape (N, P, R) = (16, 8192, 1024), T = 24576 packed tokens, with inductor's
+    default settings on CUDA: the traced position check alone, then the step with every decoder
+    layer compiled under gradient checkpointing (bench/model_step.py --compile). Large reductions
+    are split there, which the small shapes of the other compiled tests never reach: the rule's
+    reductions over T - 1 and T tokens made inductor assert ("24575 v.s. 24576")."""
+    import torch._dynamo
+
+    n, p, r = 16, 8192, 1024
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, VOCAB, (p,), generator=g)
+    ids = torch.cat([prompt.expand(n, p), torch.randint(0, VOCAB, (n, r), generator=g)], 1)
+    pk = dualkv.pack(ids, torch.ones_like(ids), p, torch.zeros(n, dtype=torch.long), device="cuda")
+    torch._dynamo.reset()
+    try:
+        check = torch.compile(dkt.check_positions)
+        check(pk.position_ids.clone(), pk.layout)
+        check(pk.position_ids + 5, pk.layout)  # one group: a constant shift is the same function
+    finally:
+        torch._dynamo.reset()
+
+    adv = torch.randn(n, generator=g).cuda()
+
+    def step(model):  # noqa: ANN001, ANN202
+        model.zero_grad(set_to_none=True)
+        lp = dkt.packed_response_logprobs(model, pk)
+        dapo_loss(lp, lp.detach(), adv, pk.response_mask)[0].backward()
+        return lp.detach().float().cpu(), _grads(model)
+
+    def fresh(dtype, device):  # noqa: ANN001, ANN202
+        model = tiny_model("qwen3", dtype, seed=seed % 1000, head_dim=64).to(device)
+        model.set_attn_implementation("dualkv")
+        return model.train()
+
+    with torch.no_grad():  # float32: on the CPU (the CUDA kernels take bf16 and fp16)
+        lp_ref = dkt.packed_response_logprobs(fresh(torch.float32, "cpu"), pk.to("cpu"))
+    model = fresh(torch.bfloat16, "cuda")
+    lp_eager, _ = step(model)
+    with _compiled_layers(model, "inductor"):
+        lp, grads = step(model)
+    # bf16 log-probs of ~16k tokens: the compiled step's RMS error against float32 within 3x the
+    # eager bf16 step's (inductor rounds the fused elementwise code its own way)
+    real = pk.response_mask.cpu()
+    rms_c = (lp - lp_ref)[real].pow(2).mean().sqrt().item()
+    rms_e = (lp_eager - lp_ref)[real].pow(2).mean().sqrt().item()
+    assert rms_c <= 3 * rms_e + 1e-3, (rms_c, rms_e)
+    assert all(torch.isfinite(x).all() for x in grads.values())
 
 
 def test_compiled_decoder_one_graph_for_all_batches(seed):

@@ -389,6 +389,37 @@ def test_bf16_autocast_within_trl_error(model_dirs, tmp_path, seed, fp32_head):
         assert e_dk <= 3 * e_trl + 2e-3, (what, e_dk, e_trl)
 
 
+def test_float64_model_with_bf16_true(model_dirs, tmp_path, seed):
+    """A float64 model with TRL's default bf16=True: autocast never casts float64, so the DualKV
+    trainer's log-probs and entropies are those of the model without autocast (TRL's with
+    bf16=False, to its float32 outputs' rounding). The DualKV trainer crashed ('expected m1 and
+    m2 to have the same dtype, but got: c10::BFloat16 != double'). (TRL's own scoring under
+    bf16=True casts the float64 hidden states to float32, which autocast then takes to bf16.)"""
+    data = dataset(random.Random(seed), 4)
+    f64 = {"attn_implementation": "sdpa", "dtype": torch.float64}
+    path = model_dirs["qwen3"]
+    want_tr = GRPOTrainer(
+        model=path, reward_funcs=reward_distinct, train_dataset=data, processing_class=tokenizer(),
+        args=config(tmp_path / "no_bf16", model_init_kwargs=f64),
+    )  # fmt: skip
+    _, dk_tr = trainers(path, tmp_path, data, bf16=True, model_init_kwargs=f64)
+    batch = random_batch(seed)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    width = batch["completion_ids"].shape[1]
+    got = []
+    for tr in (want_tr, dk_tr):
+        assert next(tr.model.parameters()).dtype == torch.float64
+        with torch.no_grad():
+            lp, ent, _ = tr._get_per_token_logps_and_entropies(
+                tr.model, ids, mask, width, compute_entropy=True
+            )
+        got.append((lp.double(), ent.double()))
+    real = batch["completion_mask"].bool()
+    for want, dk in zip(*got, strict=True):
+        torch.testing.assert_close(dk[real], want[real], rtol=1e-5, atol=1e-5)  # (float32 TRL)
+
+
 def _row_keys(batch):
     """(prompt tokens, completion tokens) of each row, as a sorted list (order-free comparison)."""
     keys = []

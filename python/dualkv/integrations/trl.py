@@ -50,7 +50,8 @@ from trl import GRPOTrainer
 from trl.trainer.utils import FusedCausalLMOutput
 
 from ..logprobs import response_logprobs
-from ..packing import PackedBatch, _prompt_groups, pack
+from ..packing import PackedBatch, pack
+from ..trainer_rows import prompt_group_codes
 from . import transformers as dkt
 
 __all__ = [
@@ -191,7 +192,7 @@ def add_packed_lm_head(
 def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
     """``[B]`` int64 group code of each row (first-seen order): rows with identical real prompt
     tokens (left-padded ``prompt_ids`` under ``prompt_mask``) share a code."""
-    return _prompt_groups(prompt_ids, prompt_mask != 0)
+    return prompt_group_codes(prompt_ids, prompt_mask != 0)
 
 
 def group_microbatches(
@@ -312,7 +313,7 @@ def row_positions(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Te
     0..L-1 (left padding included: absolute embeddings such as GPT-2's see it), and OPT / BioGPT
     number the real tokens from 0 by the attention mask. The packed rows must see the same.
     """
-    model_type = getattr(dkt._text_config(model), "model_type", None)
+    model_type = getattr(dkt.text_config_of(model), "model_type", None)
     if model_type in MASK_POSITION_MODEL_TYPES:
         return (mask.long().cumsum(1) - 1).clamp(min=0)
     return torch.arange(ids.shape[1], device=ids.device).expand_as(ids)

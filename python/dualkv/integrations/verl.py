@@ -68,8 +68,10 @@ import torch
 
 from .. import parallel as _sp
 from ..logprobs import response_logprobs
-from ..packing import PackedBatch, _prompt_groups, pack_rows
+from ..packing import PackedBatch, pack_rows
 from . import transformers as _hf  # registers attn_implementation="dualkv"
+from .verl_cpu_platform import use_cpu_platform
+from .verl_grouping import partition_groups, prompt_groups
 
 try:
     from verl.utils import tensordict_utils as tu
@@ -148,64 +150,6 @@ def check_loss_split_invariant(loss_function: Callable[..., Any]) -> None:
             )
 
 
-# --- grouping and micro-batching (host work, once per batch) -------------------------------------
-
-
-def prompt_groups(
-    prompts: torch.Tensor, attention_mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Group rows by their real prompt tokens.
-
-    Args:
-        prompts: ``[B, Pw]`` left-padded prompt ids (veRL's ``prompts``).
-        attention_mask: ``[B, Pw + Rw]`` veRL's padded attention mask.
-
-    Returns:
-        ``(group [B], prompt_len [B], response_len [B])`` on the CPU: ``group`` numbers the
-        distinct prompts in first-seen order.
-    """
-    pw = prompts.shape[1]
-    mask = attention_mask.detach().to("cpu") != 0
-    plen = mask[:, :pw].sum(1)
-    rlen = mask[:, pw:].sum(1)
-    group = _prompt_groups(prompts.detach().to("cpu"), mask[:, :pw])
-    return group, plen, rlen
-
-
-def partition_groups(
-    costs: list[int],
-    budget: int,
-    num_bins: int,
-    allow_oversized: bool,
-) -> list[list[int]] | None:
-    """Balanced assignment of groups to ``num_bins`` micro-batches (longest first).
-
-    Args:
-        costs: cost of each group (packed tokens, or rows).
-        budget: the most a micro-batch may cost.
-        num_bins: number of micro-batches.
-        allow_oversized: a group costing more than the budget may be a micro-batch alone.
-
-    Returns:
-        For each bin, its group indices in increasing order; None when the groups do not fit.
-    """
-    if num_bins < 1 or num_bins > len(costs):
-        return None
-    order = sorted(range(len(costs)), key=lambda g: (-costs[g], g))
-    bins: list[list[int]] = [[] for _ in range(num_bins)]
-    loads = [0] * num_bins
-    for g in order:
-        b = min(range(num_bins), key=lambda i: (loads[i], i))
-        bins[b].append(g)
-        loads[b] += costs[g]
-    for b in range(num_bins):
-        if loads[b] > budget and not (allow_oversized and len(bins[b]) == 1):
-            return None
-        if not bins[b]:
-            return None
-    return [sorted(b) for b in bins]
-
-
 def _all_reduce_int(value: int, op: Any, group: Any) -> int:
     if not torch.distributed.is_initialized():
         return value
@@ -231,7 +175,7 @@ def _install_packed_forward(model: Any) -> None:
     lm_forward = model.forward
     head_forward = head.forward
     softcap = _hf.lm_head_softcap(model)
-    _hf.check_token_mixers(_hf._text_config(model), model)
+    _hf.check_token_mixers(_hf.text_config_of(model), model)
 
     def packed_head(
         hidden: torch.Tensor,
@@ -271,7 +215,7 @@ def _install_packed_forward(model: Any) -> None:
             # the guards of every packed forward, on the global batch (length-dependent RoPE,
             # Llama 4's attention temperature, ...), as packed_hidden_states runs them
             _hf.check_packed_model(model, {}, packed.packed)
-            out = _hf._decoder(model)(**packed.model_inputs())
+            out = _hf.decoder_of(model)(**packed.model_inputs())
             hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         else:
             hidden = _hf.packed_hidden_states(model, packed)
@@ -575,78 +519,6 @@ class DualKVFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if output_args["calculate_entropy"]:
             model_output["entropy"] = to_rows(output[1])
         return model_output
-
-
-def use_cpu_platform() -> None:
-    """Give veRL a CPU platform (veRL 0.9.1 ships CUDA, ROCm and NPU ones), through its own
-    platform plugin API, so its FSDP engine runs on the CPU with gloo: for tests and smoke runs
-    on machines without an accelerator. Call it before veRL's engine is built."""
-    from verl.plugin.platform.platform_base import PlatformBase
-    from verl.plugin.platform.platform_manager import set_platform
-
-    class CPUPlatform(PlatformBase):
-        device_name = "cpu"  # type: ignore[assignment]
-        vendor_name = "cpu"  # type: ignore[assignment]
-        device_module = torch.cpu  # type: ignore[assignment]
-
-        def is_available(self) -> bool:
-            return True
-
-        def current_device(self) -> Any:
-            return "cpu"
-
-        def device_count(self) -> int:
-            return 1
-
-        def set_device(self, device_index: int) -> None:
-            return None
-
-        def synchronize(self, device_index: int | None = None) -> None:
-            return None
-
-        def manual_seed(self, seed: int) -> None:
-            torch.manual_seed(seed)
-
-        def manual_seed_all(self, seed: int) -> None:
-            torch.manual_seed(seed)
-
-        def set_allocator_settings(self, settings: str) -> None:
-            return None
-
-        def empty_cache(self) -> None:
-            return None
-
-        def get_device_capability(self, device_index: int = 0) -> tuple[None, None]:
-            return (None, None)
-
-        def communication_backend_name(self) -> str:
-            return "gloo"
-
-        def visible_devices_envvar(self) -> str:
-            return "CUDA_VISIBLE_DEVICES"
-
-        def nvtx_range(self, msg: str) -> Any:
-            return nullcontext()
-
-        def profiler_start(self) -> None:
-            return None
-
-        def profiler_stop(self) -> None:
-            return None
-
-        def ray_resource_name(self) -> str:
-            return "CPU"
-
-        def ray_noset_envvars(self) -> list[str]:
-            return []
-
-        def is_ipc_supported(self) -> bool:
-            return False
-
-        def cudart(self) -> Any:
-            return None
-
-    set_platform(CPUPlatform())
 
 
 def _register() -> None:

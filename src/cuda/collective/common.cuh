@@ -1,5 +1,6 @@
 // Device helpers shared by the sm_80 kernels: PTX wrappers (mma.sync, ldmatrix, cp.async),
-// swizzled shared-memory tiles, the kernel parameter block and the key/query region walk.
+// swizzled shared-memory tiles, the kernel parameters of each pass (the base Params and the
+// layout walks: collective/walks.h).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -8,6 +9,7 @@
 
 #include <cstdint>
 
+#include "collective/walks.h"
 #include "dualkv/layout.h"
 #include "dualkv/mask.h"
 
@@ -15,32 +17,6 @@ namespace dualkv::cuda::detail {
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-
-// The parameters every kernel reads: the layout tables, the shape, the score (scale, softcap,
-// mask) and q, k, v with their strides. The forward and backward kernels take FwdParams /
-// BwdParams (passed by value), which add their own tensors; the pieces both use (region and
-// query walks, score modifier, CTA decode) take this base.
-struct Params {
-  const void* q;
-  const void* k;
-  const void* v;
-  int64_t q_tok, q_head, k_tok, k_head, v_tok, v_head;  // element strides (D contiguous)
-  const Segment* segs;
-  const Tile* qtiles;
-  const Tile* ktiles;
-  int32_t nseg, nqt, nkt, T;
-  int32_t Hq, Hkv, group;  // group = Hq / Hkv
-  float scale;             // softmax scale
-  float scale_log2;        // scale * log2(e)          (no softcap)
-  float softcap;           // c > 0: s = c * tanh(scale * qk / c)
-  float cap_inv;           // scale / c
-  float cap_log2;          // c * log2(e)
-  MaskRule mask;
-  // The order of the dK/dV kernels' CTAs (KeyTileCta): 0 = the kv heads of one key tile next to
-  // each other (index = unit * Hkv + head); n > 0 = the key tiles in chunks of n units, the kv
-  // heads outer within a chunk, so that the CTAs running together share one kv head's queries.
-  int32_t key_chunk;
-};
 
 // The forward's parameters.
 struct FwdParams : Params {
@@ -243,81 +219,6 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// A contiguous key region seen by a query segment: the group's prompt (region A) or the query's
-// own response (region B). Keys [start, start + len) packed, logical positions from pos0.
-struct Region {
-  int32_t start, pos0, len;
-};
-
-// The key regions of query segment `seg`: [0] = prompt (region A), [1] = own response (region B,
-// empty for a prompt query).
-__device__ __forceinline__ void key_regions(const Segment& seg, Region (&r)[2]) {
-  r[0] = {seg.prompt_start, 0, seg.prompt_len};
-  r[1] = {seg.start, seg.pos0, seg.is_response() ? seg.len : 0};
-}
-
-// Blocks of `B` keys of region `r` (aligned to its start) seen by queries at positions
-// [pq_first, pq_last]: [*b0, *b0 + return value).
-template <int B>
-__device__ __forceinline__ int key_blocks(const Region& r, int pq_first, int pq_last,
-                                          const MaskRule& m, int* b0) {
-  if (r.len <= 0) return 0;
-  const int lo = max(r.pos0, m.lowest_key(pq_first));
-  const int hi = min(r.pos0 + r.len - 1, pq_last);
-  if (lo > hi) return 0;
-  *b0 = (lo - r.pos0) / B;
-  return (hi - r.pos0) / B + 1 - *b0;
-}
-
-// Whether a (query block, key block) pair needs per-element masking: partial blocks, the causal
-// diagonal, or the window edge.
-__device__ __forceinline__ bool needs_mask(int nq, int BM, int nk, int BN, int pq_first,
-                                           int pq_last, int pk_first, int pk_last,
-                                           const MaskRule& m) {
-  return nq < BM || nk < BN || pk_last > pq_first ||
-         int64_t(pq_last) - int64_t(pk_first) >= int64_t(m.window);
-}
-
-// One block of at most `B` keys of a walk: keys [off, off + B) of region R, cut at its end.
-template <int B>
-struct KeyBlock {
-  Region R;
-  int off;
-  __device__ __forceinline__ int64_t row() const { return int64_t(R.start) + off; }  // first key
-  __device__ __forceinline__ int pos() const { return R.pos0 + off; }  // its logical position
-  __device__ __forceinline__ int count() const { return min(B, R.len - off); }
-};
-
-// The key blocks of `B` keys that queries [q0, q0 + nq) of segment `seg` walk, in order: the
-// prompt region's blocks, then the own response's. One online softmax runs over all of them.
-template <int B>
-struct KeyBlockWalk {
-  Region r0, r1;
-  int b00 = 0, b01 = 0;   // first block of each region
-  int nb0, total;         // blocks in region 0; in both
-  int pq_first, pq_last;  // logical positions of the first and last query
-
-  __device__ __forceinline__ KeyBlockWalk(const Segment& seg, int q0, int nq, const MaskRule& m) {
-    Region reg[2];
-    key_regions(seg, reg);
-    r0 = reg[0], r1 = reg[1];
-    pq_first = seg.pos0 + (q0 - seg.start), pq_last = pq_first + nq - 1;
-    nb0 = key_blocks<B>(r0, pq_first, pq_last, m, &b00);
-    total = nb0 + key_blocks<B>(r1, pq_first, pq_last, m, &b01);
-  }
-  // Key block j of the walk.
-  __device__ __forceinline__ KeyBlock<B> at(int j) const {
-    const bool first = j < nb0;
-    return {first ? r0 : r1, (first ? b00 + j : b01 + j - nb0) * B};
-  }
-  // Whether key block `kb` needs per-element masking against the walk's queries (`nq` rows of a
-  // `BM`-row tile).
-  __device__ __forceinline__ bool masked(const KeyBlock<B>& kb, int nq, int BM,
-                                         const MaskRule& m) const {
-    return needs_mask(nq, BM, kb.count(), B, pq_first, pq_last, kb.pos(), kb.pos() + B - 1, m);
-  }
-};
-
 // A synchronous kernel's cp.async of key block kb's K and V rows (kg / vg: row 0 of the kv head)
 // into the stage tiles sK, sV (BN rows of D columns, in Tiles' layout). kFresh: load_tile's.
 template <class Tiles, int BN, int D, int THREADS, bool kFresh = false, typename T, int B>
@@ -426,18 +327,5 @@ struct KeyTileCta {
     pk_first = kseg.pos0 + (k0 - kseg.start), pk_last = pk_first + nk - 1;
   }
 };
-
-// Blocks of `B` queries of segment `qs` (aligned to its start) that see some key at positions
-// [pk_first, pk_last] of the same group (the keys are in qs's prompt or in qs itself).
-template <int B>
-__device__ __forceinline__ bool query_blocks(const Segment& qs, int pk_first, int pk_last,
-                                             const MaskRule& m, int* b0, int* b1) {
-  const int lo = max(qs.pos0, pk_first);
-  const int hi = min(qs.pos0 + qs.len - 1, m.highest_query(pk_last));
-  if (lo > hi) return false;
-  *b0 = (lo - qs.pos0) / B;
-  *b1 = (hi - qs.pos0) / B + 1;
-  return true;
-}
 
 }  // namespace dualkv::cuda::detail

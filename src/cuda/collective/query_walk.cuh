@@ -1,64 +1,12 @@
 // The query walk of a key block's dK/dV CTA (the sm_80, synchronous sm_90a and warp-specialised
 // dK/dV kernels): which query blocks see the key block, in the fixed order that makes dK/dV
-// deterministic. With the key walk (KeyBlockWalk, collective/common.cuh) the only code that knows
-// the layout's shape.
+// deterministic (QIter, query_walk_begin / query_walk_next: collective/walks.h), and the
+// synchronous kernels' loads of its query blocks.
 #pragma once
 
 #include "collective/common.cuh"
 
 namespace dualkv::cuda::detail {
-
-// Iteration state of the dkdv kernel: q head (within the kv head's group), query segment, block.
-struct QIter {
-  int hi, si, qb, qb_end;
-  Segment qs;
-  // The current block of BM queries: its first query's packed row and logical position, its size.
-  __device__ __forceinline__ int row(int BM) const { return qs.start + qb * BM; }
-  __device__ __forceinline__ int pos(int BM) const { return qs.pos0 + qb * BM; }
-  __device__ __forceinline__ int count(int BM) const { return min(BM, qs.len - qb * BM); }
-};
-
-template <int BM>
-__device__ __forceinline__ bool seek_query_region(const Params& p, const Segment& kseg, int ksi,
-                                                  int si, int pk_first, int pk_last, QIter& it) {
-  for (;; ++si) {
-    Segment s;
-    if (si == ksi) {
-      s = kseg;
-    } else {
-      // Other query regions only for a prompt key: the responses of its group, which follow it.
-      if (kseg.is_response() || si >= p.nseg) return false;
-      s = p.segs[si];
-      if (s.group != kseg.group) return false;
-    }
-    int b0, b1;
-    if (query_blocks<BM>(s, pk_first, pk_last, p.mask, &b0, &b1)) {
-      it.si = si;
-      it.qs = s;
-      it.qb = b0;
-      it.qb_end = b1;
-      return true;
-    }
-  }
-}
-
-// The fixed walk of a key tile's dK/dV CTA over query blocks of BM: for each q head of the GQA
-// group, the blocks of the keys' own segment, then (prompt keys) of each later segment of the
-// group that sees them. query_walk_begin starts it, query_walk_next steps it; false: past the end.
-template <int BM>
-__device__ __forceinline__ bool query_walk_begin(const Params& p, const Segment& kseg, int ksi,
-                                                 int pk_first, int pk_last, QIter& it) {
-  it.hi = 0;
-  return seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pk_last, it);
-}
-template <int BM>
-__device__ __forceinline__ bool query_walk_next(const Params& p, const Segment& kseg, int ksi,
-                                                int pk_first, int pk_last, QIter& it) {
-  if (++it.qb < it.qb_end) return true;
-  if (seek_query_region<BM>(p, kseg, ksi, it.si + 1, pk_first, pk_last, it)) return true;
-  if (++it.hi < p.group) return seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pk_last, it);
-  return false;
-}
 
 // A synchronous dK/dV kernel's cp.async of query block `it` (kv head hk) into stage `stage`: its
 // Q and dO rows (tiles of QB bytes from sQ0 / sdO0, in Tiles' layout) and its lse2 / delta rows

@@ -3,16 +3,16 @@
 //   1. bwd_pre (collective/bwd_preprocess.cuh): delta = rowsum(dO * O) - dlse and
 //      lse2 = lse * log2(e) into the workspace.
 //   2. dkdv: one CTA per (key block, kv head). It loops, in a fixed order, over every q head of
-//      the kv head's group and every query block that sees the key block (for a prompt key block:
-//      the prompt's own later queries, then each response's queries; for a response key block: its
-//      own later queries; the walk: collective/query_walk.cuh), accumulating dK and dV in
+//      the kv head's group and every query block that sees the key block (its segment's own later
+//      queries, then those of each descendant segment; in the depth-two layout a prompt key
+//      block's responses; the walk: collective/query_walk.cuh), accumulating dK and dV in
 //      registers: deterministic, no atomics.
 //      Each warp owns 16 keys (S^T = K Q^T lives in registers as the A operand of dV += P^T dO and
 //      dK += dS^T Q).
 //   3. dq: one CTA per (64-query block, q head) walks the key blocks like the forward pass and
 //      accumulates dQ in registers (fixed order). Every output is bitwise reproducible. (A fused
-//      variant adding dS K into an fp32 accumulator with atomics measured slower on an H200,
-//      47.8 vs 37.0 ms, and was deleted; src/cuda/NOTES.md.)
+//      variant adding dS K into an fp32 accumulator with atomics was slower than this pass and was
+//      deleted; src/cuda/LAB_NOTEBOOK.md, "Defaults and deletions".)
 // kSmall (GPUs with less shared memory per block than the regular configs need,
 // KernelPolicy::sm80_small_smem): at D = 512 16-key dK/dV CTAs over 16-query blocks and 16-query
 // dQ CTAs (BwdCfg, DqCfg), each at most 96.3 KB, whose slab exchange reuses the other stage's
@@ -370,7 +370,7 @@ __global__ void __launch_bounds__(DqCfg<D, kSmall>::THREADS, DqCfg<D, kSmall>::M
 
   load_q_do_rows<T, SwzTiles, BM, D, THREADS, Cfg::FRESH_ADDR>(p, q0, nq, h, sQ, sdO);
 
-  const KeyBlockWalk<BN> walk(seg, q0, nq, p.mask);
+  const KeyBlockWalk<BN> walk(p, seg, q0, nq);
   const int total = walk.total, pq_first = walk.pq_first;
   auto load_kv = [&](int j, int stage) {
     load_kv_block<SwzTiles, BN, D, THREADS, Cfg::FRESH_ADDR>(

@@ -1,9 +1,11 @@
 // sm_80 forward (mma.sync m16n8k16, ldmatrix, cp.async; FlashAttention-2 style). Runs on sm_80+.
 //
 // One CTA per (query tile, q head): 128 query rows; each warp owns MT 16-row m-tiles (MT = 2 for D
-// <= 128). A response tile walks the prompt's key blocks (region A) then its own response's key
-// blocks (region B) with one online softmax; a prompt tile walks its prompt causally. Only blocks
-// on the causal diagonal, the window edge or a region end are masked element-wise (with MaskRule).
+// <= 128). A tile walks the key blocks of its segment's ancestors (the root first, then the
+// others from the parent up) and then its own segment's causally, with one online softmax
+// (KeyBlockWalk; the depth-two layout: a response tile walks the prompt, then its own response;
+// a prompt tile its prompt). Only blocks on the causal diagonal, the window edge or a region end
+// are masked element-wise (with MaskRule).
 // K/V blocks are double-buffered. D = 512: 64-row CTAs (half tiles), and two warps per 16-row slab
 // that split O's columns (each computes the slab's S in full: 1.5x the matrix work of one warp).
 // kSmall (D = 256 and 512 on GPUs with less shared memory per block than their regular configs
@@ -51,8 +53,14 @@ struct FwdCfg {
   static constexpr int OFF_V = int(offsetof(SharedStorage, v));
   static constexpr int SMEM = int(sizeof(SharedStorage));
   static constexpr int MIN_BLOCKS = D >= 256 ? 1 : 2;
-  // load_tile's row offsets per call: 0 spills at D = 512 (at D = 256 they spill 32-36 bytes)
-  static constexpr bool FRESH_ADDR = kSmall && D >= 512;
+  // load_tile's row offsets per call (kFreshAddr): with the prefix-tree key walk, 0 spills in
+  // sm_80 code at D >= 128 and in sm_90a code at D >= 256 (without: 8-68 bytes at D = 128 / 256 /
+  // 512); at D = 128 in sm_90a code it spills 12 bytes, 8 without (see fwd_kernel_sm80).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static constexpr bool FRESH_ADDR = D >= 256;
+#else
+  static constexpr bool FRESH_ADDR = D >= 128;
+#endif
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
 static_assert(FwdCfg<512>::SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
@@ -81,7 +89,7 @@ __global__ void __launch_bounds__(FwdCfg<D, kSmall>::THREADS, FwdCfg<D, kSmall>:
 
   load_tile<BM, D, THREADS, Cfg::FRESH_ADDR>(sQ, qg, p.q_tok, nq);
 
-  const KeyBlockWalk<BN> walk(seg, q0, nq, p.mask);
+  const KeyBlockWalk<BN> walk(p, seg, q0, nq);
   const int total = walk.total, pq_first = walk.pq_first;
   auto load_kv = [&](int j, int stage) {
     load_kv_block<SwzTiles, BN, D, THREADS, Cfg::FRESH_ADDR>(

@@ -288,7 +288,7 @@ __global__ void __launch_bounds__(256, 1) dq_kernel_sm90(const __grid_constant__
 
   load_q_do_rows<T, SW128Tiles, BM, D, THREADS>(p, q0, nq, h, sQ, sdO);
 
-  const KeyBlockWalk<BN> walk(seg, q0, nq, p.mask);
+  const KeyBlockWalk<BN> walk(p, seg, q0, nq);
   const int total = walk.total, pq_first = walk.pq_first;
   auto load_kv = [&](int j, int stage) {
     load_kv_block<SW128Tiles, BN, D, THREADS>(p, walk.at(j), sK0 + stage * Cfg::KV_BYTES,

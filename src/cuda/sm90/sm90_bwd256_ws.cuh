@@ -19,9 +19,9 @@
 //     after the other barrier, which the other warpgroup reaches after reading it, so one buffer
 //     each suffices (ws_protocol_sim.py, run_d256).
 // dQ: sm90_dq_ws.cuh's warp-specialised dQ pass (deterministic: no atomics). A variant with dQ
-// fused into this kernel (bulk reductions, as sm90_bwd_ws.cuh's) measured 20-22% slower backward
-// and was deleted. Shared memory, registers and tensor cycles: src/cuda/NOTES.md, "D = 256
-// warp-specialised backward".
+// fused into this kernel (bulk reductions, as sm90_bwd_ws.cuh's: twice their bytes per FLOP at
+// this head dim) was slower and was deleted. Design: src/cuda/NOTES.md; shared memory, registers
+// and tensor cycles: src/cuda/LAB_NOTEBOOK.md, "D = 256 warp-specialised backward".
 #pragma once
 
 #include <cstddef>

@@ -1,8 +1,9 @@
 // sm_90a D = 512 backward: warp-specialised dK/dV and dQ kernels on wgmma in 2-CTA clusters that
 // split the head dim: the default D = 512 backward on Hopper; DUALKV_SM90_D512_BWD=0 runs the
-// sm_80 one (A/B, cross-check). Design and arithmetic: src/cuda/NOTES.md, "D = 512 dK/dV on
-// wgmma", "D = 512 backward: the exchange behind the previous block's products" and "Tenth
-// session". The dK/dV kernel (the dQ kernel is described above its Cfg):
+// sm_80 one (A/B, cross-check). Design: src/cuda/NOTES.md, "Head dim 512"; arithmetic and
+// history: src/cuda/LAB_NOTEBOOK.md, "D = 512 dK/dV on wgmma", "D = 512 backward: the exchange
+// behind the previous block's products" and "Tenth session". The dK/dV kernel (the dQ kernel is
+// described above its Cfg):
 //   - One cluster of two CTAs per (64-key half of a key tile, kv head). CTA rank r holds columns
 //     [256r, 256r + 256) of K, V and of every Q / dO block, and owns those columns of dK and dV.
 //     Both CTAs walk the same query blocks of 64 in the fixed order of query_walk.cuh (as every
@@ -544,7 +545,7 @@ __global__ void __launch_bounds__(384, 1)
   const Segment& seg = cta.seg;
   const int cb0 = int(rank) * DH;
 
-  const KeyBlockWalk<BN> walk(seg, q0, nq, p.mask);
+  const KeyBlockWalk<BN> walk(p, seg, q0, nq);
   const int total = walk.total, pq_first = walk.pq_first;
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;

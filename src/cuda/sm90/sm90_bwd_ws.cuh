@@ -22,9 +22,9 @@
 // (conflict-free stores) and lane 0 of producer warp 1 + c adds it into dq_accum with one bulk
 // async reduction (cp.reduce.async.bulk, L2 evict_last), so the consumers never wait on global
 // atomics; a conversion kernel writes dq. Not bitwise reproducible (the reductions' order varies).
-// H200, D = 128, Hq 32, Hkv 8, (16, 8192, 1024): 16.07 ms backward fused, 18.30 ms separate
-// (src/cuda/NOTES.md, also for the variants this replaced). D = 256 keeps the synchronous path
-// (the accumulators would not fit).
+// Fused is the faster backward (bench/RESULTS.md; the variants this replaced:
+// src/cuda/LAB_NOTEBOOK.md). D = 256 has its own dK/dV kernel, sm90_bwd256_ws.cuh (these
+// accumulators would not fit).
 #pragma once
 
 #include <cstddef>
@@ -346,8 +346,8 @@ __global__ void __launch_bounds__(384, 1)
       const float* del_c = lse_c + BM;
 
       // This thread's lse2 columns, read before the GEMMs are issued: read among them, the loads
-      // completed only after dP^T's shared-memory operands (ncu: the first exponential stalled
-      // on them, 8.6% of samples). Not with softcap: there the 16 registers spill.
+      // completed only after dP^T's shared-memory operands (a profile showed the first exponential
+      // stalling on them). Not with softcap: there the 16 registers spill.
       float lse_r[kCap ? 1 : SR / 2];
       if constexpr (!kCap) {
         frag_cols_load<SR>(lse_c, tq, lse_r);

@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
   const int h = cta.h, hk = cta.hk, q0 = cta.q0, nq = cta.nq;
   const Segment& seg = cta.seg;
 
-  const KeyBlockWalk<BN> walk(seg, q0, nq, p.mask);
+  const KeyBlockWalk<BN> walk(p, seg, q0, nq);
   const int total = walk.total, pq_first = walk.pq_first;
 
   if (tid == 0) {

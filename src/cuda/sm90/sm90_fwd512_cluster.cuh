@@ -1,6 +1,7 @@
 // sm_90a D = 512 forward on 2-CTA clusters that split the head dim (the D = 512 forward on Hopper;
-// the sm_80 one when a tensor map cannot be encoded). Design, arithmetic and measurements:
-// src/cuda/NOTES.md, "D = 512 forward on 2-CTA clusters".
+// the sm_80 one when a tensor map cannot be encoded). Design: src/cuda/NOTES.md, "Head dim 512";
+// arithmetic and measurements: src/cuda/LAB_NOTEBOOK.md, "D = 512 forward on 2-CTA clusters" and
+// "Eleventh session".
 //   - One cluster of two CTAs per (128-query tile, q head). CTA rank r holds columns
 //     [256r, 256r + 256) of Q (resident) and of every K / V block of the tile's key walk, and owns
 //     those columns of O. Each producer loads only its own half (no multicast, no cluster-wide
@@ -339,7 +340,7 @@ __global__ void __launch_bounds__(384, 1)
   const int h = cta.h, hk = cta.hk, q0 = cta.q0, nq = cta.nq;
   const int cb0 = int(rank) * DH;  // this CTA's first column
 
-  const KeyBlockWalk<BN> walk(cta.seg, q0, nq, p.mask);
+  const KeyBlockWalk<BN> walk(p, cta.seg, q0, nq);
   const int total = walk.total, pq_first = walk.pq_first;
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;

@@ -1,6 +1,7 @@
 // sm_90a forward, FlashAttention-3 style: the forward on Hopper at head dims 64, 128 and 256 (the
 // sm_80 one when a TMA map cannot be encoded; D = 512: sm90_fwd512_cluster.cuh). One CTA per (query
-// tile, q head), region A then region B, one online softmax, masks on boundary blocks only:
+// tile, q head), the key walk (KeyBlockWalk: ancestors, then its own segment), one online softmax,
+// masks on boundary blocks only:
 //   - warpgroup 0 is the producer: one thread issues TMA copies (cp.async.bulk.tensor, 128-byte
 //     swizzle straight into the SW128 wgmma layout) of Q once and of K/V blocks through a
 //     STAGES-deep ring; full barriers complete on the copies' byte count, empty barriers on the
@@ -252,7 +253,7 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
   if (!cta.valid) return;
   const int h = cta.h, hk = cta.hk, q0 = cta.q0, nq = cta.nq;
 
-  const KeyBlockWalk<BN> walk(cta.seg, q0, nq, p.mask);
+  const KeyBlockWalk<BN> walk(p, cta.seg, q0, nq);
   const int total = walk.total, pq_first = walk.pq_first;
 
   if (tid == 0) {

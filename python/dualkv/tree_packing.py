@@ -1,0 +1,136 @@
+"""Packing trainer rows as a prefix tree: :func:`pack_rows_tree` (``dualkv.pack(..., tree=True)``).
+
+Every row (prompt and response together) is a root-to-leaf path of a forest of shared segments
+found by :func:`dualkv.prefix_forest.prefix_forest`: rows share whatever they begin with, across
+groups too (a system prompt, earlier turns of a trajectory, the start of branching rollouts).
+The result is a :class:`dualkv.PackedBatch` on a tree :class:`dualkv.Layout` with the same maps
+back to the rows as the prompt/response packing, so log-probs, losses and the integrations use it
+unchanged: a response token's log-prob is read from the packed hidden state of the token before it
+on its own row's path (at a branch point, the parent's last token predicts each child's first).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import Layout
+from .packed_batch import PackedBatch
+from .prefix_forest import prefix_forest
+from .trainer_rows import checked_row_lengths
+
+__all__ = ["DEFAULT_MIN_SHARED", "pack_rows_tree"]
+
+# Shared segments shorter than this are repeated in each branch instead of split off (a branch
+# point ends a 128-token tile early in every layer's attention; a few shared tokens do not pay
+# for it).
+DEFAULT_MIN_SHARED = 64
+
+
+def pack_rows_tree(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_width: int,
+    position_ids: torch.Tensor | None = None,
+    min_shared: int = DEFAULT_MIN_SHARED,
+) -> PackedBatch:
+    """Pack trainer rows (veRL layout) as a prefix tree of everything they share.
+
+    Args:
+        input_ids, attention_mask, prompt_width, position_ids: trainer rows as
+            :func:`dualkv.pack_rows` takes them (left-padded prompt, right-padded response).
+            Tokens are shared where rows agree on token ids and, when given, on position ids.
+        min_shared: shared segments shorter than this many tokens are not split off (see
+            :func:`dualkv.prefix_forest.prefix_forest`); 1 shares every common prefix.
+
+    Returns:
+        A :class:`PackedBatch` whose ``layout`` is ``Layout.tree(...)``; ``row_group`` and
+        ``group_rows`` name each row's tree (rows whose paths share a root segment; -1 for a row
+        without tokens). The response maps (``response_index``, ``token_sources``, ...) are those
+        of :func:`dualkv.pack_rows`.
+    """
+    pw, _pmask, plen, rlen = checked_row_lengths(
+        input_ids, attention_mask, prompt_width, position_ids
+    )
+    num_rows, width = input_ids.shape
+    rw = width - pw
+    device = input_ids.device
+
+    # Each row's real tokens are contiguous: columns [pw - P_b, pw + R_b).
+    first_col = pw - plen
+    seq_len = plen + rlen
+    cols = torch.arange(width)
+    gather = (first_col[:, None] + cols[None, :]).clamp(max=max(width - 1, 0))
+    ids = input_ids.detach().to("cpu", torch.int64).gather(1, gather)
+    keys = (
+        ids
+        if position_ids is None
+        else torch.stack([ids, position_ids.detach().to("cpu", torch.int64).gather(1, gather)], -1)
+    )
+    forest = prefix_forest(keys, seq_len, min_shared)
+    layout = Layout.tree(forest.parents, forest.lengths, device=device)
+    total = forest.total_tokens
+
+    # --- packed tokens from their source rows ----------------------------------------------------
+    seg_len = torch.tensor(forest.lengths, dtype=torch.int64)
+    seg_first = (
+        (
+            torch.tensor(forest.source_row, dtype=torch.int64) * width
+            + first_col[torch.tensor(forest.source_row, dtype=torch.int64)]
+            + torch.tensor(forest.source_col, dtype=torch.int64)
+        )
+        if forest.lengths
+        else torch.zeros(0, dtype=torch.int64)
+    )
+    seg_start = torch.cumsum(seg_len, 0) - seg_len
+    tok_seg = torch.repeat_interleave(torch.arange(seg_len.numel()), seg_len)
+    src = (seg_first[tok_seg] + torch.arange(total) - seg_start[tok_seg]).to(device)
+    packed_ids = input_ids.reshape(-1).index_select(0, src).to(torch.int64).view(1, total)
+    if position_ids is not None:
+        packed_pos = position_ids.reshape(-1).index_select(0, src).to(torch.int64).view(1, total)
+    else:
+        packed_pos = layout.position_ids.view(1, total)
+
+    # --- maps back to rows ------------------------------------------------------------------------
+    cols_r = torch.arange(rw)
+    valid = cols_r[None, :] < rlen[:, None]
+    at = (plen[:, None] + cols_r[None, :]).clamp(max=max(width - 1, 0))
+    response_index = torch.where(valid, forest.token_index.gather(1, at), 0)
+    before = (at - 1).clamp(min=0)
+    sources = forest.token_index.gather(1, before)
+    has_source = valid & (plen[:, None] + cols_r[None, :] > 0)
+    flat = has_source.reshape(-1).nonzero().flatten()
+    response_ids = torch.where(valid.to(device), input_ids[:, pw:].to(torch.int64), 0)
+    token_labels = response_ids.reshape(-1).index_select(0, flat.to(device))
+
+    # Trees: the root segment of each row's path, numbered in packed order.
+    root = list(range(len(forest.parents)))
+    for i, p in enumerate(forest.parents):
+        if p >= 0:
+            root[i] = root[p]
+    tree_of_root = {r: t for t, r in enumerate(sorted(set(root)))}
+    seg_of_token = tok_seg.tolist()
+    row_tree = [
+        tree_of_root[root[seg_of_token[int(forest.token_index[b, 0])]]] if int(seq_len[b]) else -1
+        for b in range(num_rows)
+    ]
+    num_trees = len(tree_of_root)
+    rows_of_tree: list[list[int]] = [[] for _ in range(num_trees)]
+    for b, t in enumerate(row_tree):
+        if t >= 0:
+            rows_of_tree[t].append(b)
+    return PackedBatch(
+        input_ids=packed_ids,
+        position_ids=packed_pos,
+        layout=layout,
+        response_index=response_index.to(device),
+        response_mask=has_source.to(device),
+        real_mask=valid.to(device),
+        response_ids=response_ids,
+        row_group=torch.tensor(row_tree, dtype=torch.int64, device=device),
+        token_rows=flat.to(device),
+        token_sources=sources.reshape(-1)[flat].to(device),
+        token_labels=token_labels,
+        group_rows=tuple(tuple(r) for r in rows_of_tree),
+        num_rows=num_rows,
+        max_response_len=rw,
+    )

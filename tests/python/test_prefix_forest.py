@@ -1,0 +1,133 @@
+"""dualkv.prefix_forest: the shared-prefix forest of token rows, checked against brute force."""
+
+import random
+
+import pytest
+import torch
+
+from dualkv.prefix_forest import prefix_forest
+
+
+def _random_rows(rng: random.Random) -> list[list[int]]:
+    """Rows that share prefixes at random depths: a few trunks, branches, repeats, prefixes."""
+    vocab = rng.choice([2, 3, 50])
+    trunks = [[rng.randrange(vocab) for _ in range(rng.randrange(0, 12))] for _ in range(3)]
+    rows: list[list[int]] = []
+    for _ in range(rng.randrange(1, 12)):
+        base = list(rng.choice(trunks + rows)) if rows else list(rng.choice(trunks))
+        cut = rng.randrange(0, len(base) + 1)
+        rows.append(base[:cut] + [rng.randrange(vocab) for _ in range(rng.randrange(0, 8))])
+    return rows
+
+
+def _tensors(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max([len(r) for r in rows] + [1])
+    keys = torch.full((len(rows), width), 7, dtype=torch.int64)  # pads never read
+    for b, r in enumerate(rows):
+        keys[b, : len(r)] = torch.tensor(r, dtype=torch.int64)
+    return keys, torch.tensor([len(r) for r in rows])
+
+
+def _segment_of(forest) -> list[int]:
+    return [i for i, n in enumerate(forest.lengths) for _ in range(n)]
+
+
+def _check(rows: list[list[int]], forest, min_shared: int) -> None:
+    parents, lengths = forest.parents, forest.lengths
+    assert all(n > 0 for n in lengths)
+    assert all(-1 <= p < i for i, p in enumerate(parents))
+    # Depth-first: each segment's subtree follows it contiguously.
+    for i, p in enumerate(parents):
+        if p >= 0:
+            assert all(parents[j] != -1 and _is_desc(parents, j, p) for j in range(p + 1, i))
+    seg_of = _segment_of(forest)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    packed = [None] * forest.total_tokens
+    for i in range(len(lengths)):  # the packed tokens, from their source rows
+        src = rows[forest.source_row[i]]
+        packed[starts[i] : starts[i] + lengths[i]] = src[
+            forest.source_col[i] : forest.source_col[i] + lengths[i]
+        ]
+    for b, r in enumerate(rows):
+        idx = forest.token_index[b, : len(r)].tolist()
+        assert [packed[i] for i in idx] == r  # the row's tokens
+        segs = [seg_of[i] for i in idx]
+        for j in range(len(r)):  # a root-to-leaf path, positions continuing from the parents
+            s = segs[j]
+            chain = []
+            while s >= 0:
+                chain.append(s)
+                s = parents[s]
+            assert sum(lengths[c] for c in chain[1:]) + idx[j] - starts[segs[j]] == j
+            if j + 1 < len(r):
+                seg_end = starts[segs[j]] + lengths[segs[j]] - 1
+                assert (
+                    segs[j + 1] == segs[j]
+                    and idx[j + 1] == idx[j] + 1
+                    or (
+                        parents[segs[j + 1]] == segs[j]
+                        and idx[j] == seg_end
+                        and idx[j + 1] == starts[segs[j + 1]]
+                    )
+                )
+        if r:
+            assert idx[0] == starts[segs[0]] and parents[segs[0]] == -1
+    if min_shared == 1:  # full sharing: one packed token per distinct prefix
+        assert forest.total_tokens == len({tuple(r[: j + 1]) for r in rows for j in range(len(r))})
+    else:  # no shared inner segment (a branch point) shorter than min_shared
+        for i, n in enumerate(lengths):
+            kids = sum(1 for p in parents if p == i)
+            if kids:
+                assert n >= min_shared or kids + _ends(rows, forest, i) <= 1
+
+
+def _is_desc(parents, j, p):
+    while j >= 0:
+        if j == p:
+            return True
+        j = parents[j]
+    return False
+
+
+def _ends(rows, forest, seg) -> int:
+    seg_of = _segment_of(forest)
+    last = [int(forest.token_index[b, len(r) - 1]) for b, r in enumerate(rows) if r]
+    return sum(1 for i in last if seg_of[i] == seg)
+
+
+@pytest.mark.parametrize("min_shared", [1, 3])
+def test_random_rows_against_brute_force(min_shared):
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    for _ in range(300):
+        rows = _random_rows(rng)
+        keys, lengths = _tensors(rows)
+        forest = prefix_forest(keys, lengths, min_shared=min_shared)
+        try:
+            _check(rows, forest, min_shared)
+        except AssertionError:
+            print("seed", seed, "rows", rows, "forest", forest)
+            raise
+
+
+def test_prompt_groups_pack_as_today():
+    rows = [[1, 2, 3, 9], [5, 6, 7], [1, 2, 3, 8, 8], [5, 6, 7, 4], [1, 2, 3, 7]]
+    keys, lengths = _tensors(rows)
+    f = prefix_forest(keys, lengths)
+    # group of row 0 first ([1, 2, 3] then its responses in row order), then the group of row 1
+    assert f.parents == [-1, 0, 0, 0, -1, 4]
+    assert f.lengths == [3, 1, 2, 1, 3, 1]
+    assert f.source_row[:4] == [0, 0, 2, 4]
+
+
+def test_keys_with_positions_do_not_share_across_positions():
+    rows = torch.tensor([[4, 4, 4], [4, 4, 4]])
+    pos = torch.tensor([[0, 1, 2], [0, 2, 3]])
+    f = prefix_forest(torch.stack([rows, pos], -1), torch.tensor([3, 3]))
+    assert f.parents == [-1, 0, 0] and f.lengths == [1, 2, 2]
+
+
+def test_identical_rows_share_everything():
+    keys, lengths = _tensors([[3, 1, 4], [3, 1, 4], []])
+    f = prefix_forest(keys, lengths)
+    assert f.lengths == [3] and f.token_index[0].tolist() == f.token_index[1].tolist()

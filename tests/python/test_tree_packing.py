@@ -1,0 +1,129 @@
+"""pack(..., tree=True): rows packed as a prefix tree give the rows' own results.
+
+The reference is each row run alone through the HF model (SDPA on the unshared rows); the packed
+tree shares every common prefix (across groups, turns and branches) and must give the same
+response log-probs and the same gradients (a shared token's gradient is the sum over its rows).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import dualkv
+from dualkv.integrations import transformers as dkt
+from dualkv.packing import pack, pack_rows, rows_from_lists
+from hf_helpers import VOCAB, Float64Throughout, tiny_model
+
+
+def _distinct_groups(rng: random.Random, groups: int) -> tuple[list, list]:
+    """Prompts and responses where no two responses of a group (and no two prompts) begin alike,
+    so that the prefix tree is exactly the prompt/response layout (two responses or more: a
+    prompt with one response is one row, packed as one segment)."""
+    firsts = rng.sample(range(VOCAB), groups)
+    prompts = [
+        [firsts[g]] + [rng.randrange(VOCAB) for _ in range(rng.randint(2, 20))]
+        for g in range(groups)
+    ]
+    responses = []
+    for _ in range(groups):
+        n = rng.randint(2, 5)
+        starts = rng.sample(range(VOCAB), n)
+        responses.append(
+            [[s] + [rng.randrange(VOCAB) for _ in range(rng.randint(0, 12))] for s in starts]
+        )
+    return prompts, responses
+
+
+def test_prompt_groups_pack_as_the_prompt_response_layout(seed):
+    rng = random.Random(seed)
+    prompts, responses = _distinct_groups(rng, rng.randint(1, 4))
+    ids, mask, pw, gid = rows_from_lists(prompts, responses)
+    flat = pack_rows(ids, mask, pw, gid)
+    tree = pack(ids, mask, pw, tree=True, min_shared=1)
+    assert tree.layout.is_tree
+    for name in (
+        "input_ids", "position_ids", "response_index", "response_mask", "real_mask",
+        "response_ids", "token_rows", "token_sources", "token_labels",
+    ):  # fmt: skip
+        assert torch.equal(getattr(tree, name), getattr(flat, name)), name
+    assert torch.equal(tree.layout.segments[:, :3], flat.layout.segments[:, :3])
+
+
+def _tree_rows(rng: random.Random) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Multi-turn / branching rows: a random token tree (turns that branch), rows = the paths to
+    random nodes (inner nodes too: per-turn samples, each a prefix of the next), each split into
+    prompt | response at a random token."""
+    nodes = [([rng.randrange(VOCAB) for _ in range(rng.randint(1, 9))], -1)]
+    for _ in range(rng.randint(3, 12)):
+        parent = rng.randrange(len(nodes))
+        nodes.append(([rng.randrange(VOCAB) for _ in range(rng.randint(1, 9))], parent))
+    prompts, responses = [], []
+    for _ in range(rng.randint(2, 8)):
+        n = rng.randrange(len(nodes))
+        path = []
+        while n >= 0:
+            path.append(nodes[n][0])
+            n = nodes[n][1]
+        tokens = [t for seg in path[::-1] for t in seg]
+        # the prompt | response cut anywhere (an empty prompt too), not only at branch points
+        cut = rng.randint(0, len(tokens) - 1)
+        prompts.append(tokens[:cut])
+        responses.append([tokens[cut:]])
+    if not any(prompts):  # (the rows reference reads the response's predictor at column pw - 1)
+        prompts[0], responses[0] = prompts[0] + responses[0][0][:1], [responses[0][0][1:]]
+    ids, mask, pw, _ = rows_from_lists(prompts, responses)
+    junk = torch.randint(0, VOCAB, ids.shape)
+    return torch.where(mask.bool(), ids, junk), mask, pw
+
+
+@pytest.mark.parametrize("min_shared", [1, 4])
+def test_multi_turn_tree_step_equals_rows_fp64(seed, min_shared):
+    rng = random.Random(seed)
+    model = tiny_model("qwen3", torch.float64, seed=seed % 1000)
+    ids, mask, pw = _tree_rows(rng)
+    pk = dualkv.pack(ids, mask, pw, tree=True, min_shared=min_shared)
+    assert pk.total_tokens <= int(mask.sum())  # never more tokens than the rows
+    weights = torch.randn(ids.shape[0], ids.shape[1] - pw, dtype=torch.float64)
+
+    def step(packed: bool):
+        model.zero_grad(set_to_none=True)
+        with Float64Throughout():
+            if packed:
+                model.set_attn_implementation("dualkv")
+                lp = dkt.packed_response_logprobs(model, pk)
+            else:
+                model.set_attn_implementation("sdpa")
+                lp = dkt.rows_response_logprobs(model, ids, mask, pw)
+            (lp * weights * pk.response_mask).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return lp.detach() * pk.response_mask, grads
+
+    lp_t, g_t = step(True)
+    lp_r, g_r = step(False)
+    torch.testing.assert_close(lp_t, lp_r, rtol=0, atol=1e-10)
+    assert g_t.keys() == g_r.keys()
+    for name in g_r:
+        scale = g_r[name].abs().max().item() + 1e-30
+        err = (g_t[name] - g_r[name]).abs().max().item()
+        assert err <= 1e-9 * scale, (name, err, scale)
+
+
+def test_tree_packing_shares_across_groups():
+    system = list(range(1, 70))
+    prompts = [system + [100, 101], system + [102]]
+    responses = [[[7, 8], [9]], [[7]]]
+    pk = pack(prompts=prompts, responses=responses, tree=True)
+    # the system prompt (69 tokens >= min_shared 64) is shared by both groups' rows; group 0's
+    # own prompt tokens [100, 101] (2 < 64) are repeated in its two responses' segments
+    assert pk.total_tokens == len(system) + (2 + 2) + (2 + 1) + (1 + 1)
+    assert pk.layout.lengths == (len(system), 4, 3, 2)
+    assert pk.layout.parents[0] == -1 and pk.layout.lengths[0] == len(system)
+
+
+def test_min_shared_needs_tree():
+    ids, mask, pw, gid = rows_from_lists([[1, 2]], [[[3]]])
+    with pytest.raises(ValueError, match="tree=True"):
+        pack(ids, mask, pw, gid, min_shared=8)
