@@ -442,8 +442,15 @@ def allow_recompiles(n: int = 64) -> None:
 
 
 def compile_layers(model: torch.nn.Module) -> None:
-    """``torch.compile`` each decoder layer in place (one graph per layer, reused by all layers)."""
+    """``torch.compile`` each decoder layer in place (one graph per layer, reused by all layers).
+    Side effects in a checkpointed forward are not replayed in its recompute, as trainers set for
+    regional compilation: transformers' ``kernels`` wrapper (transformers 5.25) sets a global in
+    every attention forward, which would otherwise run each checkpointed layer uncompiled."""
+    import torch._dynamo
+
     allow_recompiles()
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for layer in model.model.layers:
         layer.compile()
 

@@ -18,7 +18,7 @@ pins="torch==2.13.0 verl==0.9.1"
 want="$( (echo "$pins"; cat scripts/verl-requirements.txt) | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   rm -rf "$VENV"
-  python3 -m venv "$VENV"
+  "${DUALKV_PYTHON:-python3}" -m venv "$VENV"
   # (this machine's pip configuration warns about absent local index folders: filtered)
   pipq() { "$PY" -m pip "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; }
   # shellcheck disable=SC2086
@@ -28,14 +28,17 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
 print('verl env:', torch.__version__, 'transformers', transformers.__version__)"
   echo "$want" >"$stamp"
 fi
-# dualkv itself, against this environment's torch. When the main environment's torch is the
-# very same build (torch 2.13.0+cpu in CI), the wheel is made from the main build directory
-# (scripts/test.sh has just compiled it: seconds); otherwise it is compiled for this environment.
-main_torch="$(python3 -c 'import torch; print(torch.__version__)' 2>/dev/null || true)"
+# dualkv itself, against this environment's torch. When the project's environment (DUALKV_PY,
+# set by scripts/test.sh: build/venv) has the very same torch build (torch 2.13.0+cpu in CI), the
+# wheel is made from its build directory (test.sh has just compiled it: seconds); otherwise it is
+# compiled for this environment.
+main_torch=""
+[ -z "${DUALKV_PY:-}" ] ||
+  main_torch="$("$DUALKV_PY" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)"
 venv_torch="$("$PY" -c 'import torch; print(torch.__version__)')"
 if [ "$main_torch" = "$venv_torch" ]; then
   rm -rf build/verl-wheelhouse
-  python3 -m pip wheel -q --no-build-isolation --no-deps -w build/verl-wheelhouse . 2>&1 |
+  "$DUALKV_PY" -m pip wheel -q --no-build-isolation --no-deps -w build/verl-wheelhouse . 2>&1 |
     { grep -v "^WARNING: Location" || true; }
   "$PY" -m pip install -q --no-deps --force-reinstall build/verl-wheelhouse/dualkv-*.whl 2>&1 |
     { grep -v "^WARNING: Location" || true; }

@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# Runs every test on a fresh machine: installs what is missing, checks style and types
-# (scripts/lint.sh), builds the C++ core and its ctest suite, compiles a representative subset
-# of the CUDA kernels when nvcc is present (no GPU needed), installs the package and runs pytest
-# (GPU tests are skipped, with a reason, without a GPU), then tests/python/test_verl.py (and
-# test_bench_verl_update.py, whose veRL batch tests need it) in veRL
-# 0.9.1's own environment (scripts/setup_verl_env.sh: build/venv-verl, ~3.5 min when new).
+# Runs every test on a fresh machine: makes the project's Python environment (build/venv,
+# scripts/setup_env.sh: what is missing is installed there, not into the user's Python), checks
+# style and types (scripts/lint.sh), builds the C++ core and its ctest suite, compiles a
+# representative subset of the CUDA kernels when nvcc is present (no GPU needed), installs the
+# package and runs pytest (GPU tests are skipped, with a reason, without a GPU), then
+# tests/python/test_verl.py (and test_bench_verl_update.py, whose veRL batch tests need it) in
+# veRL 0.9.1's own environment (scripts/setup_verl_env.sh: build/venv-verl, ~3.5 min when new)
+# and the core CPU tests against the newest torch and transformers on the package registries
+# (scripts/test_newest.sh: build/venv-newest; DUALKV_SKIP_NEWEST=1 skips them).
 # Usage: bash scripts/test.sh [extra pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/setup_env.sh
+DUALKV_PY="$(bash scripts/setup_env.sh)"
+export DUALKV_PY
 bash scripts/lint.sh
 
 echo "== C++ core: build and ctest =="
@@ -24,10 +28,15 @@ if command -v nvcc >/dev/null 2>&1 && [ "${DUALKV_SKIP_CUDA_COMPILE:-0}" != 1 ];
 fi
 
 echo "== Python package: install and pytest =="
-python3 -m pip install --no-build-isolation -q .
-python3 -m pytest tests/python -ra -q "$@"
+"$DUALKV_PY" -m pip install --no-build-isolation --no-deps -q .  # (dependencies: setup_env.sh)
+"$DUALKV_PY" -m pytest tests/python -ra -q "$@"
 
 echo "== veRL engine: tests/python/test_verl.py in veRL's own environment (setup_verl_env.sh) =="
 VERL_PY="$(bash scripts/setup_verl_env.sh)"
 "$VERL_PY" -m pytest tests/python/test_verl.py tests/python/test_bench_verl_update.py -ra -q \
   -p no:cacheprovider
+
+if [ "${DUALKV_SKIP_NEWEST:-0}" != 1 ]; then
+  echo "== Newest releases: core CPU tests against the newest torch and transformers (test_newest.sh) =="
+  bash scripts/test_newest.sh
+fi

@@ -19,6 +19,12 @@ class LocalMask:
 
     size: int
 
+    def __getitem__(self, index: object) -> LocalMask:
+        """Gemma 4 (transformers 5.25) slices every mask by query rows before its KV-shared layers
+        (``mask[:, :, rows, :]``, for ``logits_to_keep``): the marker stays the batch's mask, and
+        the attention function refuses a query shorter than the layout's stream."""
+        return self
+
 
 def dualkv_mask(
     *args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any
