@@ -136,3 +136,42 @@ class PackedBatch:
                 value = value.to(device)
             fields[name] = value
         return PackedBatch(**fields)
+
+
+def batch_from_row_maps(
+    input_ids: torch.Tensor,
+    prompt_width: int,
+    packed_ids: torch.Tensor,
+    packed_pos: torch.Tensor,
+    layout: Layout,
+    response_index: torch.Tensor,
+    sources: torch.Tensor,
+    has_source: torch.Tensor,
+    valid: torch.Tensor,
+    row_group: torch.Tensor,
+    group_rows: list[list[int]],
+) -> PackedBatch:
+    """The :class:`PackedBatch` of trainer rows ``input_ids`` ``[B, L]`` from the maps a packer
+    built on the host: ``response_index`` / ``sources`` ``[B, R_max]`` (packed index of each
+    response token and of the hidden state that predicts it), ``has_source`` (the loss mask),
+    ``valid`` (real response tokens), each row's group and each group's rows. Shared by the
+    prompt/response packing and the prefix-tree packing."""
+    device = input_ids.device
+    flat = has_source.reshape(-1).nonzero().flatten()
+    response_ids = torch.where(valid.to(device), input_ids[:, prompt_width:].to(torch.int64), 0)
+    return PackedBatch(
+        input_ids=packed_ids,
+        position_ids=packed_pos,
+        layout=layout,
+        response_index=response_index.to(device),
+        response_mask=has_source.to(device),
+        real_mask=valid.to(device),
+        response_ids=response_ids,
+        row_group=row_group.to(device),
+        token_rows=flat.to(device),
+        token_sources=sources.reshape(-1)[flat].to(device),
+        token_labels=response_ids.reshape(-1).index_select(0, flat.to(device)),
+        group_rows=tuple(tuple(r) for r in group_rows),
+        num_rows=input_ids.shape[0],
+        max_response_len=input_ids.shape[1] - prompt_width,
+    )

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .layout import Layout
-from .packed_batch import PackedBatch
+from .packed_batch import PackedBatch, batch_from_row_maps
 from .trainer_rows import checked_row_lengths, group_codes, prompt_group_codes
 from .tree_packing import DEFAULT_MIN_SHARED, pack_rows_tree
 
@@ -163,26 +163,10 @@ def pack_rows(
     response_index = torch.where(valid, resp_start[:, None] + cols_r[None, :], 0)
     sources = torch.where(cols_r[None, :] == 0, prompt_end[row_group][:, None], response_index - 1)
     has_source = valid & ((cols_r[None, :] > 0) | (prefix[row_group] > 0)[:, None])
-    flat = has_source.reshape(-1).nonzero().flatten()
-    response_ids = torch.where(valid.to(device), input_ids[:, pw:].to(torch.int64), 0)
-    token_labels = response_ids.reshape(-1).index_select(0, flat.to(device))
-
-    return PackedBatch(
-        input_ids=packed_ids,
-        position_ids=packed_pos,
-        layout=layout,
-        response_index=response_index.to(device),
-        response_mask=has_source.to(device),
-        real_mask=valid.to(device),
-        response_ids=response_ids,
-        row_group=row_group.to(device),
-        token_rows=flat.to(device),
-        token_sources=sources.reshape(-1)[flat].to(device),
-        token_labels=token_labels,
-        group_rows=tuple(tuple(r) for r in rows_of_group),
-        num_rows=num_rows,
-        max_response_len=rw,
-    )
+    return batch_from_row_maps(
+        input_ids, pw, packed_ids, packed_pos, layout, response_index, sources, has_source,
+        valid, row_group, rows_of_group,
+    )  # fmt: skip
 
 
 def _check_tokens(tokens: Any, name: str) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .layout import Layout
-from .packed_batch import PackedBatch
+from .packed_batch import PackedBatch, batch_from_row_maps
 from .prefix_forest import prefix_forest
 from .trainer_rows import checked_row_lengths
 
@@ -98,9 +98,6 @@ def pack_rows_tree(
     before = (at - 1).clamp(min=0)
     sources = forest.token_index.gather(1, before)
     has_source = valid & (plen[:, None] + cols_r[None, :] > 0)
-    flat = has_source.reshape(-1).nonzero().flatten()
-    response_ids = torch.where(valid.to(device), input_ids[:, pw:].to(torch.int64), 0)
-    token_labels = response_ids.reshape(-1).index_select(0, flat.to(device))
 
     # Trees: the root segment of each row's path, numbered in packed order.
     root = list(range(len(forest.parents)))
@@ -113,24 +110,11 @@ def pack_rows_tree(
         tree_of_root[root[seg_of_token[int(forest.token_index[b, 0])]]] if int(seq_len[b]) else -1
         for b in range(num_rows)
     ]
-    num_trees = len(tree_of_root)
-    rows_of_tree: list[list[int]] = [[] for _ in range(num_trees)]
+    rows_of_tree: list[list[int]] = [[] for _ in range(len(tree_of_root))]
     for b, t in enumerate(row_tree):
         if t >= 0:
             rows_of_tree[t].append(b)
-    return PackedBatch(
-        input_ids=packed_ids,
-        position_ids=packed_pos,
-        layout=layout,
-        response_index=response_index.to(device),
-        response_mask=has_source.to(device),
-        real_mask=valid.to(device),
-        response_ids=response_ids,
-        row_group=torch.tensor(row_tree, dtype=torch.int64, device=device),
-        token_rows=flat.to(device),
-        token_sources=sources.reshape(-1)[flat].to(device),
-        token_labels=token_labels,
-        group_rows=tuple(tuple(r) for r in rows_of_tree),
-        num_rows=num_rows,
-        max_response_len=rw,
-    )
+    return batch_from_row_maps(
+        input_ids, pw, packed_ids, packed_pos, layout, response_index, sources, has_source,
+        valid, torch.tensor(row_tree, dtype=torch.int64), rows_of_tree,
+    )  # fmt: skip
