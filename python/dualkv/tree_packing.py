@@ -15,15 +15,73 @@ import torch
 
 from .layout import Layout
 from .packed_batch import PackedBatch, batch_from_row_maps
-from .prefix_forest import prefix_forest
+from .prefix_forest import PrefixForest, prefix_forest
 from .trainer_rows import checked_row_lengths
 
-__all__ = ["DEFAULT_MIN_SHARED", "pack_rows_tree"]
+__all__ = [
+    "DEFAULT_MIN_SHARED",
+    "TREE_MAX_TOKEN_FRACTION",
+    "pack_rows_tree",
+    "row_forest",
+    "tree_pays",
+]
 
 # Shared segments shorter than this are repeated in each branch instead of split off (a branch
 # point ends a 128-token tile early in every layer's attention; a few shared tokens do not pay
 # for it).
 DEFAULT_MIN_SHARED = 64
+
+# A trainer that picks the packing itself uses the tree only when it packs at most this fraction
+# of the prompt/response packing's tokens: the tree's extra segment boundaries each end a tile
+# early, and its kernels are held to 90% of the depth-two kernels' rate, so a saving below 10%
+# is not clearly a gain (the depth-two packing stays the default fast path).
+TREE_MAX_TOKEN_FRACTION = 0.9
+
+
+def tree_pays(tree_tokens: int, prompt_response_tokens: int) -> bool:
+    """Whether a tree of ``tree_tokens`` packed tokens is worth it over the prompt/response
+    packing of the same rows (``prompt_response_tokens``): see :data:`TREE_MAX_TOKEN_FRACTION`."""
+    return tree_tokens <= TREE_MAX_TOKEN_FRACTION * prompt_response_tokens
+
+
+def _row_sequences(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_width: int,
+    position_ids: torch.Tensor | None,
+) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's real tokens left-aligned: ``(prompt_width, prompt lengths, response lengths,
+    first real column [B], sharing keys [B, L, 1 or 2] (token id, and position id when
+    given))``. A row's real tokens are contiguous: columns ``[pw - P_b, pw + R_b)``."""
+    pw, _pmask, plen, rlen = checked_row_lengths(
+        input_ids, attention_mask, prompt_width, position_ids
+    )
+    width = input_ids.shape[1]
+    first_col = pw - plen
+    cols = torch.arange(width)
+    gather = (first_col[:, None] + cols[None, :]).clamp(max=max(width - 1, 0))
+    ids = input_ids.detach().to("cpu", torch.int64).gather(1, gather)
+    keys = (
+        ids
+        if position_ids is None
+        else torch.stack([ids, position_ids.detach().to("cpu", torch.int64).gather(1, gather)], -1)
+    )
+    return pw, plen, rlen, first_col, keys
+
+
+def row_forest(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_width: int,
+    position_ids: torch.Tensor | None = None,
+    min_shared: int = DEFAULT_MIN_SHARED,
+) -> PrefixForest:
+    """The prefix forest :func:`pack_rows_tree` packs these rows with (arguments as there), so a
+    caller can weigh the tree (``total_tokens``) before packing it (pass it as ``forest``)."""
+    _pw, plen, rlen, _first, keys = _row_sequences(
+        input_ids, attention_mask, prompt_width, position_ids
+    )
+    return prefix_forest(keys, plen + rlen, min_shared)
 
 
 def pack_rows_tree(
@@ -32,6 +90,7 @@ def pack_rows_tree(
     prompt_width: int,
     position_ids: torch.Tensor | None = None,
     min_shared: int = DEFAULT_MIN_SHARED,
+    forest: PrefixForest | None = None,
 ) -> PackedBatch:
     """Pack trainer rows (veRL layout) as a prefix tree of everything they share.
 
@@ -41,6 +100,7 @@ def pack_rows_tree(
             Tokens are shared where rows agree on token ids and, when given, on position ids.
         min_shared: shared segments shorter than this many tokens are not split off (see
             :func:`dualkv.prefix_forest.prefix_forest`); 1 shares every common prefix.
+        forest: :func:`row_forest` of these same arguments, when the caller has it already.
 
     Returns:
         A :class:`PackedBatch` whose ``layout`` is ``Layout.tree(...)``; ``row_group`` and
@@ -48,25 +108,20 @@ def pack_rows_tree(
         without tokens). The response maps (``response_index``, ``token_sources``, ...) are those
         of :func:`dualkv.pack_rows`.
     """
-    pw, _pmask, plen, rlen = checked_row_lengths(
+    pw, plen, rlen, first_col, keys = _row_sequences(
         input_ids, attention_mask, prompt_width, position_ids
     )
     num_rows, width = input_ids.shape
     rw = width - pw
     device = input_ids.device
-
-    # Each row's real tokens are contiguous: columns [pw - P_b, pw + R_b).
-    first_col = pw - plen
     seq_len = plen + rlen
-    cols = torch.arange(width)
-    gather = (first_col[:, None] + cols[None, :]).clamp(max=max(width - 1, 0))
-    ids = input_ids.detach().to("cpu", torch.int64).gather(1, gather)
-    keys = (
-        ids
-        if position_ids is None
-        else torch.stack([ids, position_ids.detach().to("cpu", torch.int64).gather(1, gather)], -1)
-    )
-    forest = prefix_forest(keys, seq_len, min_shared)
+    if forest is None:
+        forest = prefix_forest(keys, seq_len, min_shared)
+    elif tuple(forest.token_index.shape) != (num_rows, width):
+        raise ValueError(
+            f"forest is of {tuple(forest.token_index.shape)} rows x columns, the rows are "
+            f"{(num_rows, width)}: pass row_forest(...) of these rows"
+        )
     layout = Layout.tree(forest.parents, forest.lengths, device=device)
     total = forest.total_tokens
 

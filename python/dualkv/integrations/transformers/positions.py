@@ -141,11 +141,19 @@ def _first_mismatch(position_ids: torch.Tensor, layout: Layout) -> str:
     i = next(
         i for i in range(1, len(own)) if own[i] != 0 and pos[i] - pos[i - 1] != own[i] - own[i - 1]
     )
+    if layout.is_tree:
+        shape = (
+            f"parents={reprlib.repr(list(layout.parents))}, "
+            f"lengths={reprlib.repr(list(layout.lengths))}"
+        )
+    else:
+        shape = (
+            f"prefix_lens={reprlib.repr(list(layout.prefix_lens))}, "
+            f"response_lens={reprlib.repr([list(r) for r in layout.response_lens])}"
+        )
     return (
         f" (first at packed token {i}: position_ids [..., {pos[i - 1]}, {pos[i]}, ...] where the "
-        f"layout has [..., {own[i - 1]}, {own[i]}, ...] within a group; the layout's "
-        f"prefix_lens={reprlib.repr(list(layout.prefix_lens))}, "
-        f"response_lens={reprlib.repr([list(r) for r in layout.response_lens])})"
+        f"layout has [..., {own[i - 1]}, {own[i]}, ...] within a group; the layout's {shape})"
     )
 
 
