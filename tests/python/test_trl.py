@@ -24,6 +24,7 @@ from datasets import Dataset  # noqa: E402
 from transformers import set_seed  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
+import dualkv  # noqa: E402
 from dualkv.integrations import trl as dktrl  # noqa: E402
 from dualkv.integrations.trl import DualKVGRPOTrainer, group_microbatches  # noqa: E402
 from hf_helpers import VOCAB, tiny_config  # noqa: E402
@@ -146,9 +147,12 @@ def config(tmp_path, **kw):
     return GRPOConfig(**base)
 
 
-def trainers(path, tmp_path, data, **kw):
+def trainers(path, tmp_path, data, dualkv=None, **kw):
+    """TRL's GRPOTrainer and DualKVGRPOTrainer (with the extra arguments ``dualkv``) on the same
+    GRPOConfig options ``kw``."""
     made = []
     for cls in (GRPOTrainer, DualKVGRPOTrainer):
+        extra = (dualkv or {}) if cls is DualKVGRPOTrainer else {}
         made.append(
             cls(
                 model=path,
@@ -156,6 +160,7 @@ def trainers(path, tmp_path, data, **kw):
                 args=config(tmp_path / cls.__name__, **kw),
                 train_dataset=data,
                 processing_class=tokenizer(),
+                **extra,
             )  # fmt: skip
         )
     return made
@@ -283,7 +288,15 @@ def test_logps_loss_and_grads_equal_trl(model_dirs, tmp_path, seed, family, loss
         assert dk_tr.ref_model.config._attn_implementation == "dualkv"
     if family == "qwen3-moe":
         assert dk_tr.aux_loss_enabled and ref_tr.aux_loss_enabled
-    batch = random_batch(seed)
+    _assert_paths_equal(ref_tr, dk_tr, random_batch(seed), seed, batch_size=3)
+    assert max(dk_tr._metrics["eval"]["dualkv/token_reduction"]) > 1.0
+    assert set(dk_tr._metrics["eval"]["dualkv/tree"]) == {0.0}  # (nothing shared beyond prompts)
+
+
+def _assert_paths_equal(ref_tr, dk_tr, batch, seed, batch_size):
+    """TRL's trainer ``ref_tr`` and DualKV's ``dk_tr`` (same weights) on one TRL batch: the
+    old-policy and reference passes (chunks of ``batch_size`` rows), then TRL's loss (with the
+    batch's ``tool_mask`` when it has one) and every gradient."""
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     width = batch["completion_ids"].shape[1]
@@ -295,11 +308,13 @@ def test_logps_loss_and_grads_equal_trl(model_dirs, tmp_path, seed, family, loss
         tr.model.eval()
         with torch.no_grad():
             lp, ent, _ = tr._get_per_token_logps_and_entropies(
-                tr.model, ids, mask, width, batch_size=3, compute_entropy=True
+                tr.model, ids, mask, width, batch_size=batch_size, compute_entropy=True
             )
             ref_lp = None
             if tr.ref_model is not None:
-                ref_lp = tr._get_per_token_logps_and_entropies(tr.ref_model, ids, mask, width, 3)[0]
+                ref_lp = tr._get_per_token_logps_and_entropies(
+                    tr.ref_model, ids, mask, width, batch_size
+                )[0]
         outs[name] = (lp, ent, ref_lp)
     lp_t, ent_t, ref_t = outs["trl"]
     lp_d, ent_d, ref_d = outs["dualkv"]
@@ -313,7 +328,6 @@ def test_logps_loss_and_grads_equal_trl(model_dirs, tmp_path, seed, family, loss
     torch.testing.assert_close(ent_d, ent_t, rtol=0, atol=1e-4 + ent_atol)
     if ref_t is not None:
         torch.testing.assert_close(ref_d, ref_t, rtol=0, atol=1e-4)
-    assert max(dk_tr._metrics["eval"]["dualkv/token_reduction"]) > 1.0
 
     # the loss (TRL's _compute_loss, unchanged) and every gradient, with old-policy and reference
     # log-probs near the current ones, as after a rollout: importance ratios around 1, some clipped
@@ -351,8 +365,93 @@ def test_logps_loss_and_grads_equal_trl(model_dirs, tmp_path, seed, family, loss
             torch.testing.assert_close(
                 torch.tensor(m_d[key][-1]), torch.tensor(m_t[key][-1]), rtol=1e-5, atol=atol
             )
-    if family == "qwen3-moe":
+    if ref_tr.aux_loss_enabled:
         assert "aux_loss" in m_t and m_t["aux_loss"][-1] > 0
+
+
+def multi_turn_batch(seed):
+    """TRL's batch layout for multi-turn / tool-calling rows, with TRL's ``tool_mask`` (0 on the
+    tool outputs inside a completion, 1 elsewhere and on padding): every prompt starts with one
+    system prompt (tool descriptions); each group's completions share a first turn (a tool call)
+    and the tool's output, then diverge; a later turn of a trajectory is a row of its own (its
+    prompt holds the earlier turns); a single-turn row; a masked (truncated) completion; junk in
+    the padding."""
+    rng = random.Random(seed)
+
+    def tokens(lo, hi):
+        return [rng.randrange(3, VOCAB) for _ in range(rng.randint(lo, hi))]
+
+    system = tokens(8, 14)
+    rows = []  # (prompt, completion, tool mask of the completion)
+    for g in range(3):
+        prompt = system + tokens(1, 5)
+        call, output = tokens(2, 4), tokens(2, 4)
+        for _ in range(rng.randint(2, 3)):
+            answer = tokens(0, 4) + [EOS]
+            rows.append((prompt, call + output + answer, [1] * len(call) + [0] * len(output)))
+        if g == 0:  # the next turn, trained as a row of its own
+            reply = tokens(1, 4) + [EOS]
+            rows.append((prompt + call + output + answer, reply, []))
+    rows.append((system + tokens(1, 3), tokens(1, 4) + [EOS], []))
+    rows.append((rows[0][0], [], []))  # a masked completion in a shared group
+    rng.shuffle(rows)
+    b = len(rows)
+    pw, width = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
+    junk = torch.randint(0, VOCAB, (b, pw + width), generator=torch.Generator().manual_seed(seed))
+    pids, pmask = junk[:, :pw].clone(), torch.zeros(b, pw, dtype=torch.int64)
+    cids, cmask = junk[:, pw:].clone(), torch.zeros(b, width, dtype=torch.int64)
+    tool_mask = torch.ones(b, width, dtype=torch.int64)
+    for i, (p, c, tm) in enumerate(rows):
+        pids[i, pw - len(p) :], pmask[i, pw - len(p) :] = torch.tensor(p), 1
+        if c:
+            cids[i, : len(c)], cmask[i, : len(c)] = torch.tensor(c), 1
+        if tm:
+            tool_mask[i, : len(tm)] = torch.tensor(tm)
+    g = torch.Generator().manual_seed(seed + 1)
+    return {
+        "prompt_ids": pids, "prompt_mask": pmask, "completion_ids": cids, "completion_mask": cmask,
+        "tool_mask": tool_mask, "advantages": torch.randn(b, generator=g),
+        "num_items_in_batch": (cmask * tool_mask).sum(),
+    }  # fmt: skip
+
+
+def _prompt_group_tokens(batch):
+    """Packed tokens of the batch's rows packed by prompt groups (the depth-two packing)."""
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    return dualkv.pack(ids, mask, batch["prompt_ids"].shape[1]).total_tokens
+
+
+@pytest.mark.parametrize(
+    "family,tree",
+    [("qwen3", None), ("qwen3-moe", None), ("opt", None), ("gpt2", True), ("qwen3", False)],
+)
+def test_multi_turn_tree_equals_trl(model_dirs, tmp_path, seed, family, tree):
+    """Multi-turn / tool-calling rows that share earlier turns (and a system prompt across
+    groups): DualKV packs them as a prefix tree (automatically, or forced; by prompt groups when
+    told) and its log-probs, entropies, TRL's loss with the tool outputs masked, the MoE
+    load-balancing loss and every gradient equal TRL's rows path. Qwen3 (RoPE only) shares the
+    system prompt across prompts of different lengths (rows numbered from 0 on the tree); GPT-2
+    (learned absolute positions) keeps TRL's left-padded positions, so only rows of equal
+    positions share."""
+    data = dataset(random.Random(seed), 4)
+    dk = {"tree_packing": tree, "tree_min_shared": 4}
+    ref_tr, dk_tr = trainers(model_dirs[family], tmp_path, data, dualkv=dk, beta=0.04)
+    batch = multi_turn_batch(seed)
+    _assert_paths_equal(ref_tr, dk_tr, batch, seed, batch_size=5)
+    rows = int(batch["prompt_mask"].sum() + batch["completion_mask"].sum())
+    used_tree = dk_tr._metrics["train"]["dualkv/tree"][-1]  # the loss pass: one chunk
+    packed = rows / dk_tr._metrics["train"]["dualkv/token_reduction"][-1]
+    flat = _prompt_group_tokens(batch)
+    if tree is False:
+        assert used_tree == 0.0 and packed == pytest.approx(flat)
+    else:
+        assert used_tree == 1.0
+        assert packed < flat  # rows sharing earlier turns: fewer tokens than by prompt groups
+        if family != "gpt2":  # the system prompt shared across groups
+            assert packed <= 0.9 * flat
+    chunks = set(dk_tr._metrics["eval"]["dualkv/tree"])  # (auto: chunk by chunk)
+    assert chunks == {float(tree)} if tree is not None else 1.0 in chunks
 
 
 @pytest.mark.parametrize("fp32_head", [False, True])
