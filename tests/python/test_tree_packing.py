@@ -127,3 +127,16 @@ def test_min_shared_needs_tree():
     ids, mask, pw, gid = rows_from_lists([[1, 2]], [[[3]]])
     with pytest.raises(ValueError, match="tree=True"):
         pack(ids, mask, pw, gid, min_shared=8)
+
+
+def test_positions_not_following_a_tree_say_where():
+    # positions off the tree's own: the error names the first mismatch and the tree (it read
+    # the layout's prefix_lens, which a tree has not, and raised about that instead)
+    pk = pack(prompts=[list(range(1, 9))], responses=[[[9, 10], [11, 12, 13]]], tree=True,
+              min_shared=1)  # fmt: skip
+    assert pk.layout.is_tree
+    bad = pk.position_ids.clone()
+    bad[0, 9] += 1  # the first response's second token one place further
+    with pytest.raises(ValueError, match="first at packed token 9") as e:
+        dkt.check_positions(bad, pk.layout)
+    assert f"parents={list(pk.layout.parents)}" in str(e.value), str(e.value)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
+import types
 
 import pytest
 import torch
@@ -26,7 +28,12 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 import dualkv  # noqa: E402
 from dualkv.integrations import trl as dktrl  # noqa: E402
-from dualkv.integrations.trl import DualKVGRPOTrainer, group_microbatches  # noqa: E402
+from dualkv.integrations.trl import (  # noqa: E402
+    DualKVGRPOTrainer,
+    group_microbatches,
+    prefix_families,
+    prompt_groups,
+)
 from hf_helpers import VOCAB, tiny_config  # noqa: E402
 
 PAD, EOS = 0, 1
@@ -454,6 +461,173 @@ def test_multi_turn_tree_equals_trl(model_dirs, tmp_path, seed, family, tree):
     assert chunks == {float(tree)} if tree is not None else 1.0 in chunks
 
 
+# --- TRL's own tool-calling loop ------------------------------------------------------------------
+# Phrases of the Qwen3 chat template's tool prompt, one token each (a real tokenizer takes a few
+# characters per token; byte by byte the prompts would be 5x longer and the test slower).
+TOOL_PHRASES = [
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are "
+    "provided with function signatures within <tools></tools> XML tags:\n<tools>\n",
+    "\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+    '<function-name>, \"arguments\": <args-json-object>}\n</tool_call>',
+    "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+    '{"type": "function", "function": {"name": ', '"description": ',
+    '"parameters": {"type": "object", "properties": {', '{"type": "integer", ', '"required": [',
+    '"return": {"type": "integer"}}}', '"arguments": ', '{"name": ',
+]  # fmt: skip
+
+
+def tool_tokenizer():
+    """A byte-level tokenizer (any text round-trips; no hub access) with TRL's Qwen3 chat
+    template, which TRL knows how to parse tool calls from."""
+    import trl
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"], padding_side="left",
+    )  # fmt: skip
+    template = os.path.join(os.path.dirname(trl.__file__), "chat_templates", "qwen3.jinja")
+    with open(template) as f:
+        fast.chat_template = f.read()
+    fast.add_tokens(TOOL_PHRASES)
+    return fast
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a + b
+
+
+def scripted_turn(self, prompt_ids, images, multimodal_fields, num_generations, **kwargs):
+    """Stands in for ``GRPOTrainer._generate_single_turn`` (a tiny random model never writes a
+    tool call): the assistant's next turn, a function of the conversation so far and of the
+    row's index in the call. A question "What is a + b [+ c]?" is answered by calling ``add``
+    once per ``+`` (the same calls on every completion of the prompt), then with the result and
+    a tail that differs between completions; "Say hi" by text alone."""
+    tok = self.processing_class
+    self._script_calls = getattr(self, "_script_calls", 0) + 1
+    out = []
+    for i, ids in enumerate(prompt_ids):
+        text = tok.decode(ids)
+        question = text.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+        numbers = [int(w) for w in question.rstrip("?").split() if w.isdigit()]
+        results = [int(r) for r in re.findall(r"<tool_response>\n(-?\d+)\n</tool_response>", text)]
+        if numbers and len(results) < len(numbers) - 1:
+            a = results[-1] if results else numbers[0]
+            args = f'{{"a": {a}, "b": {numbers[len(results) + 1]}}}'
+            reply = f'<tool_call>\n{{"name": "add", "arguments": {args}}}\n</tool_call>'
+        else:
+            tail = " Sure." * ((i + self._script_calls) % 3)
+            reply = (f"It is {results[-1]}." if results else "Hi.") + tail
+        out.append(tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id])
+    return out, None
+
+
+def reward_text(completions, **kwargs):
+    """reward_distinct on the completion's messages (tool outputs included) as text."""
+    return reward_distinct([" ".join(str(m.get("content", "")) for m in c) for c in completions])
+
+
+@pytest.fixture(scope="module")
+def tool_model_dir(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    tok = tool_tokenizer()
+    cfg = Qwen3Config(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, num_hidden_layers=2,
+        tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    _init_weights(model, seed=int.from_bytes(os.urandom(4), "little") % 2**31)
+    path = tmp_path_factory.mktemp("qwen3-tools")
+    model.save_pretrained(path)
+    return str(path)
+
+
+def test_tool_calling_step_equals_trl(tool_model_dir, tmp_path, seed):
+    """TRL's own tool-calling loop (``tools=[add]``, its Qwen3 chat template, tool-call parsing,
+    tool execution, the tool outputs in the completions under ``tool_mask`` = 0), with scripted
+    turns for sampling: one ``trainer.train()`` step of DualKVGRPOTrainer equals TRL's (same
+    rows and tool masks, loss, gradient norm, parameters after the step), each micro-batch packed
+    as a tree (the tool prompt shared across groups, each group's tool calls and outputs by its
+    completions) with fewer tokens than by prompt groups; on a micro-batch of it, with the same
+    weights, the log-probs, loss and every gradient equal TRL's."""
+    rng = random.Random(seed)
+    questions = ["Say hi"] + [
+        "What is " + " + ".join(str(rng.randint(1, 99)) for _ in range(rng.randint(2, 3))) + "?"
+        for _ in range(3)
+    ]
+    rng.shuffle(questions)
+    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": q}] for q in questions]})
+    made = []
+    for cls in (GRPOTrainer, DualKVGRPOTrainer):
+        tr = cls(
+            model=tool_model_dir, reward_funcs=reward_text, train_dataset=data, tools=[add],
+            args=config(tmp_path / cls.__name__, max_completion_length=160, beta=0.04),
+            processing_class=tool_tokenizer(),
+        )  # fmt: skip
+        tr._generate_single_turn = types.MethodType(scripted_turn, tr)
+        made.append(tr)
+    ref_tr, dk_tr = made
+    before = {n: p.detach().clone() for n, p in ref_tr.model.named_parameters()}
+    for tr in made:
+        set_seed(tr.args.seed)
+        tr.train()
+
+    def rows(tr):
+        out = []
+        for mb in tr._buffered_inputs:
+            for key, tm, m in zip(_row_keys(mb), mb["tool_mask"], mb["completion_mask"], strict=True):
+                out.append((key, tuple(tm[m.bool()].tolist())))
+        return sorted(out)
+
+    assert rows(ref_tr) == rows(dk_tr)  # the same turns, tool calls and tool outputs
+    tok = dk_tr.processing_class
+    outputs = [
+        tok.decode(mb["completion_ids"][i][(mb["tool_mask"][i] == 0) & mb["completion_mask"][i].bool()])
+        for mb in dk_tr._buffered_inputs
+        for i in range(mb["completion_ids"].shape[0])
+    ]
+    assert sum("<tool_response>" in o for o in outputs) >= 2  # tool outputs are masked
+    log_t, log_d = ref_tr.state.log_history[0], dk_tr.state.log_history[0]
+    assert log_t["tools/call_frequency"] > 0
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(
+            torch.tensor(log_d[key]), torch.tensor(log_t[key]), rtol=2e-4, atol=1e-6
+        )
+    params_d = dict(dk_tr.model.named_parameters())
+    steps = {n: p.detach() - before[n] for n, p in ref_tr.model.named_parameters()}
+    moved = max(s.abs().max().item() for s in steps.values())
+    assert moved > 0
+    for name, step_t in steps.items():
+        step_d = params_d[name].detach() - before[name]
+        scale = step_t.abs().max().item()
+        assert (step_d - step_t).abs().max().item() <= 2e-4 * scale + 1e-6 * moved + 1e-7, name
+    assert log_d["dualkv/tree"] == 1.0  # every pass of the step packed a tree
+
+    # log-probs, loss and gradients on one micro-batch, both trainers at TRL's weights
+    dk_tr.model.load_state_dict(ref_tr.model.state_dict())
+    batch = dict(dk_tr._buffered_inputs[0])
+    _assert_paths_equal(ref_tr, dk_tr, batch, seed, batch_size=2)
+    # the loss pass (the micro-batch in one chunk): a tree of fewer tokens than prompt groups
+    assert dk_tr._metrics["train"]["dualkv/tree"][-1] == 1.0
+    rows = int(batch["prompt_mask"].sum() + batch["completion_mask"].sum())
+    packed = rows / dk_tr._metrics["train"]["dualkv/token_reduction"][-1]
+    assert packed <= 0.9 * _prompt_group_tokens(batch)
+
+
 @pytest.mark.parametrize("fp32_head", [False, True])
 def test_bf16_autocast_within_trl_error(model_dirs, tmp_path, seed, fp32_head):
     """TRL's bf16=True (autocast, float32 weights; optionally cast_lm_head_to_fp32): the packed
@@ -649,6 +823,125 @@ def test_group_microbatches_fits_uneven_groups():
     assert sorted(sorted({0 if r < 8 else 1 for r in p.tolist()}) for p in parts) == [[0], [0], [1]]
 
 
+@pytest.mark.parametrize("trial", range(20))
+def test_group_microbatches_with_families(trial):
+    """Families change where groups go, never the guarantees: equal micro-batches of every row,
+    the same random draw, and no more groups cut than without them."""
+    rng = random.Random(1000 + trial)
+    chunks, size = rng.randint(1, 5), rng.randint(1, 9)
+    n = chunks * size
+    sizes = []
+    while sum(sizes) < n:
+        sizes.append(min(rng.randint(1, 2 * size), n - sum(sizes)))
+    codes = torch.tensor([i for i, s in enumerate(sizes) for _ in range(s)])[torch.randperm(n)]
+    family_of = torch.tensor([rng.randrange(max(1, len(sizes) // 2)) for _ in sizes])
+    parts, cut = group_microbatches(codes, chunks, torch.Generator().manual_seed(trial), family_of[codes])
+    after = torch.Generator().manual_seed(trial)
+    plain, plain_cut = group_microbatches(codes, chunks, after)
+    assert len(parts) == chunks and all(p.numel() == size for p in parts)
+    assert sorted(torch.cat(parts).tolist()) == list(range(n))
+    assert cut <= plain_cut
+
+
+def test_group_microbatches_keeps_families_together():
+    # 8 groups of 2 rows, families {g, g + 4}: 4 micro-batches of 4 rows, one family each
+    codes = torch.arange(16) // 2
+    families = codes % 4
+    for trial in range(10):
+        gen = torch.Generator().manual_seed(trial)
+        parts, cut = group_microbatches(codes, 4, gen, families)
+        assert cut == 0
+        assert all(len(set(families[p].tolist())) == 1 for p in parts)
+    with pytest.raises(ValueError, match="different families"):
+        group_microbatches(codes, 4, families=torch.arange(16) % 3)
+
+
+def _left_padded(prompts, width=None):
+    width = width or max(len(p) for p in prompts)
+    ids = torch.randint(0, VOCAB, (len(prompts), width))  # junk in the padding
+    mask = torch.zeros(len(prompts), width, dtype=torch.int64)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
+    return ids, mask
+
+
+def test_prefix_families():
+    rng = random.Random(5)
+
+    def tokens(n):
+        return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+    system, x = tokens(10), tokens(6)
+    a, b, c, d = (system + x + tokens(1), system + x + tokens(3), system + tokens(5), tokens(12))
+    e = system + x  # an earlier turn of a and b: a prefix of both
+    prompts = [a, c, b, a, e, c, b, d, e, d]  # groups of 2 rows
+    ids, mask = _left_padded(prompts)
+    groups = prompt_groups(ids, mask)
+
+    def family_sets(max_rows, min_shared=4):
+        fam = prefix_families(ids, mask, groups, max_rows, min_shared).tolist()
+        sets = {}
+        for p, f in zip(prompts, fam, strict=True):
+            sets.setdefault(f, set()).add(tuple(p))
+        return sorted(sorted(len(p) for p in v) for v in sets.values())
+
+    la, lb, lc, ld, le = (len(p) for p in (a, b, c, d, e))
+    # system + x (a, b, e: 6 rows) fits in 6; system's subtree (8 rows) does not; d shares nothing
+    assert family_sets(6) == sorted([sorted([la, lb, le]), [lc], [ld]])
+    assert family_sets(8) == sorted([sorted([la, lb, lc, le]), [ld]])
+    # 4 rows: system + x is split into e (ending on it) and its children a, b
+    assert family_sets(4) == sorted([[la], [lb], [lc], [ld], [le]])
+    # shared prefixes shorter than min_shared tie nothing
+    assert family_sets(8, min_shared=20) == sorted([[la], [lb], [lc], [ld], [le]])
+
+
+def test_split_keeps_groups_sharing_a_prefix_together(model_dirs, tmp_path):
+    """Groups whose prompts share earlier turns go to the same micro-batch (so the tree packs
+    them together) when they fit; prompt groups stay whole."""
+    data = dataset(random.Random(0), 4)
+    dk_tr = DualKVGRPOTrainer(
+        model=model_dirs["qwen3"], reward_funcs=reward_distinct, args=config(tmp_path),
+        train_dataset=data, processing_class=tokenizer(), tree_min_shared=4,
+    )  # fmt: skip
+    rng = random.Random(1)
+    turn1, turn2 = [rng.randrange(3, VOCAB) for _ in range(9)], [rng.randrange(3, VOCAB) for _ in range(9)]
+    prompts = [turn1 + [5], turn2 + [5, 6], turn1 + [7, 8, 9], turn2 + [9]]
+    rows = [p for p in prompts for _ in range(2)]  # 4 groups of 2 rows
+    ids, mask = _left_padded(rows)
+    batch = {
+        "prompt_ids": ids, "prompt_mask": mask, "completion_ids": torch.ones(8, 3, dtype=torch.int64),
+        "completion_mask": torch.ones(8, 3, dtype=torch.int64), "advantages": torch.randn(8),
+    }  # fmt: skip
+    for trial in range(6):
+        torch.manual_seed(trial)
+        parts = dk_tr.split_generation_batch(batch, 2)
+        for mb in parts:
+            firsts = {tuple(r[m.bool()][:9].tolist()) for r, m in zip(mb["prompt_ids"], mb["prompt_mask"], strict=True)}
+            assert len(firsts) == 1  # one shared earlier turn per micro-batch
+        _assert_whole_groups(parts, 2)
+    assert dk_tr.dualkv_groups_cut == 0
+
+
+def test_tree_weights_and_relative_positions(model_dirs):
+    """A tree layout does not tell how many rows each packed token stands for (the trainer
+    passes it); the models whose positions are shifted on a tree are those read only through
+    RoPE."""
+    from transformers import AutoModelForCausalLM
+
+    from dualkv.integrations import transformers as dkt
+
+    ids, mask, pw, _ = dualkv.packing.rows_from_lists([[3, 4, 5]], [[[6, 7], [6, 8]]])
+    tree = dualkv.pack(ids, mask, pw, tree=True, min_shared=1)
+    assert tree.layout.is_tree
+    with pytest.raises(ValueError, match="dualkv_token_weights"):
+        dktrl._token_weights(tree)
+    relative = {
+        family: dkt.relative_positions_only(AutoModelForCausalLM.from_pretrained(path))
+        for family, path in model_dirs.items()
+    }
+    assert relative == {"qwen3": True, "qwen3-moe": True, "gpt2": False, "opt": False}
+
+
 def test_group_shuffle_draws_what_trls_shuffle_draws():
     """The group shuffle takes the same random draw as TRL's row shuffle, so the next
     generation samples from the same random state as in TRL's own run."""
@@ -693,6 +986,13 @@ def test_composition_dependent_options_raise(model_dirs, tmp_path, extra):
 
 def test_unsupported_options_raise(model_dirs, tmp_path):
     data = dataset(random.Random(0), 4)
+    for bad, error in (({"tree_packing": "auto"}, ValueError), ({"tree_min_shared": 0}, ValueError),
+                       ({"tree_min_shared": 2.0}, TypeError)):  # fmt: skip
+        with pytest.raises(error, match="tree_"):
+            DualKVGRPOTrainer(
+                model=model_dirs["qwen3"], reward_funcs=reward_distinct, args=config(tmp_path),
+                train_dataset=data, processing_class=tokenizer(), **bad,
+            )  # fmt: skip
     with pytest.raises(NotImplementedError, match="use_vllm"):
         DualKVGRPOTrainer(
             model=model_dirs["qwen3"], reward_funcs=reward_distinct,
