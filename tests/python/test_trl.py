@@ -589,33 +589,25 @@ def test_tool_calling_step_equals_trl(tool_model_dir, tmp_path, seed):
     def rows(tr):
         out = []
         for mb in tr._buffered_inputs:
-            for key, tm, m in zip(_row_keys(mb), mb["tool_mask"], mb["completion_mask"], strict=True):
+            for key, tm, m in zip(
+                _row_keys(mb), mb["tool_mask"], mb["completion_mask"], strict=True
+            ):
                 out.append((key, tuple(tm[m.bool()].tolist())))
         return sorted(out)
 
     assert rows(ref_tr) == rows(dk_tr)  # the same turns, tool calls and tool outputs
     tok = dk_tr.processing_class
     outputs = [
-        tok.decode(mb["completion_ids"][i][(mb["tool_mask"][i] == 0) & mb["completion_mask"][i].bool()])
+        tok.decode(
+            mb["completion_ids"][i][(mb["tool_mask"][i] == 0) & mb["completion_mask"][i].bool()]
+        )
         for mb in dk_tr._buffered_inputs
         for i in range(mb["completion_ids"].shape[0])
     ]
     assert sum("<tool_response>" in o for o in outputs) >= 2  # tool outputs are masked
-    log_t, log_d = ref_tr.state.log_history[0], dk_tr.state.log_history[0]
-    assert log_t["tools/call_frequency"] > 0
-    for key in ("loss", "grad_norm"):
-        torch.testing.assert_close(
-            torch.tensor(log_d[key]), torch.tensor(log_t[key]), rtol=2e-4, atol=1e-6
-        )
-    params_d = dict(dk_tr.model.named_parameters())
-    steps = {n: p.detach() - before[n] for n, p in ref_tr.model.named_parameters()}
-    moved = max(s.abs().max().item() for s in steps.values())
-    assert moved > 0
-    for name, step_t in steps.items():
-        step_d = params_d[name].detach() - before[name]
-        scale = step_t.abs().max().item()
-        assert (step_d - step_t).abs().max().item() <= 2e-4 * scale + 1e-6 * moved + 1e-7, name
-    assert log_d["dualkv/tree"] == 1.0  # every pass of the step packed a tree
+    assert ref_tr.state.log_history[0]["tools/call_frequency"] > 0
+    _assert_same_step(ref_tr, dk_tr, before)
+    assert dk_tr.state.log_history[0]["dualkv/tree"] == 1.0  # every pass of the step: a tree
 
     # log-probs, loss and gradients on one micro-batch, both trainers at TRL's weights
     dk_tr.model.load_state_dict(ref_tr.model.state_dict())
@@ -626,6 +618,67 @@ def test_tool_calling_step_equals_trl(tool_model_dir, tmp_path, seed):
     rows = int(batch["prompt_mask"].sum() + batch["completion_mask"].sum())
     packed = rows / dk_tr._metrics["train"]["dualkv/token_reduction"][-1]
     assert packed <= 0.9 * _prompt_group_tokens(batch)
+
+
+def rollout_turns(prompts, trainer):
+    """A ``rollout_func`` of multi-turn rollouts in an environment: every completion of a prompt
+    takes the same first turn and gets the same feedback (``env_mask`` 0), then answers on its
+    own; the last prompt's rows are instead the next turn of the first prompt's trajectory,
+    whose prompt holds its first turn and feedback. A function of the prompts and of the row's
+    index (no model involved: the same on both trainers)."""
+    tok = trainer.processing_class
+
+    def first_turn(ids):
+        rng = random.Random(sum(ids))
+        turn = [rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 5))]
+        return turn, [rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 4))]
+
+    first = tok(prompts[0])["input_ids"]
+    out: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": []}
+    for i, prompt in enumerate(prompts):
+        ids = tok(prompt)["input_ids"]
+        turn, feedback = first_turn(ids)
+        if i >= len(prompts) - trainer.num_generations:
+            ids, turn, feedback = first + sum(first_turn(first), []), [], []
+        answer = [3 + (7 * i + k) % (VOCAB - 3) for k in range(1 + i % 3)] + [EOS]
+        out["prompt_ids"].append(ids)
+        out["completion_ids"].append(turn + feedback + answer)
+        out["env_mask"].append([1] * len(turn) + [0] * len(feedback) + [1] * len(answer))
+        out["logprobs"].append([0.0] * len(out["completion_ids"][-1]))
+    return out
+
+
+def test_rollout_func_env_mask_step_equals_trl(model_dirs, tmp_path, seed):
+    """TRL's ``rollout_func`` path with an ``env_mask`` (environment feedback inside a completion,
+    out of the loss as TRL's tool_mask) and rows sharing earlier turns: one ``train()`` step of
+    DualKVGRPOTrainer, packing trees, equals TRL's."""
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    data = dataset(random.Random(seed), 4)
+    made = []
+    for cls in (GRPOTrainer, DualKVGRPOTrainer):
+        extra = {"tree_min_shared": 2} if cls is DualKVGRPOTrainer else {}
+        made.append(
+            cls(
+                model=model_dirs["qwen3"],
+                reward_funcs=reward_distinct,
+                train_dataset=data,
+                args=config(tmp_path / cls.__name__, beta=0.04, gradient_accumulation_steps=1),
+                processing_class=tokenizer(),
+                rollout_func=rollout_turns,
+                **extra,
+            )  # fmt: skip
+        )
+    ref_tr, dk_tr = made
+    before = {n: p.detach().clone() for n, p in ref_tr.model.named_parameters()}
+    for tr in made:
+        set_seed(tr.args.seed)
+        tr.train()
+    (mb,) = dk_tr._buffered_inputs
+    assert (mb["tool_mask"] == 0).any()  # the environment's feedback is out of the loss
+    _assert_same_step(ref_tr, dk_tr, before)
+    assert dk_tr.state.log_history[0]["dualkv/tree"] == 1.0
+    rows = int(mb["prompt_mask"].sum() + mb["completion_mask"].sum())
+    assert rows / dk_tr.state.log_history[0]["dualkv/token_reduction"] < _prompt_group_tokens(mb)
 
 
 @pytest.mark.parametrize("fp32_head", [False, True])
@@ -736,6 +789,13 @@ def test_train_step_equals_trl(model_dirs, tmp_path, seed, loss_type, extra):
     assert any(len(k[1]) > 0 for k in rows_d)
     _assert_whole_groups(buf_d, dk_tr.num_generations)
     assert dk_tr.dualkv_groups_cut == 0
+    _assert_same_step(ref_tr, dk_tr, before)
+    assert dk_tr.state.log_history[0]["dualkv/token_reduction"] > 1.0
+
+
+def _assert_same_step(ref_tr, dk_tr, before):
+    """After one ``train()`` step of each trainer from the parameters ``before``: the same
+    reward, loss and gradient norm, and the same parameter step."""
     log_t, log_d = ref_tr.state.log_history[0], dk_tr.state.log_history[0]
     assert log_t["reward"] == log_d["reward"]
     # (TRL logs the entropy as a mean of per-micro-batch means: it depends on which rows share a
@@ -744,7 +804,6 @@ def test_train_step_equals_trl(model_dirs, tmp_path, seed, loss_type, extra):
         torch.testing.assert_close(
             torch.tensor(log_d[key]), torch.tensor(log_t[key]), rtol=2e-4, atol=1e-6
         )
-    assert log_d["dualkv/token_reduction"] > 1.0
     params_d = dict(dk_tr.model.named_parameters())
     steps = {n: p.detach() - before[n] for n, p in ref_tr.model.named_parameters()}
     moved = max(s.abs().max().item() for s in steps.values())
@@ -835,9 +894,10 @@ def test_group_microbatches_with_families(trial):
         sizes.append(min(rng.randint(1, 2 * size), n - sum(sizes)))
     codes = torch.tensor([i for i, s in enumerate(sizes) for _ in range(s)])[torch.randperm(n)]
     family_of = torch.tensor([rng.randrange(max(1, len(sizes) // 2)) for _ in sizes])
-    parts, cut = group_microbatches(codes, chunks, torch.Generator().manual_seed(trial), family_of[codes])
-    after = torch.Generator().manual_seed(trial)
-    plain, plain_cut = group_microbatches(codes, chunks, after)
+    gen, plain_gen = torch.Generator().manual_seed(trial), torch.Generator().manual_seed(trial)
+    parts, cut = group_microbatches(codes, chunks, gen, family_of[codes])
+    _, plain_cut = group_microbatches(codes, chunks, plain_gen)
+    assert torch.equal(gen.get_state(), plain_gen.get_state())
     assert len(parts) == chunks and all(p.numel() == size for p in parts)
     assert sorted(torch.cat(parts).tolist()) == list(range(n))
     assert cut <= plain_cut
@@ -904,19 +964,26 @@ def test_split_keeps_groups_sharing_a_prefix_together(model_dirs, tmp_path):
         train_dataset=data, processing_class=tokenizer(), tree_min_shared=4,
     )  # fmt: skip
     rng = random.Random(1)
-    turn1, turn2 = [rng.randrange(3, VOCAB) for _ in range(9)], [rng.randrange(3, VOCAB) for _ in range(9)]
+    turn1, turn2 = (
+        [rng.randrange(3, VOCAB) for _ in range(9)],
+        [rng.randrange(3, VOCAB) for _ in range(9)],
+    )
     prompts = [turn1 + [5], turn2 + [5, 6], turn1 + [7, 8, 9], turn2 + [9]]
     rows = [p for p in prompts for _ in range(2)]  # 4 groups of 2 rows
     ids, mask = _left_padded(rows)
+    ones = torch.ones(8, 3, dtype=torch.int64)
     batch = {
-        "prompt_ids": ids, "prompt_mask": mask, "completion_ids": torch.ones(8, 3, dtype=torch.int64),
-        "completion_mask": torch.ones(8, 3, dtype=torch.int64), "advantages": torch.randn(8),
+        "prompt_ids": ids, "prompt_mask": mask, "completion_ids": ones, "completion_mask": ones,
+        "advantages": torch.randn(8),
     }  # fmt: skip
     for trial in range(6):
         torch.manual_seed(trial)
         parts = dk_tr.split_generation_batch(batch, 2)
         for mb in parts:
-            firsts = {tuple(r[m.bool()][:9].tolist()) for r, m in zip(mb["prompt_ids"], mb["prompt_mask"], strict=True)}
+            firsts = {
+                tuple(r[m.bool()][:9].tolist())
+                for r, m in zip(mb["prompt_ids"], mb["prompt_mask"], strict=True)
+            }
             assert len(firsts) == 1  # one shared earlier turn per micro-batch
         _assert_whole_groups(parts, 2)
     assert dk_tr.dualkv_groups_cut == 0

@@ -7,19 +7,35 @@ nothing else:
 
 * ``_get_per_token_logps_and_entropies`` (the old-policy and reference passes and the loss): the
   rows are packed with :func:`dualkv.pack` (rows with identical prompt tokens form a group; a row
-  whose prompt no other row shares is a group of one), the model runs once on the packed stream
-  with ``attn_implementation="dualkv"``, and :func:`dualkv.response_logprobs` scores the completion
-  tokens with the model's LM head, the sampling temperature and the final logit soft-cap. The
+  whose prompt no other row shares is a group of one), or as a prefix tree (below), the model
+  runs once on the packed stream with ``attn_implementation="dualkv"``, and
+  :func:`dualkv.response_logprobs` scores the completion tokens with the model's LM head, the
+  sampling temperature and the final logit soft-cap. The
   per-token log-probs and entropies come back in TRL's ``[B, completion_len]`` layout (zeros on
   padding), so TRL's losses, KL term, clipping, entropy masks and metrics run unchanged. MoE
-  load-balancing loss is computed on the packed router logits with each prompt token weighted by
-  the number of rows sharing it, which is TRL's row-layout value.
+  load-balancing loss is computed on the packed router logits with each packed token weighted by
+  the number of rows holding it, which is TRL's row-layout value.
+* Multi-turn and tool-calling batches (TRL's ``tools`` loop, or a ``rollout_func`` returning an
+  ``env_mask``): a completion holds the assistant turns and the tool outputs between them, and
+  TRL's ``tool_mask`` keeps the tool outputs out of the loss; the log-probs come back for every
+  completion token as in TRL, so its masking applies unchanged. Rows that share more than a
+  prompt (a completion's first turns and tool outputs, a long system prompt with the tool
+  descriptions across groups, a later turn trained as a row whose prompt holds the earlier ones)
+  are packed as a prefix tree (:func:`dualkv.tree_packing.pack_rows_tree`) when the tree packs at
+  most :data:`dualkv.tree_packing.TREE_MAX_TOKEN_FRACTION` (0.9) of the prompt-group packing's
+  tokens, chunk by chunk; prompt groups stay the default fast path otherwise.
+  ``tree_packing=True`` / ``False`` forces either way, ``tree_min_shared`` (64) is the shortest
+  prefix split off. On a tree a model that reads positions only through RoPE numbers each row
+  from 0 (TRL's left-padded numbering shifted by a constant per row: the same outputs up to the
+  rounding of the rotary angles), so rows share whatever their padding; other models (learned
+  absolute positions) keep TRL's positions and share only tokens at equal positions.
 * ``_prepare_inputs``: TRL shuffles the rows of a generation batch and cuts it into
   ``steps_per_generation`` micro-batches, which scatters a group over micro-batches. Here whole
   groups are shuffled and assigned to micro-batches of the same row count
   (:func:`group_microbatches`), so a micro-batch holds whole groups whenever
   ``per_device_train_batch_size`` is a multiple of the group size (otherwise the fewest groups
-  are cut, each piece packed on its own; a warning says so).
+  are cut, each piece packed on its own; a warning says so). Groups whose prompts share a prefix
+  (:func:`prefix_families`) go to one micro-batch where they fit, without cutting more groups.
 * ``_generate``: generation runs with the model's ordinary attention (``"sdpa"`` unless given), the
   rest of the time the policy and reference models use ``"dualkv"``, so a gradient-checkpointed
   backward replays the packed layers with DualKV.
@@ -135,8 +151,9 @@ def add_packed_lm_head(
     ``dualkv_entropy=True``) in the rows' ``[B, R_max]`` layout, and ``aux_loss`` (the MoE
     load-balancing loss, each packed token weighted by the rows that hold it: read from a
     prompt/response layout, or given as ``dualkv_token_weights`` ``[1, T]``, which a tree needs)
-    with ``output_router_logits=True``. Without ``dualkv_packed`` the previous forward runs, so generation is unchanged. Calls go through the model's wrappers (DDP), as
-    TRL's own fused head does.
+    with ``output_router_logits=True``. Without ``dualkv_packed`` the previous forward runs, so
+    generation is unchanged. Calls go through the model's wrappers (DDP), as TRL's own fused head
+    does.
 
     Args:
         model: a transformers causal LM.
@@ -232,9 +249,9 @@ def prefix_families(
     from their first) is walked from its roots: a subtree whose groups hold at most ``max_rows``
     rows is one family; a larger one (a system prompt shared by the whole batch) is split into its
     children's subtrees, and the groups whose prompts end on its own segment are families of
-    their own. Rows of a
-    group share its family. (Rows sharing more than their prompts share a group, or prompts that
-    are prefixes of one another.)
+    their own. Rows of a group share its family. (Rows that share more than a prompt share a
+    group, or prompts of which one is a prefix of the other: a later turn's prompt holds the
+    earlier turns.)
 
     Args:
         prompt_ids, prompt_mask: ``[B, P]`` TRL's left-padded prompts and their mask.
@@ -693,7 +710,9 @@ class DualKVGRPOTrainer(GRPOTrainer):
             dkt.check_rope_length(
                 policy, functools.partial(_max_plus_one, positions), "TRL's padded rows"
             )
-            packed, weights = self._pack_chunk(ids, mask, prompt_width, groups[idx], positions, mode)
+            packed, weights = self._pack_chunk(
+                ids, mask, prompt_width, groups[idx], positions, mode
+            )
             extra: dict[str, Any] = {}
             if compute_aux_loss:
                 extra = {"output_router_logits": True, "dualkv_token_weights": weights}

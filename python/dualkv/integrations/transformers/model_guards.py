@@ -190,9 +190,7 @@ def relative_positions_only(model: PreTrainedModel) -> bool:
     if _length_dependent_ropes(config) or getattr(config, "attn_temperature_tuning", False):
         return False
     tokens = model.get_input_embeddings()
-    return all(
-        m is tokens for m in decoder.modules() if isinstance(m, torch.nn.Embedding)
-    )
+    return all(m is tokens for m in decoder.modules() if isinstance(m, torch.nn.Embedding))
 
 
 def _check_attention_temperature(config: Any, total_tokens: int) -> None:
