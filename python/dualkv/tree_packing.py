@@ -33,8 +33,9 @@ DEFAULT_MIN_SHARED = 64
 
 # A trainer that picks the packing itself uses the tree only when it packs at most this fraction
 # of the prompt/response packing's tokens: the tree's extra segment boundaries each end a tile
-# early, and its kernels are held to 90% of the depth-two kernels' rate, so a saving below 10%
-# is not clearly a gain (the depth-two packing stays the default fast path).
+# early, and the tree kernels' target is 90% of the depth-two kernels' rate (issue 33; not yet
+# measured on a GPU), so a saving below 10% is not clearly a gain (the depth-two packing stays
+# the default fast path).
 TREE_MAX_TOKEN_FRACTION = 0.9
 
 

@@ -741,31 +741,33 @@ class DualKVGRPOTrainer(GRPOTrainer):
         ``tree_packing``), with the rows each packed token stands for on a tree (for the MoE
         load-balancing loss; None on prompt groups, whose layout tells it). Logs the token
         reduction (the rows' real tokens over the packed ones) and whether a tree was used."""
-        lengths = (mask != 0).sum(1).to("cpu")
         packed: PackedBatch | None = None
         weights = None
+        reduction = 1.0
         if self.tree_packing is not False:
             tree_positions = None if self._tree_renumbers else positions
             forest = row_forest(ids, mask, prompt_width, tree_positions, self.tree_min_shared)
+            lengths = (mask != 0).sum(1).to("cpu")
             use_tree = bool(self.tree_packing)
             if not use_tree:
                 prompt_lens = (mask[:, :prompt_width] != 0).sum(1).to("cpu")
                 codes = groups.to("cpu", torch.int64)
                 per_group = torch.zeros(int(codes.max()) + 1, dtype=torch.int64)
                 per_group.scatter_(0, codes, prompt_lens)  # (rows of a group: one prompt length)
-                flat = int(per_group.sum()) + int((lengths - prompt_lens).sum())
+                flat = int(per_group.sum() + lengths.sum() - prompt_lens.sum())
                 use_tree = tree_pays(forest.total_tokens, flat)
             if use_tree:
                 packed = pack_rows_tree(
                     ids, mask, prompt_width, tree_positions, self.tree_min_shared, forest=forest
                 )
                 weights = _tree_row_counts(forest, lengths, packed.device)
+                # (a tree layout's own token_reduction counts its root-to-leaf paths, not rows)
+                reduction = int(lengths.sum()) / max(packed.total_tokens, 1)
         if packed is None:
             packed = pack(ids, mask, prompt_width, group_ids=groups, position_ids=positions)
-        total = packed.total_tokens
-        metrics = self._metrics[mode]
-        metrics["dualkv/token_reduction"].append(int(lengths.sum()) / total if total else 1.0)
-        metrics["dualkv/tree"].append(float(packed.layout.is_tree))
+            reduction = packed.token_reduction
+        self._metrics[mode]["dualkv/token_reduction"].append(reduction)
+        self._metrics[mode]["dualkv/tree"].append(float(packed.layout.is_tree))
         return packed, weights
 
     @staticmethod
