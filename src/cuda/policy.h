@@ -53,6 +53,13 @@ struct KernelPolicy {
   // dims; src/cuda/LAB_NOTEBOOK.md, "The dK/dV kernels' CTA order");
   // DUALKV_BWD_KEY_ORDER=0|1|2|3 sets n = 0 / 16 / 32 / 64 (A/B).
   int bwd_key_chunk = -1;
+  // Experimental D = 64 tiles on sm_90a (issue 32: FlashAttention-3/4's hdim-64 tiles; not yet
+  // measured, so off by default), DUALKV_SM90_D64_TILES=1 (or 3):
+  //   - d64_fwd_bm192: the forward with three consumer warpgroups on 192-query wide tiles
+  //     (FwdWsCfg<64, 3>, 512 threads), for three consumer warps per SM scheduler where two left
+  //     it latency-bound (src/cuda/LAB_NOTEBOOK.md, "Fifth session"); not with softcap, whose
+  //     consumers do not fit 160 registers (the default forward runs).
+  bool d64_fwd_bm192 = false;
   // D = 256 and 512 on the sm_80 path: the small shared-memory configs (launch.h, kSmemSmall =
   // 99 KB per block instead of 128 / 227 KB), so that every sm_80+ GPU runs them. Used on a GPU
   // whose opt-in shared memory per block (smem_optin; 0 = unknown) is below what the regular

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <random>
 #include <sstream>
@@ -67,38 +68,65 @@ struct Visibility {
   }
 };
 
+// A query-tile kernel's blocks of BM queries, as its CTAs decode them (QueryTileCta): (segment,
+// first row, rows). BM <= kTileSize: the parts of each tile of the list; BM > kTileSize: the wide
+// tiles (wide_query_tile), one per tile whose wide tile exists. Each token of the layout must be
+// in exactly one block, in its own segment.
+template <int BM>
+std::vector<std::array<int, 3>> query_tile_blocks(const Layout& L, const std::string& at) {
+  std::vector<std::array<int, 3>> blocks;
+  for (const Tile& tile : L.query_tiles()) {
+    if constexpr (BM <= kTileSize) {
+      for (int q0 = tile.begin; q0 < tile.end; q0 += BM)
+        blocks.push_back({tile.segment, q0, std::min(BM, tile.end - q0)});
+    } else {
+      int q0 = -1, nq = -1;
+      if (wide_query_tile<BM>(L.segments()[size_t(tile.segment)], tile, &q0, &nq))
+        blocks.push_back({tile.segment, q0, nq});
+    }
+  }
+  std::vector<int> owner(size_t(L.total_tokens()), 0);
+  for (const auto& [si, q0, nq] : blocks) {
+    const Segment& seg = L.segments()[size_t(si)];
+    EXPECT_TRUE(nq >= 1 && nq <= BM && q0 >= seg.start && q0 + nq <= seg.start + seg.len)
+        << at << ": block of " << BM << " at " << q0 << " (" << nq << " rows) outside segment "
+        << si;
+    for (int q = q0; q < q0 + nq && q < L.total_tokens(); ++q) ++owner[size_t(q)];
+  }
+  for (int q = 0; q < L.total_tokens(); ++q)
+    EXPECT_EQ(owner[size_t(q)], 1) << at << ": query " << q << " in blocks of " << BM;
+  return blocks;
+}
+
 template <int BM, int BN>
 void check_key_walk(const Layout& L, const Params& p, const Visibility& vis,
                     const std::string& at) {
   const int T = L.total_tokens();
-  for (const Tile& tile : L.query_tiles()) {
-    for (int q0 = tile.begin; q0 < tile.end; q0 += BM) {
-      const int nq = std::min(BM, tile.end - q0);
-      const KeyBlockWalk<BN> walk(p, L.segments()[size_t(tile.segment)], q0, nq);
-      std::vector<int> seen(size_t(nq) * size_t(T), 0);
-      for (int j = 0; j < walk.total; ++j) {
-        const KeyBlock<BN> kb = walk.at(j);
-        const bool masked = walk.masked(kb, nq, BM, p.mask);
-        for (int kr = 0; kr < BN; ++kr) {
-          const int64_t key = kb.row() + kr;
-          for (int qi = 0; qi < nq; ++qi) {
-            // The kernels' fragment mask (DUALKV_VISIBLE, collective/score_mod.cuh).
-            const bool visible =
-                kb.off + kr < kb.R.len && p.mask.allowed(walk.pq_first + qi, kb.pos() + kr);
-            ASSERT_TRUE(masked || visible) << at << ": block " << j << " needs the mask";
-            if (!visible) continue;
-            ASSERT_TRUE(key < T && vis.allowed(q0 + qi, int(key)))
-                << at << ": query " << q0 + qi << " key " << key << " not allowed";
-            ASSERT_EQ(seen[size_t(qi) * size_t(T) + size_t(key)]++, 0)
-                << at << ": query " << q0 + qi << " key " << key << " twice";
-          }
+  for (const auto& [si, q0, nq] : query_tile_blocks<BM>(L, at)) {
+    const KeyBlockWalk<BN> walk(p, L.segments()[size_t(si)], q0, nq);
+    std::vector<int> seen(size_t(nq) * size_t(T), 0);
+    for (int j = 0; j < walk.total; ++j) {
+      const KeyBlock<BN> kb = walk.at(j);
+      const bool masked = walk.masked(kb, nq, BM, p.mask);
+      for (int kr = 0; kr < BN; ++kr) {
+        const int64_t key = kb.row() + kr;
+        for (int qi = 0; qi < nq; ++qi) {
+          // The kernels' fragment mask (DUALKV_VISIBLE, collective/score_mod.cuh).
+          const bool visible =
+              kb.off + kr < kb.R.len && p.mask.allowed(walk.pq_first + qi, kb.pos() + kr);
+          ASSERT_TRUE(masked || visible) << at << ": block " << j << " needs the mask";
+          if (!visible) continue;
+          ASSERT_TRUE(key < T && vis.allowed(q0 + qi, int(key)))
+              << at << ": query " << q0 + qi << " key " << key << " not allowed";
+          ASSERT_EQ(seen[size_t(qi) * size_t(T) + size_t(key)]++, 0)
+              << at << ": query " << q0 + qi << " key " << key << " twice";
         }
       }
-      for (int qi = 0; qi < nq; ++qi)
-        for (int k = 0; k < T; ++k)
-          ASSERT_EQ(seen[size_t(qi) * size_t(T) + size_t(k)], vis.allowed(q0 + qi, k) ? 1 : 0)
-              << at << ": query " << q0 + qi << " key " << k;
     }
+    for (int qi = 0; qi < nq; ++qi)
+      for (int k = 0; k < T; ++k)
+        ASSERT_EQ(seen[size_t(qi) * size_t(T) + size_t(k)], vis.allowed(q0 + qi, k) ? 1 : 0)
+            << at << ": query " << q0 + qi << " key " << k;
   }
 }
 
@@ -152,15 +180,38 @@ TEST(CudaWalks, RandomForestsMatchTheMaskRule) {
     os << "round " << round << " window " << m.window << " forest";
     for (size_t i = 0; i < f.parents.size(); ++i) os << " " << f.parents[i] << ":" << f.lengths[i];
     const std::string at = os.str();
-    // The kernels' shapes: query blocks of 64 / 128 against key blocks of 64 / 128 (forwards, dQ),
-    // key blocks of 64 / 128 against query blocks of 64 (dK/dV).
+    // The kernels' shapes: query blocks of 64 / 128 / 192 (wide tiles: the D = 64 forward with
+    // three consumer warpgroups) against key blocks of 64 / 128 (forwards, dQ), key blocks of
+    // 64 / 128 against query blocks of 64 / 128 (dK/dV; 128: the D = 64 dK/dV kernel's
+    // 128-query blocks).
     check_key_walk<64, 64>(L, p, vis, at);
     check_key_walk<128, 128>(L, p, vis, at);
     check_key_walk<64, 128>(L, p, vis, at);
+    check_key_walk<192, 128>(L, p, vis, at);
     check_query_walk<64, 64>(L, p, vis, at);
     check_query_walk<128, 64>(L, p, vis, at);
+    check_query_walk<128, 128>(L, p, vis, at);
     if (HasFatalFailure()) return;
   }
+}
+
+// Wide query tiles (192 rows, from the 128-token tile list): a segment of L tokens has
+// ceil(L / 192) of them, longest first within the segment, and the tiles past them decode to none.
+TEST(CudaWalks, WideQueryTiles) {
+  const Layout L({16384, 1000}, {{}, {1, 191, 192, 193, 500}});
+  const auto blocks = query_tile_blocks<192>(L, "wide tiles");
+  std::vector<int> per_segment(L.segments().size(), 0), last_q0(L.segments().size(), 1 << 30);
+  for (const auto& [si, q0, nq] : blocks) {
+    ++per_segment[size_t(si)];
+    EXPECT_LT(q0, last_q0[size_t(si)]) << "segment " << si << ": not longest first";
+    last_q0[size_t(si)] = q0;
+    const Segment& seg = L.segments()[size_t(si)];
+    EXPECT_EQ((q0 - seg.start) % 192, 0);
+    EXPECT_EQ(nq, std::min(192, seg.start + seg.len - q0));
+  }
+  for (size_t si = 0; si < L.segments().size(); ++si)
+    EXPECT_EQ(per_segment[si], (L.segments()[si].len + 191) / 192) << "segment " << si;
+  EXPECT_EQ(per_segment[0], 86);  // 16384 = 85 x 192 + 64
 }
 
 // The depth-two layout: the walks are the prompt/response ones (prompt, then own response; a
