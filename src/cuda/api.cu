@@ -232,6 +232,7 @@ KernelPolicy resolve_policy(bool deterministic) {
                                                         : -1;
   const int d64_tiles = env_switch("DUALKV_SM90_D64_TILES");
   pol.d64_fwd_bm192 = d64_tiles == 1 || d64_tiles == 3;
+  pol.d64_bwd_bm128 = d64_tiles == 2 || d64_tiles == 3;
   return pol;
 }
 

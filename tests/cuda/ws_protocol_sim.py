@@ -1148,6 +1148,10 @@ for _trial in range(3000):
     for dq_mode in (0, 1, 2, 3, 5, 4):
         run_dkdv(total, S, rng, dq_mode)
     run_dkdv(total, S, rng, 5, d64=True)  # the default kernel at D = 64
+    # D = 64 with 128-query blocks (DUALKV_SM90_D64_TILES=2): D = 128's protocol (named barrier 1
+    # joins the dS^T halves, both warpgroups read both) on 2 stages; a warpgroup whose 64 rows
+    # are past the block's end hands over an empty block all the same.
+    run_dkdv(total, 2, rng, 5)
     for nbuf, onered in ((2, False), (1, True), (2, True)):  # DUALKV_SM90_BWD_VARIANT=1, 2, 3
         run_dkdv(total, 2 if nbuf == 2 else 3, rng, 5, nbuf, onered, d64=rng.random() < 0.5)
     run_dkdv512(total, S, rng)
