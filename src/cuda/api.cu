@@ -230,9 +230,8 @@ KernelPolicy resolve_policy(bool deterministic) {
                       : is("DUALKV_BWD_KEY_ORDER", '2') ? 32
                       : is("DUALKV_BWD_KEY_ORDER", '3') ? 64
                                                         : -1;
-  const int d64_tiles = env_switch("DUALKV_SM90_D64_TILES");
-  pol.d64_fwd_bm192 = d64_tiles == 1 || d64_tiles == 3;
-  pol.d64_bwd_bm128 = d64_tiles == 2 || d64_tiles == 3;
+  pol.d64_fwd_bm192 = is("DUALKV_SM90_D64_TILES", '1') || is("DUALKV_SM90_D64_TILES", '3');
+  pol.d64_bwd_bm128 = is("DUALKV_SM90_D64_TILES", '2') || is("DUALKV_SM90_D64_TILES", '3');
   return pol;
 }
 
