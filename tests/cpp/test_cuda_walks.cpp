@@ -104,6 +104,38 @@ std::vector<Part> tile_parts(const std::vector<Tile>& tiles, int B) {
   return parts;
 }
 
+// The query parts of a query-tile kernel of BQ rows, as its CTAs decode them: the BQ-row parts of
+// each tile (BQ <= kTileSize), or the wide tiles (wide_query_tile: the D = 64 forward's 192-row
+// tiles), one per tile whose wide tile exists. "" or what is wrong: every token of the layout in
+// exactly one part, each part inside its own segment.
+template <int BQ>
+std::string query_parts(const Layout& L, std::vector<Part>& parts) {
+  if constexpr (BQ <= kTileSize) {
+    parts = tile_parts(L.query_tiles(), BQ);
+  } else {
+    parts.clear();
+    for (const Tile& tile : L.query_tiles()) {
+      int q0 = -1, nq = -1;
+      if (cuda::detail::wide_query_tile<BQ>(L.segments()[size_t(tile.segment)], tile, &q0, &nq))
+        parts.push_back({tile.segment, q0, nq});
+    }
+  }
+  std::vector<int> owner(size_t(L.total_tokens()), 0);
+  for (const Part& part : parts) {
+    const Segment& seg = L.segments()[size_t(part.seg)];
+    if (part.count < 1 || part.count > BQ || part.begin < seg.start ||
+        part.begin + part.count > seg.start + seg.len)
+      WALK_FAIL("BQ " << BQ << ": part [" << part.begin << ", " << part.begin + part.count
+                      << ") outside segment " << part.seg);
+    for (int q = part.begin; q < part.begin + part.count; ++q) ++owner[size_t(q)];
+  }
+  for (int q = 0; q < L.total_tokens(); ++q) {
+    if (owner[size_t(q)] != 1)
+      WALK_FAIL("BQ " << BQ << ": query " << q << " in " << owner[size_t(q)] << " parts");
+  }
+  return "";
+}
+
 Params params_of(const Layout& L, int group, MaskRule rule) {
   Params p{};
   p.segs = L.segments().data();
@@ -122,7 +154,9 @@ std::string check_key_walk(const Layout& L, const Pairs& o, MaskRule rule, Cover
   const std::vector<Segment>& segs = L.segments();
   const Params p = params_of(L, 1, rule);
   cover.next_pass();
-  for (const Part& part : tile_parts(L.query_tiles(), BQ)) {
+  std::vector<Part> parts;
+  if (std::string e = query_parts<BQ>(L, parts); !e.empty()) return e;
+  for (const Part& part : parts) {
     const Segment& seg = segs[size_t(part.seg)];
     const int q0 = part.begin, nq = part.count;
     const KeyBlockWalk<BK> walk(p, seg, q0, nq);
@@ -347,8 +381,9 @@ std::string check_query_walk(const Layout& L, const Pairs& o, MaskRule rule, int
 
 // ---- every block size --------------------------------------------------------------------------
 
-// The kernels' tile parts and blocks: query parts / key blocks of 16, 32, 64, 128 (KeyBlockWalk),
-// key parts of 16, 32, 64, 128 and query blocks of 16, 32, 64 (the query walk). each_key_walk /
+// The kernels' tile parts and blocks: query parts / key blocks of 16, 32, 64, 128 (KeyBlockWalk)
+// and 192-row wide tiles / 128 key blocks, key parts of 16, 32, 64, 128 and query blocks of 16, 32,
+// 64 (the query walk), and 128 under 128-key parts. each_key_walk /
 // each_query_walk run fn.template operator()<B1, B2>() on every pair until one returns an error.
 template <int B1, int... B2, class Fn>
 std::string each_b2(Fn&& fn) {
@@ -362,6 +397,7 @@ std::string each_key_walk(Fn&& fn) {
   if (e.empty()) e = each_b2<32, 16, 32, 64, 128>(fn);
   if (e.empty()) e = each_b2<64, 16, 32, 64, 128>(fn);
   if (e.empty()) e = each_b2<128, 16, 32, 64, 128>(fn);
+  if (e.empty()) e = each_b2<192, 128>(fn);  // the D = 64 forward's wide tiles
   return e;
 }
 template <class Fn>
@@ -369,7 +405,7 @@ std::string each_query_walk(Fn&& fn) {
   std::string e = each_b2<16, 16, 32, 64>(fn);
   if (e.empty()) e = each_b2<32, 16, 32, 64>(fn);
   if (e.empty()) e = each_b2<64, 16, 32, 64>(fn);
-  if (e.empty()) e = each_b2<128, 16, 32, 64>(fn);
+  if (e.empty()) e = each_b2<128, 16, 32, 64, 128>(fn);  // 128: the D = 64 dK/dV's query blocks
   return e;
 }
 
@@ -529,6 +565,27 @@ TEST(CudaWalks, EdgeForests) {
   }
 }
 
+// Wide query tiles (192 rows, from the 128-token tile list): a segment of L tokens has
+// ceil(L / 192) of them, longest first within the segment, and the tiles past them decode to none.
+TEST(CudaWalks, WideQueryTiles) {
+  const Layout L({16384, 1000}, {{}, {1, 191, 192, 193, 500}});
+  std::vector<Part> parts;
+  ASSERT_EQ(query_parts<192>(L, parts), "");
+  std::vector<int> per_segment(L.segments().size(), 0), last_q0(L.segments().size(), 1 << 30);
+  for (const Part& part : parts) {
+    const size_t si = size_t(part.seg);
+    ++per_segment[si];
+    EXPECT_LT(part.begin, last_q0[si]) << "segment " << si << ": not longest first";
+    last_q0[si] = part.begin;
+    const Segment& seg = L.segments()[si];
+    EXPECT_EQ((part.begin - seg.start) % 192, 0);
+    EXPECT_EQ(part.count, std::min(192, seg.start + seg.len - part.begin));
+  }
+  for (size_t si = 0; si < L.segments().size(); ++si)
+    EXPECT_EQ(per_segment[si], (L.segments()[si].len + 191) / 192) << "segment " << si;
+  EXPECT_EQ(per_segment[0], 86);  // 16384 = 85 x 192 + 64
+}
+
 // ---- the depth-two walks as they ran before prefix trees (9311358) -----------------------------
 // Restated from DESIGN.md ("GPU kernel guidance"): a prompt's query tile walks the prompt's key
 // blocks causally; a response's walks the prompt's blocks, then its own response's, with one
@@ -636,7 +693,9 @@ std::string check_depth_two(const Lens& l, MaskRule rule, int group) {
   }
   std::string e = each_key_walk([&]<int BQ, int BK>() -> std::string {
     const Params p = params_of(L, 1, rule);
-    for (const Part& part : tile_parts(L.query_tiles(), BQ)) {
+    std::vector<Part> parts;
+    if (std::string err = query_parts<BQ>(L, parts); !err.empty()) return err;
+    for (const Part& part : parts) {
       const KeyBlockWalk<BK> walk(p, L.segments()[size_t(part.seg)], part.begin, part.count);
       std::vector<before_trees::KeyStep> steps;
       for (int j = 0; j < walk.total; ++j) {
