@@ -243,3 +243,32 @@ def shuffled_rows(
     junk = torch.randint(0, VOCAB, ids.shape)
     ids = torch.where(mask.bool(), ids, junk)  # pad ids must never be read
     return ids, mask, pw, [f"uid-{g}" for g in gid.tolist()]
+
+
+def tree_rows(rng: random.Random) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Multi-turn / branching rows: a random token tree (turns that branch), rows = the paths to
+    random nodes (inner nodes too: per-turn samples, each a prefix of the next), each split into
+    prompt | response at a random token."""
+    from dualkv.packing import rows_from_lists
+
+    nodes = [([rng.randrange(VOCAB) for _ in range(rng.randint(1, 9))], -1)]
+    for _ in range(rng.randint(3, 12)):
+        parent = rng.randrange(len(nodes))
+        nodes.append(([rng.randrange(VOCAB) for _ in range(rng.randint(1, 9))], parent))
+    prompts, responses = [], []
+    for _ in range(rng.randint(2, 8)):
+        n = rng.randrange(len(nodes))
+        path = []
+        while n >= 0:
+            path.append(nodes[n][0])
+            n = nodes[n][1]
+        tokens = [t for seg in path[::-1] for t in seg]
+        # the prompt | response cut anywhere (an empty prompt too), not only at branch points
+        cut = rng.randint(0, len(tokens) - 1)
+        prompts.append(tokens[:cut])
+        responses.append([tokens[cut:]])
+    if not any(prompts):  # (the rows reference reads the response's predictor at column pw - 1)
+        prompts[0], responses[0] = prompts[0] + responses[0][0][:1], [responses[0][0][1:]]
+    ids, mask, pw, _ = rows_from_lists(prompts, responses)
+    junk = torch.randint(0, VOCAB, ids.shape)
+    return torch.where(mask.bool(), ids, junk), mask, pw
