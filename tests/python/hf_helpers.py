@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -272,3 +274,32 @@ def tree_rows(rng: random.Random) -> tuple[torch.Tensor, torch.Tensor, int]:
     ids, mask, pw, _ = rows_from_lists(prompts, responses)
     junk = torch.randint(0, VOCAB, ids.shape)
     return torch.where(mask.bool(), ids, junk), mask, pw
+
+
+@contextlib.contextmanager
+def compiled_layers(
+    model: torch.nn.Module, backend: str, keep_attention: bool = True
+) -> Iterator[torch.nn.Module]:
+    """Gradient checkpointing on and every decoder layer through torch.compile (regional
+    compilation, as trainers do) inside the block; both undone, dynamo's caches cleared, after.
+
+    With dynamo's skip_fwd_side_effects_in_bwd_under_checkpoint, as trainers set for regional
+    compilation under checkpointing: transformers' hub-kernel wrapper (where `kernels` is
+    installed, a dependency of transformers 5.25) sets a global in every attention forward, a side
+    effect dynamo otherwise refuses inside a checkpoint, running the whole layer uncompiled."""
+    import torch._dynamo
+
+    from dualkv.integrations.transformers import enable_gradient_checkpointing
+
+    enable_gradient_checkpointing(model, keep_attention=keep_attention)
+    skip = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+    try:
+        for layer in model.model.layers:
+            layer.compile(backend=backend)
+        with torch._dynamo.config.patch(
+            **({skip: True} if hasattr(torch._dynamo.config, skip) else {})
+        ):
+            yield model
+    finally:
+        model.gradient_checkpointing_disable()
+        torch._dynamo.reset()

@@ -415,71 +415,74 @@ def _tree_batch(rng: random.Random, world: int, boundary: str):
 def _tree_worker(rank: int, world: int, seed: int) -> None:
     """A multi-turn tree micro-batch under sp=2 equals sp=1 and the unshared rows: log-probs,
     entropy, loss and every gradient; with 2 KV heads (one per rank) and with 1 (replicated)."""
-    from dualkv.integrations import transformers as dkt
-    from hf_helpers import Float64Throughout, tiny_config, tiny_model
-
     rng = random.Random(seed)
     for kv_heads in (2, 1):
         for boundary in ("inside", "branch"):
-            ids, mask, pw, packed = _tree_batch(rng, world, boundary)
-            what = (kv_heads, boundary, packed.layout.parents, packed.layout.lengths)
-            config = tiny_config("qwen3")
-            config.num_key_value_heads = kv_heads
-            model = tiny_model("qwen3", torch.float64, seed=seed % 1000, config=config)
-            assert parallel.kv_replication(4, kv_heads, world) == 3 - kv_heads
-            g = torch.Generator().manual_seed(seed + kv_heads)
-            adv = torch.randn(packed.num_rows, generator=g, dtype=torch.float64)
-            old = torch.randn(packed.response_mask.shape, generator=g, dtype=torch.float64) * 0.3
-            resp = packed.response_mask
-
-            def step(kind: str):  # noqa: ANN202
-                model.zero_grad(set_to_none=True)
-                model.set_attn_implementation("sdpa" if kind == "rows" else "dualkv")
-                with Float64Throughout():
-                    if kind == "rows":
-                        lp, ent = dkt.rows_response_logprobs(
-                            model, ids, mask, pw, temperature=TEMPERATURE, return_entropy=True
-                        )
-                    elif kind == "sp1":
-                        lp, ent = dkt.packed_response_logprobs(
-                            model, packed, temperature=TEMPERATURE, return_entropy=True
-                        )
-                    else:
-                        lp, ent = dkt.sequence_parallel_logprobs(
-                            model, packed, None, TEMPERATURE, return_entropy=True
-                        )
-                    lp, ent = lp * resp, ent * resp
-                    loss = dualkv.dapo_loss(lp, old * resp, adv, resp)[0]
-                    loss = loss - 0.01 * dualkv.aggregate(ent, resp)
-                    loss.backward()
-                if kind == "sp2":
-                    parallel.all_reduce_gradients(model.parameters())
-                grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-                return lp.detach(), ent.detach(), loss.detach(), grads
-
-            sp2, sp1, rows = step("sp2"), step("sp1"), step("rows")
-            for name, (want, tol) in (("sp1", (sp1, 1e-12)), ("rows", (rows, 1e-10))):
-                for i, part in enumerate(("logprobs", "entropy", "loss")):
-                    torch.testing.assert_close(
-                        sp2[i], want[i], rtol=0, atol=tol, msg=f"{part} vs {name} {what}"
-                    )
-                assert sp2[3].keys() == want[3].keys()
-                for n, gw in want[3].items():
-                    err = (sp2[3][n] - gw).abs().max().item()
-                    assert err <= 100 * tol * gw.abs().max().item() + 1e-15, (name, n, err, what)
-            # the shard's positions are its slice of the tree's (each segment continuing from its
-            # parent's end), checked exactly
-            batch = parallel.shard_batch(packed)
-            dkt.check_positions(batch.position_ids.clone(), batch.layout)
+            _tree_run(world, seed, _tree_batch(rng, world, boundary), kv_heads)
 
     # ranks that pass different trees of the same tokens and positions are refused on every
     # rank (each would attend with its own mask): here the odd rank's segments are all roots
-    ids, mask, pw, packed = _tree_batch(rng, world, "inside")
+    packed = _tree_batch(rng, world, "inside")[3]
     if rank % 2:
         flat = [-1] * len(packed.layout.parents)
         packed = dataclasses.replace(packed, layout=dualkv.Layout.tree(flat, packed.layout.lengths))
     with pytest.raises(ValueError, match="passed different packed batches"):
         parallel.shard_batch(packed)
+
+
+def _tree_run(world: int, seed: int, batch: tuple, kv_heads: int) -> None:
+    from dualkv.integrations import transformers as dkt
+    from hf_helpers import Float64Throughout, tiny_config, tiny_model
+
+    ids, mask, pw, packed = batch
+    what = (kv_heads, packed.layout.parents, packed.layout.lengths)
+    config = tiny_config("qwen3")
+    config.num_key_value_heads = kv_heads
+    model = tiny_model("qwen3", torch.float64, seed=seed % 1000, config=config)
+    assert parallel.kv_replication(4, kv_heads, world) == 3 - kv_heads
+    g = torch.Generator().manual_seed(seed + kv_heads)
+    adv = torch.randn(packed.num_rows, generator=g, dtype=torch.float64)
+    resp = packed.response_mask
+    old = torch.randn(resp.shape, generator=g, dtype=torch.float64) * 0.3 * resp
+
+    def step(kind: str):  # noqa: ANN202
+        model.zero_grad(set_to_none=True)
+        model.set_attn_implementation("sdpa" if kind == "rows" else "dualkv")
+        with Float64Throughout():
+            if kind == "rows":
+                lp, ent = dkt.rows_response_logprobs(
+                    model, ids, mask, pw, temperature=TEMPERATURE, return_entropy=True
+                )
+            elif kind == "sp1":
+                lp, ent = dkt.packed_response_logprobs(
+                    model, packed, temperature=TEMPERATURE, return_entropy=True
+                )
+            else:
+                lp, ent = dkt.sequence_parallel_logprobs(
+                    model, packed, None, TEMPERATURE, return_entropy=True
+                )
+            lp, ent = lp * resp, ent * resp
+            loss = dualkv.dapo_loss(lp, old, adv, resp)[0] - 0.01 * dualkv.aggregate(ent, resp)
+            loss.backward()
+        if kind == "sp2":
+            parallel.all_reduce_gradients(model.parameters())
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        return lp.detach(), ent.detach(), loss.detach(), grads
+
+    sp2, sp1, rows = step("sp2"), step("sp1"), step("rows")
+    for name, want, tol in (("sp1", sp1, 1e-12), ("rows", rows, 1e-10)):
+        for i, part in enumerate(("logprobs", "entropy", "loss")):
+            torch.testing.assert_close(
+                sp2[i], want[i], rtol=0, atol=tol, msg=f"{part} vs {name} {what}"
+            )
+        assert sp2[3].keys() == want[3].keys()
+        for n, gw in want[3].items():
+            err = (sp2[3][n] - gw).abs().max().item()
+            assert err <= 100 * tol * gw.abs().max().item() + 1e-15, (name, n, err, what)
+    # the shard's positions are its slice of the tree's (each segment continuing from its
+    # parent's end), checked exactly
+    batch = parallel.shard_batch(packed)
+    dkt.check_positions(batch.position_ids.clone(), batch.layout)
 
 
 def test_tree_step_equals_single_process_and_rows(seed):
