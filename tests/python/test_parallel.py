@@ -6,7 +6,8 @@ attention outputs, lse and q/k/v gradients (bitwise where the math is the same: 
 replication; replicated KV heads sum their gradients in another order), padding rows exactly 0
 even when the pad inputs are NaN; a tiny random Qwen3 packed GRPO/DAPO step (log-probs, entropy,
 loss, every parameter gradient after the gradient all-reduce) against the single-process packed
-step, with shard boundaries on a prompt's last token.
+step, with shard boundaries on a prompt's last token; prefix trees (Layout.tree in the attention
+cases, and a multi-turn tree step against sp=1 and the unshared rows).
 """
 
 from __future__ import annotations
@@ -94,6 +95,15 @@ def _attention_cases(world: int, seed: int) -> list[dict]:
     cases.append(dict(prefix=[world - 1], responses=[[]], hq=world, hkv=1, dtype=torch.float64,
                       d=8))  # fmt: skip
     cases.append(dict(prefix=[1], responses=[[0]], hq=world, hkv=world, dtype=torch.float64, d=8))
+    # prefix trees (Layout.tree): random forests in any order, empty segments included; one
+    # KV head per rank, and one KV head replicated, with a window and softcap
+    for hkv, opts in ((world, {}), (1, {"window": rng.randint(2, 7), "softcap": 3.0})):
+        n = rng.randint(3, 9)
+        parents = [rng.randrange(-1, i) for i in range(n)]
+        lengths = [rng.choice([0, 1, rng.randint(2, 11)]) for _ in range(n)]
+        lengths[0] += 1 + (sum(lengths) % world == world - 1)  # T > 0, not a multiple of sp
+        cases.append(dict(tree=(parents, lengths), hq=world * 2, hkv=hkv, dtype=torch.float64,
+                          d=8, **opts))  # fmt: skip
     return cases
 
 
@@ -124,7 +134,10 @@ def _attention_worker(rank: int, world: int, seed: int) -> None:
 def _attention_cases_run(group: Any, world: int, seed: int) -> None:
     for n, case in enumerate(_attention_cases(world, seed)):
         what = f"case {n} {case}"
-        layout = dualkv.Layout(case["prefix"], case["responses"])
+        if "tree" in case:
+            layout = dualkv.Layout.tree(*case["tree"])
+        else:
+            layout = dualkv.Layout(case["prefix"], case["responses"])
         t, dtype = layout.total_tokens, case["dtype"]
         hq, hkv, d = case["hq"], case["hkv"], case["d"]
         opts = {k: case[k] for k in ("window", "softcap") if k in case}

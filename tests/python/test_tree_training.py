@@ -56,11 +56,11 @@ def _depth_two(seed: int) -> dualkv.PackedBatch:
     return dualkv.pack(prompts=prompts, responses=responses)
 
 
-def _step(model: torch.nn.Module, decoder: object, pk: dualkv.PackedBatch, seed: int) -> tuple:
+def _step(model, decoder, pk: dualkv.PackedBatch, seed: int) -> tuple:  # noqa: ANN001
     """An on-policy DAPO step on ``pk`` with ``decoder`` (the model's, compiled or not):
     log-probs and every parameter gradient."""
     model.zero_grad(set_to_none=True)
-    hidden = decoder(**pk.model_inputs()).last_hidden_state  # type: ignore[operator]
+    hidden = decoder(**pk.model_inputs()).last_hidden_state
     weight, bias, softcap = dkt.lm_head_of(model)
     lp = dualkv.response_logprobs(hidden, weight, pk, lm_head_bias=bias, logit_softcap=softcap)
     adv = torch.randn(pk.num_rows, generator=torch.Generator().manual_seed(seed))
@@ -203,6 +203,28 @@ def test_tree_positions_through_the_model(seed):
         "token 0, the first of its tree's root, where the layout has 3 and 0; the layout's "
         "parents=[-1, 0, 0], lengths=[3, 3, 3]"
     ) in msg, msg
+
+
+@pytest.mark.gpu
+def test_traced_position_rule_on_a_large_tree_cuda():
+    """The traced rule with inductor's default settings on CUDA at the benchmark's sizes (an
+    agentic tree of ~26k tokens), where large reductions are split (the rule's reductions over
+    T - 1 and T tokens once made inductor assert): right positions and a shift per tree pass.
+    (A failing case is not run: a device-side assert ends the CUDA context.)"""
+    import torch._dynamo
+
+    parents = [-1, 0, 0, 1, 1, 2, 2, 3, -1, 8]
+    lengths = [6144, 700, 512, 900, 300, 640, 820, 4000, 4096, 8000]
+    layout = dualkv.Layout.tree(parents, lengths, device="cuda")
+    shift = torch.tensor([7] * sum(lengths[:8]) + [3] * sum(lengths[8:]), device="cuda")
+    torch._dynamo.reset()
+    try:
+        check = torch.compile(dkt.check_positions)
+        check(layout.position_ids.clone()[None], layout)
+        check((layout.position_ids + shift)[None], layout)
+        torch.cuda.synchronize()
+    finally:
+        torch._dynamo.reset()
 
 
 def _token_trees(parents: list[int], lengths: list[int]) -> tuple[list[int], list[int]]:
