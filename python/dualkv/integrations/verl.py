@@ -250,13 +250,20 @@ def _sharing_partition(
         def weight(run: list[int]) -> int:
             return sum(len(rows_of[g]) for g in run)
 
-    runs = sharing_runs(order, lambda run: weight(run) <= budget)
+    def fits(run: list[int]) -> bool:
+        return len(run) == 1 or weight(run) <= budget
+
+    runs = sharing_runs(order, fits)
     fewest_groups = _all_reduce_int(len(order), min_op, dp_group)
     count = _all_reduce_int(max(len(runs), 1), max_op, dp_group)
     _check_count(count, fewest_groups, name, budget)
-    split = split_runs(runs, count, weight)
-    assert split is not None  # (count <= this rank's groups)
-    return split
+    split = split_runs(runs, count, fits, weight)
+    if _all_reduce_int(int(split is not None), min_op, dp_group) and split is not None:
+        return split
+    raise DualKVVerlError(
+        f"DualKV engine: {name}={budget} needs {count} micro-batches on every data-parallel "
+        f"rank, but a rank's prompt groups cannot be cut into {count} within {name}; raise {name}"
+    )
 
 
 def _padded_rows(data: Any) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:

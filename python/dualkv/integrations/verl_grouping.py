@@ -165,23 +165,23 @@ def sharing_order(rows: SortedRows, rows_of: Sequence[Sequence[int]]) -> list[in
 def sharing_runs(order: Sequence[int], fits: Callable[[list[int]], bool]) -> list[list[int]]:
     """Cut ``order`` into contiguous runs, each as long as ``fits`` allows (greedy).
 
-    ``fits`` must be downward closed on contiguous runs (a run that fits keeps fitting with
-    groups removed from its end), which :class:`GroupCosts` prices are: runs grow by doubling,
-    then a binary search, so a run of ``k`` groups costs ``O(log k)`` calls. A group alone is
-    always taken (the caller checks single groups against the budget first).
+    Runs grow by doubling, then a binary search (``O(log k)`` calls for a run of ``k`` groups).
+    Every run of two groups or more was tested with ``fits``; a group alone is always taken (the
+    caller checks single groups first). The run is the longest that fits when ``fits`` is
+    downward closed, as packed token counts nearly always are (folding short shared segments can
+    make fewer rows pack to a few more tokens: ``test_folding_is_not_monotone``).
     """
     runs: list[list[int]] = []
     start, n = 0, len(order)
     while start < n:
         good, step = 1, 1  # order[start:start + good] fits
+        bad = n - start + 1  # and order[start:start + bad] does not (or runs past the end)
         while start + good < n:
             trial = min(good + step, n - start)
             if not fits(list(order[start : start + trial])):
                 bad = trial
                 break
             good, step = trial, step * 2
-        else:
-            bad = good + 1
         while bad - good > 1:
             mid = (good + bad) // 2
             if fits(list(order[start : start + mid])):
@@ -194,20 +194,29 @@ def sharing_runs(order: Sequence[int], fits: Callable[[list[int]], bool]) -> lis
 
 
 def split_runs(
-    runs: list[list[int]], count: int, weight: Callable[[list[int]], int]
+    runs: list[list[int]],
+    count: int,
+    fits: Callable[[list[int]], bool],
+    weight: Callable[[list[int]], int],
 ) -> list[list[int]] | None:
-    """``runs`` cut further into exactly ``count`` runs: the heaviest run of two groups or more
-    is halved by weight, until there are ``count`` (None when too few groups). A part of a run
-    that fits the budget fits too (downward closed)."""
+    """``runs`` cut further into exactly ``count`` runs: the heaviest run that can be cut into
+    two parts that both fit is cut where the parts' weights are closest, until there are
+    ``count`` runs (None when no run can be cut)."""
     runs = [list(r) for r in runs]
     while len(runs) < count:
-        splittable = [i for i, r in enumerate(runs) if len(r) > 1]
-        if not splittable:
+        best: tuple[int, int, int] | None = None  # (-run weight, run, cut)
+        for i in sorted(range(len(runs)), key=lambda j: (-weight(runs[j]), j)):
+            run = runs[i]
+            cuts = [
+                (abs(weight(run[:c]) - weight(run[c:])), c)
+                for c in range(1, len(run))
+                if fits(run[:c]) and fits(run[c:])
+            ]
+            if cuts:
+                best = (-weight(run), i, min(cuts)[1])
+                break
+        if best is None:
             return None
-        i = max(splittable, key=lambda j: (weight(runs[j]), -j))
-        run = runs[i]
-        total = weight(run)
-        # the first cut at which the left part holds half the weight (at least one group a side)
-        cut = next((c for c in range(1, len(run)) if 2 * weight(run[:c]) >= total), len(run) - 1)
-        runs[i : i + 1] = [run[:cut], run[cut:]]
+        _, i, cut = best
+        runs[i : i + 1] = [runs[i][:cut], runs[i][cut:]]
     return runs
