@@ -13,7 +13,7 @@ engine of the ``fsdp`` and ``fsdp2`` strategies (through veRL's ``EngineRegistry
 ``"cpu"``). The engine is veRL's ``FSDPEngineWithLMHead`` unchanged unless the model's
 ``attn_implementation`` is ``"dualkv"``; then the actor's ``compute_log_prob`` (old log-probs),
 the reference model's ``compute_ref_log_prob`` (it shares the model config) and the policy
-update run on packed groups:
+update run on packed groups (or prefix trees):
 
 * group-aware micro-batching: the rows of one prompt (rows whose real prompt tokens are
   identical; a prompt seen once is a singleton group) always land in the same micro-batch. With
@@ -22,6 +22,20 @@ update run on packed groups:
   fixed micro-batch size it holds whole groups of at most ``micro_batch_size_per_gpu`` rows (a
   larger group is a micro-batch of its own). Every data-parallel rank runs the same number of
   micro-batches (the count is agreed with an all-reduce, as veRL does).
+* prefix trees: rows that share more than their prompt (a system prompt with tool descriptions
+  across the groups of veRL's multi-turn agent-loop rows; per-turn samples, each turn's row the
+  whole earlier conversation; branching rollouts) are packed as a prefix tree
+  (:func:`dualkv.tree_packing.pack_rows_tree`: each shared prefix computed once) when that packs
+  at least ``TREE_MIN_SAVING`` (10%) fewer tokens than the prompt groups; otherwise the depth-two
+  prompt-group packing runs, the measured fast path. When the whole batch's prefix forest saves
+  that much, micro-batches are contiguous runs of groups in the sorted order of their rows
+  (neighbours share prefixes), each within the budget in the packed tokens of the packing it
+  runs (:mod:`.verl_grouping`); ordinary GRPO batches keep the balanced prompt-group partition.
+  ``DUALKV_VERL_PACKING=tree`` or ``=groups`` (an environment variable of the training
+  processes) forces either packing. Response and loss masks with zeros inside the response (the
+  agent loop's tool outputs) need nothing: every real response token gets its log-prob, and
+  veRL's loss applies its ``response_mask``. Ulysses (below) packs prompt groups:
+  :mod:`dualkv.parallel` shards the depth-two layout only, so far.
 * the model runs on one packed stream per micro-batch (``attn_implementation="dualkv"``), and the
   response log-probs (and entropy) come from :func:`dualkv.response_logprobs` (chunked over the
   tokens, no full-vocabulary logits of the whole micro-batch), computed inside the FSDP forward of
