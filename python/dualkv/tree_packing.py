@@ -15,15 +15,54 @@ import torch
 
 from .layout import Layout
 from .packed_batch import PackedBatch, batch_from_row_maps
-from .prefix_forest import prefix_forest
+from .prefix_forest import SortedRows, prefix_forest, sorted_rows
 from .trainer_rows import checked_row_lengths
 
-__all__ = ["DEFAULT_MIN_SHARED", "pack_rows_tree"]
+__all__ = ["DEFAULT_MIN_SHARED", "pack_rows_tree", "sorted_trainer_rows"]
 
 # Shared segments shorter than this are repeated in each branch instead of split off (a branch
 # point ends a 128-token tile early in every layer's attention; a few shared tokens do not pay
 # for it).
 DEFAULT_MIN_SHARED = 64
+
+
+def _row_keys(
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    first_col: torch.Tensor,
+    seq_len: torch.Tensor,
+) -> torch.Tensor:
+    """Left-aligned keys of the rows' tokens (host): the token ids, and the position ids when
+    given (tokens are shared only where both agree). Row ``b``'s ``seq_len[b]`` real tokens are
+    contiguous from column ``first_col[b]`` (``prompt_width - P_b``)."""
+    width = input_ids.shape[1]
+    cols = torch.arange(width)
+    gather = (first_col[:, None] + cols[None, :]).clamp(max=max(width - 1, 0))
+    ids = input_ids.detach().to("cpu", torch.int64).gather(1, gather)
+    if position_ids is None:
+        return ids
+    pos = position_ids.detach().to("cpu", torch.int64).gather(1, gather)
+    # Positions 0, 1, ... on every row's tokens (veRL's, TRL's) share exactly where the ids do:
+    # then the ids alone are the keys (half the host work). (Past a row's end nothing is read.)
+    real = cols[None, :] < seq_len[:, None]
+    if bool(((pos == cols[None, :]) | ~real).all()):
+        return ids
+    return torch.stack([ids, pos], -1)
+
+
+def sorted_trainer_rows(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_width: int,
+    position_ids: torch.Tensor | None = None,
+) -> SortedRows:
+    """The :class:`dualkv.prefix_forest.SortedRows` of trainer rows (arguments as
+    :func:`pack_rows_tree`): :func:`dualkv.prefix_forest.forest_tokens` on it and a subset of
+    the rows gives the packed tokens of :func:`pack_rows_tree` on that subset."""
+    pw, _pmask, plen, rlen = checked_row_lengths(
+        input_ids, attention_mask, prompt_width, position_ids
+    )
+    return sorted_rows(_row_keys(input_ids, position_ids, pw - plen, plen + rlen), plen + rlen)
 
 
 def pack_rows_tree(
@@ -54,18 +93,9 @@ def pack_rows_tree(
     num_rows, width = input_ids.shape
     rw = width - pw
     device = input_ids.device
-
-    # Each row's real tokens are contiguous: columns [pw - P_b, pw + R_b).
     first_col = pw - plen
     seq_len = plen + rlen
-    cols = torch.arange(width)
-    gather = (first_col[:, None] + cols[None, :]).clamp(max=max(width - 1, 0))
-    ids = input_ids.detach().to("cpu", torch.int64).gather(1, gather)
-    keys = (
-        ids
-        if position_ids is None
-        else torch.stack([ids, position_ids.detach().to("cpu", torch.int64).gather(1, gather)], -1)
-    )
+    keys = _row_keys(input_ids, position_ids, first_col, seq_len)
     forest = prefix_forest(keys, seq_len, min_shared)
     layout = Layout.tree(forest.parents, forest.lengths, device=device)
     total = forest.total_tokens
