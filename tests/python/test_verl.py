@@ -650,9 +650,6 @@ def test_packing_setting(model_dirs, seed, monkeypatch):
     monkeypatch.setenv("DUALKV_VERL_PACKING", "trees")
     with pytest.raises(DualKVVerlError, match="DUALKV_VERL_PACKING='trees'"):
         _engine(DualKVFSDPEngineWithLMHead, path, "dualkv")
-    monkeypatch.setenv("DUALKV_VERL_PACKING", "tree")
-    with pytest.raises(DualKVVerlError, match="DUALKV_VERL_PACKING=tree with ulysses"):
-        _engine(DualKVFSDPEngineWithLMHead, path, "dualkv", ulysses_sequence_parallel_size=2)
 
 
 def _tree_dp_rank(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -886,14 +883,32 @@ def _sp_tree_rank(rank: int, world: int, port: int, path: str, seed: int) -> Non
         _close(logp_sp * real, logp_one * real, f"rank {rank}: log_probs")
         _close_entropy(ent_sp * real, ent_one * real, logp_one * real, f"rank {rank}: entropy")
         assert seen_one and all(packed.layout.is_tree for packed, _ in seen_one)
-        assert seen_sp and not any(packed.layout.is_tree for packed, _ in seen_sp)
+        assert seen_sp and all(packed.layout.is_tree for packed, _ in seen_sp)
+
+        mask = td["response_mask"].bool()
+        td["old_log_probs"] = (logp_one + 0.15 * torch.randn_like(logp_one)) * mask
+        torch.distributed.broadcast(td["old_log_probs"], src=0)  # the same batch on both ranks
+        actor = _actor_config("fsdp2", True, loss_agg_mode="token-mean", clip_ratio=0.1,
+                              entropy_coeff=0.05)  # fmt: skip
+        b = td.shape[0]
+        loss_sp, g_sp, p_sp, _ = _train(sp, td, actor, global_batch_size=b)
+        loss_one, g_one, p_one, _ = _train(one, td, actor, global_batch_size=2 * b)
+        assert abs(loss_sp - loss_one) <= 1e-5 + 1e-4 * abs(loss_one), (loss_sp, loss_one)
+        assert g_sp and g_sp.keys() == g_one.keys()
+        for name in g_one:
+            scale = max(g_one[name].abs().max().item(), 1.0)
+            _close(g_sp[name], g_one[name], f"rank {rank}: grad {name}", rtol=1e-3,
+                   atol=2e-5 * scale)  # fmt: skip
+        for name in p_one:
+            _close(p_sp[name], p_one[name], f"rank {rank}: param {name}", rtol=1e-4, atol=1e-5)
     finally:
         torch.distributed.destroy_process_group()
 
 
-def test_ulysses_packs_prompt_groups_of_tree_batches(tmp_path, seed):
-    """Ulysses shards prompt-group packing only (dualkv.parallel): with sp = 2 a multi-turn batch
-    runs as prompt groups, with the log-probs of the sp = 1 engine's prefix trees."""
+def test_ulysses_shards_tree_batches(tmp_path, seed):
+    """Ulysses shards prefix trees (dualkv.parallel.shard_batch): with sp = 2 a multi-turn batch
+    runs as the same trees as with sp = 1, with its log-probs, entropy, loss, gradients and
+    parameters after a step."""
     import torch.multiprocessing as mp
 
     path = str(tmp_path / "qwen3")

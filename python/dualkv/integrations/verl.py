@@ -34,8 +34,8 @@ update run on packed groups (or prefix trees):
   ``DUALKV_VERL_PACKING=tree`` or ``=groups`` (an environment variable of the training
   processes) forces either packing. Response and loss masks with zeros inside the response (the
   agent loop's tool outputs) need nothing: every real response token gets its log-prob, and
-  veRL's loss applies its ``response_mask``. Ulysses (below) packs prompt groups:
-  :mod:`dualkv.parallel` shards the depth-two layout only, so far.
+  veRL's loss applies its ``response_mask``. Under Ulysses (below) the same choice is made on
+  the sp group's micro-batch, and :mod:`dualkv.parallel` shards the tree as it does prompt groups.
 * the model runs on one packed stream per micro-batch (``attn_implementation="dualkv"``), and the
   response log-probs (and entropy) come from :func:`dualkv.response_logprobs` (chunked over the
   tokens, no full-vocabulary logits of the whole micro-batch), computed inside the FSDP forward of
@@ -198,10 +198,6 @@ def _check_count(count: int, fewest_groups: int, name: str, budget: int) -> None
 
 def _packing_mode(engine: Any) -> str:
     """The packing mode of an engine's batches (:data:`PACKING_ENV`, read at its init)."""
-    # Ulysses shards a depth-two layout only (dualkv.parallel); until it shards trees, sp > 1
-    # packs prompt groups (a forced "tree" is refused at init)
-    if int(getattr(engine, "ulysses_sequence_parallel_size", 1) or 1) > 1:
-        return "groups"
     return str(getattr(engine, "dualkv_packing", "auto"))
 
 
@@ -418,11 +414,6 @@ class DualKVFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             sp = engine_config.ulysses_sequence_parallel_size
             if sp > 1:
                 _check_sequence_parallel(text_config, sp)
-                if self.dualkv_packing == "tree":
-                    raise _unsupported(
-                        f"{PACKING_ENV}=tree with ulysses_sequence_parallel_size={sp} (Ulysses "
-                        "shards prompt-group packing only; unset it to pack prompt groups)"
-                    )
             if getattr(model_config, "use_fused_kernels", False):
                 raise _unsupported("use_fused_kernels=True")
             if getattr(engine_config, "pad_to_length", False):
