@@ -27,12 +27,11 @@ each, turns of 300-900 tokens; every turn a training sample, so the rows are eac
 prefix (prompt: everything before the turn, left-padded; response: the turn), 22 rows per task,
 rho ~ 9 over the whole tree. DualKV's budgets count a task's packed tree tokens (1, 2, ... tasks
 per micro-batch), veRL's the longest row (1, 2, 4, ... rows). The DualKV engine
-(dualkv.integrations.verl) groups rows by identical prompt and packs prompt/response pairs
-(pack_rows): on this batch that shares only the prompts of sibling turns (two rows each), so the
-run measures the depth-two engine until the engine packs rows sharing earlier turns as a tree
-(its budget of one tree's packed tokens then takes several micro-batches: the table's count;
-"responses / micro-batch" is what a tree engine holds); then the same command measures tree
-packing (the budgets already hold whole trees).
+(dualkv.integrations.verl) packs this batch as prefix trees (its rows share earlier turns: the
+tree packs far fewer tokens than prompt groups) in micro-batches of whole tasks (a task's rows
+sort next to each other), so each budget holds that many whole trees; DUALKV_VERL_PACKING=groups
+measures the depth-two packing of the same rows (prompt groups of sibling turns, two rows each;
+its budget of one tree's packed tokens then takes several micro-batches: the table's count).
 
 Both with gradient checkpointing, bf16 mixed precision (fp32 master weights, AdamW). For each
 engine the micro-batch budget (``max_token_len_per_gpu``) is raised step by step (responses per

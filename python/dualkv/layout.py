@@ -36,6 +36,12 @@ def _ints(value: Any, name: str) -> list[int]:
     return out
 
 
+# Columns of the segment table (Layout.segments, int32 [non-empty segments, 11]): include/
+# dualkv/layout.h's struct Segment.
+SEGMENT_START = 0  # packed index of the segment's first token
+SEGMENT_ROOT_START = 3  # packed index of the first token of its tree's root segment
+
+
 def _int_list(value: Any, name: str) -> list[int]:
     """Lengths as the C++ core takes them (it checks signs and totals)."""
     out = _ints(value, name)

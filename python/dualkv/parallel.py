@@ -13,6 +13,11 @@ rank's slice of the global position ids) runs on the local shard. Attention
    runs unchanged on the global :class:`dualkv.Layout` for those heads;
 3. the output (and lse) is zero-padded back and all-to-all'ed to ``[S, Hq, D]`` (``[Hq, S]``).
 
+Nothing here depends on the layout's shape: a prefix-tree layout (:meth:`dualkv.Layout.tree`,
+``dualkv.pack(..., tree=True)``) is sharded the same way, a shard boundary anywhere (inside a
+segment, or at a branch point whose last position predicts each child's first token on the next
+rank).
+
 The backward is the mirror image (autograd through the all-to-alls: gradients take the reverse
 all-to-all, nothing is gathered). The pad tokens never reach the kernel: their attention output
 and lse are 0 and their q/k/v gradients exactly 0, whatever they hold (NaN included).
@@ -426,13 +431,12 @@ class ShardedBatch:
 
 def _check_same_batch(packed: PackedBatch, group: Any) -> None:
     """Refuse ranks that pass different batches: each would run attention on its heads with its
-    own layout, a silent wrong answer. The rows' response width is part of it: the log-probs'
-    all-reduce sums ``[B, R_max]`` tensors, which must have one shape on every rank."""
+    own layout, a silent wrong answer. The layout is compared as its segments' parents and
+    lengths (a prompt/response layout's depth-two forest, or a tree's). The rows' response width
+    is part of it: the log-probs' all-reduce sums ``[B, R_max]`` tensors, which must have one
+    shape on every rank."""
     layout = packed.layout
-    shape = hash((
-        tuple(layout.prefix_lens), tuple(tuple(r) for r in layout.response_lens),
-        packed.num_rows, packed.max_response_len,
-    ))  # fmt: skip
+    shape = hash((layout.parents, layout.lengths, packed.num_rows, packed.max_response_len))
     fingerprint = torch.stack([
         torch.tensor(shape, dtype=torch.int64, device=packed.input_ids.device),
         weighted_sum(packed.input_ids), weighted_sum(packed.position_ids),

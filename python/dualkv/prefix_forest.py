@@ -8,16 +8,19 @@ depth-first packed order, the input of :meth:`dualkv.Layout.tree`.
 
 The trie is built from the rows sorted lexicographically and the longest common prefix of each
 adjacent pair (one vectorised comparison), then one pass over the rows with a stack: host work
-linear in the number of rows (plus the tensor ops), done once per batch.
+linear in the number of rows (plus the tensor ops), done once per batch. :func:`forest_tokens`
+prices the forest of any subset of a batch's rows from the batch's :func:`sorted_rows` alone (no
+tensor work), for micro-batch partitions that keep rows sharing prefixes together.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PrefixForest", "prefix_forest"]
+__all__ = ["PrefixForest", "SortedRows", "forest_tokens", "prefix_forest", "sorted_rows"]
 
 
 @dataclass(frozen=True)
@@ -45,25 +48,27 @@ class PrefixForest:
         return sum(self.lengths)
 
 
-def prefix_forest(keys: torch.Tensor, lengths: torch.Tensor, min_shared: int = 1) -> PrefixForest:
-    """The shared-prefix forest of ``B`` rows.
+@dataclass(frozen=True)
+class SortedRows:
+    """A batch's distinct rows in lexicographic order with the common prefix of each adjacent
+    pair: what the trie of the rows, or of any subset of them, is built from.
 
-    Args:
-        keys: ``[B, L]`` or ``[B, L, K]`` integer keys of each row's tokens, left-aligned (token
-            ``j`` of row ``b`` at ``keys[b, j]``); tokens are shared only where every key
-            component agrees (e.g. token id and position id). Values past a row's length are
-            never read.
-        lengths: ``[B]`` tokens of each row.
-        min_shared: a shared segment shorter than this is not split off: its tokens are repeated
-            in each branch below it (a branch point costs a tile boundary; a few shared tokens do
-            not pay for it). 1 shares every common prefix.
-
-    Returns:
-        A :class:`PrefixForest`. Children follow their parent in the order of the first row that
-        reaches them, so rows that share only a prompt are packed as
-        ``[prompt | r_1 | ... | r_N]`` in row order, groups in first-seen order. Identical rows
-        share every token (their per-token results are the same function; their gradients sum).
+    Attributes:
+        row_of: the distinct row (its sorted index) of each row.
+        lengths: tokens of each distinct row.
+        lcp: common prefix of distinct rows ``u`` and ``u + 1`` (one fewer than ``lengths``).
+        first_row: the first row (in batch order) of each distinct row.
     """
+
+    row_of: list[int]
+    lengths: list[int]
+    lcp: list[int]
+    first_row: list[int]
+
+
+def sorted_rows(keys: torch.Tensor, lengths: torch.Tensor) -> SortedRows:
+    """The :class:`SortedRows` of ``B`` rows (``keys`` and ``lengths`` as :func:`prefix_forest`
+    takes them)."""
     if keys.dim() == 2:
         keys = keys.unsqueeze(-1)
     if keys.dim() != 3:
@@ -76,8 +81,6 @@ def prefix_forest(keys: torch.Tensor, lengths: torch.Tensor, min_shared: int = 1
         raise ValueError(f"lengths must have one entry per row ({num_rows}), got {lengths.numel()}")
     if bool((lengths < 0).any()) or bool((lengths > width).any()):
         raise ValueError(f"lengths must lie in [0, {width}], got {lengths.tolist()}")
-    if min_shared < 1:
-        raise ValueError(f"min_shared must be >= 1, got {min_shared}")
 
     # --- distinct rows, sorted: a row that is a prefix of another sorts first ---------------
     k = keys.detach().to("cpu", torch.int64)
@@ -102,69 +105,122 @@ def prefix_forest(keys: torch.Tensor, lengths: torch.Tensor, min_shared: int = 1
         lcp = same.to(torch.int64).cumprod(1).sum(1).tolist()
     else:
         lcp = []
+    return SortedRows(row_of.reshape(-1).tolist(), ulen.tolist(), lcp, first_row.tolist())
 
-    # --- the trie (node 0: a virtual root at depth 0) ---------------------------------------
-    depth, parent, terminal = [0], [-1], [0] * num_uniq
-    ulen_l, first_l = ulen.tolist(), first_row.tolist()
-    stack = [0]
-    for u in range(num_uniq):
-        common = lcp[u - 1] if u else 0
-        last = -1
-        while depth[stack[-1]] > common:
-            last = stack.pop()
-        if depth[stack[-1]] < common:  # split the edge into `last` at the common depth
-            depth.append(common)
-            parent.append(stack[-1])
-            parent[last] = len(depth) - 1
-            stack.append(len(depth) - 1)
-        if ulen_l[u] > common:
-            depth.append(ulen_l[u])
-            parent.append(stack[-1])
-            stack.append(len(depth) - 1)
-        terminal[u] = stack[-1]
 
-    num_nodes = len(depth)
+def forest_tokens(rows: SortedRows, subset: Sequence[int], min_shared: int = 1) -> int:
+    """Packed tokens of :func:`prefix_forest` on the rows ``subset`` of a batch (row indices),
+    from the batch's :class:`SortedRows`: no tensor work, linear in the rows' span of the sorted
+    order, so a micro-batch partition can price many candidate subsets."""
+    if min_shared < 1:
+        raise ValueError(f"min_shared must be >= 1, got {min_shared}")
+    us = sorted({rows.row_of[b] for b in subset})
+    # Sorted rows a < b share min(lcp[a:b]): the common prefix of their restriction's neighbours.
+    lcp = [min(rows.lcp[a:b]) for a, b in zip(us[:-1], us[1:], strict=True)]
+    trie = _Trie([rows.lengths[u] for u in us], lcp)
+    return sum(trie.segments(list(range(len(trie.depth))), min_shared)[1])
+
+
+class _Trie:
+    """The compressed trie of sorted distinct rows (node 0: a virtual root at depth 0)."""
+
+    def __init__(self, ulen: list[int], lcp: list[int]) -> None:
+        depth, parent, terminal = [0], [-1], [0] * len(ulen)
+        stack = [0]
+        for u in range(len(ulen)):
+            common = lcp[u - 1] if u else 0
+            last = -1
+            while depth[stack[-1]] > common:
+                last = stack.pop()
+            if depth[stack[-1]] < common:  # split the edge into `last` at the common depth
+                depth.append(common)
+                parent.append(stack[-1])
+                parent[last] = len(depth) - 1
+                stack.append(len(depth) - 1)
+            if ulen[u] > common:
+                depth.append(ulen[u])
+                parent.append(stack[-1])
+                stack.append(len(depth) - 1)
+            terminal[u] = stack[-1]
+        self.depth, self.parent, self.terminal = depth, parent, terminal
+
+    def segments(
+        self, first: list[int], min_shared: int
+    ) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+        """Pre-order walk (children in increasing ``first``); a short inner segment is folded
+        into its branches. Returns ``(parents, lengths, node, start, node_seg)``: each segment's
+        parent segment, length, trie node whose tokens it holds and depth of its first token, and
+        the segment ending at each node's depth on its rows' paths."""
+        depth, num_nodes = self.depth, len(self.depth)
+        ends_here = [False] * num_nodes
+        for n in self.terminal:
+            ends_here[n] = True
+        children: list[list[int]] = [[] for _ in range(num_nodes)]
+        for n in range(1, num_nodes):
+            children[self.parent[n]].append(n)
+        parents: list[int] = []
+        seg_len: list[int] = []
+        seg_node: list[int] = []
+        seg_start: list[int] = []
+        node_seg = [-1] * num_nodes
+        # (node, segment index of its parent, depth its tokens start at)
+        todo = [(c, -1, 0) for c in sorted(children[0], key=lambda c: first[c], reverse=True)]
+        while todo:
+            n, pseg, s0 = todo.pop()
+            kids = sorted(children[n], key=lambda c: first[c])
+            # (a node with children is a branch point: two children, or a row ending inside a
+            # path)
+            if kids and depth[n] - s0 < min_shared:
+                # Rows ending here keep their tokens in a segment of their own.
+                if ends_here[n]:
+                    node_seg[n] = len(parents)
+                    parents.append(pseg)
+                    seg_len.append(depth[n] - s0)
+                    seg_node.append(n)
+                    seg_start.append(s0)
+                todo.extend((c, pseg, s0) for c in reversed(kids))
+                continue
+            node_seg[n] = len(parents)
+            parents.append(pseg)
+            seg_len.append(depth[n] - s0)
+            seg_node.append(n)
+            seg_start.append(s0)
+            todo.extend((c, node_seg[n], depth[n]) for c in reversed(kids))
+        return parents, seg_len, seg_node, seg_start, node_seg
+
+
+def prefix_forest(keys: torch.Tensor, lengths: torch.Tensor, min_shared: int = 1) -> PrefixForest:
+    """The shared-prefix forest of ``B`` rows.
+
+    Args:
+        keys: ``[B, L]`` or ``[B, L, K]`` integer keys of each row's tokens, left-aligned (token
+            ``j`` of row ``b`` at ``keys[b, j]``); tokens are shared only where every key
+            component agrees (e.g. token id and position id). Values past a row's length are
+            never read.
+        lengths: ``[B]`` tokens of each row.
+        min_shared: a shared segment shorter than this is not split off: its tokens are repeated
+            in each branch below it (a branch point costs a tile boundary; a few shared tokens do
+            not pay for it). 1 shares every common prefix.
+
+    Returns:
+        A :class:`PrefixForest`. Children follow their parent in the order of the first row that
+        reaches them, so rows that share only a prompt are packed as
+        ``[prompt | r_1 | ... | r_N]`` in row order, groups in first-seen order. Identical rows
+        share every token (their per-token results are the same function; their gradients sum).
+    """
+    if min_shared < 1:
+        raise ValueError(f"min_shared must be >= 1, got {min_shared}")
+    rows = sorted_rows(keys, lengths)
+    num_rows, width = keys.shape[0], keys.shape[1]
+    trie = _Trie(rows.lengths, rows.lcp)
+    num_nodes = len(trie.depth)
     first = [num_rows] * num_nodes  # first row (in batch order) whose path reaches the node
-    ends_here: list[list[int]] = [[] for _ in range(num_nodes)]
-    for u in range(num_uniq):
-        ends_here[terminal[u]].append(u)
-    for u in sorted(range(num_uniq), key=lambda x: first_l[x]):
-        n = terminal[u]
-        while n >= 0 and first[n] > first_l[u]:
-            first[n] = first_l[u]
-            n = parent[n]
-    children: list[list[int]] = [[] for _ in range(num_nodes)]
-    for n in range(1, num_nodes):
-        children[parent[n]].append(n)
-
-    # --- pre-order walk; a short inner segment is folded into its branches ----------------------
-    parents: list[int] = []
-    seg_len: list[int] = []
-    seg_node: list[int] = []  # the trie node whose tokens the segment holds
-    seg_start: list[int] = []  # depth of the segment's first token
-    node_seg = [-1] * num_nodes  # segment ending at each node's depth on its rows' paths
-    # (node, segment index of its parent, depth its tokens start at)
-    todo = [(c, -1, 0) for c in sorted(children[0], key=lambda c: first[c], reverse=True)]
-    while todo:
-        n, pseg, s0 = todo.pop()
-        kids = sorted(children[n], key=lambda c: first[c])
-        # (a node with children is a branch point: two children, or a row ending inside a path)
-        if kids and depth[n] - s0 < min_shared:
-            # Rows ending here keep their tokens in a segment of their own.
-            if ends_here[n]:
-                node_seg[n] = len(parents)
-                parents.append(pseg)
-                seg_len.append(depth[n] - s0)
-                seg_node.append(n)
-                seg_start.append(s0)
-            todo.extend((c, pseg, s0) for c in reversed(kids))
-            continue
-        node_seg[n] = len(parents)
-        parents.append(pseg)
-        seg_len.append(depth[n] - s0)
-        seg_node.append(n)
-        seg_start.append(s0)
-        todo.extend((c, node_seg[n], depth[n]) for c in reversed(kids))
+    for u in sorted(range(len(rows.lengths)), key=lambda x: rows.first_row[x]):
+        n = trie.terminal[u]
+        while n >= 0 and first[n] > rows.first_row[u]:
+            first[n] = rows.first_row[u]
+            n = trie.parent[n]
+    parents, seg_len, seg_node, seg_start, node_seg = trie.segments(first, min_shared)
 
     # --- packed order is the list order; token maps -----------------------------------------------
     packed_start = [0] * len(seg_len)
@@ -176,9 +232,9 @@ def prefix_forest(keys: torch.Tensor, lengths: torch.Tensor, min_shared: int = 1
     token_index = torch.zeros(num_rows, width, dtype=torch.int64)
     path_cache: dict[int, list[int]] = {}
     for b in range(num_rows):
-        u = int(row_of[b])
+        u = rows.row_of[b]
         if u not in path_cache:
-            path_cache[u] = _path(terminal[u], node_seg, parents)
+            path_cache[u] = _path(trie.terminal[u], node_seg, parents)
         for s in path_cache[u]:
             lo, n = seg_start[s], seg_len[s]
             token_index[b, lo : lo + n] = torch.arange(packed_start[s], packed_start[s] + n)

@@ -15,15 +15,16 @@ import torch
 
 from .layout import Layout
 from .packed_batch import PackedBatch, batch_from_row_maps
-from .prefix_forest import PrefixForest, prefix_forest
+from .prefix_forest import PrefixForest, SortedRows, prefix_forest, sorted_rows
 from .trainer_rows import checked_row_lengths
 
 __all__ = [
     "DEFAULT_MIN_SHARED",
-    "TREE_MAX_TOKEN_FRACTION",
+    "TREE_MIN_SAVING",
     "pack_rows_tree",
     "row_forest",
-    "tree_pays",
+    "sorted_trainer_rows",
+    "tree_saves",
 ]
 
 # Shared segments shorter than this are repeated in each branch instead of split off (a branch
@@ -31,43 +32,57 @@ __all__ = [
 # for it).
 DEFAULT_MIN_SHARED = 64
 
-# A trainer that picks the packing itself uses the tree only when it packs at most this fraction
-# of the prompt/response packing's tokens: the tree's extra segment boundaries each end a tile
-# early, and the tree kernels' target is 90% of the depth-two kernels' rate (issue 33; not yet
-# measured on a GPU), so a saving below 10% is not clearly a gain (the depth-two packing stays
-# the default fast path).
-TREE_MAX_TOKEN_FRACTION = 0.9
+# A trainer that picks the packing itself (the veRL engine, DualKVGRPOTrainer) runs the tree when
+# it packs at least this fraction fewer tokens than the prompt-group packing: the tree kernel's
+# target is 90% of the depth-two kernel's throughput (issue 33) and a branch point ends a tile
+# early in every layer, so a smaller saving may not pay; the depth-two packing stays the measured
+# fast path.
+TREE_MIN_SAVING = 0.1
 
 
-def tree_pays(tree_tokens: int, prompt_response_tokens: int) -> bool:
-    """Whether a tree of ``tree_tokens`` packed tokens is worth it over the prompt/response
-    packing of the same rows (``prompt_response_tokens``): see :data:`TREE_MAX_TOKEN_FRACTION`."""
-    return tree_tokens <= TREE_MAX_TOKEN_FRACTION * prompt_response_tokens
+def tree_saves(flat_tokens: int, tree_tokens: int) -> bool:
+    """Whether rows packing to ``flat_tokens`` as prompt groups and ``tree_tokens`` as a prefix
+    tree save at least :data:`TREE_MIN_SAVING` of the tokens as the tree."""
+    return tree_tokens < flat_tokens and tree_tokens <= (1.0 - TREE_MIN_SAVING) * flat_tokens
 
 
-def _row_sequences(
+def _row_keys(
     input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    prompt_width: int,
     position_ids: torch.Tensor | None,
-) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each row's real tokens left-aligned: ``(prompt_width, prompt lengths, response lengths,
-    first real column [B], sharing keys [B, L, 1 or 2] (token id, and position id when
-    given))``. A row's real tokens are contiguous: columns ``[pw - P_b, pw + R_b)``."""
-    pw, _pmask, plen, rlen = checked_row_lengths(
-        input_ids, attention_mask, prompt_width, position_ids
-    )
+    first_col: torch.Tensor,
+    seq_len: torch.Tensor,
+) -> torch.Tensor:
+    """Left-aligned keys of the rows' tokens (host): the token ids, and the position ids when
+    given (tokens are shared only where both agree). Row ``b``'s ``seq_len[b]`` real tokens are
+    contiguous from column ``first_col[b]`` (``prompt_width - P_b``)."""
     width = input_ids.shape[1]
-    first_col = pw - plen
     cols = torch.arange(width)
     gather = (first_col[:, None] + cols[None, :]).clamp(max=max(width - 1, 0))
     ids = input_ids.detach().to("cpu", torch.int64).gather(1, gather)
-    keys = (
-        ids
-        if position_ids is None
-        else torch.stack([ids, position_ids.detach().to("cpu", torch.int64).gather(1, gather)], -1)
+    if position_ids is None:
+        return ids
+    pos = position_ids.detach().to("cpu", torch.int64).gather(1, gather)
+    # Positions 0, 1, ... on every row's tokens (veRL's, TRL's) share exactly where the ids do:
+    # then the ids alone are the keys (half the host work). (Past a row's end nothing is read.)
+    real = cols[None, :] < seq_len[:, None]
+    if bool(((pos == cols[None, :]) | ~real).all()):
+        return ids
+    return torch.stack([ids, pos], -1)
+
+
+def sorted_trainer_rows(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_width: int,
+    position_ids: torch.Tensor | None = None,
+) -> SortedRows:
+    """The :class:`dualkv.prefix_forest.SortedRows` of trainer rows (arguments as
+    :func:`pack_rows_tree`): :func:`dualkv.prefix_forest.forest_tokens` on it and a subset of
+    the rows gives the packed tokens of :func:`pack_rows_tree` on that subset."""
+    pw, _pmask, plen, rlen = checked_row_lengths(
+        input_ids, attention_mask, prompt_width, position_ids
     )
-    return pw, plen, rlen, first_col, keys
+    return sorted_rows(_row_keys(input_ids, position_ids, pw - plen, plen + rlen), plen + rlen)
 
 
 def row_forest(
@@ -79,9 +94,10 @@ def row_forest(
 ) -> PrefixForest:
     """The prefix forest :func:`pack_rows_tree` packs these rows with (arguments as there), so a
     caller can weigh the tree (``total_tokens``) before packing it (pass it as ``forest``)."""
-    _pw, plen, rlen, _first, keys = _row_sequences(
+    pw, _pmask, plen, rlen = checked_row_lengths(
         input_ids, attention_mask, prompt_width, position_ids
     )
+    keys = _row_keys(input_ids, position_ids, pw - plen, plen + rlen)
     return prefix_forest(keys, plen + rlen, min_shared)
 
 
@@ -109,15 +125,18 @@ def pack_rows_tree(
         without tokens). The response maps (``response_index``, ``token_sources``, ...) are those
         of :func:`dualkv.pack_rows`.
     """
-    pw, plen, rlen, first_col, keys = _row_sequences(
+    pw, _pmask, plen, rlen = checked_row_lengths(
         input_ids, attention_mask, prompt_width, position_ids
     )
     num_rows, width = input_ids.shape
     rw = width - pw
     device = input_ids.device
+    first_col = pw - plen
     seq_len = plen + rlen
     if forest is None:
-        forest = prefix_forest(keys, seq_len, min_shared)
+        forest = prefix_forest(
+            _row_keys(input_ids, position_ids, first_col, seq_len), seq_len, min_shared
+        )
     elif tuple(forest.token_index.shape) != (num_rows, width):
         raise ValueError(
             f"forest is of {tuple(forest.token_index.shape)} rows x columns, the rows are "

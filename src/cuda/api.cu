@@ -230,6 +230,8 @@ KernelPolicy resolve_policy(bool deterministic) {
                       : is("DUALKV_BWD_KEY_ORDER", '2') ? 32
                       : is("DUALKV_BWD_KEY_ORDER", '3') ? 64
                                                         : -1;
+  pol.d64_fwd_bm192 = is("DUALKV_SM90_D64_TILES", '1') || is("DUALKV_SM90_D64_TILES", '3');
+  pol.d64_bwd_bm128 = is("DUALKV_SM90_D64_TILES", '2') || is("DUALKV_SM90_D64_TILES", '3');
   return pol;
 }
 

@@ -53,6 +53,18 @@ struct KernelPolicy {
   // dims; src/cuda/LAB_NOTEBOOK.md, "The dK/dV kernels' CTA order");
   // DUALKV_BWD_KEY_ORDER=0|1|2|3 sets n = 0 / 16 / 32 / 64 (A/B).
   int bwd_key_chunk = -1;
+  // Experimental D = 64 tiles on sm_90a (issue 32: FlashAttention-3/4's hdim-64 tiles; not yet
+  // measured, so off by default), DUALKV_SM90_D64_TILES=1 (forward), 2 (backward) or 3 (both):
+  //   - d64_fwd_bm192: the forward with three consumer warpgroups on 192-query wide tiles
+  //     (FwdWsCfg<64, 3>, 512 threads), for three consumer warps per SM scheduler where two left
+  //     it latency-bound (src/cuda/LAB_NOTEBOOK.md, "Fifth session"); not with softcap, whose
+  //     consumers do not fit 160 registers (the default forward runs);
+  //   - d64_bwd_bm128: the fused dK/dV kernel with 128-query blocks (DkdvWsCfg<64, true, 128>:
+  //     S^T / dP^T as m64n128 products, each consumer warpgroup adds dQ of 64 query rows over all
+  //     128 keys: half the dQ reduction bytes per FLOP, 2 stages); fused dQ only (deterministic
+  //     calls and DUALKV_FUSED_DQ=0 keep 64-query blocks).
+  bool d64_fwd_bm192 = false;
+  bool d64_bwd_bm128 = false;
   // D = 256 and 512 on the sm_80 path: the small shared-memory configs (launch.h, kSmemSmall =
   // 99 KB per block instead of 128 / 227 KB), so that every sm_80+ GPU runs them. Used on a GPU
   // whose opt-in shared memory per block (smem_optin; 0 = unknown) is below what the regular

@@ -159,36 +159,6 @@ TEST(Layout, TokenReduction) {
   EXPECT_DOUBLE_EQ(m.token_reduction(), 30.0 / 20.0);
 }
 
-// The forest of a layout in the user's terms, brute force: every user segment's first packed
-// token and logical position, and the ancestor relation by walking the user's parents.
-struct UserForest {
-  explicit UserForest(const Forest& f) : f(f) {
-    int64_t at = 0;
-    for (size_t i = 0; i < f.parents.size(); ++i) {
-      start.push_back(at);
-      pos0.push_back(
-          f.parents[i] < 0 ? 0 : pos0[size_t(f.parents[i])] + f.lengths[size_t(f.parents[i])]);
-      at += f.lengths[i];
-      for (int64_t j = 0; j < f.lengths[i]; ++j) owner.push_back(int64_t(i));
-    }
-    const size_t n = f.parents.size();
-    anc.assign(n * n, 0);
-    for (size_t s = 0; s < n; ++s) {
-      for (int64_t a = int64_t(s); a >= 0; a = f.parents[size_t(a)]) anc[size_t(a) * n + s] = 1;
-    }
-  }
-  bool ancestor_or_self(int64_t a, int64_t s) const {
-    return anc[size_t(a) * f.parents.size() + size_t(s)] != 0;
-  }
-  int64_t position(int64_t token) const {
-    const int64_t i = owner[size_t(token)];
-    return pos0[size_t(i)] + token - start[size_t(i)];
-  }
-  Forest f;
-  std::vector<int64_t> start, pos0, owner;  // owner: user segment of each packed token
-  std::vector<uint8_t> anc;                 // anc[a * n + s]: a is s or one of its ancestors
-};
-
 // Every token in exactly one tile; tiles inside one segment, at most kTileSize long and starting
 // on a tile boundary of it; longest-first with the documented cost: keys seen by the tile's last
 // row (queries), or queries of its own segment from the tile on plus every token of the
@@ -231,10 +201,7 @@ int64_t brute_force_pairs(const Forest& f, const MaskRule& rule) {
   const auto T = int64_t(uf.owner.size());
   int64_t n = 0;
   for (int64_t q = 0; q < T; ++q) {
-    for (int64_t k = 0; k < T; ++k) {
-      if (!uf.ancestor_or_self(uf.owner[size_t(k)], uf.owner[size_t(q)])) continue;
-      n += rule.allowed(int32_t(uf.position(q)), int32_t(uf.position(k)));
-    }
+    for (int64_t k = 0; k < T; ++k) n += uf.sees(q, k, rule);
   }
   return n;
 }

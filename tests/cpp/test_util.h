@@ -19,6 +19,7 @@
 
 #include "convert.h"
 #include "dualkv/layout.h"
+#include "dualkv/mask.h"
 #include "dualkv/params.h"
 
 namespace dualkv::test {
@@ -119,6 +120,41 @@ inline Forest random_forest(std::mt19937_64& rng, int max_segments, int max_dept
   }
   return f;
 }
+
+// The forest of a layout in the user's terms, brute force: every user segment's first packed
+// token and logical position, and the ancestor relation by walking the user's parents.
+struct UserForest {
+  explicit UserForest(const Forest& f) : f(f) {
+    int64_t at = 0;
+    for (size_t i = 0; i < f.parents.size(); ++i) {
+      start.push_back(at);
+      pos0.push_back(
+          f.parents[i] < 0 ? 0 : pos0[size_t(f.parents[i])] + f.lengths[size_t(f.parents[i])]);
+      at += f.lengths[i];
+      for (int64_t j = 0; j < f.lengths[i]; ++j) owner.push_back(int64_t(i));
+    }
+    const size_t n = f.parents.size();
+    anc.assign(n * n, 0);
+    for (size_t s = 0; s < n; ++s) {
+      for (int64_t a = int64_t(s); a >= 0; a = f.parents[size_t(a)]) anc[size_t(a) * n + s] = 1;
+    }
+  }
+  bool ancestor_or_self(int64_t a, int64_t s) const {
+    return anc[size_t(a) * f.parents.size() + size_t(s)] != 0;
+  }
+  int64_t position(int64_t token) const {
+    const int64_t i = owner[size_t(token)];
+    return pos0[size_t(i)] + token - start[size_t(i)];
+  }
+  // DESIGN.md's rule: query token q may attend to key token k (packed indices).
+  bool sees(int64_t q, int64_t k, const MaskRule& rule) const {
+    return ancestor_or_self(owner[size_t(k)], owner[size_t(q)]) &&
+           rule.allowed(int32_t(position(q)), int32_t(position(k)));
+  }
+  Forest f;
+  std::vector<int64_t> start, pos0, owner;  // owner: user segment of each packed token
+  std::vector<uint8_t> anc;                 // anc[a * n + s]: a is s or one of its ancestors
+};
 
 // A Layout together with the tables a backend reads.
 struct LayoutTables {

@@ -5,7 +5,8 @@
 //                    [--path default|sm80|sm90-nopp|sm90-sepdq|sm90-d512-sm80|
 //                            sm90-d256-sync|key-chunk0|
 //                            key-chunk16|key-chunk32|key-chunk64|sm80-d512-small|
-//                            sm80-d256-small]
+//                            sm80-d256-small|d64-fwd192|
+//                            d64-bwd128|d64-tiles]
 //                    [--shape N,P,R,Hq,Hkv,D | multi,Hq,Hkv,D | tree,Hq,Hkv,D]...
 //   (--small: the quick matrix and 3 race repeats, for compute-sanitizer; --path: those kernel
 //   paths only (comma-separated); --random N: instead of the matrix, N rounds of its random-layout
@@ -37,7 +38,9 @@
 // dim, the others at 64/128; key-chunk0 at D = 64, where the default is 32: the kv heads side by
 // side); at D = 512 the sm_80 kernels' small shared-memory configs, which GPUs with less than 227
 // KB per block run (sm80-d512-small: DUALKV_SM80_SMALL_SMEM=1, which implies the sm_80 path), and
-// at D = 256 those that GPUs with less than 128 KB run (sm80-d256-small, the same switch).
+// at D = 256 those that GPUs with less than 128 KB run (sm80-d256-small, the same switch); at
+// D = 64 the experimental tiles (d64-fwd192 / d64-bwd128 / d64-tiles:
+// DUALKV_SM90_D64_TILES=1 / 2 / 3).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -203,7 +206,10 @@ constexpr KernelPath kPaths[] = {{"default", nullptr, nullptr, 0, 512},
                                  {"key-chunk32", "DUALKV_BWD_KEY_ORDER", "2", 0, 512},
                                  {"key-chunk64", "DUALKV_BWD_KEY_ORDER", "3", 64, 128},
                                  {"sm80-d512-small", "DUALKV_SM80_SMALL_SMEM", "1", 512, 512},
-                                 {"sm80-d256-small", "DUALKV_SM80_SMALL_SMEM", "1", 256, 256}};
+                                 {"sm80-d256-small", "DUALKV_SM80_SMALL_SMEM", "1", 256, 256},
+                                 {"d64-fwd192", "DUALKV_SM90_D64_TILES", "1", 64, 64},
+                                 {"d64-bwd128", "DUALKV_SM90_D64_TILES", "2", 64, 64},
+                                 {"d64-tiles", "DUALKV_SM90_D64_TILES", "3", 64, 64}};
 // --path: run these only (a comma-separated list of names; empty: every path).
 std::vector<std::string> g_only_paths;
 bool path_listed(const char* name) {
@@ -1190,7 +1196,8 @@ int main(int argc, char** argv) {
                    "unknown --path %s (default, sm80, sm90-nopp, sm90-sepdq, sm90-d512-sm80, "
                    "sm90-d256-sync, "
                    "key-chunk0, key-chunk16, "
-                   "key-chunk32, key-chunk64, sm80-d512-small, sm80-d256-small; or a "
+                   "key-chunk32, key-chunk64, sm80-d512-small, sm80-d256-small, d64-fwd192, "
+                   "d64-bwd128, d64-tiles; or a "
                    "comma-separated list)\n",
                    name.c_str());
       return 2;

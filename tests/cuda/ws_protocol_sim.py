@@ -68,6 +68,28 @@ class Named:
             yield
 
 
+class NamedPair(Named):
+    """A named barrier of two warpgroups that must be two different ones: in hardware it counts
+    threads, so two arrivals of one warpgroup would complete a generation alone."""
+
+    def __init__(s):
+        super().__init__(2)
+        s.who = []
+
+    def arrive(s, who=None):
+        assert who not in s.who, f"warpgroup {who} arrived twice in one generation"
+        s.who.append(who)
+        super().arrive()
+        if s.cnt == 0:
+            s.who = []
+
+    def sync(s, who=None):
+        gen = s.gen
+        s.arrive(who)
+        while s.gen == gen:
+            yield
+
+
 def wait(bar, par):
     """Generator: spins until the mbarrier phase of parity `par` has completed."""
     while not bar.done(par):
@@ -95,18 +117,32 @@ def schedule(threads, inflight, land, rng, what):
             alive.remove(t)
 
 
-def run_fwd(total, S, pp, rng):
+def run_fwd(total, S, pp, rng, nc=2, bug=None):
+    """The forward with nc consumer warpgroups (2, or 3: the D = 64 forward on 192-row tiles),
+    taking turns in the order 0, 1, .., nc - 1 (PingPong<NC, NW>: warpgroup cw syncs on barrier
+    1 + cw, which the warpgroup before it arrives on). bug: "no_finish" (warpgroup 0 does not take
+    the last hand-over), "start_by_1" (warpgroup 1, not the last one, lets warpgroup 0 go first),
+    "next_is_prev" (a warpgroup hands its turn to the one before it)."""
     bQ = MBar(1)
     fk = [MBar(1) for _ in range(S)]
     fv = [MBar(1) for _ in range(S)]
-    ek = [MBar(2) for _ in range(S)]
-    ev = [MBar(2) for _ in range(S)]
+    ek = [MBar(nc) for _ in range(S)]
+    ev = [MBar(nc) for _ in range(S)]
     slotk = [None] * S
     slotv = [None] * S
     readers_k = [set() for _ in range(S)]
     readers_v = [set() for _ in range(S)]
     inflight = []  # (bar, stage slot, value, kind)
-    bars = {1: Named(2), 2: Named(2)}  # counts in warpgroups
+    bars = {1 + c: NamedPair() for c in range(nc)}  # each joins two warpgroups
+    issuing = set()  # the warpgroups between begin_turn and end_turn
+
+    def turn(cw):  # generator: a GEMM issue, alone when ping-pong is on
+        if pp:
+            yield from bars[1 + cw].sync(cw)
+            assert not issuing, f"warpgroups {issuing} and {cw} issue at once"
+        issuing.add(cw)
+        yield
+        issuing.discard(cw)
 
     def producer():
         bQ.expect_tx(1)
@@ -124,18 +160,17 @@ def run_fwd(total, S, pp, rng):
             inflight.append((fv[s], s, j, "v"))
 
     def consumer(cw):
-        my, other = 1 + cw, 2 - cw
-        if pp and cw == 1:
-            bars[other].arrive()
+        my, other = 1 + cw, 1 + (cw + (nc - 1 if bug == "next_is_prev" else 1)) % nc
+        if pp and cw == (1 if bug == "start_by_1" else nc - 1):
+            bars[other].arrive(cw)
         yield from wait(bQ, 0)
         if total > 0:
             yield from wait(fk[0], 0)
             assert slotk[0] == 0
-            if pp:
-                yield from bars[my].sync()
+            yield from turn(cw)
             readers_k[0].add(cw)
             if pp:
-                bars[other].arrive()
+                bars[other].arrive(cw)
             yield
             readers_k[0].discard(cw)
             ek[0].arrive()
@@ -144,12 +179,11 @@ def run_fwd(total, S, pp, rng):
                 yield from wait(fk[st], (j // S) & 1)
                 yield from wait(fv[pst], ((j - 1) // S) & 1)
                 assert slotk[st] == j and slotv[pst] == j - 1, (slotk, slotv, j)
-                if pp:
-                    yield from bars[my].sync()
+                yield from turn(cw)
                 readers_k[st].add(cw)
                 readers_v[pst].add(cw)
                 if pp:
-                    bars[other].arrive()
+                    bars[other].arrive(cw)
                 yield
                 readers_k[st].discard(cw)
                 ek[st].arrive()
@@ -159,15 +193,14 @@ def run_fwd(total, S, pp, rng):
             lst = (total - 1) % S
             yield from wait(fv[lst], ((total - 1) // S) & 1)
             assert slotv[lst] == total - 1
-            if pp:
-                yield from bars[my].sync()
+            yield from turn(cw)
             readers_v[lst].add(cw)
             if pp:
-                bars[other].arrive()
+                bars[other].arrive(cw)
             yield
             readers_v[lst].discard(cw)
-        if pp and cw == 0:
-            yield from bars[my].sync()
+        if pp and cw == 0 and bug != "no_finish":
+            yield from bars[my].sync(cw)
 
     def land(x):
         bar, s, v, kind = x
@@ -177,7 +210,7 @@ def run_fwd(total, S, pp, rng):
             slotv[s] = v
         bar.complete_tx(1)
 
-    schedule([producer(), consumer(0), consumer(1)], inflight, land, rng, "fwd")
+    schedule([producer()] + [consumer(c) for c in range(nc)], inflight, land, rng, "fwd")
     for b in bars.values():
         assert b.cnt == 0, "named barrier left half-arrived"
 
@@ -1098,16 +1131,27 @@ def d256_bugs_caught(rng):
     return bugs_caught(bugs, lambda bug, _: run_d256(rng.randrange(1, 7), 2, rng, bug))
 
 
+def fwd3_bugs_caught(rng):
+    """Each injected error of the ping-pong of three consumer warpgroups must be caught."""
+    bugs = ("no_finish", "start_by_1", "next_is_prev")
+    return bugs_caught(bugs, lambda bug, _: run_fwd(rng.randrange(0, 6), 2, True, rng, 3, bug))
+
+
 rng = random.Random(1)
 n = 0
 for _trial in range(3000):
     S = rng.choice([2, 3])
     total = rng.randrange(0, 9)
     run_fwd(total, S, rng.random() < 0.7, rng)
+    run_fwd(total, S, rng.random() < 0.7, rng, nc=3)  # the D = 64 forward on 192-row tiles
     run_dq(total, S, rng.random() < 0.7, rng)
     for dq_mode in (0, 1, 2, 3, 5, 4):
         run_dkdv(total, S, rng, dq_mode)
     run_dkdv(total, S, rng, 5, d64=True)  # the default kernel at D = 64
+    # D = 64 with 128-query blocks (DUALKV_SM90_D64_TILES=2): D = 128's protocol (named barrier 1
+    # joins the dS^T halves, both warpgroups read both) on 2 stages; a warpgroup whose 64 rows
+    # are past the block's end hands over an empty block all the same.
+    run_dkdv(total, 2, rng, 5)
     for nbuf, onered in ((2, False), (1, True), (2, True)):  # DUALKV_SM90_BWD_VARIANT=1, 2, 3
         run_dkdv(total, 2 if nbuf == 2 else 3, rng, 5, nbuf, onered, d64=rng.random() < 0.5)
     run_dkdv512(total, S, rng)
@@ -1118,7 +1162,7 @@ for _trial in range(3000):
 print(
     "ok",
     n,
-    "random schedules each for fwd, dq, dkdv (dq modes 0-5), "
+    "random schedules each for fwd (2 and 3 consumer warpgroups), dq, dkdv (dq modes 0-5), "
     "dkdv and dq D = 512 (2-CTA clusters, kPipe order, half exchange; the dQ key split), "
     "fwd D = 512 (2-CTA cluster, split D), dkdv D = 256 (warp-specialised, P^T / dS^T swaps), "
     "dkdv fused-dQ variants 1-3 (two dQ buffers, one reduction per block)",
@@ -1133,3 +1177,4 @@ print("ok", fwd512c_bugs_caught(rng), "injected D = 512 cluster forward exchange
 print("ok", pipe_bugs_caught(rng), "injected D = 512 backward kPipe-order errors caught")
 print("ok", keysplit_bugs_caught(rng), "injected D = 512 key-split / half-exchange errors caught")
 print("ok", d256_bugs_caught(rng), "injected D = 256 dK/dV swap and release errors caught")
+print("ok", fwd3_bugs_caught(rng), "injected three-warpgroup forward ping-pong errors caught")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -243,3 +245,61 @@ def shuffled_rows(
     junk = torch.randint(0, VOCAB, ids.shape)
     ids = torch.where(mask.bool(), ids, junk)  # pad ids must never be read
     return ids, mask, pw, [f"uid-{g}" for g in gid.tolist()]
+
+
+def tree_rows(rng: random.Random) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Multi-turn / branching rows: a random token tree (turns that branch), rows = the paths to
+    random nodes (inner nodes too: per-turn samples, each a prefix of the next), each split into
+    prompt | response at a random token."""
+    from dualkv.packing import rows_from_lists
+
+    nodes = [([rng.randrange(VOCAB) for _ in range(rng.randint(1, 9))], -1)]
+    for _ in range(rng.randint(3, 12)):
+        parent = rng.randrange(len(nodes))
+        nodes.append(([rng.randrange(VOCAB) for _ in range(rng.randint(1, 9))], parent))
+    prompts, responses = [], []
+    for _ in range(rng.randint(2, 8)):
+        n = rng.randrange(len(nodes))
+        path = []
+        while n >= 0:
+            path.append(nodes[n][0])
+            n = nodes[n][1]
+        tokens = [t for seg in path[::-1] for t in seg]
+        # the prompt | response cut anywhere (an empty prompt too), not only at branch points
+        cut = rng.randint(0, len(tokens) - 1)
+        prompts.append(tokens[:cut])
+        responses.append([tokens[cut:]])
+    if not any(prompts):  # (the rows reference reads the response's predictor at column pw - 1)
+        prompts[0], responses[0] = prompts[0] + responses[0][0][:1], [responses[0][0][1:]]
+    ids, mask, pw, _ = rows_from_lists(prompts, responses)
+    junk = torch.randint(0, VOCAB, ids.shape)
+    return torch.where(mask.bool(), ids, junk), mask, pw
+
+
+@contextlib.contextmanager
+def compiled_layers(
+    model: torch.nn.Module, backend: str, keep_attention: bool = True
+) -> Iterator[torch.nn.Module]:
+    """Gradient checkpointing on and every decoder layer through torch.compile (regional
+    compilation, as trainers do) inside the block; both undone, dynamo's caches cleared, after.
+
+    With dynamo's skip_fwd_side_effects_in_bwd_under_checkpoint, as trainers set for regional
+    compilation under checkpointing: transformers' hub-kernel wrapper (where `kernels` is
+    installed, a dependency of transformers 5.25) sets a global in every attention forward, a side
+    effect dynamo otherwise refuses inside a checkpoint, running the whole layer uncompiled."""
+    import torch._dynamo
+
+    from dualkv.integrations.transformers import enable_gradient_checkpointing
+
+    enable_gradient_checkpointing(model, keep_attention=keep_attention)
+    skip = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+    try:
+        for layer in model.model.layers:
+            layer.compile(backend=backend)
+        with torch._dynamo.config.patch(
+            **({skip: True} if hasattr(torch._dynamo.config, skip) else {})
+        ):
+            yield model
+    finally:
+        model.gradient_checkpointing_disable()
+        torch._dynamo.reset()

@@ -552,10 +552,22 @@ def test_positions_of_another_layout_say_so(seed) -> None:
         model.model(**call)
     msg = str(e.value)
     assert "without position_ids" not in msg
-    # positions 0 1 2 | 3 4 | 3 ... against the layout's 0 1 | 2 3 | 2 ...: token 4 goes 3 -> 4
-    # where the layout goes 3 -> 2 (a second response of group 0)
-    assert "first at packed token 4: position_ids [..., 3, 4, ...]" in msg, msg
-    assert "[..., 3, 2, ...] within a group" in msg and "prefix_lens=[2, 3]" in msg, msg
+    # positions 0 1 2 | 3 4 | 3 ... against the layout's 0 1 | 2 3 | 2 ...: token 4 (the second
+    # response of group 0 in the layout) is shifted by 2 against its prompt
+    assert (
+        "first at packed token 4, the first of a segment: position_ids 4 there and 0 at packed "
+        "token 0, the first of its group's prompt, where the layout has 2 and 0; the layout's "
+        "prefix_lens=[2, 3]"
+    ) in msg, msg
+    # within a segment: the two tokens where the positions leave the layout's
+    bad = pk.position_ids.clone()
+    bad[0, 1] += 1
+    with pytest.raises(ValueError, match="do not follow") as e:
+        model.model(input_ids=pk.input_ids, position_ids=bad, dualkv_layout=pk.layout)
+    assert (
+        "first at packed token 1: position_ids [..., 0, 2, ...] where the layout has "
+        "[..., 0, 1, ...] within a group" in str(e.value)
+    ), str(e.value)
     # a call without position_ids is still named as such
     with pytest.raises(ValueError, match="probably called without position_ids"):
         model.model(input_ids=pk.input_ids, dualkv_layout=pk.layout)

@@ -6,11 +6,13 @@ attention outputs, lse and q/k/v gradients (bitwise where the math is the same: 
 replication; replicated KV heads sum their gradients in another order), padding rows exactly 0
 even when the pad inputs are NaN; a tiny random Qwen3 packed GRPO/DAPO step (log-probs, entropy,
 loss, every parameter gradient after the gradient all-reduce) against the single-process packed
-step, with shard boundaries on a prompt's last token.
+step, with shard boundaries on a prompt's last token; prefix trees (Layout.tree in the attention
+cases, and a multi-turn tree step against sp=1 and the unshared rows).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import random
@@ -93,6 +95,15 @@ def _attention_cases(world: int, seed: int) -> list[dict]:
     cases.append(dict(prefix=[world - 1], responses=[[]], hq=world, hkv=1, dtype=torch.float64,
                       d=8))  # fmt: skip
     cases.append(dict(prefix=[1], responses=[[0]], hq=world, hkv=world, dtype=torch.float64, d=8))
+    # prefix trees (Layout.tree): random forests in any order, empty segments included; one
+    # KV head per rank, and one KV head replicated, with a window and softcap
+    for hkv, opts in ((world, {}), (1, {"window": rng.randint(2, 7), "softcap": 3.0})):
+        n = rng.randint(3, 9)
+        parents = [rng.randrange(-1, i) for i in range(n)]
+        lengths = [rng.choice([0, 1, rng.randint(2, 11)]) for _ in range(n)]
+        lengths[0] += 1 + (sum(lengths) % world == world - 1)  # T > 0, not a multiple of sp
+        cases.append(dict(tree=(parents, lengths), hq=world * 2, hkv=hkv, dtype=torch.float64,
+                          d=8, **opts))  # fmt: skip
     return cases
 
 
@@ -123,7 +134,10 @@ def _attention_worker(rank: int, world: int, seed: int) -> None:
 def _attention_cases_run(group: Any, world: int, seed: int) -> None:
     for n, case in enumerate(_attention_cases(world, seed)):
         what = f"case {n} {case}"
-        layout = dualkv.Layout(case["prefix"], case["responses"])
+        if "tree" in case:
+            layout = dualkv.Layout.tree(*case["tree"])
+        else:
+            layout = dualkv.Layout(case["prefix"], case["responses"])
         t, dtype = layout.total_tokens, case["dtype"]
         hq, hkv, d = case["hq"], case["hkv"], case["d"]
         opts = {k: case[k] for k in ("window", "softcap") if k in case}
@@ -380,6 +394,114 @@ def test_group_of_one_is_the_single_gpu_path(seed):
         assert sl.shard(q) is q or torch.equal(sl.shard(q), q)
     finally:
         dist.destroy_process_group()
+
+
+# --- prefix trees -------------------------------------------------------------------------------
+def _tree_batch(rng: random.Random, world: int, boundary: str):
+    """Multi-turn rows packed as a tree of depth >= 3 (``dualkv.pack(..., tree=True)``) whose
+    first shard boundary falls strictly inside a segment (``"inside"``) or at the end of a
+    segment with two children or more (``"branch"``: its last position, on rank 0, predicts each
+    child's first token, on rank 1)."""
+    from hf_helpers import tree_rows
+
+    for _ in range(2000):
+        ids, mask, pw = tree_rows(rng)
+        packed = dualkv.pack(ids, mask, pw, tree=True, min_shared=1)
+        parents, lengths = packed.layout.parents, packed.layout.lengths
+        depth: list[int] = []
+        for p in parents:
+            depth.append(depth[p] + 1 if p >= 0 else 1)
+        shard = -(-packed.total_tokens // world)
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        if boundary == "inside":
+            hit = any(s < shard < s + n for s, n in zip(starts, lengths))
+        else:
+            hit = any(
+                s + n == shard and parents.count(i) >= 2
+                for i, (s, n) in enumerate(zip(starts, lengths))
+            )
+        if hit and max(depth) >= 3:
+            return ids, mask, pw, packed
+    raise AssertionError(f"no tree with a shard boundary {boundary} a segment was drawn")
+
+
+def _tree_worker(rank: int, world: int, seed: int) -> None:
+    """A multi-turn tree micro-batch under sp=2 equals sp=1 and the unshared rows: log-probs,
+    entropy, loss and every gradient; with 2 KV heads (one per rank) and with 1 (replicated)."""
+    rng = random.Random(seed)
+    for kv_heads in (2, 1):
+        for boundary in ("inside", "branch"):
+            _tree_run(world, seed, _tree_batch(rng, world, boundary), kv_heads)
+
+    # ranks that pass different trees of the same tokens and positions are refused on every
+    # rank (each would attend with its own mask): here the odd rank's segments are all roots
+    packed = _tree_batch(rng, world, "inside")[3]
+    if rank % 2:
+        flat = [-1] * len(packed.layout.parents)
+        packed = dataclasses.replace(packed, layout=dualkv.Layout.tree(flat, packed.layout.lengths))
+    with pytest.raises(ValueError, match="passed different packed batches"):
+        parallel.shard_batch(packed)
+
+
+def _tree_run(world: int, seed: int, batch: tuple, kv_heads: int) -> None:
+    from dualkv.integrations import transformers as dkt
+    from hf_helpers import Float64Throughout, tiny_config, tiny_model
+
+    ids, mask, pw, packed = batch
+    what = (kv_heads, packed.layout.parents, packed.layout.lengths)
+    config = tiny_config("qwen3")
+    config.num_key_value_heads = kv_heads
+    model = tiny_model("qwen3", torch.float64, seed=seed % 1000, config=config)
+    assert parallel.kv_replication(4, kv_heads, world) == 3 - kv_heads
+    g = torch.Generator().manual_seed(seed + kv_heads)
+    adv = torch.randn(packed.num_rows, generator=g, dtype=torch.float64)
+    resp = packed.response_mask
+    old = torch.randn(resp.shape, generator=g, dtype=torch.float64) * 0.3 * resp
+
+    def step(kind: str):  # noqa: ANN202
+        model.zero_grad(set_to_none=True)
+        model.set_attn_implementation("sdpa" if kind == "rows" else "dualkv")
+        with Float64Throughout():
+            if kind == "rows":
+                lp, ent = dkt.rows_response_logprobs(
+                    model, ids, mask, pw, temperature=TEMPERATURE, return_entropy=True
+                )
+            elif kind == "sp1":
+                lp, ent = dkt.packed_response_logprobs(
+                    model, packed, temperature=TEMPERATURE, return_entropy=True
+                )
+            else:
+                lp, ent = dkt.sequence_parallel_logprobs(
+                    model, packed, None, TEMPERATURE, return_entropy=True
+                )
+            lp, ent = lp * resp, ent * resp
+            loss = dualkv.dapo_loss(lp, old, adv, resp)[0] - 0.01 * dualkv.aggregate(ent, resp)
+            loss.backward()
+        if kind == "sp2":
+            parallel.all_reduce_gradients(model.parameters())
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        return lp.detach(), ent.detach(), loss.detach(), grads
+
+    sp2, sp1, rows = step("sp2"), step("sp1"), step("rows")
+    for name, want, tol in (("sp1", sp1, 1e-12), ("rows", rows, 1e-10)):
+        for i, part in enumerate(("logprobs", "entropy", "loss")):
+            torch.testing.assert_close(
+                sp2[i], want[i], rtol=0, atol=tol, msg=f"{part} vs {name} {what}"
+            )
+        assert sp2[3].keys() == want[3].keys()
+        for n, gw in want[3].items():
+            err = (sp2[3][n] - gw).abs().max().item()
+            assert err <= 100 * tol * gw.abs().max().item() + 1e-15, (name, n, err, what)
+    # the shard's positions are its slice of the tree's (each segment continuing from its
+    # parent's end), checked exactly
+    batch = parallel.shard_batch(packed)
+    dkt.check_positions(batch.position_ids.clone(), batch.layout)
+
+
+def test_tree_step_equals_single_process_and_rows(seed):
+    """Sharded prefix trees (Ulysses, 2 ranks)."""
+    pytest.importorskip("transformers")
+    _spawn(_tree_worker, 2, seed)
 
 
 # --- a window that only the mask applies ------------------------------------------------------

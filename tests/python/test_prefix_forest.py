@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from dualkv.prefix_forest import prefix_forest
+from dualkv.prefix_forest import forest_tokens, prefix_forest, sorted_rows
 
 
 def _random_rows(rng: random.Random) -> list[list[int]]:
@@ -131,3 +131,29 @@ def test_identical_rows_share_everything():
     keys, lengths = _tensors([[3, 1, 4], [3, 1, 4], []])
     f = prefix_forest(keys, lengths)
     assert f.lengths == [3] and f.token_index[0].tolist() == f.token_index[1].tolist()
+
+
+@pytest.mark.parametrize("min_shared", [1, 3])
+def test_forest_tokens_of_subsets(min_shared, seed):
+    """forest_tokens prices a subset of rows from the whole batch's sorted rows: the tokens of
+    prefix_forest run on that subset alone."""
+    rng = random.Random(seed)
+    for _ in range(200):
+        rows = _random_rows(rng)
+        keys, lengths = _tensors(rows)
+        batch = sorted_rows(keys, lengths)
+        subset = sorted(rng.sample(range(len(rows)), rng.randint(0, len(rows))))
+        got = forest_tokens(batch, subset, min_shared)
+        sub_keys, sub_lengths = _tensors([rows[b] for b in subset] or [[]])
+        want = prefix_forest(sub_keys, sub_lengths, min_shared).total_tokens
+        assert got == want, (rows, subset, got, want)
+
+
+def test_folding_is_not_monotone():
+    """Fewer rows can pack to more tokens when min_shared > 1 (a row's removal moves a segment
+    boundary, and a short segment is then folded into its branches): micro-batch partitions must
+    test every part they make, not assume a part of a fitting set fits."""
+    rows = [[1, 0, 0, 1], [1, 0, 0, 0, 0, 1, 1], [1, 0, 0, 0, 1, 0, 1], [1, 0, 0, 0], [1, 0]]
+    batch = sorted_rows(*_tensors(rows))
+    assert forest_tokens(batch, range(5), 2) == 12 and forest_tokens(batch, range(4), 2) == 13
+    assert forest_tokens(batch, range(5), 1) >= forest_tokens(batch, range(4), 1)  # none folded

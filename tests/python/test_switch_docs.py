@@ -13,11 +13,12 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SWITCH = re.compile(r"\bDUALKV_[A-Z0-9_]+")
 SWITCH_DOCS = "docs/kernels.md"  # the user-facing list of the switches
-# Variables of the build (DUALKV_CUDA*, DUALKV_BUILD_*: CMake), the CPU backend and the tests,
-# not kernel switches.
+# Variables of the build (DUALKV_CUDA*, DUALKV_BUILD_*: CMake), the CPU backend, the tests and the
+# veRL engine's packing (dualkv.integrations.verl_grouping.PACKING_ENV), not kernel switches.
 BUILD_PREFIXES = ("DUALKV_CUDA", "DUALKV_BUILD_")
 NOT_KERNEL_SWITCHES = {
     "DUALKV_CPU_NO_AVX2",
+    "DUALKV_VERL_PACKING",
     "DUALKV_SEED",
     "DUALKV_LIBRARY",
     "DUALKV_SKIP_CUDA_COMPILE",

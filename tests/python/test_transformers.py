@@ -9,7 +9,6 @@ bfloat16 (error vs a float64 reference at most a small multiple of the plain bf1
 
 from __future__ import annotations
 
-import contextlib
 import random
 
 import pytest
@@ -26,6 +25,7 @@ from dualkv.packing import pack  # noqa: E402
 from hf_helpers import (  # noqa: E402
     VOCAB,
     Float64Throughout,
+    compiled_layers,
     random_groups,
     rows_attention,
     shuffled_rows,
@@ -215,31 +215,6 @@ def _rel_l2(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
 
 
-@contextlib.contextmanager
-def _compiled_layers(model, backend, keep_attention=True):
-    """Gradient checkpointing on and every decoder layer through torch.compile (regional
-    compilation, as trainers do) inside the block; both undone, dynamo's caches cleared, after.
-
-    With dynamo's skip_fwd_side_effects_in_bwd_under_checkpoint, as trainers set for regional
-    compilation under checkpointing: transformers' hub-kernel wrapper (where `kernels` is
-    installed, a dependency of transformers 5.25) sets a global in every attention forward, a side
-    effect dynamo otherwise refuses inside a checkpoint, running the whole layer uncompiled."""
-    import torch._dynamo
-
-    enable_gradient_checkpointing(model, keep_attention=keep_attention)
-    skip = "skip_fwd_side_effects_in_bwd_under_checkpoint"
-    try:
-        for layer in model.model.layers:
-            layer.compile(backend=backend)
-        with torch._dynamo.config.patch(
-            **({skip: True} if hasattr(torch._dynamo.config, skip) else {})
-        ):
-            yield model
-    finally:
-        model.gradient_checkpointing_disable()
-        torch._dynamo.reset()
-
-
 def _grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -374,7 +349,7 @@ def test_compiled_layers_with_checkpointing(seed, keep_attention, device, backen
 
     model = fresh(dtype).to(device)
     want = step(model)
-    with _compiled_layers(model, backend, keep_attention):
+    with compiled_layers(model, backend, keep_attention):
         step(model)  # compiles
         # (a TorchDispatchMode like _CountAttention would send dynamo back to eager: count the
         # attention forwards that allocate their outputs, i.e. run rather than come from a cache)
@@ -404,7 +379,7 @@ def test_compiled_layers_with_checkpointing(seed, keep_attention, device, backen
     # bf16: inductor fuses and rounds the model's elementwise code its own way, which alone took
     # the gradients' error to 2-3x the eager step's (the unshared rows with SDPA too, measured on
     # an H200, off-policy), so the plain reference includes the rows step compiled the same way.
-    with _compiled_layers(fresh(dtype).to(device), backend) as rows:
+    with compiled_layers(fresh(dtype).to(device), backend) as rows:
         want_rows = step(rows, packed=False)
     ref = step(fresh(torch.float64))
     for name, g in ref.items():
@@ -452,7 +427,7 @@ def test_compiled_step_at_a_realistic_size(seed):
         lp_ref = dkt.packed_response_logprobs(fresh(torch.float32, "cpu"), pk.to("cpu"))
     model = fresh(torch.bfloat16, "cuda")
     lp_eager, _ = step(model)
-    with _compiled_layers(model, "inductor"):
+    with compiled_layers(model, "inductor"):
         lp, grads = step(model)
     # bf16 log-probs of ~16k tokens: the compiled step's RMS error against float32 within 3x the
     # eager bf16 step's (inductor rounds the fused elementwise code its own way)

@@ -15,7 +15,7 @@ import torch
 import dualkv
 from dualkv.integrations import transformers as dkt
 from dualkv.packing import pack, pack_rows, rows_from_lists
-from hf_helpers import VOCAB, Float64Throughout, tiny_model
+from hf_helpers import VOCAB, Float64Throughout, tiny_model, tree_rows
 
 
 def _distinct_groups(rng: random.Random, groups: int) -> tuple[list, list]:
@@ -52,38 +52,11 @@ def test_prompt_groups_pack_as_the_prompt_response_layout(seed):
     assert torch.equal(tree.layout.segments[:, :3], flat.layout.segments[:, :3])
 
 
-def _tree_rows(rng: random.Random) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Multi-turn / branching rows: a random token tree (turns that branch), rows = the paths to
-    random nodes (inner nodes too: per-turn samples, each a prefix of the next), each split into
-    prompt | response at a random token."""
-    nodes = [([rng.randrange(VOCAB) for _ in range(rng.randint(1, 9))], -1)]
-    for _ in range(rng.randint(3, 12)):
-        parent = rng.randrange(len(nodes))
-        nodes.append(([rng.randrange(VOCAB) for _ in range(rng.randint(1, 9))], parent))
-    prompts, responses = [], []
-    for _ in range(rng.randint(2, 8)):
-        n = rng.randrange(len(nodes))
-        path = []
-        while n >= 0:
-            path.append(nodes[n][0])
-            n = nodes[n][1]
-        tokens = [t for seg in path[::-1] for t in seg]
-        # the prompt | response cut anywhere (an empty prompt too), not only at branch points
-        cut = rng.randint(0, len(tokens) - 1)
-        prompts.append(tokens[:cut])
-        responses.append([tokens[cut:]])
-    if not any(prompts):  # (the rows reference reads the response's predictor at column pw - 1)
-        prompts[0], responses[0] = prompts[0] + responses[0][0][:1], [responses[0][0][1:]]
-    ids, mask, pw, _ = rows_from_lists(prompts, responses)
-    junk = torch.randint(0, VOCAB, ids.shape)
-    return torch.where(mask.bool(), ids, junk), mask, pw
-
-
 @pytest.mark.parametrize("min_shared", [1, 4])
 def test_multi_turn_tree_step_equals_rows_fp64(seed, min_shared):
     rng = random.Random(seed)
     model = tiny_model("qwen3", torch.float64, seed=seed % 1000)
-    ids, mask, pw = _tree_rows(rng)
+    ids, mask, pw = tree_rows(rng)
     pk = dualkv.pack(ids, mask, pw, tree=True, min_shared=min_shared)
     assert pk.total_tokens <= int(mask.sum())  # never more tokens than the rows
     weights = torch.randn(ids.shape[0], ids.shape[1] - pw, dtype=torch.float64)
@@ -127,16 +100,3 @@ def test_min_shared_needs_tree():
     ids, mask, pw, gid = rows_from_lists([[1, 2]], [[[3]]])
     with pytest.raises(ValueError, match="tree=True"):
         pack(ids, mask, pw, gid, min_shared=8)
-
-
-def test_positions_not_following_a_tree_say_where():
-    # positions off the tree's own: the error names the first mismatch and the tree (it read
-    # the layout's prefix_lens, which a tree has not, and raised about that instead)
-    pk = pack(prompts=[list(range(1, 9))], responses=[[[9, 10], [11, 12, 13]]], tree=True,
-              min_shared=1)  # fmt: skip
-    assert pk.layout.is_tree
-    bad = pk.position_ids.clone()
-    bad[0, 9] += 1  # the first response's second token one place further
-    with pytest.raises(ValueError, match="first at packed token 9") as e:
-        dkt.check_positions(bad, pk.layout)
-    assert f"parents={list(pk.layout.parents)}" in str(e.value), str(e.value)

@@ -47,7 +47,9 @@ from dualkv.integrations.verl import (  # noqa: E402
     prompt_groups,
     use_cpu_platform,
 )
-from dualkv.packing import rows_from_lists  # noqa: E402
+from dualkv.packing import pack_rows, rows_from_lists  # noqa: E402
+from dualkv.tree_packing import pack_rows_tree  # noqa: E402
+from multi_turn_rows import agent_rows  # noqa: E402
 
 use_cpu_platform()
 
@@ -487,6 +489,211 @@ def test_micro_batch_dependent_losses_raise(model_dirs, seed, mode):
         dkv.forward_backward_batch(data, functools.partial(ppo_loss, config=actor), False)
 
 
+# --- multi-turn agent rows: prefix trees ---------------------------------------------------------
+def _agent_batch(rng: random.Random, tasks: int = 3, rollouts: int = 1) -> TensorDict:
+    """veRL's padded batch of multi-turn rows (tests/python/multi_turn_rows.py): agent-loop rows
+    whose responses hold tool outputs (response_mask 0 there, as veRL's agent loop sets it) and
+    per-turn rows that share earlier turns, every task behind one system prompt; shuffled."""
+    rows = agent_rows(rng, VOCAB, tasks=tasks, rollouts=rollouts)
+    rng.shuffle(rows)
+    ids, mask, pw, _ = rows_from_lists([r.prompt for r in rows], [[r.response] for r in rows])
+    scored = torch.zeros(ids.shape[0], ids.shape[1] - pw, dtype=mask.dtype)
+    for b, r in enumerate(rows):
+        scored[b, : len(r.scored)] = torch.tensor(r.scored)
+    ids = torch.where(mask.bool(), ids, torch.randint(0, VOCAB, ids.shape))
+    response_mask = mask[:, pw:] * scored
+    b, rw = response_mask.shape
+    return TensorDict(
+        {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+            "prompts": ids[:, :pw].clone(),
+            "responses": ids[:, pw:].clone(),
+            "response_mask": response_mask,
+            "advantages": torch.randn(b, 1).expand(b, rw) * response_mask,
+        },
+        batch_size=[b],
+    )
+
+
+def _rows_of(micro_batch: Any) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """A no-padding micro-batch's rows in veRL's padded layout (read back from its mask)."""
+    mask = micro_batch["attention_mask"]
+    real = mask.bool()
+    ids = torch.zeros(mask.shape, dtype=torch.int64)
+    ids[real] = micro_batch["input_ids"].values()
+    pos = torch.zeros(mask.shape, dtype=torch.int64)
+    pos[real] = micro_batch["position_ids"].values()
+    return ids, mask, micro_batch["prompts"].shape[1], pos
+
+
+def _capture_packing(engine: Any) -> list[tuple[Any, int]]:
+    """Record every packed micro-batch the engine runs: (PackedBatch, its depth-two tokens)."""
+    seen: list[tuple[Any, int]] = []
+    prepare = engine.prepare_model_inputs
+
+    def wrapped(micro_batch: Any) -> Any:
+        inputs, args = prepare(micro_batch)
+        ids, mask, pw, pos = _rows_of(micro_batch)
+        seen.append(
+            (args["dualkv_packed"], pack_rows(ids, mask, pw, position_ids=pos).total_tokens)
+        )
+        return inputs, args
+
+    engine.prepare_model_inputs = wrapped
+    return seen
+
+
+def _tree_budget(td: TensorDict) -> int:
+    """About half the batch's prefix tree (several micro-batches), at least any prompt group's
+    depth-two tokens (every group fits)."""
+    ids, mask, pw = td["input_ids"], td["attention_mask"], td["prompts"].shape[1]
+    pos = td["position_ids"]
+    tree = pack_rows_tree(ids, mask, pw, pos).total_tokens
+    group, plen, rlen = prompt_groups(td["prompts"], mask)
+    largest = max(
+        int(plen[group == g][0]) + int(rlen[group == g].sum()) for g in range(int(group.max()) + 1)
+    )
+    return max(tree // 2 + 1, largest)
+
+
+AGENT_CASES = [
+    # family, dynamic batch size, loss_agg_mode, gradient checkpointing
+    ("qwen3", True, "token-mean", True),
+    ("qwen3_moe", False, "seq-mean-token-mean", False),
+]
+
+
+@pytest.mark.parametrize("family,dynamic,agg,grad_ckpt", AGENT_CASES)
+def test_multi_turn_trees_match_verl(model_dirs, seed, family, dynamic, agg, grad_ckpt):
+    """Multi-turn agent rows (tool outputs masked out of the loss, per-turn rows sharing earlier
+    turns, tasks sharing a system prompt): the engine packs each micro-batch as a prefix tree
+    (fewer tokens than prompt groups, within the packed-token budget) and gives veRL's own
+    engine's log-probs and entropy on every response token, its loss, gradients and step."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    td = _agent_batch(rng)
+    b = td.shape[0]
+    budget = _tree_budget(td)
+    rows_per_task = b // 3  # fixed micro-batch size: one task per micro-batch (veRL: b % mbs == 0)
+    kw = dict(grad_ckpt=grad_ckpt, dynamic=dynamic, max_tokens=budget, micro_batch=rows_per_task)
+    ref = _engine(FSDPEngineWithLMHead, model_dirs[family], "sdpa", **kw)
+    dkv = _engine(DualKVFSDPEngineWithLMHead, model_dirs[family], "dualkv", **kw)
+    seen = _capture_packing(dkv)
+
+    logp_ref, ent_ref, _ = _infer(ref, td)
+    logp, ent, out = _infer(dkv, td)
+    lens = td["attention_mask"].sum(1)
+    assert [t.numel() for t in out["model_output"]["log_probs"].unbind()] == lens.tolist()
+    pw = td["prompts"].shape[1]
+    real = td["attention_mask"][:, pw:].bool()  # every response token, tool outputs included
+    scored = td["response_mask"].bool()
+    assert real.sum() > scored.sum() > 0
+    _close(logp * real, logp_ref * real, "log_probs")
+    _close_entropy(ent * real, ent_ref * real, logp_ref * real, "entropy")
+
+    td["old_log_probs"] = (logp_ref + 0.15 * torch.randn_like(logp_ref)) * scored
+    actor = _actor_config("fsdp2", dynamic, loss_agg_mode=agg, clip_ratio=0.1)
+    p_start = _params(ref)
+    loss_ref, g_ref, p_ref, _ = _train(ref, td, actor)
+    loss, g, p, _ = _train(dkv, td, _actor_config("fsdp2", dynamic, loss_agg_mode=agg,
+                                                   clip_ratio=0.1))  # fmt: skip
+    assert abs(loss - loss_ref) <= 1e-5 + 1e-4 * abs(loss_ref), (loss, loss_ref)
+    assert g_ref.keys() == g.keys() and len(g) > 0
+    for name in g_ref:
+        scale = g_ref[name].abs().max().item()
+        _close(g[name], g_ref[name], f"grad {name}", rtol=1e-3, atol=2e-5 * max(scale, 1.0))
+    for name in p_ref:
+        _close(p[name], p_ref[name], f"param {name}", rtol=1e-4, atol=1e-5)
+    moved = [n for n in p_ref if (p_ref[n] - p_start[n]).abs().max() > 1e-4]
+    assert len(moved) == len(p_ref), "the step must move every parameter"
+
+    # the prefix tree ran, on several micro-batches (log-probs, then the update), each within the
+    # budget in its packed tokens and clearly fewer than the prompt-group packing's
+    assert len(seen) >= 4
+    for packed, depth_two in seen:
+        assert packed.layout.is_tree
+        assert packed.total_tokens <= 0.9 * depth_two
+        if dynamic:
+            assert packed.total_tokens <= budget
+        else:
+            assert packed.num_rows <= rows_per_task
+
+
+def test_packing_setting(model_dirs, seed, monkeypatch):
+    """DUALKV_VERL_PACKING forces either packing (both exact); bad values and a forced tree with
+    Ulysses are refused at init, naming the setting."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    path = model_dirs["qwen3"]
+    agent = _agent_batch(rng, tasks=2)
+    plain, _ = _batch(rng, groups=3)
+    ref = _engine(FSDPEngineWithLMHead, path, "sdpa", max_tokens=2000)
+    for mode, td, tree in (("groups", agent, False), ("tree", plain, True), ("", agent, True)):
+        monkeypatch.setenv("DUALKV_VERL_PACKING", mode)
+        dkv = _engine(DualKVFSDPEngineWithLMHead, path, "dualkv", max_tokens=2000)
+        seen = _capture_packing(dkv)
+        logp, ent, _ = _infer(dkv, td)
+        logp_ref, ent_ref, _ = _infer(ref, td)
+        real = td["attention_mask"][:, td["prompts"].shape[1] :].bool()
+        _close(logp * real, logp_ref * real, f"{mode}: log_probs")
+        _close_entropy(ent * real, ent_ref * real, logp_ref * real, f"{mode}: entropy")
+        assert seen and all(packed.layout.is_tree == tree for packed, _ in seen), mode
+    # an ordinary GRPO batch stays on the prompt-group packing by default
+    monkeypatch.delenv("DUALKV_VERL_PACKING")
+    dkv = _engine(DualKVFSDPEngineWithLMHead, path, "dualkv", max_tokens=2000)
+    seen = _capture_packing(dkv)
+    _infer(dkv, plain)
+    assert seen and not any(packed.layout.is_tree for packed, _ in seen)
+
+    monkeypatch.setenv("DUALKV_VERL_PACKING", "trees")
+    with pytest.raises(DualKVVerlError, match="DUALKV_VERL_PACKING='trees'"):
+        _engine(DualKVFSDPEngineWithLMHead, path, "dualkv")
+
+
+def _tree_dp_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    """One data-parallel rank: rank 0 an ordinary GRPO batch, rank 1 multi-turn rows."""
+    import types
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    rng = random.Random(200 + rank)
+    td = _batch(rng, groups=6)[0] if rank == 0 else _agent_batch(rng, tasks=3)
+    budget = 700
+    data = _prepare(td, use_dynamic_bsz=True, max_token_len_per_gpu=budget, temperature=1.0)
+    engine = types.SimpleNamespace(get_data_parallel_group=lambda: torch.distributed.group.WORLD)
+    micro, indices = DualKVFSDPEngineWithLMHead.prepare_dualkv_micro_batches(engine, data)
+    tokens = []
+    for mb in micro:
+        ids, mask, pw, pos = _rows_of(mb)
+        tree = tu.get_non_tensor_data(data=mb, key="dualkv_tree", default=None)
+        pack = pack_rows_tree if tree else pack_rows
+        tokens.append(pack(ids, mask, pw, position_ids=pos).total_tokens)
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(f"{len(micro)} {sum(len(i) for i in indices)} {td.shape[0]} {max(tokens)}")
+    torch.distributed.destroy_process_group()
+
+
+def test_tree_micro_batch_count_agrees_across_dp_ranks(tmp_path):
+    """Ranks with an ordinary and a multi-turn batch cut as many micro-batches (every row once,
+    each micro-batch within the budget in the tokens of its own packing)."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_tree_dp_rank, args=(2, port, str(tmp_path)), nprocs=2, start_method="spawn")
+    counts = []
+    for rank in range(2):
+        n, rows, total, largest = (
+            int(x) for x in (tmp_path / f"rank{rank}.txt").read_text().split()
+        )
+        assert rows == total and largest <= 700
+        counts.append(n)
+    assert counts[0] == counts[1] > 1
+
+
 # --- Ulysses sequence parallelism: 2 processes on gloo ----------------------------------------
 SP_CASES = [
     # kv heads, tied embeddings, dynamic batch size, gradient checkpointing, temperature, loss
@@ -656,6 +863,61 @@ def test_ulysses_runs_the_packed_model_guards(tmp_path, seed):
         port = s.getsockname()[1]
     os.environ["OMP_NUM_THREADS"] = "1"
     mp.start_processes(_sp_guard_rank, args=(2, port, path, seed), nprocs=2, start_method="spawn")
+
+
+def _sp_tree_rank(rank: int, world: int, port: int, path: str, seed: int) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(seed)  # the same batch on both ranks
+        td = _agent_batch(random.Random(seed), tasks=2)
+        kw = dict(grad_ckpt=False, dynamic=True, max_tokens=2000, micro_batch=4)
+        sp = _engine(DualKVFSDPEngineWithLMHead, path, "dualkv",
+                     ulysses_sequence_parallel_size=2, **kw)  # fmt: skip
+        one = _engine(DualKVFSDPEngineWithLMHead, path, "dualkv", **kw)
+        seen_sp, seen_one = _capture_packing(sp), _capture_packing(one)
+        logp_sp, ent_sp, _ = _infer(sp, td)
+        logp_one, ent_one, _ = _infer(one, td)
+        real = td["attention_mask"][:, td["prompts"].shape[1] :].bool()
+        _close(logp_sp * real, logp_one * real, f"rank {rank}: log_probs")
+        _close_entropy(ent_sp * real, ent_one * real, logp_one * real, f"rank {rank}: entropy")
+        assert seen_one and all(packed.layout.is_tree for packed, _ in seen_one)
+        assert seen_sp and all(packed.layout.is_tree for packed, _ in seen_sp)
+
+        mask = td["response_mask"].bool()
+        td["old_log_probs"] = (logp_one + 0.15 * torch.randn_like(logp_one)) * mask
+        torch.distributed.broadcast(td["old_log_probs"], src=0)  # the same batch on both ranks
+        actor = _actor_config("fsdp2", True, loss_agg_mode="token-mean", clip_ratio=0.1,
+                              entropy_coeff=0.05)  # fmt: skip
+        b = td.shape[0]
+        loss_sp, g_sp, p_sp, _ = _train(sp, td, actor, global_batch_size=b)
+        loss_one, g_one, p_one, _ = _train(one, td, actor, global_batch_size=2 * b)
+        assert abs(loss_sp - loss_one) <= 1e-5 + 1e-4 * abs(loss_one), (loss_sp, loss_one)
+        assert g_sp and g_sp.keys() == g_one.keys()
+        for name in g_one:
+            scale = max(g_one[name].abs().max().item(), 1.0)
+            _close(g_sp[name], g_one[name], f"rank {rank}: grad {name}", rtol=1e-3,
+                   atol=2e-5 * scale)  # fmt: skip
+        for name in p_one:
+            _close(p_sp[name], p_one[name], f"rank {rank}: param {name}", rtol=1e-4, atol=1e-5)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_ulysses_shards_tree_batches(tmp_path, seed):
+    """Ulysses shards prefix trees (dualkv.parallel.shard_batch): with sp = 2 a multi-turn batch
+    runs as the same trees as with sp = 1, with its log-probs, entropy, loss, gradients and
+    parameters after a step."""
+    import torch.multiprocessing as mp
+
+    path = str(tmp_path / "qwen3")
+    _save_model("qwen3", path, seed % 1000)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ["OMP_NUM_THREADS"] = "1"
+    mp.start_processes(_sp_tree_rank, args=(2, port, path, seed), nprocs=2, start_method="spawn")
 
 
 def test_ulysses_heads_must_split(model_dirs):

@@ -22,8 +22,9 @@ nothing else:
   prompt (a completion's first turns and tool outputs, a long system prompt with the tool
   descriptions across groups, a later turn trained as a row whose prompt holds the earlier ones)
   are packed as a prefix tree (:func:`dualkv.tree_packing.pack_rows_tree`) when the tree packs at
-  most :data:`dualkv.tree_packing.TREE_MAX_TOKEN_FRACTION` (0.9) of the prompt-group packing's
-  tokens, chunk by chunk; prompt groups stay the default fast path otherwise.
+  least :data:`dualkv.tree_packing.TREE_MIN_SAVING` (10%) fewer tokens than prompt groups, chunk
+  by chunk (the veRL engine's rule, :func:`dualkv.tree_packing.tree_saves`); prompt groups stay
+  the default fast path otherwise.
   ``tree_packing=True`` / ``False`` forces either way, ``tree_min_shared`` (64) is the shortest
   prefix split off. On a tree a model that reads positions only through RoPE numbers each row
   from 0 (TRL's left-padded numbering shifted by a constant per row: the same outputs up to the
@@ -69,7 +70,7 @@ from ..logprobs import response_logprobs
 from ..packing import PackedBatch, pack
 from ..prefix_forest import PrefixForest, prefix_forest
 from ..trainer_rows import group_codes, prompt_group_codes
-from ..tree_packing import DEFAULT_MIN_SHARED, pack_rows_tree, row_forest, tree_pays
+from ..tree_packing import DEFAULT_MIN_SHARED, pack_rows_tree, row_forest, tree_saves
 from . import transformers as dkt
 
 __all__ = [
@@ -500,10 +501,10 @@ class DualKVGRPOTrainer(GRPOTrainer):
             KV cache, which DualKV does not serve). Default: the model's own implementation
             when it is not ``"dualkv"``, else ``"sdpa"``.
         tree_packing: ``None`` (default): each micro-batch is packed as a prefix tree when the
-            tree packs at most :data:`dualkv.tree_packing.TREE_MAX_TOKEN_FRACTION` of the
-            prompt-group packing's tokens (rows sharing earlier turns, a long system prompt
-            shared across groups), else by prompt groups; ``True``: always as a tree;
-            ``False``: always by prompt groups.
+            tree packs at least :data:`dualkv.tree_packing.TREE_MIN_SAVING` fewer tokens than
+            prompt groups (rows sharing earlier turns, a long system prompt shared across
+            groups), else by prompt groups; ``True``: always as a tree; ``False``: always by
+            prompt groups.
         tree_min_shared: shared prefixes shorter than this many tokens are not split off in a
             tree (:func:`dualkv.pack`'s ``min_shared``).
 
@@ -755,7 +756,7 @@ class DualKVGRPOTrainer(GRPOTrainer):
                 per_group = torch.zeros(int(codes.max()) + 1, dtype=torch.int64)
                 per_group.scatter_(0, codes, prompt_lens)  # (rows of a group: one prompt length)
                 flat = int(per_group.sum() + lengths.sum() - prompt_lens.sum())
-                use_tree = tree_pays(forest.total_tokens, flat)
+                use_tree = tree_saves(flat, forest.total_tokens)
             if use_tree:
                 packed = pack_rows_tree(
                     ids, mask, prompt_width, tree_positions, self.tree_min_shared, forest=forest

@@ -13,7 +13,7 @@ engine of the ``fsdp`` and ``fsdp2`` strategies (through veRL's ``EngineRegistry
 ``"cpu"``). The engine is veRL's ``FSDPEngineWithLMHead`` unchanged unless the model's
 ``attn_implementation`` is ``"dualkv"``; then the actor's ``compute_log_prob`` (old log-probs),
 the reference model's ``compute_ref_log_prob`` (it shares the model config) and the policy
-update run on packed groups:
+update run on packed groups (or prefix trees):
 
 * group-aware micro-batching: the rows of one prompt (rows whose real prompt tokens are
   identical; a prompt seen once is a singleton group) always land in the same micro-batch. With
@@ -22,6 +22,20 @@ update run on packed groups:
   fixed micro-batch size it holds whole groups of at most ``micro_batch_size_per_gpu`` rows (a
   larger group is a micro-batch of its own). Every data-parallel rank runs the same number of
   micro-batches (the count is agreed with an all-reduce, as veRL does).
+* prefix trees: rows that share more than their prompt (a system prompt with tool descriptions
+  across the groups of veRL's multi-turn agent-loop rows; per-turn samples, each turn's row the
+  whole earlier conversation; branching rollouts) are packed as a prefix tree
+  (:func:`dualkv.tree_packing.pack_rows_tree`: each shared prefix computed once) when that packs
+  at least ``TREE_MIN_SAVING`` (10%) fewer tokens than the prompt groups; otherwise the depth-two
+  prompt-group packing runs, the measured fast path. When the whole batch's prefix forest saves
+  that much, micro-batches are contiguous runs of groups in the sorted order of their rows
+  (neighbours share prefixes), each within the budget in the packed tokens of the packing it
+  runs (:mod:`.verl_grouping`); ordinary GRPO batches keep the balanced prompt-group partition.
+  ``DUALKV_VERL_PACKING=tree`` or ``=groups`` (an environment variable of the training
+  processes) forces either packing. Response and loss masks with zeros inside the response (the
+  agent loop's tool outputs) need nothing: every real response token gets its log-prob, and
+  veRL's loss applies its ``response_mask``. Under Ulysses (below) the same choice is made on
+  the sp group's micro-batch, and :mod:`dualkv.parallel` shards the tree as it does prompt groups.
 * the model runs on one packed stream per micro-batch (``attn_implementation="dualkv"``), and the
   response log-probs (and entropy) come from :func:`dualkv.response_logprobs` (chunked over the
   tokens, no full-vocabulary logits of the whole micro-batch), computed inside the FSDP forward of
@@ -60,6 +74,7 @@ masks over the whole sequence, empty prompts, attention heads that ``sp`` does n
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -69,9 +84,20 @@ import torch
 from .. import parallel as _sp
 from ..logprobs import response_logprobs
 from ..packing import PackedBatch, pack_rows
+from ..tree_packing import DEFAULT_MIN_SHARED, pack_rows_tree, sorted_trainer_rows
 from . import transformers as _hf  # registers attn_implementation="dualkv"
 from .verl_cpu_platform import use_cpu_platform
-from .verl_grouping import partition_groups, prompt_groups
+from .verl_grouping import (
+    PACKING_ENV,
+    GroupCosts,
+    packing_mode,
+    partition_groups,
+    prompt_groups,
+    sharing_order,
+    sharing_runs,
+    split_runs,
+    use_tree,
+)
 
 try:
     from verl.utils import tensordict_utils as tu
@@ -90,6 +116,7 @@ __all__ = [
     "ATTN_IMPLEMENTATION",
     "DualKVFSDPEngineWithLMHead",
     "DualKVVerlError",
+    "PACKING_ENV",
     "partition_groups",
     "prompt_groups",
     "use_cpu_platform",
@@ -101,6 +128,8 @@ _PACKED_KW = "dualkv_packed"
 _TEMP_KW = "dualkv_temperature"
 _ENTROPY_KW = "dualkv_entropy"
 _GRAD_SCALE_KW = "dualkv_grad_scale"
+_TREE_KW = "dualkv_tree"  # a micro-batch's packing (non-tensor data, set by the partition)
+_TOKENS_KW = "dualkv_packed_tokens"  # and its packed token count
 
 
 class DualKVVerlError(ValueError):
@@ -156,6 +185,121 @@ def _all_reduce_int(value: int, op: Any, group: Any) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=get_device_name())
     torch.distributed.all_reduce(t, op=op, group=group)
     return int(t.item())
+
+
+def _check_count(count: int, fewest_groups: int, name: str, budget: int) -> None:
+    if count > fewest_groups:
+        raise DualKVVerlError(
+            f"DualKV engine: {name}={budget} needs {count} micro-batches, but a "
+            f"data-parallel rank has only {fewest_groups} prompt groups (groups are never "
+            f"split); raise {name}"
+        )
+
+
+def _packing_mode(engine: Any) -> str:
+    """The packing mode of an engine's batches (:data:`PACKING_ENV`, read at its init)."""
+    return str(getattr(engine, "dualkv_packing", "auto"))
+
+
+def _group_partition(
+    costs: list[int], budget: int, use_dynamic_bsz: bool, name: str, dp_group: Any
+) -> list[list[int]]:
+    """Prompt groups balanced over the fewest micro-batches every dp rank can run."""
+    max_op, min_op = torch.distributed.ReduceOp.MAX, torch.distributed.ReduceOp.MIN
+    num_groups = len(costs)
+    if use_dynamic_bsz:
+        largest = _all_reduce_int(max(costs, default=0), max_op, dp_group)
+        if largest > budget:
+            raise DualKVVerlError(
+                f"DualKV engine: a prompt group has {largest} packed tokens (P + sum of its "
+                f"responses), more than {name}={budget}; a group is never split across "
+                f"micro-batches, so raise {name} to at least {largest}"
+            )
+    fewest_groups = _all_reduce_int(num_groups, min_op, dp_group)
+    total = sum(costs)
+    count = max(1, -(-total // budget)) if budget > 0 else num_groups
+    count = _all_reduce_int(min(count, max(num_groups, 1)), max_op, dp_group)
+    while True:
+        _check_count(count, fewest_groups, name, budget)
+        bins = partition_groups(costs, budget, count, allow_oversized=not use_dynamic_bsz)
+        ok = _all_reduce_int(int(bins is not None), min_op, dp_group)
+        if ok and bins is not None:
+            return bins
+        count += 1
+
+
+def _sharing_partition(
+    prices: GroupCosts,
+    rows_of: list[list[int]],
+    budget: int,
+    token_budget: int | None,
+    name: str,
+    dp_group: Any,
+) -> list[list[int]]:
+    """Groups in the sorted order of their rows (neighbours share prefixes) cut into
+    contiguous runs, each within the budget in the packed tokens of its own packing (or rows,
+    with a fixed micro-batch size), as many runs on every dp rank."""
+    max_op, min_op = torch.distributed.ReduceOp.MAX, torch.distributed.ReduceOp.MIN
+    order = sharing_order(prices.rows, rows_of)
+    weight: Callable[[list[int]], int]
+    if token_budget is not None:
+
+        def weight(run: list[int]) -> int:
+            return prices.choice(run, token_budget)[1]
+
+        largest = max((weight([g]) for g in order), default=0)
+        largest = _all_reduce_int(largest, max_op, dp_group)
+        if largest > budget:
+            raise DualKVVerlError(
+                f"DualKV engine: a prompt group packs to {largest} tokens, more than "
+                f"{name}={budget}; a group is never split across micro-batches, so raise "
+                f"{name} to at least {largest}"
+            )
+    else:
+
+        def weight(run: list[int]) -> int:
+            return sum(len(rows_of[g]) for g in run)
+
+    def fits(run: list[int]) -> bool:
+        return len(run) == 1 or weight(run) <= budget
+
+    runs = sharing_runs(order, fits)
+    fewest_groups = _all_reduce_int(len(order), min_op, dp_group)
+    count = _all_reduce_int(max(len(runs), 1), max_op, dp_group)
+    _check_count(count, fewest_groups, name, budget)
+    split = split_runs(runs, count, fits, weight)
+    if _all_reduce_int(int(split is not None), min_op, dp_group) and split is not None:
+        return split
+    raise DualKVVerlError(
+        f"DualKV engine: {name}={budget} needs {count} micro-batches on every data-parallel "
+        f"rank, but a rank's prompt groups cannot be cut into {count} within {name}; raise {name}"
+    )
+
+
+def _padded_rows(data: Any) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """veRL's no-padding rows back in its padded layout: ``(input_ids, attention_mask,
+    prompt_width, position_ids)``, each ``[B, Pw + Rw]`` (left-padded prompt, right-padded
+    response), what the packers take."""
+    input_ids = data["input_ids"]
+    position_ids = data["position_ids"]
+    if not input_ids.is_nested or position_ids.dim() != 2:
+        raise _unsupported("position ids that are not one per token (3-D / mRoPE)")
+    prompts = data["prompts"]
+    mask = data["attention_mask"].to(input_ids.device)
+    if prompts.is_nested or mask.is_nested:
+        raise _unsupported("nested 'prompts' or 'attention_mask'")
+    real = mask != 0
+    values = input_ids.values()
+    if int(real.sum()) != values.numel():
+        raise DualKVVerlError(
+            f"DualKV engine: attention_mask has {int(real.sum())} real tokens but input_ids "
+            f"has {values.numel()}; the rows cannot be packed"
+        )
+    rows = torch.zeros(mask.shape, dtype=values.dtype, device=values.device)
+    rows[real] = values
+    pos = torch.zeros(mask.shape, dtype=torch.int64, device=values.device)
+    pos[real] = position_ids.values().to(torch.int64)
+    return rows, mask, prompts.shape[1], pos
 
 
 # --- the model side: packed forward inside FSDP's forward ----------------------------------------
@@ -263,6 +407,10 @@ class DualKVFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         impl = getattr(text_config, "_attn_implementation", None)
         self.dualkv = impl == ATTN_IMPLEMENTATION
         if self.dualkv:
+            try:
+                self.dualkv_packing = packing_mode(os.environ.get(PACKING_ENV))
+            except ValueError as exc:
+                raise DualKVVerlError(f"DualKV engine: {exc}") from exc
             sp = engine_config.ulysses_sequence_parallel_size
             if sp > 1:
                 _check_sequence_parallel(text_config, sp)
@@ -285,11 +433,13 @@ class DualKVFSDPEngineWithLMHead(FSDPEngineWithLMHead):
 
     # micro-batching ---------------------------------------------------------------------------
     def prepare_dualkv_micro_batches(self, data: Any) -> tuple[list[Any], list[list[int]]]:
-        """Split a (mini-)batch into micro-batches of whole prompt groups.
+        """Split a (mini-)batch into micro-batches of whole prompt groups, and pick each one's
+        packing (prompt groups or prefix tree; see the module docstring).
 
         Returns:
             ``(micro_batches, indices)``: each micro-batch a TensorDict of rows, ``indices[i]``
-            their row indices in ``data`` (increasing).
+            their row indices in ``data`` (increasing). Each micro-batch carries its packing and
+            packed token count as non-tensor data for :meth:`prepare_model_inputs`.
         """
         if "prompts" not in data.keys() or "attention_mask" not in data.keys():
             raise _unsupported(
@@ -307,11 +457,12 @@ class DualKVFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         sp = int(getattr(self, "ulysses_sequence_parallel_size", 1) or 1)
         if sp > 1:
             self._check_same_data_in_sp_group(data, plen, rlen)
+        flat = [int(plen[r[0]]) + int(rlen[r].sum()) for r in rows_of]
         if use_dynamic_bsz:
             # as veRL: with Ulysses a micro-batch is split over the sp ranks, so it may hold sp
             # times the per-GPU budget (each rank then holds ceil(T / sp) <= the budget tokens)
             budget = int(data["max_token_len_per_gpu"]) * sp
-            costs = [int(plen[r[0]]) + int(rlen[r].sum()) for r in rows_of]
+            costs = flat
             name = (
                 "max_token_len_per_gpu" if sp == 1
                 else f"max_token_len_per_gpu * ulysses_sequence_parallel_size ({sp})"
@@ -320,34 +471,38 @@ class DualKVFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             budget = int(data["micro_batch_size_per_gpu"])
             costs = [len(r) for r in rows_of]
             name = "micro_batch_size_per_gpu"
+        token_budget = budget if use_dynamic_bsz else None
         dp_group = self.get_data_parallel_group()
-        max_op, min_op = torch.distributed.ReduceOp.MAX, torch.distributed.ReduceOp.MIN
-        if use_dynamic_bsz:
-            largest = _all_reduce_int(max(costs, default=0), max_op, dp_group)
-            if largest > budget:
-                raise DualKVVerlError(
-                    f"DualKV engine: a prompt group has {largest} packed tokens (P + sum of its "
-                    f"responses), more than {name}={budget}; a group is never split across "
-                    f"micro-batches, so raise {name} to at least {largest}"
-                )
-        fewest_groups = _all_reduce_int(num_groups, min_op, dp_group)
-        total = sum(costs)
-        count = max(1, -(-total // budget)) if budget > 0 else num_groups
-        count = _all_reduce_int(min(count, max(num_groups, 1)), max_op, dp_group)
-        while True:
-            if count > fewest_groups:
-                raise DualKVVerlError(
-                    f"DualKV engine: {name}={budget} needs {count} micro-batches, but a "
-                    f"data-parallel rank has only {fewest_groups} prompt groups (groups are never "
-                    f"split); raise {name}"
-                )
-            bins = partition_groups(costs, budget, count, allow_oversized=not use_dynamic_bsz)
-            ok = _all_reduce_int(int(bins is not None), min_op, dp_group)
-            if ok and bins is not None:
-                break
-            count += 1
+        mode = _packing_mode(self)
+        prices: GroupCosts | None = None
+        shares = False
+        if mode != "groups":
+            rows, mask, pw, pos = _padded_rows(data)
+            prices = GroupCosts(sorted_trainer_rows(rows, mask, pw, pos), rows_of, flat, mode)
+            every = list(range(num_groups))
+            shares = mode == "tree" or use_tree("auto", sum(flat), prices.tree(every))
+        # one partition on every data-parallel rank (they run the same collectives)
+        if _all_reduce_int(int(shares), torch.distributed.ReduceOp.MAX, dp_group):
+            assert prices is not None  # (every rank is in the same mode)
+            bins = _sharing_partition(prices, rows_of, budget, token_budget, name, dp_group)
+        else:
+            bins = _group_partition(costs, budget, use_dynamic_bsz, name, dp_group)
         indices = [sorted(b for g in groups for b in rows_of[g]) for groups in bins]
-        return [tu.index_select_tensor_dict(data, idx) for idx in indices], indices
+        micro_batches = []
+        for groups, idx in zip(bins, indices, strict=True):
+            tree, tokens = (
+                prices.choice(groups, token_budget) if prices is not None
+                else (False, sum(flat[g] for g in groups))
+            )  # fmt: skip
+            if use_dynamic_bsz and tokens > budget:  # (the partitions priced exactly this)
+                raise RuntimeError(
+                    f"DualKV engine: a micro-batch of {tokens} packed tokens exceeds {name}="
+                    f"{budget}; please report this with the batch's shapes"
+                )
+            micro = tu.index_select_tensor_dict(data, idx)
+            tu.assign_non_tensor(micro, **{_TREE_KW: tree, _TOKENS_KW: tokens})
+            micro_batches.append(micro)
+        return micro_batches, indices
 
     def _check_same_data_in_sp_group(
         self, data: Any, plen: torch.Tensor, rlen: torch.Tensor
@@ -434,29 +589,23 @@ class DualKVFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if len(micro_batch.get("multi_modal_inputs", [])) > 0:
             raise _unsupported("multi-modal inputs")
         input_ids = micro_batch["input_ids"]
-        position_ids = micro_batch["position_ids"]
-        if not input_ids.is_nested or position_ids.dim() != 2:
-            raise _unsupported("position ids that are not one per token (3-D / mRoPE)")
-        prompts = micro_batch["prompts"]
-        mask = micro_batch["attention_mask"].to(input_ids.device)
-        if prompts.is_nested or mask.is_nested:
-            raise _unsupported("nested 'prompts' or 'attention_mask'")
-        pw = prompts.shape[1]
-        real = mask != 0
-        values = input_ids.values()
-        if int(real.sum()) != values.numel():
-            raise DualKVVerlError(
-                f"DualKV engine: attention_mask has {int(real.sum())} real tokens but input_ids "
-                f"has {values.numel()}; the rows cannot be packed"
-            )
-        plen = real[:, :pw].sum(1)
+        rows, mask, pw, pos = _padded_rows(micro_batch)
+        plen = (mask[:, :pw] != 0).sum(1)
         if bool((plen == 0).any()):
             raise _unsupported("an empty prompt (veRL's layout needs P >= 1)")
-        rows = torch.zeros(mask.shape, dtype=values.dtype, device=values.device)
-        rows[real] = values
-        pos = torch.zeros(mask.shape, dtype=torch.int64, device=values.device)
-        pos[real] = position_ids.values().to(torch.int64)
-        packed = pack_rows(rows, mask, pw, None, position_ids=pos)
+        tree = get(data=micro_batch, key=_TREE_KW, default=None)
+        if tree is None:  # (a micro-batch not cut by prepare_dualkv_micro_batches)
+            tree = _packing_mode(self) == "tree"
+        packed = (
+            pack_rows_tree(rows, mask, pw, pos, DEFAULT_MIN_SHARED) if tree
+            else pack_rows(rows, mask, pw, None, position_ids=pos)
+        )  # fmt: skip
+        tokens = get(data=micro_batch, key=_TOKENS_KW, default=None)
+        if tokens is not None and packed.total_tokens != tokens:
+            raise RuntimeError(
+                f"DualKV engine: the micro-batch packed to {packed.total_tokens} tokens where its "
+                f"partition priced {tokens}; please report this with the batch's shapes"
+            )
         # Ulysses: every rank of the sp group built the same packed micro-batch; the model runs on
         # this rank's token shard (veRL's flat FSDP mesh averages the gradients over the sp ranks
         # too, so the backward hands each rank sp times its share, as veRL's Ulysses gather does)
@@ -483,7 +632,7 @@ class DualKVFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             _GRAD_SCALE_KW: grad_scale,
         }
         offsets = input_ids.offsets()
-        row_start = offsets[:-1].to(values.device)
+        row_start = offsets[:-1].to(rows.device)
         output_args = {
             "dualkv_packed": packed,
             "offsets": offsets,

@@ -282,7 +282,9 @@ struct TilePart {
 };
 
 // The queries one CTA of a query-tile kernel owns (q head h, its kv head hk); when `valid` is
-// false the caller returns: nothing else is read.
+// false the caller returns: nothing else is read. B <= kTileSize: a part of a tile (TilePart);
+// B > kTileSize: the wide tile that the CTA's tile stands for (wide_query_tile: the grid is the
+// same, and the CTAs of a segment's last ~1/3 of tiles find nothing).
 template <int B>
 struct QueryTileCta {
   int h, hk, q0, nq;
@@ -290,10 +292,18 @@ struct QueryTileCta {
   bool valid;
 
   __device__ __forceinline__ explicit QueryTileCta(const Params& p, unsigned index = blockIdx.x) {
-    const TilePart<B> part(p.qtiles, p.Hq, index);
-    h = part.head, q0 = part.begin, nq = part.count, valid = part.valid;
-    if (!valid) return;
-    seg = p.segs[part.segment];
+    if constexpr (B <= kTileSize) {
+      const TilePart<B> part(p.qtiles, p.Hq, index);
+      h = part.head, q0 = part.begin, nq = part.count, valid = part.valid;
+      if (!valid) return;
+      seg = p.segs[part.segment];
+    } else {
+      h = int(index % unsigned(p.Hq));
+      const Tile tile = p.qtiles[index / unsigned(p.Hq)];
+      seg = p.segs[tile.segment];
+      valid = wide_query_tile<B>(seg, tile, &q0, &nq);
+      if (!valid) return;
+    }
     hk = h / p.group;
   }
 };

@@ -1,8 +1,9 @@
 // The layout walks of the kernels, in plain C++ (DUALKV_HD) so that the CPU tests check them
 // against the mask rule without a GPU (tests/cpp/test_cuda_walks.cpp): the parameter block every
 // kernel reads (Params), the key walk of a query tile (KeyBlockWalk: which key blocks, in which
-// order, which of them need the element mask) and the query walk of a key block's dK/dV CTA
-// (QIter, query_walk_begin / query_walk_next). With them the only code that knows the layout's
+// order, which of them need the element mask), the queries of a wide query tile
+// (wide_query_tile) and the query walk of a key block's dK/dV CTA (QIter, query_walk_begin /
+// query_walk_next). With them the only code that knows the layout's
 // shape; the kernels consume the walks' blocks (packed row, logical position, count).
 #pragma once
 
@@ -154,6 +155,24 @@ struct KeyBlockWalk {
     }
   }
 };
+
+// The queries of a wide query tile, B > kTileSize tokens (the D = 64 forward's 192-query CTAs),
+// read from the layout's kTileSize-token tile list: the segment's tile k (its tokens
+// [k kTileSize, (k + 1) kTileSize)) stands for its wide tile k, tokens [k B, k B + B) cut at the
+// segment's end. A segment of L tokens has ceil(L / kTileSize) >= ceil(L / B) tiles, so every
+// wide tile has one; for the others (k >= ceil(L / B)) the result is false and *q0 / *nq are not
+// set. The tile list's longest-first order is kept within a segment (its tiles' wide tiles
+// decrease with k too).
+template <int B>
+DUALKV_HD bool wide_query_tile(const Segment& seg, const Tile& tile, int* q0, int* nq) {
+  static_assert(B > kTileSize && B % 64 == 0, "wide tiles: a multiple of 64 rows above a tile");
+  const int64_t k = (tile.begin - seg.start) / kTileSize;
+  const int64_t first = seg.start + k * B, end = int64_t(seg.start) + seg.len;
+  if (first >= end) return false;
+  *q0 = int(first);
+  *nq = int(end - first < B ? end - first : B);
+  return true;
+}
 
 // Blocks of `B` queries of segment `qs` (aligned to its start) that see some key at positions
 // [pk_first, pk_last] of the same tree (the keys are in qs itself or in one of its ancestors).

@@ -1,6 +1,6 @@
 // The pipeline pieces of the sm_90a kernels: stages and phases of a ring of shared-memory buffers
 // (Ring), the mbarrier operations that hand a stage between producer and consumers, named
-// barriers (bar_sync / bar_arrive) and the ping-pong turns of two consumer warpgroups built on
+// barriers (bar_sync / bar_arrive) and the ping-pong turns of the consumer warpgroups built on
 // them (PingPong). Used by the warp-specialised kernels (sm90_fwd_ws.cuh, sm90_bwd_ws.cuh,
 // sm90_dq_ws.cuh; named barriers also by sm90_bwd.cuh).
 #pragma once
@@ -96,20 +96,26 @@ __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) 
 #endif
 }  // namespace ws
 
-// Ping-pong of the two consumer warpgroups (cw = 0, 1) of a warp-specialised kernel: they take
-// turns issuing their GEMMs on named barriers 1 and 2 (NC = both warpgroups' threads), so one's
-// softmax work overlaps the other's tensor-core work. `on` = false: no barriers at all (A/B).
-// start() before the first turn (consumer 1 lets consumer 0 go first), begin_turn() / end_turn()
-// around each issue, finish() after the last (consumer 0 takes consumer 1's last hand-over, so no
-// barrier is left half-arrived).
-template <int NC>
+// Ping-pong of the NW consumer warpgroups (cw = 0 .. NW - 1) of a warp-specialised kernel: they
+// take turns issuing their GEMMs in the order 0, 1, .., NW - 1, 0, .., so one's softmax work
+// overlaps the others' tensor-core work. Warpgroup cw waits on named barrier 1 + cw, which the
+// warpgroup before it arrives on after its turn: each barrier joins two warpgroups (NC = their
+// threads), and since a warpgroup's next arrival needs a turn that needs this one's, no barrier
+// is ever arrived on twice before its owner syncs (a named barrier completes on its thread count,
+// so two arrivals from one warpgroup would complete a generation alone). `on` = false: no
+// barriers at all (A/B). start() before the first turn (the last warpgroup lets warpgroup 0 go
+// first), begin_turn() / end_turn() around each issue, finish() after the last (warpgroup 0
+// takes the last warpgroup's last hand-over, so no barrier is left half-arrived; every warpgroup
+// takes the same number of turns).
+template <int NC, int NW = 2>
 struct PingPong {
+  static_assert(NW >= 2, "turns between two or more warpgroups");
   bool on;
-  int cw, mine, other;  // this warpgroup, its barrier, the other's
+  int cw, mine, other;  // this warpgroup, its barrier, the next one's
   __device__ __forceinline__ PingPong(bool on_, int cw_)
-      : on(on_), cw(cw_), mine(1 + cw_), other(2 - cw_) {}
+      : on(on_), cw(cw_), mine(1 + cw_), other(NW == 2 ? 2 - cw_ : 1 + (cw_ + 1) % NW) {}
   __device__ __forceinline__ void start() const {
-    if (on && cw == 1) ws::bar_arrive(other, NC);
+    if (on && cw == NW - 1) ws::bar_arrive(other, NC);
   }
   __device__ __forceinline__ void begin_turn() const {
     if (on) ws::bar_sync(mine, NC);

@@ -39,17 +39,22 @@
 
 namespace dualkv::cuda::detail {
 
-template <int D, bool kFusedDq = false>
+// BM_: queries per step, 64; or 128 at D = 64 with the fused dQ (KernelPolicy::d64_bwd_bm128,
+// FlashAttention-3/4's hdim-64 backward tile: S^T / dP^T as m64n128 products, and each consumer
+// warpgroup adds the dQ of 64 of the block's query rows over all 128 keys, so that one bulk
+// reduction of 16 KB covers 128 x 64 x 128 of dQ's work instead of 64 x 64 x 128; 2 stages, as
+// the 32 KB Q + dO blocks and 32 KB dS^T buffers fill the shared memory).
+template <int D, bool kFusedDq = false, int BM_ = 64>
 struct DkdvWsCfg {
   static constexpr int BN = kTileSize;  // 128 keys: 2 consumer warpgroups x 64
-  static constexpr int BM = 64;         // queries per step
-  static constexpr int STAGES = 3;
+  static constexpr int BM = BM_;        // queries per step
+  static constexpr int STAGES = BM == 64 ? 3 : 2;
   static constexpr int THREADS = 384;
   static constexpr int CONSUMERS = 256;
   static constexpr int K_BYTES = BN * D * 2;
   static constexpr int Q_BYTES = BM * D * 2;
   static constexpr int DS_BYTES = BN * BM * 2;  // dS^T [BN keys][BM queries]
-  static constexpr int DQ_BYTES = BM * 64 * 4;  // kFusedDq: fp32 [BM][64] per WG
+  static constexpr int DQ_BYTES = 64 * 64 * 4;  // kFusedDq: a warpgroup's fp32 m64n64 dQ block
   // Shared memory from the kernel's 1024-byte aligned base (the + 1024 of SMEM is the slack for
   // that alignment); the OFF_* offsets come from here. Between the tiles and the tail, kFusedDq:
   // the two dS^T buffers and the two warpgroups' dQ blocks.
@@ -72,7 +77,7 @@ struct DkdvWsCfg {
   struct Storage2 {
     Tiles t;
     uint16_t ds[2][BN * BM];
-    float dq[2][BM * 64];
+    float dq[2][64 * 64];
     Tail x;
   };
   using SharedStorage = std::conditional_t<kFusedDq, Storage2, Storage0>;
@@ -90,14 +95,17 @@ struct DkdvWsCfg {
   static constexpr int SMEM = int(sizeof(SharedStorage)) + 1024;
   // Full barrier: the elected lane's arrive.expect_tx + the producer warp's 32 cp.async arrivals.
   static constexpr int FULL_COUNT = 1 + 32;
-  static constexpr int PRODUCER_REGS = 24;
-  static constexpr int CONSUMER_REGS = 240;
+  // (128-query blocks: at 24 registers the producer warps spill 32 bytes.)
+  static constexpr int PRODUCER_REGS = BM == 64 ? 24 : 40;
+  static constexpr int CONSUMER_REGS = BM == 64 ? 240 : 232;
   // setmaxnreg moves registers within the CTA's pool: 384 threads x 168 (the launch bound's
   // allocation), i.e. 504 per thread slot of the three warpgroups. More would leave a consumer
   // warp waiting in setmaxnreg.inc forever.
   static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "register pool of one CTA");
   static_assert(D <= 128, "D = 256 keeps the synchronous dK/dV kernel");
-  static_assert(BM == 64, "a dS^T row is one 128-byte swizzle row");
+  static_assert(BM == 64 || (BM == 128 && D == 64 && kFusedDq),
+                "128-query blocks: D = 64 with the fused dQ only (dQ's rows split between the "
+                "warpgroups; D = 128 splits its columns)");
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
 
@@ -226,11 +234,11 @@ __device__ __forceinline__ void dkdv_producer_warp(const DkdvWsArgs& a, const Se
 }
 #endif
 
-template <typename T, int D, bool kCap, bool kFusedDq>
+template <typename T, int D, bool kCap, bool kFusedDq, int BM_ = 64>
 __global__ void __launch_bounds__(384, 1)
     dkdv_ws_kernel_sm90(const __grid_constant__ DkdvWsArgs a) {
 #if DUALKV_SM90_BODY
-  using Cfg = DkdvWsCfg<D, kFusedDq>;
+  using Cfg = DkdvWsCfg<D, kFusedDq, BM_>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
   const BwdParams& p = a.p;
   extern __shared__ __align__(1024) unsigned char smem[];
@@ -252,8 +260,14 @@ __global__ void __launch_bounds__(384, 1)
     return reinterpret_cast<volatile int*>(gbase + Cfg::OFF_DQMETA + 16 * c);
   };
   // kFusedDq: D = 128 splits dQ's columns between the consumer warpgroups (each sums all 128
-  // keys), D = 64 splits the keys (each adds all columns over its own 64 keys).
-  constexpr bool kSplitD = D == 128;
+  // keys), D = 64 splits the keys (each adds all columns over its own 64 keys), or with 128-query
+  // blocks the query rows (each adds all columns of its 64 rows over all 128 keys).
+  constexpr bool kSplitD = D == 128, kSplitRows = BM == 128;
+  // Whether a warpgroup's dQ needs the other's dS^T half (the keys it does not own).
+  constexpr bool kJoinDs = kSplitD || kSplitRows;
+  static_assert(!(kSplitRows && kCap),
+                "128-query blocks: without softcap (its S and dP live "
+                "together would not fit the consumers' registers)");
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const KeyTileCta<kTileSize> cta(p);
@@ -309,10 +323,13 @@ __global__ void __launch_bounds__(384, 1)
           // The block's nq rows x 64 columns are contiguous in dq_accum's slab layout, from the
           // first row's start (the same in the swizzled layout: the image in shared memory
           // already holds each row's columns permuted).
-          float* dst = dq_accum_at<D>(p, dm[1], dm[2], col0);
-          ws::bulk_reduce_add_f32(dst, src, uint32_t(dm[3]) * 256, l2pol);
-          ws::bulk_commit();
-          ws::bulk_wait_read();
+          // (kSplitRows: a block of at most 64 queries leaves the second warpgroup's rows empty.)
+          if (!kSplitRows || dm[3] > 0) {
+            float* dst = dq_accum_at<D>(p, dm[1], dm[2], col0);
+            ws::bulk_reduce_add_f32(dst, src, uint32_t(dm[3]) * 256, l2pol);
+            ws::bulk_commit();
+            ws::bulk_wait_read();
+          }
           ws::mbar_arrive(dq_empty(c));
         }
         ws::bulk_wait();  // every reduction has landed before the CTA ends
@@ -329,7 +346,10 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
     for (int i = 0; i < AR; ++i) dk[i] = dv[i] = 0.f;
     const float* lse_s = reinterpret_cast<const float*>(gbase + Cfg::OFF_L);
-    constexpr int DQ_KEYS = kSplitD ? BN : 64;
+    constexpr int DQ_KEYS = kJoinDs ? BN : 64;
+    // With 128-query blocks the query columns' lse2 stay in shared memory (in registers, 32 of
+    // them beside the m64n128 S^T and dP^T would not fit), as with softcap.
+    constexpr bool kLseRegs = !kCap && BM == 64;
 
     ws::mbar_wait(bKV, 0);
     int it = 0;  // after the loop: the number of query blocks seen
@@ -348,8 +368,8 @@ __global__ void __launch_bounds__(384, 1)
       // This thread's lse2 columns, read before the GEMMs are issued: read among them, the loads
       // completed only after dP^T's shared-memory operands (a profile showed the first exponential
       // stalling on them). Not with softcap: there the 16 registers spill.
-      float lse_r[kCap ? 1 : SR / 2];
-      if constexpr (!kCap) {
+      float lse_r[kLseRegs ? SR / 2 : 1];
+      if constexpr (kLseRegs) {
         frag_cols_load<SR>(lse_c, tq, lse_r);
         fence_regs(lse_r);
       }
@@ -368,10 +388,10 @@ __global__ void __launch_bounds__(384, 1)
         return DUALKV_VISIBLE_KQ(p.mask, kr_of(i), nk, pk_first, qc_of(i), nq, pq_first);
       };
       auto prob = [&](int i, float x) {
-        if constexpr (kCap) {
-          return fast_exp2(x - lse_c[qc_of(i)]);
-        } else {
+        if constexpr (kLseRegs) {
           return fast_exp2(x - lse_r[frag_col_slot(i)]);
+        } else {
+          return fast_exp2(x - lse_c[qc_of(i)]);
         }
       };
       // The softcap path masks inside its fused loop (it keeps few registers live there).
@@ -436,8 +456,22 @@ __global__ void __launch_bounds__(384, 1)
         wg_commit();
         wg_wait<1>();  // dP^T done, dV in flight
         fence_regs(dp);
+        if constexpr (kSplitRows) {
+          // dS from the 16-bit P that dV reads (the fp32 P kept beside dP^T, dK, dV and P's
+          // fragment spilled and serialised the wgmmas at 128 queries).
 #pragma unroll
-        for (int i = 0; i < SR; ++i) dp[i] = dsc(i, sc[i], 1.f);
+          for (int kt = 0; kt < BM / 16; ++kt)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+              const int i = 8 * kt + 2 * c;
+              const float2 pr = unpack2<T>(pa[kt][c]);
+              dp[i] = dsc(i, pr.x, 1.f);
+              dp[i + 1] = dsc(i + 1, pr.y, 1.f);
+            }
+        } else {
+#pragma unroll
+          for (int i = 0; i < SR; ++i) dp[i] = dsc(i, sc[i], 1.f);
+        }
         pack_a_frag<T>(da, dp);
         if constexpr (kFusedDq) {
           stash_ds();  // for dQ, below
@@ -450,14 +484,21 @@ __global__ void __launch_bounds__(384, 1)
       }
       float dqa[32];  // kFusedDq: this warpgroup's m64n64 block of dQ
       if constexpr (kFusedDq) {
-        // Both dS^T halves (D = 128) or this warpgroup's own (D = 64) are in shared memory.
-        if constexpr (kSplitD) {
+        // Both dS^T halves (kJoinDs) or this warpgroup's own (D = 64, 64-query blocks) are in
+        // shared memory.
+        if constexpr (kJoinDs) {
           ws::bar_sync(1, NC);
         } else {
           ws::bar_sync(2 + cw, NC / 2);
         }
-        const uint32_t a_tile = sDS + (kSplitD ? 0u : uint32_t(cw * 64 * 128));
-        const uint32_t b_tile = sK + (kSplitD ? uint32_t(cw * BN * 128) : uint32_t(cw * 64 * 128));
+        // A = dS (query rows: MN-major from dS^T's columns; kSplitRows: column block cw, this
+        // warpgroup's 64 queries), B = K (its keys' rows; kSplitD: column block cw of D).
+        const uint32_t a_tile = sDS + (kSplitD      ? 0u
+                                       : kSplitRows ? uint32_t(cw * BN * 128)
+                                                    : uint32_t(cw * 64 * 128));
+        const uint32_t b_tile = sK + (kSplitD      ? uint32_t(cw * BN * 128)
+                                      : kSplitRows ? 0u
+                                                   : uint32_t(cw * 64 * 128));
         fence_regs(dk, da);
         wg_fence();
 #pragma unroll
@@ -476,11 +517,14 @@ __global__ void __launch_bounds__(384, 1)
         fence_regs(dqa);
         ws::mbar_wait(dq_empty(cw), (uint32_t(it) & 1u) ^ 1u);
         const uint32_t dst = base + Cfg::OFF_DQ + uint32_t(cw) * Cfg::DQ_BYTES;
+        // This warpgroup's dQ rows: queries q_c .. of the block, n_c of them.
+        const int q_c = kSplitRows ? qs + 64 * cw : qs;
+        const int n_c = kSplitRows ? max(0, min(64, nq - 64 * cw)) : nq;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int qr = (warp & 3) * 16 + g + 8 * r;
-          // Row qr is token qs + qr of dq_accum's swizzled layout (dq_accum_at).
-          const int sw = (qs + qr) & 7;
+          // Row qr is token q_c + qr of dq_accum's swizzled layout (dq_accum_at).
+          const int sw = (q_c + qr) & 7;
 #pragma unroll
           for (int nd = 0; nd < 8; ++nd)
             ws::st_shared_f32x2(dst + qr * 256 + ((nd ^ sw) * 8 + 2 * tq) * 4, dqa[nd * 4 + 2 * r],
@@ -488,7 +532,7 @@ __global__ void __launch_bounds__(384, 1)
         }
         if ((tid & 127) == 0) {
           volatile int* dm = dq_meta(cw);
-          dm[0] = 1, dm[1] = qs, dm[2] = hq, dm[3] = nq;
+          dm[0] = 1, dm[1] = q_c, dm[2] = hq, dm[3] = n_c;
         }
         fence_proxy_async();  // the bulk reduction reads through the async proxy
         ws::mbar_arrive(dq_full(cw));
@@ -536,26 +580,36 @@ bool launch_backward_sm90_ws(const BwdParams& p, const KernelPolicy& policy, cud
   if constexpr (D > 128) {
     return false;
   } else {
-    using C = DkdvWsCfg<D>;
-    const bool fused = policy.fused_dq;
+    const bool fused = policy.fused_dq, cap = p.softcap > 0.f;
+    // The kernel, its query block and shared memory: 128-query blocks with d64_bwd_bm128 (fused
+    // dQ, no softcap: DkdvWsCfg), else 64.
+    auto kernel =
+        fused
+            ? (cap ? dkdv_ws_kernel_sm90<T, D, true, true> : dkdv_ws_kernel_sm90<T, D, false, true>)
+            : (cap ? dkdv_ws_kernel_sm90<T, D, true, false>
+                   : dkdv_ws_kernel_sm90<T, D, false, false>);
+    int bm = DkdvWsCfg<D>::BM;
+    int smem = fused ? DkdvWsCfg<D, true>::SMEM : DkdvWsCfg<D, false>::SMEM;
+    if constexpr (D == 64) {
+      if (policy.d64_bwd_bm128 && fused && !cap) {
+        using C128 = DkdvWsCfg<D, true, 128>;
+        kernel = dkdv_ws_kernel_sm90<T, D, false, true, C128::BM>;
+        bm = C128::BM;
+        smem = C128::SMEM;
+      }
+    }
     if (int64_t(p.T) * p.Hq == 0) return true;
     DkdvWsArgs a{};
-    if (!make_bwd_ws_args(a, p, D, C::BM, C::BN)) return false;
+    if (!make_bwd_ws_args(a, p, D, bm, DkdvWsCfg<D>::BN)) return false;
     DqWsArgs qa{};  // the separate dQ pass's maps, encoded before anything is launched
     if (!fused && !make_dq_ws_args<D>(qa, p, policy)) {
       warn_ws_fallback("cuTensorMapEncodeTiled failed for the dQ pass");
       return false;
     }
     launch_bwd_pre<T, D>(p, fused, stream);
-    const bool cap = p.softcap > 0.f;
     const int64_t grid = int64_t(p.nkt) * p.Hkv;
     if (grid > 0) {
-      auto kernel = fused ? (cap ? dkdv_ws_kernel_sm90<T, D, true, true>
-                                 : dkdv_ws_kernel_sm90<T, D, false, true>)
-                          : (cap ? dkdv_ws_kernel_sm90<T, D, true, false>
-                                 : dkdv_ws_kernel_sm90<T, D, false, false>);
-      const int smem = fused ? DkdvWsCfg<D, true>::SMEM : DkdvWsCfg<D, false>::SMEM;
-      launch_kernel(kernel, grid, C::THREADS, smem, stream, a,
+      launch_kernel(kernel, grid, DkdvWsCfg<D>::THREADS, smem, stream, a,
                     "dualkv backward dk/dv (sm90a, warp-specialised)");
     }
     if (fused) {

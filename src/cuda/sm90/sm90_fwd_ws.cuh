@@ -5,12 +5,13 @@
 //   - warpgroup 0 is the producer: one thread issues TMA copies (cp.async.bulk.tensor, 128-byte
 //     swizzle straight into the SW128 wgmma layout) of Q once and of K/V blocks through a
 //     STAGES-deep ring; full barriers complete on the copies' byte count, empty barriers on the
-//     256 consumer threads' arrivals. setmaxnreg gives its registers to the consumers.
-//   - warpgroups 1 and 2 consume, 64 query rows each. Intra-warpgroup overlap: S_j = Q K_j^T and
-//     O += P_{j-1} V_{j-1} are issued back to back as two wgmma groups; the softmax of S_j runs
+//     consumer threads' arrivals. setmaxnreg gives its registers to the consumers.
+//   - warpgroups 1 .. NWG consume, 64 query rows each (NWG = 2: the layout's 128-row tiles; at
+//     D = 64 optionally 3, 192-row wide tiles: FwdWsCfg). Intra-warpgroup overlap: S_j = Q K_j^T
+//     and O += P_{j-1} V_{j-1} are issued back to back as two wgmma groups; the softmax of S_j runs
 //     while P V is in flight (wait_group 1), O is rescaled after wait_group 0.
-//   - ping-pong (named barriers 1, 2): the two consumer warpgroups take turns issuing their GEMMs,
-//     so one's softmax (MUFU/FMA) overlaps the other's tensor-core work. Off when
+//   - ping-pong (named barriers 1 .. NWG): the consumer warpgroups take turns issuing their GEMMs,
+//     so one's softmax (MUFU/FMA) overlaps the others' tensor-core work. Off when
 //     DUALKV_SM90_PINGPONG=0, for A/B timing.
 //   - softmax in the log2 domain with the scale folded into one FFMA per element
 //     (exp2(s * scale_log2 - m * scale_log2)); softcap or a non-positive scale pre-scales instead.
@@ -35,14 +36,20 @@
 
 namespace dualkv::cuda::detail {
 
-template <int D>
+// NWG consumer warpgroups of 64 query rows each: 2 (a kTileSize-row CTA), or 3 at D = 64
+// (KernelPolicy::d64_fwd_bm192: 192-row CTAs on wide tiles, FlashAttention-3's hdim-64 tile, so
+// that each SM scheduler has three consumer warps instead of two; setmaxnreg 24 / 160).
+template <int D, int NWG = 2>
 struct FwdWsCfg {
   static_assert(D <= 256, "a 64 x D fp32 O per warpgroup; D = 512: sm90_fwd512_cluster.cuh");
-  static constexpr int BM = kTileSize;  // 2 consumer warpgroups x 64 rows
+  static_assert(NWG == 2 || (NWG == 3 && D == 64),
+                "three consumer warpgroups at D = 64 only: 160 registers each hold O, S and P "
+                "of a 64 x 64 / 64 x 128 tile, no wider O");
+  static constexpr int BM = 64 * NWG;  // kTileSize, or a wide tile (QueryTileCta, B > kTileSize)
   static constexpr int BN = D >= 256 ? 64 : 128;
   static constexpr int STAGES = 2;
-  static constexpr int THREADS = 384;  // warpgroup 0 produces, 1 and 2 consume
-  static constexpr int CONSUMERS = 256;
+  static constexpr int THREADS = 128 * (NWG + 1);  // warpgroup 0 produces, 1 .. NWG consume
+  static constexpr int CONSUMERS = 128 * NWG;
   static constexpr int Q_BYTES = BM * D * 2;
   static constexpr int KV_BYTES = BN * D * 2;
   // Shared memory from the kernel's 1024-byte aligned base (the + 1024 of SMEM is the slack for
@@ -61,11 +68,15 @@ struct FwdWsCfg {
   static constexpr int OFF_V = int(offsetof(SharedStorage, v));
   static constexpr int OFF_BAR = int(offsetof(SharedStorage, bar));
   static constexpr int SMEM = int(sizeof(SharedStorage)) + 1024;
-  // setmaxnreg: 40 + 2 x 232 = 504 registers per thread slot of the three warpgroups (<= 512).
-  static constexpr int PRODUCER_REGS = 40;
-  static constexpr int CONSUMER_REGS = 232;
-  // setmaxnreg moves registers within the CTA's pool (384 x 168 at this launch bound).
-  static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "register pool of one CTA");
+  // setmaxnreg: 40 + 2 x 232 = 504 registers per thread slot of the three warpgroups; with
+  // three consumer warpgroups 24 + 3 x 160 = 504 of the four.
+  static constexpr int PRODUCER_REGS = NWG == 2 ? 40 : 24;
+  static constexpr int CONSUMER_REGS = NWG == 2 ? 232 : 160;
+  // setmaxnreg moves registers within the CTA's pool: THREADS x the launch bound's allocation
+  // (65536 / THREADS in steps of 8: 168 at 384 threads, 128 at 512).
+  static constexpr int REG_POOL = 65536 / THREADS / 8 * 8;
+  static_assert(PRODUCER_REGS + NWG * CONSUMER_REGS <= (NWG + 1) * REG_POOL,
+                "register pool of one CTA");
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
 
@@ -172,14 +183,12 @@ __device__ __forceinline__ void ws_fwd_producer(const FwdWsArgs& a, const KeyBlo
 // the last block's P V. The kernel supplies its stage barriers (full_k/full_v(stage): the address
 // waited on; release_k/release_v(stage): its consumers' release), the products (issue_s/issue_pv
 // (stage), committed) and softmax(j, corr) (ws_fwd_block_softmax).
-template <typename T, int S, int ND, int NC, int SR, int OR, int KT, class FullK, class FullV,
-          class ReleaseK, class ReleaseV, class IssueS, class IssuePV, class Softmax>
-__device__ __forceinline__ void ws_fwd_mainloop(int total, const PingPong<NC>& pp, float (&s)[SR],
-                                                float (&o)[OR], uint32_t (&pa)[KT][4],
-                                                const float (&l_run)[2], FullK&& full_k,
-                                                FullV&& full_v, ReleaseK&& release_k,
-                                                ReleaseV&& release_v, IssueS&& issue_s,
-                                                IssuePV&& issue_pv, Softmax&& softmax) {
+template <typename T, int S, int ND, int NC, int NW, int SR, int OR, int KT, class FullK,
+          class FullV, class ReleaseK, class ReleaseV, class IssueS, class IssuePV, class Softmax>
+__device__ __forceinline__ void ws_fwd_mainloop(
+    int total, const PingPong<NC, NW>& pp, float (&s)[SR], float (&o)[OR], uint32_t (&pa)[KT][4],
+    const float (&l_run)[2], FullK&& full_k, FullV&& full_v, ReleaseK&& release_k,
+    ReleaseV&& release_v, IssueS&& issue_s, IssuePV&& issue_pv, Softmax&& softmax) {
   if (total <= 0) return;
   // Block 0: S only (O is still zero).
   ws::mbar_wait(full_k(0), 0);
@@ -233,10 +242,11 @@ __device__ __forceinline__ void ws_fwd_mainloop(int total, const PingPong<NC>& p
 }
 #endif  // DUALKV_SM90_BODY
 
-template <typename T, int D, bool kCap>
-__global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_constant__ FwdWsArgs a) {
+template <typename T, int D, bool kCap, int NWG = 2>
+__global__ void __launch_bounds__(FwdWsCfg<D, NWG>::THREADS, 1)
+    fwd_ws_kernel_sm90(const __grid_constant__ FwdWsArgs a) {
 #if DUALKV_SM90_BODY
-  using Cfg = FwdWsCfg<D>;
+  using Cfg = FwdWsCfg<D, NWG>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
   const FwdParams& p = a.p;
   extern __shared__ __align__(1024) unsigned char smem[];
@@ -275,12 +285,12 @@ __global__ void __launch_bounds__(384, 1) fwd_ws_kernel_sm90(const __grid_consta
           });
     }
   } else {
-    // ---- consumer warpgroups: warpgroup cw (0 or 1) owns query rows [64 cw, 64 cw + 64) -------
+    // ---- consumer warpgroups: warpgroup cw (0 .. NWG - 1) owns query rows [64 cw, 64 cw + 64) --
     ws::reg_alloc<Cfg::CONSUMER_REGS>();
     const int cw = (warp >> 2) - 1;
     const int g = lane >> 2, tq = lane & 3;
-    const int row0 = cw * 64 + (warp & 3) * 16 + g;  // rows row0, row0 + 8
-    const PingPong<NC> pp(a.pingpong != 0, cw);
+    const int row0 = cw * 64 + (warp & 3) * 16 + g;        // rows row0, row0 + 8
+    const PingPong<2 * 128, NWG> pp(a.pingpong != 0, cw);  // each barrier joins two warpgroups
     const float sl = (kCap || a.prescale) ? 1.f : p.scale_log2;  // log2-domain factor of the scores
 
     constexpr int OR = D / 2, SR = BN / 2;  // accumulator floats per thread
@@ -337,17 +347,31 @@ inline bool make_fwd_ws_args(FwdWsArgs& a, const FwdParams& p, const KernelPolic
   return true;
 }
 
-template <typename T, int D>
-bool launch_forward_sm90_ws(const FwdParams& p, const KernelPolicy& policy, cudaStream_t stream) {
-  using Cfg = FwdWsCfg<D>;
+// Launches `kernel`, a forward with NWG consumer warpgroups (FwdWsCfg), one CTA per tile of the
+// layout's list and q head (with NWG = 3 a tile stands for a wide tile: QueryTileCta).
+template <int D, int NWG>
+bool launch_fwd_ws_kernel(void (*kernel)(FwdWsArgs), const FwdParams& p, const KernelPolicy& policy,
+                          cudaStream_t stream) {
+  using Cfg = FwdWsCfg<D, NWG>;
   const int64_t grid = int64_t(p.nqt) * p.Hq;
   if (grid == 0) return true;
   FwdWsArgs a{};
   if (!make_fwd_ws_args(a, p, policy, D, Cfg::BM, Cfg::BN)) return false;
-  auto kernel = p.softcap > 0.f ? fwd_ws_kernel_sm90<T, D, true> : fwd_ws_kernel_sm90<T, D, false>;
   launch_kernel(kernel, grid, Cfg::THREADS, Cfg::SMEM, stream, a,
                 "dualkv forward (sm90a, warp-specialised)");
   return true;
+}
+
+template <typename T, int D>
+bool launch_forward_sm90_ws(const FwdParams& p, const KernelPolicy& policy, cudaStream_t stream) {
+  const bool cap = p.softcap > 0.f;
+  if constexpr (D == 64) {
+    // Not with softcap: its consumers spill at the three warpgroups' 160 registers.
+    if (policy.d64_fwd_bm192 && !cap)
+      return launch_fwd_ws_kernel<D, 3>(fwd_ws_kernel_sm90<T, D, false, 3>, p, policy, stream);
+  }
+  return launch_fwd_ws_kernel<D, 2>(
+      cap ? fwd_ws_kernel_sm90<T, D, true> : fwd_ws_kernel_sm90<T, D, false>, p, policy, stream);
 }
 
 }  // namespace dualkv::cuda::detail

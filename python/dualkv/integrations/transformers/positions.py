@@ -8,7 +8,7 @@ import weakref
 
 import torch
 
-from ...layout import Layout
+from ...layout import SEGMENT_ROOT_START, SEGMENT_START, Layout
 from ...parallel import ShardedLayout
 
 
@@ -36,16 +36,22 @@ def _remember(position_ids: torch.Tensor, holder: Layout | ShardedLayout) -> Non
     holder._checked_positions = (weakref.ref(position_ids), _version(position_ids))
 
 
+# (one wording for both layouts: traced, the message is a constant of the graph, which serves
+# prompt/response and tree layouts alike)
+_LOGICAL = (
+    "the layout's logical positions (prompt 0..P-1, each response P..P+R-1; in a tree, each "
+    "segment continuing from its parent's end)"
+)
 _POSITIONS_MSG = (
-    "position_ids are not the layout's logical positions (prompt 0..P-1, each response "
-    "P..P+R-1): the model was probably called without position_ids, so RoPE numbered the packed "
-    "tokens 0..T-1. Pass position_ids=packed.position_ids (model(**packed.model_inputs()) does)"
+    f"position_ids are not {_LOGICAL}: the model was probably called without position_ids, so "
+    "RoPE numbered the packed tokens 0..T-1. Pass position_ids=packed.position_ids "
+    "(model(**packed.model_inputs()) does)"
 )
 _LAYOUT_MISMATCH_MSG = (
-    "position_ids are not the layout's logical positions (prompt 0..P-1, each response "
-    "P..P+R-1): they do not follow the layout's prompts and responses{where}, so the positions "
-    "and the layout are probably of different batches. Pass the positions and the layout of one "
-    "packed batch: position_ids=packed.position_ids, dualkv_layout=packed.layout "
+    f"position_ids are not {_LOGICAL}: they do not follow the layout's prompts and responses "
+    "(or tree segments){where}, so the positions and the layout are probably of different "
+    "batches. Pass the positions and the layout of one packed batch: "
+    "position_ids=packed.position_ids, dualkv_layout=packed.layout "
     "(model(**packed.model_inputs()) does)"
 )
 _SHARD_POSITIONS_MSG = (
@@ -59,13 +65,14 @@ def check_positions(position_ids: torch.Tensor | None, layout: Layout | ShardedL
     """Refuse position ids that are not the layout's logical positions.
 
     A packed stream needs RoPE on the logical positions (prompt ``0..P-1``, each response
-    ``P..P+R-1``); a model called without ``position_ids`` numbers the packed tokens ``0..T-1``
-    instead, which would silently shift every response. Positions that differ from the layout's
-    by a constant over each stretch that attention never crosses (a group; a response of a group
-    without a prompt) are accepted (rows' own positions taken over by :func:`dualkv.pack`; RoPE
-    is relative), except ``0..T-1`` itself. On a :class:`dualkv.parallel.ShardedLayout` the
-    positions must be the rank's slice of the sharded batch's
-    (:func:`dualkv.parallel.shard_batch`) exactly.
+    ``P..P+R-1``; in a tree layout each segment continues from its parent's end); a model called
+    without ``position_ids`` numbers the packed tokens ``0..T-1`` instead, which would silently
+    shift every response. Positions that differ from the layout's by one constant per tree (the
+    tokens that attend to each other: a group, or a response of a group without a prompt; a
+    root segment and its descendants) are accepted (rows' own positions taken over by
+    :func:`dualkv.pack`; RoPE is relative), except ``0..T-1`` itself. On a
+    :class:`dualkv.parallel.ShardedLayout` the positions must be the rank's slice of the sharded
+    batch's (:func:`dualkv.parallel.shard_batch`) exactly.
 
     Eager: free for the layout's own tensor (``packed.position_ids``, or a shard's
     ``batch.position_ids``); other tensors are compared once (one host synchronisation) and
@@ -112,7 +119,7 @@ def _positions_rules(
     position_ids: torch.Tensor, layout: Layout
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rules of :func:`check_positions` as tensor ops (traceable): bool tensors ``(not
-    numbered 0..T-1, constant shift over each stretch)``."""
+    numbered 0..T-1, one shift per tree)``."""
     own, pos = layout.position_ids, position_ids.reshape(-1)
     if pos.numel() != own.numel():
         raise ValueError(
@@ -121,40 +128,61 @@ def _positions_rules(
         )
     pos = pos.to(own.device, torch.int64)
     delta = pos - own
-    # a logical position 0 starts a stretch attention never crosses: a group's prompt, or a
-    # response of a group without a prompt. Each token's shift is compared with the previous
-    # token's (the first token's with itself), so that every reduction of the rule runs over the
-    # T tokens: traced, reductions over T - 1 and T tokens made inductor's mix-order-reduction
-    # fusion assert once they were large enough to be split (CUDA, torch 2.11-2.13)
-    prev = torch.cat([delta[:1], delta[:-1]])
-    same = ((delta == prev) | (own == 0)).all()
-    # 0..T-1 passes the per-stretch rule when every group has one response, yet it is what a call
+    same = (delta == delta.index_select(0, _reference_tokens(layout))).all()
+    # 0..T-1 passes the per-tree rule when every group has one response, yet it is what a call
     # without position_ids gives (wrong for absolute embeddings and length-dependent RoPE)
     numbered = delta.any() & (pos == torch.arange(pos.numel(), device=pos.device)).all()
     return ~numbered, same
 
 
+def _reference_tokens(layout: Layout) -> torch.Tensor:
+    """For each token, the token whose shift (position id minus logical position) it must share:
+    one shift per tree, since every token of a tree attends to its root and RoPE is relative. A
+    segment's first token refers to its root's first token (itself for a root), any other token
+    to the previous one. The segment table gives each non-empty segment's start and its root's,
+    whatever the order of the segments (trees may interleave in a hand-made layout).
+
+    (Traced, the rule's reductions all run over the T tokens: reductions over T - 1 and T tokens
+    made inductor's mix-order-reduction fusion assert once they were large enough to be split,
+    CUDA, torch 2.11-2.13.)"""
+    own = layout.position_ids
+    seg = layout.segments
+    ref = (torch.arange(own.shape[0], device=own.device) - 1).clamp(min=0)
+    return ref.index_copy(0, seg[:, SEGMENT_START].long(), seg[:, SEGMENT_ROOT_START].long())
+
+
 def _first_mismatch(position_ids: torch.Tensor, layout: Layout) -> str:
-    """Where the positions first leave the layout's stretches, for the error message."""
-    pos = position_ids.reshape(-1).tolist()
-    own = layout.position_ids.tolist()
-    i = next(
-        i for i in range(1, len(own)) if own[i] != 0 and pos[i] - pos[i - 1] != own[i] - own[i - 1]
-    )
+    """Where the positions first leave the layout's shift per tree, for the error message."""
+    pos = position_ids.reshape(-1).to(layout.device, torch.int64)
+    own = layout.position_ids
+    ref = _reference_tokens(layout)
+    delta = pos - own
+    i = int((delta != delta[ref]).nonzero()[0, 0])
+    r = int(ref[i])
+    pos_l, own_l = pos.tolist(), own.tolist()
     if layout.is_tree:
-        shape = (
+        stretch, root = "a tree", "its tree's root"
+        lens = (
             f"parents={reprlib.repr(list(layout.parents))}, "
             f"lengths={reprlib.repr(list(layout.lengths))}"
         )
     else:
-        shape = (
+        stretch, root = "a group", "its group's prompt"
+        lens = (
             f"prefix_lens={reprlib.repr(list(layout.prefix_lens))}, "
             f"response_lens={reprlib.repr([list(r) for r in layout.response_lens])}"
         )
-    return (
-        f" (first at packed token {i}: position_ids [..., {pos[i - 1]}, {pos[i]}, ...] where the "
-        f"layout has [..., {own[i - 1]}, {own[i]}, ...] within a group; the layout's {shape})"
-    )
+    if r == i - 1:
+        where = (
+            f": position_ids [..., {pos_l[r]}, {pos_l[i]}, ...] where the layout has "
+            f"[..., {own_l[r]}, {own_l[i]}, ...] within {stretch}"
+        )
+    else:  # a segment's first token, against its root's first
+        where = (
+            f", the first of a segment: position_ids {pos_l[i]} there and {pos_l[r]} at packed "
+            f"token {r}, the first of {root}, where the layout has {own_l[i]} and {own_l[r]}"
+        )
+    return f" (first at packed token {i}{where}; the layout's {lens})"
 
 
 def _shard_positions_ok(position_ids: torch.Tensor, layout: ShardedLayout) -> torch.Tensor:
