@@ -15,15 +15,35 @@ import torch
 
 from .layout import Layout
 from .packed_batch import PackedBatch, batch_from_row_maps
-from .prefix_forest import SortedRows, prefix_forest, sorted_rows
+from .prefix_forest import PrefixForest, SortedRows, prefix_forest, sorted_rows
 from .trainer_rows import checked_row_lengths
 
-__all__ = ["DEFAULT_MIN_SHARED", "pack_rows_tree", "sorted_trainer_rows"]
+__all__ = [
+    "DEFAULT_MIN_SHARED",
+    "TREE_MIN_SAVING",
+    "pack_rows_tree",
+    "row_forest",
+    "sorted_trainer_rows",
+    "tree_saves",
+]
 
 # Shared segments shorter than this are repeated in each branch instead of split off (a branch
 # point ends a 128-token tile early in every layer's attention; a few shared tokens do not pay
 # for it).
 DEFAULT_MIN_SHARED = 64
+
+# A trainer that picks the packing itself (the veRL engine, DualKVGRPOTrainer) runs the tree when
+# it packs at least this fraction fewer tokens than the prompt-group packing: the tree kernel's
+# target is 90% of the depth-two kernel's throughput (issue 33) and a branch point ends a tile
+# early in every layer, so a smaller saving may not pay; the depth-two packing stays the measured
+# fast path.
+TREE_MIN_SAVING = 0.1
+
+
+def tree_saves(flat_tokens: int, tree_tokens: int) -> bool:
+    """Whether rows packing to ``flat_tokens`` as prompt groups and ``tree_tokens`` as a prefix
+    tree save at least :data:`TREE_MIN_SAVING` of the tokens as the tree."""
+    return tree_tokens < flat_tokens and tree_tokens <= (1.0 - TREE_MIN_SAVING) * flat_tokens
 
 
 def _row_keys(
@@ -65,12 +85,29 @@ def sorted_trainer_rows(
     return sorted_rows(_row_keys(input_ids, position_ids, pw - plen, plen + rlen), plen + rlen)
 
 
+def row_forest(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_width: int,
+    position_ids: torch.Tensor | None = None,
+    min_shared: int = DEFAULT_MIN_SHARED,
+) -> PrefixForest:
+    """The prefix forest :func:`pack_rows_tree` packs these rows with (arguments as there), so a
+    caller can weigh the tree (``total_tokens``) before packing it (pass it as ``forest``)."""
+    pw, _pmask, plen, rlen = checked_row_lengths(
+        input_ids, attention_mask, prompt_width, position_ids
+    )
+    keys = _row_keys(input_ids, position_ids, pw - plen, plen + rlen)
+    return prefix_forest(keys, plen + rlen, min_shared)
+
+
 def pack_rows_tree(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     prompt_width: int,
     position_ids: torch.Tensor | None = None,
     min_shared: int = DEFAULT_MIN_SHARED,
+    forest: PrefixForest | None = None,
 ) -> PackedBatch:
     """Pack trainer rows (veRL layout) as a prefix tree of everything they share.
 
@@ -80,6 +117,7 @@ def pack_rows_tree(
             Tokens are shared where rows agree on token ids and, when given, on position ids.
         min_shared: shared segments shorter than this many tokens are not split off (see
             :func:`dualkv.prefix_forest.prefix_forest`); 1 shares every common prefix.
+        forest: :func:`row_forest` of these same arguments, when the caller has it already.
 
     Returns:
         A :class:`PackedBatch` whose ``layout`` is ``Layout.tree(...)``; ``row_group`` and
@@ -95,8 +133,15 @@ def pack_rows_tree(
     device = input_ids.device
     first_col = pw - plen
     seq_len = plen + rlen
-    keys = _row_keys(input_ids, position_ids, first_col, seq_len)
-    forest = prefix_forest(keys, seq_len, min_shared)
+    if forest is None:
+        forest = prefix_forest(
+            _row_keys(input_ids, position_ids, first_col, seq_len), seq_len, min_shared
+        )
+    elif tuple(forest.token_index.shape) != (num_rows, width):
+        raise ValueError(
+            f"forest is of {tuple(forest.token_index.shape)} rows x columns, the rows are "
+            f"{(num_rows, width)}: pass row_forest(...) of these rows"
+        )
     layout = Layout.tree(forest.parents, forest.lengths, device=device)
     total = forest.total_tokens
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
+import types
 
 import pytest
 import torch
@@ -24,8 +26,14 @@ from datasets import Dataset  # noqa: E402
 from transformers import set_seed  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
+import dualkv  # noqa: E402
 from dualkv.integrations import trl as dktrl  # noqa: E402
-from dualkv.integrations.trl import DualKVGRPOTrainer, group_microbatches  # noqa: E402
+from dualkv.integrations.trl import (  # noqa: E402
+    DualKVGRPOTrainer,
+    group_microbatches,
+    prefix_families,
+    prompt_groups,
+)
 from hf_helpers import VOCAB, tiny_config  # noqa: E402
 
 PAD, EOS = 0, 1
@@ -146,9 +154,12 @@ def config(tmp_path, **kw):
     return GRPOConfig(**base)
 
 
-def trainers(path, tmp_path, data, **kw):
+def trainers(path, tmp_path, data, dualkv=None, **kw):
+    """TRL's GRPOTrainer and DualKVGRPOTrainer (with the extra arguments ``dualkv``) on the same
+    GRPOConfig options ``kw``."""
     made = []
     for cls in (GRPOTrainer, DualKVGRPOTrainer):
+        extra = (dualkv or {}) if cls is DualKVGRPOTrainer else {}
         made.append(
             cls(
                 model=path,
@@ -156,6 +167,7 @@ def trainers(path, tmp_path, data, **kw):
                 args=config(tmp_path / cls.__name__, **kw),
                 train_dataset=data,
                 processing_class=tokenizer(),
+                **extra,
             )  # fmt: skip
         )
     return made
@@ -283,7 +295,15 @@ def test_logps_loss_and_grads_equal_trl(model_dirs, tmp_path, seed, family, loss
         assert dk_tr.ref_model.config._attn_implementation == "dualkv"
     if family == "qwen3-moe":
         assert dk_tr.aux_loss_enabled and ref_tr.aux_loss_enabled
-    batch = random_batch(seed)
+    _assert_paths_equal(ref_tr, dk_tr, random_batch(seed), seed, batch_size=3)
+    assert max(dk_tr._metrics["eval"]["dualkv/token_reduction"]) > 1.0
+    assert set(dk_tr._metrics["eval"]["dualkv/tree"]) == {0.0}  # (nothing shared beyond prompts)
+
+
+def _assert_paths_equal(ref_tr, dk_tr, batch, seed, batch_size):
+    """TRL's trainer ``ref_tr`` and DualKV's ``dk_tr`` (same weights) on one TRL batch: the
+    old-policy and reference passes (chunks of ``batch_size`` rows), then TRL's loss (with the
+    batch's ``tool_mask`` when it has one) and every gradient."""
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
     width = batch["completion_ids"].shape[1]
@@ -295,11 +315,13 @@ def test_logps_loss_and_grads_equal_trl(model_dirs, tmp_path, seed, family, loss
         tr.model.eval()
         with torch.no_grad():
             lp, ent, _ = tr._get_per_token_logps_and_entropies(
-                tr.model, ids, mask, width, batch_size=3, compute_entropy=True
+                tr.model, ids, mask, width, batch_size=batch_size, compute_entropy=True
             )
             ref_lp = None
             if tr.ref_model is not None:
-                ref_lp = tr._get_per_token_logps_and_entropies(tr.ref_model, ids, mask, width, 3)[0]
+                ref_lp = tr._get_per_token_logps_and_entropies(
+                    tr.ref_model, ids, mask, width, batch_size
+                )[0]
         outs[name] = (lp, ent, ref_lp)
     lp_t, ent_t, ref_t = outs["trl"]
     lp_d, ent_d, ref_d = outs["dualkv"]
@@ -313,7 +335,6 @@ def test_logps_loss_and_grads_equal_trl(model_dirs, tmp_path, seed, family, loss
     torch.testing.assert_close(ent_d, ent_t, rtol=0, atol=1e-4 + ent_atol)
     if ref_t is not None:
         torch.testing.assert_close(ref_d, ref_t, rtol=0, atol=1e-4)
-    assert max(dk_tr._metrics["eval"]["dualkv/token_reduction"]) > 1.0
 
     # the loss (TRL's _compute_loss, unchanged) and every gradient, with old-policy and reference
     # log-probs near the current ones, as after a rollout: importance ratios around 1, some clipped
@@ -351,8 +372,313 @@ def test_logps_loss_and_grads_equal_trl(model_dirs, tmp_path, seed, family, loss
             torch.testing.assert_close(
                 torch.tensor(m_d[key][-1]), torch.tensor(m_t[key][-1]), rtol=1e-5, atol=atol
             )
-    if family == "qwen3-moe":
+    if ref_tr.aux_loss_enabled:
         assert "aux_loss" in m_t and m_t["aux_loss"][-1] > 0
+
+
+def multi_turn_batch(seed):
+    """TRL's batch layout for multi-turn / tool-calling rows, with TRL's ``tool_mask`` (0 on the
+    tool outputs inside a completion, 1 elsewhere and on padding): every prompt starts with one
+    system prompt (tool descriptions); each group's completions share a first turn (a tool call)
+    and the tool's output, then diverge; a later turn of a trajectory is a row of its own (its
+    prompt holds the earlier turns); a single-turn row; a masked (truncated) completion; junk in
+    the padding."""
+    rng = random.Random(seed)
+
+    def tokens(lo, hi):
+        return [rng.randrange(3, VOCAB) for _ in range(rng.randint(lo, hi))]
+
+    system = tokens(8, 14)
+    rows = []  # (prompt, completion, tool mask of the completion)
+    for g in range(3):
+        prompt = system + tokens(1, 5)
+        call, output = tokens(2, 4), tokens(2, 4)
+        for _ in range(rng.randint(2, 3)):
+            answer = tokens(0, 4) + [EOS]
+            rows.append((prompt, call + output + answer, [1] * len(call) + [0] * len(output)))
+        if g == 0:  # the next turn, trained as a row of its own
+            reply = tokens(1, 4) + [EOS]
+            rows.append((prompt + call + output + answer, reply, []))
+    rows.append((system + tokens(1, 3), tokens(1, 4) + [EOS], []))
+    rows.append((rows[0][0], [], []))  # a masked completion in a shared group
+    rng.shuffle(rows)
+    b = len(rows)
+    pw, width = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
+    junk = torch.randint(0, VOCAB, (b, pw + width), generator=torch.Generator().manual_seed(seed))
+    pids, pmask = junk[:, :pw].clone(), torch.zeros(b, pw, dtype=torch.int64)
+    cids, cmask = junk[:, pw:].clone(), torch.zeros(b, width, dtype=torch.int64)
+    tool_mask = torch.ones(b, width, dtype=torch.int64)
+    for i, (p, c, tm) in enumerate(rows):
+        pids[i, pw - len(p) :], pmask[i, pw - len(p) :] = torch.tensor(p), 1
+        if c:
+            cids[i, : len(c)], cmask[i, : len(c)] = torch.tensor(c), 1
+        if tm:
+            tool_mask[i, : len(tm)] = torch.tensor(tm)
+    g = torch.Generator().manual_seed(seed + 1)
+    return {
+        "prompt_ids": pids, "prompt_mask": pmask, "completion_ids": cids, "completion_mask": cmask,
+        "tool_mask": tool_mask, "advantages": torch.randn(b, generator=g),
+        "num_items_in_batch": (cmask * tool_mask).sum(),
+    }  # fmt: skip
+
+
+def _prompt_group_tokens(batch):
+    """Packed tokens of the batch's rows packed by prompt groups (the depth-two packing)."""
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    return dualkv.pack(ids, mask, batch["prompt_ids"].shape[1]).total_tokens
+
+
+@pytest.mark.parametrize(
+    "family,tree",
+    [("qwen3", None), ("qwen3-moe", None), ("opt", None), ("gpt2", True), ("qwen3", False)],
+)
+def test_multi_turn_tree_equals_trl(model_dirs, tmp_path, seed, family, tree):
+    """Multi-turn / tool-calling rows that share earlier turns (and a system prompt across
+    groups): DualKV packs them as a prefix tree (automatically, or forced; by prompt groups when
+    told) and its log-probs, entropies, TRL's loss with the tool outputs masked, the MoE
+    load-balancing loss and every gradient equal TRL's rows path. Qwen3 (RoPE only) shares the
+    system prompt across prompts of different lengths (rows numbered from 0 on the tree); GPT-2
+    (learned absolute positions) keeps TRL's left-padded positions, so only rows of equal
+    positions share."""
+    data = dataset(random.Random(seed), 4)
+    dk = {"tree_packing": tree, "tree_min_shared": 4}
+    ref_tr, dk_tr = trainers(model_dirs[family], tmp_path, data, dualkv=dk, beta=0.04)
+    batch = multi_turn_batch(seed)
+    _assert_paths_equal(ref_tr, dk_tr, batch, seed, batch_size=5)
+    rows = int(batch["prompt_mask"].sum() + batch["completion_mask"].sum())
+    used_tree = dk_tr._metrics["train"]["dualkv/tree"][-1]  # the loss pass: one chunk
+    packed = rows / dk_tr._metrics["train"]["dualkv/token_reduction"][-1]
+    flat = _prompt_group_tokens(batch)
+    if tree is False:
+        assert used_tree == 0.0 and packed == pytest.approx(flat)
+    else:
+        assert used_tree == 1.0
+        assert packed < flat  # rows sharing earlier turns: fewer tokens than by prompt groups
+        if family != "gpt2":  # the system prompt shared across groups
+            assert packed <= 0.9 * flat
+    chunks = set(dk_tr._metrics["eval"]["dualkv/tree"])  # (auto: chunk by chunk)
+    assert chunks == {float(tree)} if tree is not None else 1.0 in chunks
+
+
+# --- TRL's own tool-calling loop ------------------------------------------------------------------
+# Phrases of the Qwen3 chat template's tool prompt, one token each (a real tokenizer takes a few
+# characters per token; byte by byte the prompts would be 5x longer and the test slower).
+TOOL_PHRASES = [
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are "
+    "provided with function signatures within <tools></tools> XML tags:\n<tools>\n",
+    "\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+    '<function-name>, \"arguments\": <args-json-object>}\n</tool_call>',
+    "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+    '{"type": "function", "function": {"name": ', '"description": ',
+    '"parameters": {"type": "object", "properties": {', '{"type": "integer", ', '"required": [',
+    '"return": {"type": "integer"}}}', '"arguments": ', '{"name": ',
+]  # fmt: skip
+
+
+def tool_tokenizer():
+    """A byte-level tokenizer (any text round-trips; no hub access) with TRL's Qwen3 chat
+    template, which TRL knows how to parse tool calls from."""
+    import trl
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"], padding_side="left",
+    )  # fmt: skip
+    template = os.path.join(os.path.dirname(trl.__file__), "chat_templates", "qwen3.jinja")
+    with open(template) as f:
+        fast.chat_template = f.read()
+    fast.add_tokens(TOOL_PHRASES)
+    return fast
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a + b
+
+
+def scripted_turn(self, prompt_ids, images, multimodal_fields, num_generations, **kwargs):
+    """Stands in for ``GRPOTrainer._generate_single_turn`` (a tiny random model never writes a
+    tool call): the assistant's next turn, a function of the conversation so far and of the
+    row's index in the call. A question "What is a + b [+ c]?" is answered by calling ``add``
+    once per ``+`` (the same calls on every completion of the prompt), then with the result and
+    a tail that differs between completions; "Say hi" by text alone."""
+    tok = self.processing_class
+    self._script_calls = getattr(self, "_script_calls", 0) + 1
+    out = []
+    for i, ids in enumerate(prompt_ids):
+        text = tok.decode(ids)
+        question = text.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+        numbers = [int(w) for w in question.rstrip("?").split() if w.isdigit()]
+        results = [int(r) for r in re.findall(r"<tool_response>\n(-?\d+)\n</tool_response>", text)]
+        if numbers and len(results) < len(numbers) - 1:
+            a = results[-1] if results else numbers[0]
+            args = f'{{"a": {a}, "b": {numbers[len(results) + 1]}}}'
+            reply = f'<tool_call>\n{{"name": "add", "arguments": {args}}}\n</tool_call>'
+        else:
+            tail = " Sure." * ((i + self._script_calls) % 3)
+            reply = (f"It is {results[-1]}." if results else "Hi.") + tail
+        out.append(tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id])
+    return out, None
+
+
+def reward_text(completions, **kwargs):
+    """reward_distinct on the completion's messages (tool outputs included) as text."""
+    return reward_distinct([" ".join(str(m.get("content", "")) for m in c) for c in completions])
+
+
+@pytest.fixture(scope="module")
+def tool_model_dir(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    tok = tool_tokenizer()
+    cfg = Qwen3Config(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, num_hidden_layers=2,
+        tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    _init_weights(model, seed=int.from_bytes(os.urandom(4), "little") % 2**31)
+    path = tmp_path_factory.mktemp("qwen3-tools")
+    model.save_pretrained(path)
+    return str(path)
+
+
+def test_tool_calling_step_equals_trl(tool_model_dir, tmp_path, seed):
+    """TRL's own tool-calling loop (``tools=[add]``, its Qwen3 chat template, tool-call parsing,
+    tool execution, the tool outputs in the completions under ``tool_mask`` = 0), with scripted
+    turns for sampling: one ``trainer.train()`` step of DualKVGRPOTrainer equals TRL's (same
+    rows and tool masks, loss, gradient norm, parameters after the step), each micro-batch packed
+    as a tree (the tool prompt shared across groups, each group's tool calls and outputs by its
+    completions) with fewer tokens than by prompt groups; on a micro-batch of it, with the same
+    weights, the log-probs, loss and every gradient equal TRL's."""
+    rng = random.Random(seed)
+    questions = ["Say hi"] + [
+        "What is " + " + ".join(str(rng.randint(1, 99)) for _ in range(rng.randint(2, 3))) + "?"
+        for _ in range(3)
+    ]
+    rng.shuffle(questions)
+    data = Dataset.from_dict({"prompt": [[{"role": "user", "content": q}] for q in questions]})
+    made = []
+    for cls in (GRPOTrainer, DualKVGRPOTrainer):
+        tr = cls(
+            model=tool_model_dir, reward_funcs=reward_text, train_dataset=data, tools=[add],
+            args=config(tmp_path / cls.__name__, max_completion_length=160, beta=0.04),
+            processing_class=tool_tokenizer(),
+        )  # fmt: skip
+        tr._generate_single_turn = types.MethodType(scripted_turn, tr)
+        made.append(tr)
+    ref_tr, dk_tr = made
+    before = {n: p.detach().clone() for n, p in ref_tr.model.named_parameters()}
+    for tr in made:
+        set_seed(tr.args.seed)
+        tr.train()
+
+    def rows(tr):
+        out = []
+        for mb in tr._buffered_inputs:
+            for key, tm, m in zip(
+                _row_keys(mb), mb["tool_mask"], mb["completion_mask"], strict=True
+            ):
+                out.append((key, tuple(tm[m.bool()].tolist())))
+        return sorted(out)
+
+    assert rows(ref_tr) == rows(dk_tr)  # the same turns, tool calls and tool outputs
+    tok = dk_tr.processing_class
+    outputs = [
+        tok.decode(
+            mb["completion_ids"][i][(mb["tool_mask"][i] == 0) & mb["completion_mask"][i].bool()]
+        )
+        for mb in dk_tr._buffered_inputs
+        for i in range(mb["completion_ids"].shape[0])
+    ]
+    assert sum("<tool_response>" in o for o in outputs) >= 2  # tool outputs are masked
+    assert ref_tr.state.log_history[0]["tools/call_frequency"] > 0
+    _assert_same_step(ref_tr, dk_tr, before)
+    assert dk_tr.state.log_history[0]["dualkv/tree"] == 1.0  # every pass of the step: a tree
+
+    # log-probs, loss and gradients on one micro-batch, both trainers at TRL's weights
+    dk_tr.model.load_state_dict(ref_tr.model.state_dict())
+    batch = dict(dk_tr._buffered_inputs[0])
+    _assert_paths_equal(ref_tr, dk_tr, batch, seed, batch_size=2)
+    # the loss pass (the micro-batch in one chunk): a tree of fewer tokens than prompt groups
+    assert dk_tr._metrics["train"]["dualkv/tree"][-1] == 1.0
+    rows = int(batch["prompt_mask"].sum() + batch["completion_mask"].sum())
+    packed = rows / dk_tr._metrics["train"]["dualkv/token_reduction"][-1]
+    assert packed <= 0.9 * _prompt_group_tokens(batch)
+
+
+def rollout_turns(prompts, trainer):
+    """A ``rollout_func`` of multi-turn rollouts in an environment: every completion of a prompt
+    takes the same first turn and gets the same feedback (``env_mask`` 0), then answers on its
+    own; the last prompt's rows are instead the next turn of the first prompt's trajectory,
+    whose prompt holds its first turn and feedback. A function of the prompts and of the row's
+    index (no model involved: the same on both trainers)."""
+    tok = trainer.processing_class
+
+    def first_turn(ids):
+        rng = random.Random(sum(ids))
+        turn = [rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 5))]
+        return turn, [rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 4))]
+
+    first = tok(prompts[0])["input_ids"]
+    out: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": []}
+    for i, prompt in enumerate(prompts):
+        ids = tok(prompt)["input_ids"]
+        turn, feedback = first_turn(ids)
+        if i >= len(prompts) - trainer.num_generations:
+            ids, turn, feedback = first + sum(first_turn(first), []), [], []
+        answer = [3 + (7 * i + k) % (VOCAB - 3) for k in range(1 + i % 3)] + [EOS]
+        out["prompt_ids"].append(ids)
+        out["completion_ids"].append(turn + feedback + answer)
+        out["env_mask"].append([1] * len(turn) + [0] * len(feedback) + [1] * len(answer))
+        out["logprobs"].append([0.0] * len(out["completion_ids"][-1]))
+    return out
+
+
+def test_rollout_func_env_mask_step_equals_trl(model_dirs, tmp_path, seed):
+    """TRL's ``rollout_func`` path with an ``env_mask`` (environment feedback inside a completion,
+    out of the loss as TRL's tool_mask) and rows sharing earlier turns: one ``train()`` step of
+    DualKVGRPOTrainer, packing trees, equals TRL's."""
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    data = dataset(random.Random(seed), 4)
+    made = []
+    for cls in (GRPOTrainer, DualKVGRPOTrainer):
+        extra = {"tree_min_shared": 2} if cls is DualKVGRPOTrainer else {}
+        made.append(
+            cls(
+                model=model_dirs["qwen3"],
+                reward_funcs=reward_distinct,
+                train_dataset=data,
+                args=config(tmp_path / cls.__name__, beta=0.04, gradient_accumulation_steps=1),
+                processing_class=tokenizer(),
+                rollout_func=rollout_turns,
+                **extra,
+            )  # fmt: skip
+        )
+    ref_tr, dk_tr = made
+    before = {n: p.detach().clone() for n, p in ref_tr.model.named_parameters()}
+    for tr in made:
+        set_seed(tr.args.seed)
+        tr.train()
+    (mb,) = dk_tr._buffered_inputs
+    assert (mb["tool_mask"] == 0).any()  # the environment's feedback is out of the loss
+    _assert_same_step(ref_tr, dk_tr, before)
+    assert dk_tr.state.log_history[0]["dualkv/tree"] == 1.0
+    rows = int(mb["prompt_mask"].sum() + mb["completion_mask"].sum())
+    assert rows / dk_tr.state.log_history[0]["dualkv/token_reduction"] < _prompt_group_tokens(mb)
 
 
 @pytest.mark.parametrize("fp32_head", [False, True])
@@ -463,6 +789,13 @@ def test_train_step_equals_trl(model_dirs, tmp_path, seed, loss_type, extra):
     assert any(len(k[1]) > 0 for k in rows_d)
     _assert_whole_groups(buf_d, dk_tr.num_generations)
     assert dk_tr.dualkv_groups_cut == 0
+    _assert_same_step(ref_tr, dk_tr, before)
+    assert dk_tr.state.log_history[0]["dualkv/token_reduction"] > 1.0
+
+
+def _assert_same_step(ref_tr, dk_tr, before):
+    """After one ``train()`` step of each trainer from the parameters ``before``: the same
+    reward, loss and gradient norm, and the same parameter step."""
     log_t, log_d = ref_tr.state.log_history[0], dk_tr.state.log_history[0]
     assert log_t["reward"] == log_d["reward"]
     # (TRL logs the entropy as a mean of per-micro-batch means: it depends on which rows share a
@@ -471,7 +804,6 @@ def test_train_step_equals_trl(model_dirs, tmp_path, seed, loss_type, extra):
         torch.testing.assert_close(
             torch.tensor(log_d[key]), torch.tensor(log_t[key]), rtol=2e-4, atol=1e-6
         )
-    assert log_d["dualkv/token_reduction"] > 1.0
     params_d = dict(dk_tr.model.named_parameters())
     steps = {n: p.detach() - before[n] for n, p in ref_tr.model.named_parameters()}
     moved = max(s.abs().max().item() for s in steps.values())
@@ -550,6 +882,133 @@ def test_group_microbatches_fits_uneven_groups():
     assert sorted(sorted({0 if r < 8 else 1 for r in p.tolist()}) for p in parts) == [[0], [0], [1]]
 
 
+@pytest.mark.parametrize("trial", range(20))
+def test_group_microbatches_with_families(trial):
+    """Families change where groups go, never the guarantees: equal micro-batches of every row,
+    the same random draw, and no more groups cut than without them."""
+    rng = random.Random(1000 + trial)
+    chunks, size = rng.randint(1, 5), rng.randint(1, 9)
+    n = chunks * size
+    sizes = []
+    while sum(sizes) < n:
+        sizes.append(min(rng.randint(1, 2 * size), n - sum(sizes)))
+    codes = torch.tensor([i for i, s in enumerate(sizes) for _ in range(s)])[torch.randperm(n)]
+    family_of = torch.tensor([rng.randrange(max(1, len(sizes) // 2)) for _ in sizes])
+    gen, plain_gen = torch.Generator().manual_seed(trial), torch.Generator().manual_seed(trial)
+    parts, cut = group_microbatches(codes, chunks, gen, family_of[codes])
+    _, plain_cut = group_microbatches(codes, chunks, plain_gen)
+    assert torch.equal(gen.get_state(), plain_gen.get_state())
+    assert len(parts) == chunks and all(p.numel() == size for p in parts)
+    assert sorted(torch.cat(parts).tolist()) == list(range(n))
+    assert cut <= plain_cut
+
+
+def test_group_microbatches_keeps_families_together():
+    # 8 groups of 2 rows, families {g, g + 4}: 4 micro-batches of 4 rows, one family each
+    codes = torch.arange(16) // 2
+    families = codes % 4
+    for trial in range(10):
+        gen = torch.Generator().manual_seed(trial)
+        parts, cut = group_microbatches(codes, 4, gen, families)
+        assert cut == 0
+        assert all(len(set(families[p].tolist())) == 1 for p in parts)
+    with pytest.raises(ValueError, match="different families"):
+        group_microbatches(codes, 4, families=torch.arange(16) % 3)
+
+
+def _left_padded(prompts, width=None):
+    width = width or max(len(p) for p in prompts)
+    ids = torch.randint(0, VOCAB, (len(prompts), width))  # junk in the padding
+    mask = torch.zeros(len(prompts), width, dtype=torch.int64)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
+    return ids, mask
+
+
+def test_prefix_families():
+    rng = random.Random(5)
+
+    def tokens(n):
+        return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+    system, x = tokens(10), tokens(6)
+    a, b, c, d = (system + x + tokens(1), system + x + tokens(3), system + tokens(5), tokens(12))
+    e = system + x  # an earlier turn of a and b: a prefix of both
+    prompts = [a, c, b, a, e, c, b, d, e, d]  # groups of 2 rows
+    ids, mask = _left_padded(prompts)
+    groups = prompt_groups(ids, mask)
+
+    def family_sets(max_rows, min_shared=4):
+        fam = prefix_families(ids, mask, groups, max_rows, min_shared).tolist()
+        sets = {}
+        for p, f in zip(prompts, fam, strict=True):
+            sets.setdefault(f, set()).add(tuple(p))
+        return sorted(sorted(len(p) for p in v) for v in sets.values())
+
+    la, lb, lc, ld, le = (len(p) for p in (a, b, c, d, e))
+    # system + x (a, b, e: 6 rows) fits in 6; system's subtree (8 rows) does not; d shares nothing
+    assert family_sets(6) == sorted([sorted([la, lb, le]), [lc], [ld]])
+    assert family_sets(8) == sorted([sorted([la, lb, lc, le]), [ld]])
+    # 4 rows: system + x is split into e (ending on it) and its children a, b
+    assert family_sets(4) == sorted([[la], [lb], [lc], [ld], [le]])
+    # shared prefixes shorter than min_shared tie nothing
+    assert family_sets(8, min_shared=20) == sorted([[la], [lb], [lc], [ld], [le]])
+
+
+def test_split_keeps_groups_sharing_a_prefix_together(model_dirs, tmp_path):
+    """Groups whose prompts share earlier turns go to the same micro-batch (so the tree packs
+    them together) when they fit; prompt groups stay whole."""
+    data = dataset(random.Random(0), 4)
+    dk_tr = DualKVGRPOTrainer(
+        model=model_dirs["qwen3"], reward_funcs=reward_distinct, args=config(tmp_path),
+        train_dataset=data, processing_class=tokenizer(), tree_min_shared=4,
+    )  # fmt: skip
+    rng = random.Random(1)
+    turn1, turn2 = (
+        [rng.randrange(3, VOCAB) for _ in range(9)],
+        [rng.randrange(3, VOCAB) for _ in range(9)],
+    )
+    prompts = [turn1 + [5], turn2 + [5, 6], turn1 + [7, 8, 9], turn2 + [9]]
+    rows = [p for p in prompts for _ in range(2)]  # 4 groups of 2 rows
+    ids, mask = _left_padded(rows)
+    ones = torch.ones(8, 3, dtype=torch.int64)
+    batch = {
+        "prompt_ids": ids, "prompt_mask": mask, "completion_ids": ones, "completion_mask": ones,
+        "advantages": torch.randn(8),
+    }  # fmt: skip
+    for trial in range(6):
+        torch.manual_seed(trial)
+        parts = dk_tr.split_generation_batch(batch, 2)
+        for mb in parts:
+            firsts = {
+                tuple(r[m.bool()][:9].tolist())
+                for r, m in zip(mb["prompt_ids"], mb["prompt_mask"], strict=True)
+            }
+            assert len(firsts) == 1  # one shared earlier turn per micro-batch
+        _assert_whole_groups(parts, 2)
+    assert dk_tr.dualkv_groups_cut == 0
+
+
+def test_tree_weights_and_relative_positions(model_dirs):
+    """A tree layout does not tell how many rows each packed token stands for (the trainer
+    passes it); the models whose positions are shifted on a tree are those read only through
+    RoPE."""
+    from transformers import AutoModelForCausalLM
+
+    from dualkv.integrations import transformers as dkt
+
+    ids, mask, pw, _ = dualkv.packing.rows_from_lists([[3, 4, 5]], [[[6, 7], [6, 8]]])
+    tree = dualkv.pack(ids, mask, pw, tree=True, min_shared=1)
+    assert tree.layout.is_tree
+    with pytest.raises(ValueError, match="dualkv_token_weights"):
+        dktrl._token_weights(tree)
+    relative = {
+        family: dkt.relative_positions_only(AutoModelForCausalLM.from_pretrained(path))
+        for family, path in model_dirs.items()
+    }
+    assert relative == {"qwen3": True, "qwen3-moe": True, "gpt2": False, "opt": False}
+
+
 def test_group_shuffle_draws_what_trls_shuffle_draws():
     """The group shuffle takes the same random draw as TRL's row shuffle, so the next
     generation samples from the same random state as in TRL's own run."""
@@ -594,6 +1053,13 @@ def test_composition_dependent_options_raise(model_dirs, tmp_path, extra):
 
 def test_unsupported_options_raise(model_dirs, tmp_path):
     data = dataset(random.Random(0), 4)
+    for bad, error in (({"tree_packing": "auto"}, ValueError), ({"tree_min_shared": 0}, ValueError),
+                       ({"tree_min_shared": 2.0}, TypeError)):  # fmt: skip
+        with pytest.raises(error, match="tree_"):
+            DualKVGRPOTrainer(
+                model=model_dirs["qwen3"], reward_funcs=reward_distinct, args=config(tmp_path),
+                train_dataset=data, processing_class=tokenizer(), **bad,
+            )  # fmt: skip
     with pytest.raises(NotImplementedError, match="use_vllm"):
         DualKVGRPOTrainer(
             model=model_dirs["qwen3"], reward_funcs=reward_distinct,

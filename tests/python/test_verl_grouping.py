@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from dualkv.integrations.verl_grouping import (
-    TREE_MIN_SAVING,
     GroupCosts,
     packing_mode,
     prompt_groups,
@@ -19,7 +18,12 @@ from dualkv.integrations.verl_grouping import (
     use_tree,
 )
 from dualkv.packing import pack_rows, rows_from_lists
-from dualkv.tree_packing import DEFAULT_MIN_SHARED, pack_rows_tree, sorted_trainer_rows
+from dualkv.tree_packing import (
+    DEFAULT_MIN_SHARED,
+    TREE_MIN_SAVING,
+    pack_rows_tree,
+    sorted_trainer_rows,
+)
 from hf_helpers import VOCAB
 from multi_turn_rows import agent_rows
 

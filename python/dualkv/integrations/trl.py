@@ -7,19 +7,36 @@ nothing else:
 
 * ``_get_per_token_logps_and_entropies`` (the old-policy and reference passes and the loss): the
   rows are packed with :func:`dualkv.pack` (rows with identical prompt tokens form a group; a row
-  whose prompt no other row shares is a group of one), the model runs once on the packed stream
-  with ``attn_implementation="dualkv"``, and :func:`dualkv.response_logprobs` scores the completion
-  tokens with the model's LM head, the sampling temperature and the final logit soft-cap. The
+  whose prompt no other row shares is a group of one), or as a prefix tree (below), the model
+  runs once on the packed stream with ``attn_implementation="dualkv"``, and
+  :func:`dualkv.response_logprobs` scores the completion tokens with the model's LM head, the
+  sampling temperature and the final logit soft-cap. The
   per-token log-probs and entropies come back in TRL's ``[B, completion_len]`` layout (zeros on
   padding), so TRL's losses, KL term, clipping, entropy masks and metrics run unchanged. MoE
-  load-balancing loss is computed on the packed router logits with each prompt token weighted by
-  the number of rows sharing it, which is TRL's row-layout value.
+  load-balancing loss is computed on the packed router logits with each packed token weighted by
+  the number of rows holding it, which is TRL's row-layout value.
+* Multi-turn and tool-calling batches (TRL's ``tools`` loop, or a ``rollout_func`` returning an
+  ``env_mask``): a completion holds the assistant turns and the tool outputs between them, and
+  TRL's ``tool_mask`` keeps the tool outputs out of the loss; the log-probs come back for every
+  completion token as in TRL, so its masking applies unchanged. Rows that share more than a
+  prompt (a completion's first turns and tool outputs, a long system prompt with the tool
+  descriptions across groups, a later turn trained as a row whose prompt holds the earlier ones)
+  are packed as a prefix tree (:func:`dualkv.tree_packing.pack_rows_tree`) when the tree packs at
+  least :data:`dualkv.tree_packing.TREE_MIN_SAVING` (10%) fewer tokens than prompt groups, chunk
+  by chunk (the veRL engine's rule, :func:`dualkv.tree_packing.tree_saves`); prompt groups stay
+  the default fast path otherwise.
+  ``tree_packing=True`` / ``False`` forces either way, ``tree_min_shared`` (64) is the shortest
+  prefix split off. On a tree a model that reads positions only through RoPE numbers each row
+  from 0 (TRL's left-padded numbering shifted by a constant per row: the same outputs up to the
+  rounding of the rotary angles), so rows share whatever their padding; other models (learned
+  absolute positions) keep TRL's positions and share only tokens at equal positions.
 * ``_prepare_inputs``: TRL shuffles the rows of a generation batch and cuts it into
   ``steps_per_generation`` micro-batches, which scatters a group over micro-batches. Here whole
   groups are shuffled and assigned to micro-batches of the same row count
   (:func:`group_microbatches`), so a micro-batch holds whole groups whenever
   ``per_device_train_batch_size`` is a multiple of the group size (otherwise the fewest groups
-  are cut, each piece packed on its own; a warning says so).
+  are cut, each piece packed on its own; a warning says so). Groups whose prompts share a prefix
+  (:func:`prefix_families`) go to one micro-batch where they fit, without cutting more groups.
 * ``_generate``: generation runs with the model's ordinary attention (``"sdpa"`` unless given), the
   rest of the time the policy and reference models use ``"dualkv"``, so a gradient-checkpointed
   backward replays the packed layers with DualKV.
@@ -51,7 +68,9 @@ from trl.trainer.utils import FusedCausalLMOutput
 
 from ..logprobs import response_logprobs
 from ..packing import PackedBatch, pack
-from ..trainer_rows import prompt_group_codes
+from ..prefix_forest import PrefixForest, prefix_forest
+from ..trainer_rows import group_codes, prompt_group_codes
+from ..tree_packing import DEFAULT_MIN_SHARED, pack_rows_tree, row_forest, tree_saves
 from . import transformers as dkt
 
 __all__ = [
@@ -59,6 +78,7 @@ __all__ = [
     "DualKVGRPOTrainer",
     "add_packed_lm_head",
     "group_microbatches",
+    "prefix_families",
     "prompt_groups",
 ]
 
@@ -88,8 +108,14 @@ UNSUPPORTED_OPTIONS: tuple[tuple[str, Any, str], ...] = (
 
 
 def _token_weights(packed: PackedBatch) -> torch.Tensor:
-    """``[1, T]`` float32: how many rows each packed token stands for (N_g on a prompt, 1 else)."""
+    """``[1, T]`` float32: how many rows each packed token stands for (N_g on a prompt, 1 else)
+    on a prompt/response layout (a tree's come from its rows: :func:`_tree_row_counts`)."""
     layout = packed.layout
+    if layout.is_tree:
+        raise ValueError(
+            "the rows each packed token stands for are not in a tree layout: pass "
+            "dualkv_token_weights (DualKVGRPOTrainer does)"
+        )
     weights: list[int] = []
     lengths: list[int] = []
     for p, rs in zip(layout.prefix_lens, layout.response_lens, strict=True):
@@ -103,6 +129,18 @@ def _token_weights(packed: PackedBatch) -> torch.Tensor:
     return w.to(packed.device).view(1, -1)
 
 
+def _tree_row_counts(
+    forest: PrefixForest, seq_len: torch.Tensor, device: torch.device
+) -> torch.Tensor:
+    """``[1, T]`` float32: how many rows hold each packed token of a tree (the rows whose paths
+    pass through it: identical rows, and rows ending inside another's path, included), from the
+    forest's map of every row token (``seq_len``: each row's real tokens)."""
+    index = forest.token_index
+    real = torch.arange(index.shape[1])[None, :] < seq_len.to("cpu")[:, None]
+    counts = torch.bincount(index[real], minlength=forest.total_tokens)
+    return counts.to(device, torch.float32).view(1, -1)
+
+
 def add_packed_lm_head(
     model: Any, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False
 ) -> None:
@@ -112,9 +150,11 @@ def add_packed_lm_head(
     backbone runs on the packed stream (the model must be in ``attn_implementation="dualkv"``)
     and the call returns TRL's ``FusedCausalLMOutput`` with ``log_probs`` (and ``entropy`` when
     ``dualkv_entropy=True``) in the rows' ``[B, R_max]`` layout, and ``aux_loss`` (the MoE
-    load-balancing loss, row-weighted) with ``output_router_logits=True``. Without it the previous
-    forward runs, so generation is unchanged. Calls go through the model's wrappers (DDP), as
-    TRL's own fused head does.
+    load-balancing loss, each packed token weighted by the rows that hold it: read from a
+    prompt/response layout, or given as ``dualkv_token_weights`` ``[1, T]``, which a tree needs)
+    with ``output_router_logits=True``. Without ``dualkv_packed`` the previous forward runs, so
+    generation is unchanged. Calls go through the model's wrappers (DDP), as TRL's own fused head
+    does.
 
     Args:
         model: a transformers causal LM.
@@ -133,6 +173,7 @@ def add_packed_lm_head(
         *args: Any,
         dualkv_packed: PackedBatch | None = None,
         dualkv_entropy: bool = False,
+        dualkv_token_weights: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> Any:
         if dualkv_packed is None:
@@ -175,7 +216,7 @@ def add_packed_lm_head(
                 getattr(out, "router_logits", None),
                 text_config.num_experts,
                 text_config.num_experts_per_tok,
-                _token_weights(packed),
+                _token_weights(packed) if dualkv_token_weights is None else dualkv_token_weights,
             )
             if not isinstance(value, torch.Tensor):
                 raise RuntimeError(
@@ -195,8 +236,89 @@ def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.
     return prompt_group_codes(prompt_ids, prompt_mask != 0)
 
 
+def prefix_families(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    groups: torch.Tensor,
+    max_rows: int,
+    min_shared: int = DEFAULT_MIN_SHARED,
+) -> torch.Tensor:
+    """``[B]`` int64 family code of each row: prompt groups whose prompts share a prefix of at
+    least ``min_shared`` tokens, in families of at most ``max_rows`` rows where they can be.
+
+    The prompts' prefix forest (:func:`dualkv.prefix_forest.prefix_forest`, on the real tokens
+    from their first) is walked from its roots: a subtree whose groups hold at most ``max_rows``
+    rows is one family; a larger one (a system prompt shared by the whole batch) is split into its
+    children's subtrees, and the groups whose prompts end on its own segment are families of
+    their own. Rows of a group share its family. (Rows that share more than a prompt share a
+    group, or prompts of which one is a prefix of the other: a later turn's prompt holds the
+    earlier turns.)
+
+    Args:
+        prompt_ids, prompt_mask: ``[B, P]`` TRL's left-padded prompts and their mask.
+        groups: ``[B]`` group code of each row (:func:`prompt_groups`).
+        max_rows: the largest family wanted (a micro-batch's rows).
+        min_shared: shorter shared prefixes do not make a family (as the tree packing's).
+    """
+    codes = groups.detach().to("cpu", torch.int64).reshape(-1)
+    num_rows = codes.numel()
+    if num_rows == 0:
+        return codes.clone()
+    num_groups = int(codes.max()) + 1
+    rep_row = torch.full((num_groups,), num_rows, dtype=torch.int64)
+    rep_row.scatter_reduce_(0, codes, torch.arange(num_rows), reduce="amin")
+    plen = (prompt_mask.detach().to("cpu") != 0).sum(1)[rep_row]
+    width = prompt_ids.shape[1]
+    at = ((width - plen)[:, None] + torch.arange(width)[None, :]).clamp(max=max(width - 1, 0))
+    keys = prompt_ids.detach().to("cpu", torch.int64)[rep_row].gather(1, at)
+    forest = prefix_forest(keys, plen, min_shared)
+    parents = forest.parents
+    ends = torch.cumsum(torch.tensor(forest.lengths, dtype=torch.int64), 0)
+    last = forest.token_index.gather(1, (plen - 1).clamp(min=0)[:, None]).flatten()
+    end_seg = torch.where(plen > 0, torch.searchsorted(ends, last, right=True), -1).tolist()
+    sizes = torch.bincount(codes, minlength=num_groups).tolist()
+
+    at_seg: list[list[int]] = [[] for _ in parents]  # groups whose prompt ends on the segment
+    children: list[list[int]] = [[] for _ in parents]
+    rows_below = [0] * len(parents)
+    for g, s in enumerate(end_seg):
+        if s >= 0:
+            at_seg[s].append(g)
+            rows_below[s] += sizes[g]
+    for s in range(len(parents) - 1, -1, -1):  # parents[s] < s
+        if parents[s] >= 0:
+            rows_below[parents[s]] += rows_below[s]
+            children[parents[s]].append(s)
+    family = [-1] * num_groups
+    count = 0
+    todo = [s for s in range(len(parents)) if parents[s] < 0][::-1]
+    while todo:
+        s = todo.pop()
+        if rows_below[s] <= max_rows:  # the whole subtree is one family
+            below = [s]
+            while below:
+                t = below.pop()
+                for g in at_seg[t]:
+                    family[g] = count
+                below.extend(children[t])
+            count += 1
+            continue
+        for g in at_seg[s]:
+            family[g] = count
+            count += 1
+        todo.extend(sorted(children[s], reverse=True))
+    for g in range(num_groups):  # (an empty prompt)
+        if family[g] < 0:
+            family[g] = count
+            count += 1
+    return group_codes(torch.tensor(family, dtype=torch.int64)[codes], num_rows)
+
+
 def group_microbatches(
-    groups: torch.Tensor, num_chunks: int, generator: torch.Generator | None = None
+    groups: torch.Tensor,
+    num_chunks: int,
+    generator: torch.Generator | None = None,
+    families: torch.Tensor | None = None,
 ) -> tuple[list[torch.Tensor], int]:
     """Split rows into ``num_chunks`` micro-batches of equal size, keeping groups whole.
 
@@ -207,10 +329,16 @@ def group_microbatches(
     ``torch.randperm(B)`` (groups in the order their rows first appear in it), the same draw as
     TRL's row shuffle, so the random stream after it (the next generation) is TRL's.
 
+    With ``families`` (groups whose rows share more than their own prompt, e.g.
+    :func:`prefix_families`), the remainders of a family are placed together, largest family
+    first, where one micro-batch holds them all (else group by group as above); this placement
+    is kept only when it cuts no more groups than the one without families.
+
     Args:
         groups: ``[B]`` int64 group code of each row.
         num_chunks: micro-batch count; must divide ``B``.
         generator: the random source (torch's global one by default, as TRL's shuffle).
+        families: optional ``[B]`` int64 family code of each row (the same on a group's rows).
 
     Returns:
         ``(row indices of each micro-batch, number of groups cut over micro-batches)``.
@@ -236,22 +364,56 @@ def group_microbatches(
             rows = rows[size:]
         if rows:
             rests.append(rows)
-    open_bins: list[list[int]] = [[] for _ in range(num_chunks - len(bins))]
-    for rows in sorted(rests, key=len, reverse=True):  # stable: ties keep the random order
-        fits = [b for b in open_bins if size - len(b) >= len(rows)]
-        if fits:
-            target = max(fits, key=len)  # least room left that still holds the group
-            target.extend(rows)
+    num_open = num_chunks - len(bins)
+    open_bins, rest_cut = _place([[rows] for rows in rests], num_open, size)
+    if families is not None:
+        fam = families.detach().to("cpu", torch.int64).reshape(-1)
+        if fam.numel() != num_rows:
+            raise ValueError(f"families must have one code per row ({num_rows}), got {fam.numel()}")
+        units: dict[int, list[list[int]]] = {}
+        for rows in rests:  # (families in the random order of their first remainder)
+            if bool((fam[rows] != fam[rows[0]]).any()):
+                raise ValueError(f"rows {rows} of one group have different families")
+            units.setdefault(int(fam[rows[0]]), []).append(rows)
+        by_family, family_cut = _place(list(units.values()), num_open, size)
+        if family_cut <= rest_cut:
+            open_bins, rest_cut = by_family, family_cut
+    return [torch.tensor(c, dtype=torch.int64) for c in bins + open_bins], cut + rest_cut
+
+
+def _place(units: list[list[list[int]]], num_bins: int, size: int) -> tuple[list[list[int]], int]:
+    """Rows of ``units`` (each a list of groups' rows) into ``num_bins`` bins of ``size`` rows:
+    a unit, largest first, goes whole into the bin with the least room that holds it; else its
+    groups, largest first, each into such a bin, and a group that fits nowhere is cut over the
+    bins with the most room. Returns ``(bins, groups cut)``."""
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    cut = 0
+
+    def fullest_fitting(n: int) -> list[int] | None:
+        fits = [b for b in bins if size - len(b) >= n]
+        return max(fits, key=len) if fits else None  # least room left that still holds n rows
+
+    # (sorts are stable: ties keep the given, random, order)
+    for unit in sorted(units, key=lambda u: sum(len(r) for r in u), reverse=True):
+        target = fullest_fitting(sum(len(r) for r in unit))
+        if target is not None:
+            for rows in unit:
+                target.extend(rows)
             continue
-        cut += 1
-        rows = list(rows)
-        for b in sorted(open_bins, key=len):  # most room first
-            take = min(size - len(b), len(rows))
-            b.extend(rows[:take])
-            rows = rows[take:]
-            if not rows:
-                break
-    return [torch.tensor(c, dtype=torch.int64) for c in bins + open_bins], cut
+        for rows in sorted(unit, key=len, reverse=True):
+            target = fullest_fitting(len(rows))
+            if target is not None:
+                target.extend(rows)
+                continue
+            cut += 1
+            rest = list(rows)
+            for b in sorted(bins, key=len):  # most room first
+                take = min(size - len(b), len(rest))
+                b.extend(rest[:take])
+                rest = rest[take:]
+                if not rest:
+                    break
+    return bins, cut
 
 
 def _select(value: Any, index: torch.Tensor) -> Any:
@@ -265,18 +427,28 @@ def _select(value: Any, index: torch.Tensor) -> Any:
     return value
 
 
-def _chunks_of_groups(groups: torch.Tensor, max_rows: int) -> list[torch.Tensor]:
+def _chunks_of_groups(
+    groups: torch.Tensor, max_rows: int, families: torch.Tensor | None = None
+) -> list[torch.Tensor]:
     """Row indices of consecutive chunks of whole groups, each of at most ``max_rows`` rows
-    (a larger group is one chunk), groups in first-seen order."""
+    (a larger group is one chunk), groups in first-seen order (with ``families``: a family's
+    groups one after another, families in first-seen order)."""
     codes = groups.to("cpu", torch.int64)
     order = torch.argsort(codes, stable=True).tolist()
     counts = torch.bincount(codes).tolist() if codes.numel() else []
+    starts = [0] * len(counts)
+    for g in range(1, len(counts)):
+        starts[g] = starts[g - 1] + counts[g - 1]
+    group_order = list(range(len(counts)))
+    if families is not None:
+        fam = torch.zeros(len(counts), dtype=torch.int64)
+        fam.scatter_(0, codes, families.to("cpu", torch.int64))
+        group_order = torch.argsort(fam, stable=True).tolist()
     chunks: list[list[int]] = []
     current: list[int] = []
-    start = 0
-    for c in counts:
-        rows = order[start : start + c]
-        start += c
+    for g in group_order:
+        c = counts[g]
+        rows = order[starts[g] : starts[g] + c]
         if current and len(current) + c > max_rows:
             chunks.append(current)
             current = []
@@ -328,6 +500,13 @@ class DualKVGRPOTrainer(GRPOTrainer):
         generation_attn_implementation: attention used for generation (``model.generate`` with a
             KV cache, which DualKV does not serve). Default: the model's own implementation
             when it is not ``"dualkv"``, else ``"sdpa"``.
+        tree_packing: ``None`` (default): each micro-batch is packed as a prefix tree when the
+            tree packs at least :data:`dualkv.tree_packing.TREE_MIN_SAVING` fewer tokens than
+            prompt groups (rows sharing earlier turns, a long system prompt shared across
+            groups), else by prompt groups; ``True``: always as a tree; ``False``: always by
+            prompt groups.
+        tree_min_shared: shared prefixes shorter than this many tokens are not split off in a
+            tree (:func:`dualkv.pack`'s ``min_shared``).
 
     Raises:
         NotImplementedError: an option DualKV does not run yet (vLLM or continuous-batching
@@ -336,8 +515,19 @@ class DualKVGRPOTrainer(GRPOTrainer):
     """
 
     def __init__(
-        self, *args: Any, generation_attn_implementation: str | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        generation_attn_implementation: str | None = None,
+        tree_packing: bool | None = None,
+        tree_min_shared: int = DEFAULT_MIN_SHARED,
+        **kwargs: Any,
     ) -> None:
+        if tree_packing not in (None, True, False):
+            raise ValueError(f"tree_packing must be None, True or False, got {tree_packing!r}")
+        if isinstance(tree_min_shared, bool) or not isinstance(tree_min_shared, int):
+            raise TypeError(f"tree_min_shared must be an int, got {tree_min_shared!r}")
+        if tree_min_shared < 1:
+            raise ValueError(f"tree_min_shared must be >= 1, got {tree_min_shared}")
         config = kwargs.get("args", args[2] if len(args) > 2 else None)
         if config is not None:
             self._check_options(config)
@@ -357,6 +547,13 @@ class DualKVGRPOTrainer(GRPOTrainer):
             )
         self.generation_attn_implementation = generation_attn_implementation
         self.dualkv_groups_cut = 0  # groups cut over micro-batches so far (see group_microbatches)
+        self.tree_packing = tree_packing
+        self.tree_min_shared = tree_min_shared
+        # A model that reads positions only through RoPE is numbered from 0 on each row of a tree
+        # (TRL numbers the left-padded row: a constant shift per row, the same outputs up to the
+        # rounding of the rotary angles), so rows share a prefix whatever their padding; other
+        # models keep TRL's positions, and rows share tokens only at equal positions.
+        self._tree_renumbers = dkt.relative_positions_only(policy)
         config_: Any = self.args
         fp32_head = bool(config_.cast_lm_head_to_fp32)
         add_packed_lm_head(policy, self.temperature, fp32_head)
@@ -442,12 +639,19 @@ class DualKVGRPOTrainer(GRPOTrainer):
     def split_generation_batch(
         self, batch: dict[str, Any], num_chunks: int
     ) -> list[dict[str, Any]]:
-        """Shuffle a generation batch by groups and split it into whole-group micro-batches."""
+        """Shuffle a generation batch by groups and split it into whole-group micro-batches
+        (groups whose prompts share a prefix together where they fit: :func:`prefix_families`)."""
         for name in ("pixel_values", "num_images"):
             if batch.get(name) is not None:
                 raise NotImplementedError(f"DualKVGRPOTrainer: multimodal input {name!r}")
         groups = prompt_groups(batch["prompt_ids"], batch["prompt_mask"])
-        chunks, cut = group_microbatches(groups, num_chunks)
+        families = None
+        if self.tree_packing is not False and num_chunks > 1:
+            size = groups.numel() // num_chunks
+            families = prefix_families(
+                batch["prompt_ids"], batch["prompt_mask"], groups, size, self.tree_min_shared
+            )
+        chunks, cut = group_microbatches(groups, num_chunks, families=families)
         if cut:
             self.dualkv_groups_cut += cut
             logger.warning(
@@ -484,7 +688,13 @@ class DualKVGRPOTrainer(GRPOTrainer):
                 f"rows {empty[:8]} have an empty prompt: not supported yet by DualKVGRPOTrainer"
             )
         groups = prompt_groups(input_ids[:, :prompt_width], prompt_mask)
-        chunks = _chunks_of_groups(groups, batch_size or num_rows)
+        max_rows = batch_size or num_rows
+        families = None
+        if self.tree_packing is not False and max_rows < num_rows:
+            families = prefix_families(
+                input_ids[:, :prompt_width], prompt_mask, groups, max_rows, self.tree_min_shared
+            )
+        chunks = _chunks_of_groups(groups, max_rows, families)
         logps: list[torch.Tensor] = []
         ents: list[torch.Tensor] = []
         auxes: list[torch.Tensor] = []
@@ -501,8 +711,12 @@ class DualKVGRPOTrainer(GRPOTrainer):
             dkt.check_rope_length(
                 policy, functools.partial(_max_plus_one, positions), "TRL's padded rows"
             )
-            packed = pack(ids, mask, prompt_width, group_ids=groups[idx], position_ids=positions)
-            extra = {"output_router_logits": True} if compute_aux_loss else {}
+            packed, weights = self._pack_chunk(
+                ids, mask, prompt_width, groups[idx], positions, mode
+            )
+            extra: dict[str, Any] = {}
+            if compute_aux_loss:
+                extra = {"output_router_logits": True, "dualkv_token_weights": weights}
             with self.accelerator.autocast():
                 out = model(**{PACKED_KWARG: packed}, dualkv_entropy=compute_entropy, **extra)
             logps.append(out.log_probs)
@@ -510,11 +724,52 @@ class DualKVGRPOTrainer(GRPOTrainer):
                 ents.append(out.entropy)
             if compute_aux_loss:
                 auxes.append(out.aux_loss)
-            self._metrics[mode]["dualkv/token_reduction"].append(packed.token_reduction)
         logp = self._rows(logps, chunks, num_rows)
         ent = self._rows(ents, chunks, num_rows) if compute_entropy else None
         aux = torch.stack(auxes).mean() if compute_aux_loss else None
         return logp, ent, aux
+
+    def _pack_chunk(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        prompt_width: int,
+        groups: torch.Tensor,
+        positions: torch.Tensor,
+        mode: str,
+    ) -> tuple[PackedBatch, torch.Tensor | None]:
+        """TRL's rows of one chunk packed by prompt groups or as a prefix tree (see
+        ``tree_packing``), with the rows each packed token stands for on a tree (for the MoE
+        load-balancing loss; None on prompt groups, whose layout tells it). Logs the token
+        reduction (the rows' real tokens over the packed ones) and whether a tree was used."""
+        packed: PackedBatch | None = None
+        weights = None
+        reduction = 1.0
+        if self.tree_packing is not False:
+            tree_positions = None if self._tree_renumbers else positions
+            forest = row_forest(ids, mask, prompt_width, tree_positions, self.tree_min_shared)
+            lengths = (mask != 0).sum(1).to("cpu")
+            use_tree = bool(self.tree_packing)
+            if not use_tree:
+                prompt_lens = (mask[:, :prompt_width] != 0).sum(1).to("cpu")
+                codes = groups.to("cpu", torch.int64)
+                per_group = torch.zeros(int(codes.max()) + 1, dtype=torch.int64)
+                per_group.scatter_(0, codes, prompt_lens)  # (rows of a group: one prompt length)
+                flat = int(per_group.sum() + lengths.sum() - prompt_lens.sum())
+                use_tree = tree_saves(flat, forest.total_tokens)
+            if use_tree:
+                packed = pack_rows_tree(
+                    ids, mask, prompt_width, tree_positions, self.tree_min_shared, forest=forest
+                )
+                weights = _tree_row_counts(forest, lengths, packed.device)
+                # (a tree layout's own token_reduction counts its root-to-leaf paths, not rows)
+                reduction = int(lengths.sum()) / max(packed.total_tokens, 1)
+        if packed is None:
+            packed = pack(ids, mask, prompt_width, group_ids=groups, position_ids=positions)
+            reduction = packed.token_reduction
+        self._metrics[mode]["dualkv/token_reduction"].append(reduction)
+        self._metrics[mode]["dualkv/tree"].append(float(packed.layout.is_tree))
+        return packed, weights
 
     @staticmethod
     def _rows(

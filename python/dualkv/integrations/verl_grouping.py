@@ -23,13 +23,7 @@ import torch
 
 from ..prefix_forest import SortedRows, forest_tokens
 from ..trainer_rows import prompt_group_codes
-from ..tree_packing import DEFAULT_MIN_SHARED
-
-# The tree packing runs when it packs at least this fraction fewer tokens than the prompt-group
-# packing: the tree kernel's target is 90% of the depth-two kernel's throughput (issue 33) and a
-# branch point ends a tile early in every layer, so a smaller saving may not pay; the depth-two
-# packing stays the measured fast path.
-TREE_MIN_SAVING = 0.1
+from ..tree_packing import DEFAULT_MIN_SHARED, tree_saves
 
 # The setting that forces either packing (an environment variable of the training processes, as
 # veRL's own VERL_* switches): "auto" (default; the rule of use_tree), "tree" (every micro-batch a
@@ -106,13 +100,15 @@ def packing_mode(value: str | None) -> str:
 
 def use_tree(mode: str, flat: int, tree: int, budget: int | None = None) -> bool:
     """Whether rows packing to ``flat`` tokens as prompt groups and ``tree`` tokens as a prefix
-    tree run as the tree: in ``"auto"`` mode when it saves :data:`TREE_MIN_SAVING` of the tokens,
-    or saves any when only the tree fits the token ``budget``."""
+    tree run as the tree: in ``"auto"`` mode when it saves
+    :data:`dualkv.tree_packing.TREE_MIN_SAVING` of the tokens
+    (:func:`dualkv.tree_packing.tree_saves`), or saves any when only the tree fits the token
+    ``budget``."""
     if mode != "auto":
         return mode == "tree"
     if tree >= flat:
         return False
-    return tree <= (1.0 - TREE_MIN_SAVING) * flat or (budget is not None and flat > budget)
+    return tree_saves(flat, tree) or (budget is not None and flat > budget)
 
 
 class GroupCosts:

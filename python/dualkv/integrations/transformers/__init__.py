@@ -66,7 +66,13 @@ from .logprobs import (
     sequence_parallel_logprobs,
 )
 from .mask import LocalMask, dualkv_mask
-from .model_guards import MULTIMODAL_ARGS, check_packed_model, check_rope_length, refuse_multimodal
+from .model_guards import (
+    MULTIMODAL_ARGS,
+    check_packed_model,
+    check_rope_length,
+    refuse_multimodal,
+    relative_positions_only,
+)
 from .model_parts import decoder_of, lm_head_of, lm_head_softcap, text_config_of
 from .positions import check_positions
 from .token_mixers import check_token_mixers
@@ -93,6 +99,7 @@ __all__ = [
     "packed_response_logprobs",
     "refuse_multimodal",
     "register",
+    "relative_positions_only",
     "rows_response_logprobs",
     "sequence_parallel_logprobs",
     "text_config_of",

@@ -176,6 +176,23 @@ def check_rope_length(model: PreTrainedModel, length: Any, what: str) -> None:
             )
 
 
+def relative_positions_only(model: PreTrainedModel) -> bool:
+    """Whether ``model`` reads positions only through a rotary embedding of fixed frequencies, so
+    shifting all of a row's positions by one constant leaves its outputs unchanged (up to the
+    rounding of the rotary angles): its text decoder computes a ``rotary_emb``, holds no embedding
+    table besides the token embeddings (GPT-2's and OPT's learned positions are one), has no
+    length-dependent RoPE and no position-dependent attention temperature. Conservative: False
+    for anything else (ALiBi, sinusoidal or per-layer embeddings too)."""
+    config = text_config_of(model)
+    decoder = decoder_of(model)
+    if not isinstance(getattr(decoder, "rotary_emb", None), torch.nn.Module):
+        return False
+    if _length_dependent_ropes(config) or getattr(config, "attn_temperature_tuning", False):
+        return False
+    tokens = model.get_input_embeddings()
+    return all(m is tokens for m in decoder.modules() if isinstance(m, torch.nn.Embedding))
+
+
 def _check_attention_temperature(config: Any, total_tokens: int) -> None:
     """Llama 4's NoPE layers scale queries by their index in the sequence once it reaches
     ``floor_scale``: the packed stream's index, not the token's position in its row."""
