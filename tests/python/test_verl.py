@@ -264,6 +264,23 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str, rtol=2e-4, atol=2e-5) ->
     assert torch.allclose(a, b, rtol=rtol, atol=atol), f"{what}: max abs error {err:.3e}"
 
 
+def _same_step(run: tuple, ref: tuple, what: str = "", start: dict | None = None) -> None:
+    """Two updates (what _train returns) agree: loss, every gradient, the parameters after the
+    step; with ``start`` (the parameters before), the step moved every parameter."""
+    loss, g, p, _ = run
+    loss_ref, g_ref, p_ref, _ = ref
+    assert abs(loss - loss_ref) <= 1e-5 + 1e-4 * abs(loss_ref), (what, loss, loss_ref)
+    assert g_ref.keys() == g.keys() and len(g) > 0, what
+    for name in g_ref:
+        scale = max(g_ref[name].abs().max().item(), 1.0)
+        _close(g[name], g_ref[name], f"{what} grad {name}", rtol=1e-3, atol=2e-5 * scale)
+    for name in p_ref:
+        _close(p[name], p_ref[name], f"{what} param {name}", rtol=1e-4, atol=1e-5)
+    if start is not None:
+        moved = [n for n in p if (p[n] - start[n]).abs().max() > 1e-4]
+        assert len(moved) == len(p), f"{what}: the step must move every parameter"
+
+
 def _close_entropy(a: torch.Tensor, b: torch.Tensor, logp: torch.Tensor, what: str) -> None:
     """Entropy lse(z) - sum(p z) cancels two numbers of the logits' size, so its fp32 absolute error
     grows with the logits' spread (shown by the log-probs' size): a peaked tiny model (log-probs of
@@ -308,18 +325,10 @@ def test_engine_matches_verl(
     td["old_log_probs"] = (logp_ref + 0.15 * torch.randn_like(logp_ref)) * mask
     actor = _actor_config(strategy, dynamic, loss_agg_mode=agg, clip_ratio=0.1)
     p_start = _params(ref)
-    loss_ref, g_ref, p_ref, _ = _train(ref, td, actor, temperature)
-    loss, g, p, out = _train(dkv, td, _actor_config(strategy, dynamic, loss_agg_mode=agg,
-                                                     clip_ratio=0.1), temperature)  # fmt: skip
-    assert abs(loss - loss_ref) <= 1e-5 + 1e-4 * abs(loss_ref), (loss, loss_ref)
-    assert g_ref.keys() == g.keys() and len(g) > 0
-    for name in g_ref:
-        scale = g_ref[name].abs().max().item()
-        _close(g[name], g_ref[name], f"grad {name}", rtol=1e-3, atol=2e-5 * max(scale, 1.0))
-    for name in p_ref:
-        _close(p[name], p_ref[name], f"param {name}", rtol=1e-4, atol=1e-5)
-    moved = [n for n in p_ref if (p_ref[n] - p_start[n]).abs().max() > 1e-4]
-    assert len(moved) == len(p_ref), "the step must move every parameter"
+    ref_run = _train(ref, td, actor, temperature)
+    run = _train(dkv, td, _actor_config(strategy, dynamic, loss_agg_mode=agg, clip_ratio=0.1),
+                 temperature)  # fmt: skip
+    _same_step(run, ref_run, start=p_start)
 
 
 def test_micro_batches_hold_whole_groups(model_dirs, seed):
@@ -596,18 +605,9 @@ def test_multi_turn_trees_match_verl(model_dirs, seed, family, dynamic, agg, gra
     td["old_log_probs"] = (logp_ref + 0.15 * torch.randn_like(logp_ref)) * scored
     actor = _actor_config("fsdp2", dynamic, loss_agg_mode=agg, clip_ratio=0.1)
     p_start = _params(ref)
-    loss_ref, g_ref, p_ref, _ = _train(ref, td, actor)
-    loss, g, p, _ = _train(dkv, td, _actor_config("fsdp2", dynamic, loss_agg_mode=agg,
-                                                   clip_ratio=0.1))  # fmt: skip
-    assert abs(loss - loss_ref) <= 1e-5 + 1e-4 * abs(loss_ref), (loss, loss_ref)
-    assert g_ref.keys() == g.keys() and len(g) > 0
-    for name in g_ref:
-        scale = g_ref[name].abs().max().item()
-        _close(g[name], g_ref[name], f"grad {name}", rtol=1e-3, atol=2e-5 * max(scale, 1.0))
-    for name in p_ref:
-        _close(p[name], p_ref[name], f"param {name}", rtol=1e-4, atol=1e-5)
-    moved = [n for n in p_ref if (p_ref[n] - p_start[n]).abs().max() > 1e-4]
-    assert len(moved) == len(p_ref), "the step must move every parameter"
+    ref_run = _train(ref, td, actor)
+    run = _train(dkv, td, _actor_config("fsdp2", dynamic, loss_agg_mode=agg, clip_ratio=0.1))
+    _same_step(run, ref_run, start=p_start)
 
     # the prefix tree ran, on several micro-batches (log-probs, then the update), each within the
     # budget in its packed tokens and clearly fewer than the prompt-group packing's
@@ -771,26 +771,9 @@ def _sp_rank(rank: int, world: int, port: int, dirs: list[str], seed: int) -> No
                 "one": _train(one, td, actor, t, global_batch_size=2 * b),
                 "veRL": _train(ref, td, actor, t, global_batch_size=2 * b),
             }
-            loss_sp, g_sp, p_sp, _ = runs["sp"]
-            assert g_sp and len(g_sp) == len(p_sp)
+            assert len(runs["sp"][1]) == len(runs["sp"][2])
             for other in ("one", "veRL"):
-                loss_o, g_o, p_o, _ = runs[other]
-                assert abs(loss_sp - loss_o) <= 1e-5 + 1e-4 * abs(loss_o), (
-                    what,
-                    other,
-                    loss_sp,
-                    loss_o,
-                )
-                assert g_o.keys() == g_sp.keys()
-                for name in g_o:
-                    scale = max(g_o[name].abs().max().item(), 1.0)
-                    _close(g_sp[name], g_o[name], f"{what}: grad {name} vs {other}", rtol=1e-3,
-                           atol=2e-5 * scale)  # fmt: skip
-                for name in p_o:
-                    _close(p_sp[name], p_o[name], f"{what}: param {name} vs {other}", rtol=1e-4,
-                           atol=1e-5)  # fmt: skip
-            moved = [n for n in p_sp if (p_sp[n] - p_start[n]).abs().max() > 1e-4]
-            assert len(moved) == len(p_sp), "the step must move every parameter"
+                _same_step(runs["sp"], runs[other], f"{what} vs {other}:", start=p_start)
 
         # ranks of one sp group given different rows: refused on every rank, not sharded as one
         other = _sp_batch(seed + 1000 * (rank + 1))
@@ -891,16 +874,8 @@ def _sp_tree_rank(rank: int, world: int, port: int, path: str, seed: int) -> Non
         actor = _actor_config("fsdp2", True, loss_agg_mode="token-mean", clip_ratio=0.1,
                               entropy_coeff=0.05)  # fmt: skip
         b = td.shape[0]
-        loss_sp, g_sp, p_sp, _ = _train(sp, td, actor, global_batch_size=b)
-        loss_one, g_one, p_one, _ = _train(one, td, actor, global_batch_size=2 * b)
-        assert abs(loss_sp - loss_one) <= 1e-5 + 1e-4 * abs(loss_one), (loss_sp, loss_one)
-        assert g_sp and g_sp.keys() == g_one.keys()
-        for name in g_one:
-            scale = max(g_one[name].abs().max().item(), 1.0)
-            _close(g_sp[name], g_one[name], f"rank {rank}: grad {name}", rtol=1e-3,
-                   atol=2e-5 * scale)  # fmt: skip
-        for name in p_one:
-            _close(p_sp[name], p_one[name], f"rank {rank}: param {name}", rtol=1e-4, atol=1e-5)
+        run_sp = _train(sp, td, actor, global_batch_size=b)
+        _same_step(run_sp, _train(one, td, actor, global_batch_size=2 * b), f"rank {rank}:")
     finally:
         torch.distributed.destroy_process_group()
 
