@@ -28,6 +28,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 import dualkv  # noqa: E402
 from dualkv.integrations import trl as dktrl  # noqa: E402
+from dualkv.integrations import trl_lm_head  # noqa: E402
 from dualkv.integrations.trl import (  # noqa: E402
     DualKVGRPOTrainer,
     group_microbatches,
@@ -1001,7 +1002,7 @@ def test_tree_weights_and_relative_positions(model_dirs):
     tree = dualkv.pack(ids, mask, pw, tree=True, min_shared=1)
     assert tree.layout.is_tree
     with pytest.raises(ValueError, match="dualkv_token_weights"):
-        dktrl._token_weights(tree)
+        trl_lm_head.token_weights(tree)
     relative = {
         family: dkt.relative_positions_only(AutoModelForCausalLM.from_pretrained(path))
         for family, path in model_dirs.items()

@@ -57,21 +57,24 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import types
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import trl
 from trl import GRPOTrainer
-from trl.trainer.utils import FusedCausalLMOutput
 
-from ..logprobs import response_logprobs
 from ..packing import PackedBatch, pack
-from ..prefix_forest import PrefixForest, prefix_forest
-from ..trainer_rows import group_codes, prompt_group_codes
 from ..tree_packing import DEFAULT_MIN_SHARED, pack_rows_tree, row_forest, tree_saves
 from . import transformers as dkt
+from .trl_lm_head import PACKED_KWARG, add_packed_lm_head, tree_row_counts
+from .trl_microbatches import (
+    chunks_of_groups,
+    group_microbatches,
+    prefix_families,
+    prompt_groups,
+    select_rows,
+)
 
 __all__ = [
     "UNSUPPORTED_OPTIONS",
@@ -91,8 +94,6 @@ if not str(trl.__version__).startswith(SUPPORTED_TRL):
         f"internal hooks of that release); found trl {trl.__version__}: install trl==1.16.0"
     )
 
-PACKED_KWARG = "dualkv_packed"
-
 # GRPOConfig options whose paths DualKV does not run yet (option, the value that is unsupported,
 # why). Checked before TRL builds anything.
 UNSUPPORTED_OPTIONS: tuple[tuple[str, Any, str], ...] = (
@@ -105,357 +106,6 @@ UNSUPPORTED_OPTIONS: tuple[tuple[str, Any, str], ...] = (
     ("use_transformers_paged", True, "paged generation is not supported yet (use generate)"),
     ("use_liger_kernel", True, "Liger kernels are not supported yet"),
 )
-
-
-def _token_weights(packed: PackedBatch) -> torch.Tensor:
-    """``[1, T]`` float32: how many rows each packed token stands for (N_g on a prompt, 1 else)
-    on a prompt/response layout (a tree's come from its rows: :func:`_tree_row_counts`)."""
-    layout = packed.layout
-    if layout.is_tree:
-        raise ValueError(
-            "the rows each packed token stands for are not in a tree layout: pass "
-            "dualkv_token_weights (DualKVGRPOTrainer does)"
-        )
-    weights: list[int] = []
-    lengths: list[int] = []
-    for p, rs in zip(layout.prefix_lens, layout.response_lens, strict=True):
-        weights.append(len(rs))
-        lengths.append(p)
-        weights.extend([1] * len(rs))
-        lengths.extend(rs)
-    w = torch.repeat_interleave(
-        torch.tensor(weights, dtype=torch.float32), torch.tensor(lengths, dtype=torch.int64)
-    )
-    return w.to(packed.device).view(1, -1)
-
-
-def _tree_row_counts(
-    forest: PrefixForest, seq_len: torch.Tensor, device: torch.device
-) -> torch.Tensor:
-    """``[1, T]`` float32: how many rows hold each packed token of a tree (the rows whose paths
-    pass through it: identical rows, and rows ending inside another's path, included), from the
-    forest's map of every row token (``seq_len``: each row's real tokens)."""
-    index = forest.token_index
-    real = torch.arange(index.shape[1])[None, :] < seq_len.to("cpu")[:, None]
-    counts = torch.bincount(index[real], minlength=forest.total_tokens)
-    return counts.to(device, torch.float32).view(1, -1)
-
-
-def add_packed_lm_head(
-    model: Any, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False
-) -> None:
-    """Let ``model(dualkv_packed=packed, ...)`` score a :class:`dualkv.PackedBatch`.
-
-    Wraps ``model.forward`` (after TRL's ``add_fused_lm_head``): with ``dualkv_packed`` the
-    backbone runs on the packed stream (the model must be in ``attn_implementation="dualkv"``)
-    and the call returns TRL's ``FusedCausalLMOutput`` with ``log_probs`` (and ``entropy`` when
-    ``dualkv_entropy=True``) in the rows' ``[B, R_max]`` layout, and ``aux_loss`` (the MoE
-    load-balancing loss, each packed token weighted by the rows that hold it: read from a
-    prompt/response layout, or given as ``dualkv_token_weights`` ``[1, T]``, which a tree needs)
-    with ``output_router_logits=True``. Without ``dualkv_packed`` the previous forward runs, so
-    generation is unchanged. Calls go through the model's wrappers (DDP), as TRL's own fused head
-    does.
-
-    Args:
-        model: a transformers causal LM.
-        temperature: logits are divided by it (TRL's sampling temperature).
-        cast_lm_head_to_fp32: score with float32 hidden states and LM head, outside autocast
-            (TRL's ``cast_lm_head_to_fp32``).
-    """
-    text_config = model.config.get_text_config()
-    softcap = dkt.lm_head_softcap(model)
-    dkt.check_token_mixers(text_config, model)
-    previous = model.forward
-
-    @functools.wraps(type(model).forward)
-    def forward(
-        self: Any,
-        *args: Any,
-        dualkv_packed: PackedBatch | None = None,
-        dualkv_entropy: bool = False,
-        dualkv_token_weights: torch.Tensor | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        if dualkv_packed is None:
-            return previous(*args, **kwargs)
-        packed = dualkv_packed
-        for name, value in kwargs.items():  # wrappers (PEFT) pass their own arguments as None
-            if value is not None and name not in ("output_router_logits", "use_cache"):
-                raise ValueError(f"a packed forward takes no {name!r} (the batch is packed)")
-        if args:
-            raise ValueError("a packed forward takes no positional arguments")
-        router = bool(kwargs.get("output_router_logits"))
-        impl = getattr(self.config.get_text_config(), "_attn_implementation", None)
-        if impl != dkt.ATTN_IMPLEMENTATION:
-            raise RuntimeError(
-                f"the packed forward needs attn_implementation='dualkv', the model is in {impl!r}"
-            )
-        dkt.check_packed_model(self, {}, packed, decoder=self.base_model)
-        extra = {"output_router_logits": True} if router else {}
-        out = self.base_model(**packed.model_inputs(), **extra)
-        hidden = out.last_hidden_state
-        head = self.get_output_embeddings()
-        weight, bias = head.weight, getattr(head, "bias", None)
-        ctx: Any = contextlib.nullcontext()
-        if cast_lm_head_to_fp32:
-            hidden = hidden.float()
-            weight = weight.float()
-            bias = bias.float() if bias is not None else None
-            ctx = torch.autocast(hidden.device.type, enabled=False)
-        with ctx:
-            res = response_logprobs(
-                hidden, weight, packed, temperature=temperature, return_entropy=dualkv_entropy,
-                lm_head_bias=bias, logit_softcap=softcap,
-            )  # fmt: skip
-        logp, ent = res if isinstance(res, tuple) else (res, None)
-        aux = None
-        if router:
-            from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
-
-            value = load_balancing_loss_func(
-                getattr(out, "router_logits", None),
-                text_config.num_experts,
-                text_config.num_experts_per_tok,
-                _token_weights(packed) if dualkv_token_weights is None else dualkv_token_weights,
-            )
-            if not isinstance(value, torch.Tensor):
-                raise RuntimeError(
-                    f"{type(self).__name__} returned no router logits for the MoE auxiliary loss"
-                )
-            aux = value
-        return FusedCausalLMOutput(
-            log_probs=logp, entropy=ent, label_mask=packed.response_mask, aux_loss=aux
-        )
-
-    model.forward = types.MethodType(forward, model)
-
-
-def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
-    """``[B]`` int64 group code of each row (first-seen order): rows with identical real prompt
-    tokens (left-padded ``prompt_ids`` under ``prompt_mask``) share a code."""
-    return prompt_group_codes(prompt_ids, prompt_mask != 0)
-
-
-def prefix_families(
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    groups: torch.Tensor,
-    max_rows: int,
-    min_shared: int = DEFAULT_MIN_SHARED,
-) -> torch.Tensor:
-    """``[B]`` int64 family code of each row: prompt groups whose prompts share a prefix of at
-    least ``min_shared`` tokens, in families of at most ``max_rows`` rows where they can be.
-
-    The prompts' prefix forest (:func:`dualkv.prefix_forest.prefix_forest`, on the real tokens
-    from their first) is walked from its roots: a subtree whose groups hold at most ``max_rows``
-    rows is one family; a larger one (a system prompt shared by the whole batch) is split into its
-    children's subtrees, and the groups whose prompts end on its own segment are families of
-    their own. Rows of a group share its family. (Rows that share more than a prompt share a
-    group, or prompts of which one is a prefix of the other: a later turn's prompt holds the
-    earlier turns.)
-
-    Args:
-        prompt_ids, prompt_mask: ``[B, P]`` TRL's left-padded prompts and their mask.
-        groups: ``[B]`` group code of each row (:func:`prompt_groups`).
-        max_rows: the largest family wanted (a micro-batch's rows).
-        min_shared: shorter shared prefixes do not make a family (as the tree packing's).
-    """
-    codes = groups.detach().to("cpu", torch.int64).reshape(-1)
-    num_rows = codes.numel()
-    if num_rows == 0:
-        return codes.clone()
-    num_groups = int(codes.max()) + 1
-    rep_row = torch.full((num_groups,), num_rows, dtype=torch.int64)
-    rep_row.scatter_reduce_(0, codes, torch.arange(num_rows), reduce="amin")
-    plen = (prompt_mask.detach().to("cpu") != 0).sum(1)[rep_row]
-    width = prompt_ids.shape[1]
-    at = ((width - plen)[:, None] + torch.arange(width)[None, :]).clamp(max=max(width - 1, 0))
-    keys = prompt_ids.detach().to("cpu", torch.int64)[rep_row].gather(1, at)
-    forest = prefix_forest(keys, plen, min_shared)
-    parents = forest.parents
-    ends = torch.cumsum(torch.tensor(forest.lengths, dtype=torch.int64), 0)
-    last = forest.token_index.gather(1, (plen - 1).clamp(min=0)[:, None]).flatten()
-    end_seg = torch.where(plen > 0, torch.searchsorted(ends, last, right=True), -1).tolist()
-    sizes = torch.bincount(codes, minlength=num_groups).tolist()
-
-    at_seg: list[list[int]] = [[] for _ in parents]  # groups whose prompt ends on the segment
-    children: list[list[int]] = [[] for _ in parents]
-    rows_below = [0] * len(parents)
-    for g, s in enumerate(end_seg):
-        if s >= 0:
-            at_seg[s].append(g)
-            rows_below[s] += sizes[g]
-    for s in range(len(parents) - 1, -1, -1):  # parents[s] < s
-        if parents[s] >= 0:
-            rows_below[parents[s]] += rows_below[s]
-            children[parents[s]].append(s)
-    family = [-1] * num_groups
-    count = 0
-    todo = [s for s in range(len(parents)) if parents[s] < 0][::-1]
-    while todo:
-        s = todo.pop()
-        if rows_below[s] <= max_rows:  # the whole subtree is one family
-            below = [s]
-            while below:
-                t = below.pop()
-                for g in at_seg[t]:
-                    family[g] = count
-                below.extend(children[t])
-            count += 1
-            continue
-        for g in at_seg[s]:
-            family[g] = count
-            count += 1
-        todo.extend(sorted(children[s], reverse=True))
-    for g in range(num_groups):  # (an empty prompt)
-        if family[g] < 0:
-            family[g] = count
-            count += 1
-    return group_codes(torch.tensor(family, dtype=torch.int64)[codes], num_rows)
-
-
-def group_microbatches(
-    groups: torch.Tensor,
-    num_chunks: int,
-    generator: torch.Generator | None = None,
-    families: torch.Tensor | None = None,
-) -> tuple[list[torch.Tensor], int]:
-    """Split rows into ``num_chunks`` micro-batches of equal size, keeping groups whole.
-
-    Groups are taken in a random order; a group of at least a micro-batch's size fills whole
-    micro-batches, and the remainders are placed largest first into the micro-batch with the
-    least room that holds them whole. A remainder that fits nowhere is cut over the micro-batches
-    with the most room (so the fewest groups are cut). The random order comes from one
-    ``torch.randperm(B)`` (groups in the order their rows first appear in it), the same draw as
-    TRL's row shuffle, so the random stream after it (the next generation) is TRL's.
-
-    With ``families`` (groups whose rows share more than their own prompt, e.g.
-    :func:`prefix_families`), the remainders of a family are placed together, largest family
-    first, where one micro-batch holds them all (else group by group as above); this placement
-    is kept only when it cuts no more groups than the one without families.
-
-    Args:
-        groups: ``[B]`` int64 group code of each row.
-        num_chunks: micro-batch count; must divide ``B``.
-        generator: the random source (torch's global one by default, as TRL's shuffle).
-        families: optional ``[B]`` int64 family code of each row (the same on a group's rows).
-
-    Returns:
-        ``(row indices of each micro-batch, number of groups cut over micro-batches)``.
-    """
-    num_rows = groups.numel()
-    if num_chunks < 1 or num_rows % num_chunks:
-        raise ValueError(f"{num_rows} rows cannot be split into {num_chunks} equal micro-batches")
-    size = num_rows // num_chunks
-    codes = groups.detach().to("cpu", torch.int64)
-    perm = torch.randperm(num_rows, generator=generator)
-    members: dict[int, list[int]] = {}
-    for r in perm.tolist():  # dict order: groups as their rows first appear in the permutation
-        members.setdefault(int(codes[r]), [])
-    for r in range(num_rows):  # a group's rows in row order
-        members[int(codes[r])].append(r)
-    bins: list[list[int]] = []
-    rests: list[list[int]] = []
-    cut = 0
-    for rows in members.values():
-        cut += len(rows) > size  # larger than a micro-batch: cut into micro-batch-sized pieces
-        while len(rows) >= size:
-            bins.append(rows[:size])
-            rows = rows[size:]
-        if rows:
-            rests.append(rows)
-    num_open = num_chunks - len(bins)
-    open_bins, rest_cut = _place([[rows] for rows in rests], num_open, size)
-    if families is not None:
-        fam = families.detach().to("cpu", torch.int64).reshape(-1)
-        if fam.numel() != num_rows:
-            raise ValueError(f"families must have one code per row ({num_rows}), got {fam.numel()}")
-        units: dict[int, list[list[int]]] = {}
-        for rows in rests:  # (families in the random order of their first remainder)
-            if bool((fam[rows] != fam[rows[0]]).any()):
-                raise ValueError(f"rows {rows} of one group have different families")
-            units.setdefault(int(fam[rows[0]]), []).append(rows)
-        by_family, family_cut = _place(list(units.values()), num_open, size)
-        if family_cut <= rest_cut:
-            open_bins, rest_cut = by_family, family_cut
-    return [torch.tensor(c, dtype=torch.int64) for c in bins + open_bins], cut + rest_cut
-
-
-def _place(units: list[list[list[int]]], num_bins: int, size: int) -> tuple[list[list[int]], int]:
-    """Rows of ``units`` (each a list of groups' rows) into ``num_bins`` bins of ``size`` rows:
-    a unit, largest first, goes whole into the bin with the least room that holds it; else its
-    groups, largest first, each into such a bin, and a group that fits nowhere is cut over the
-    bins with the most room. Returns ``(bins, groups cut)``."""
-    bins: list[list[int]] = [[] for _ in range(num_bins)]
-    cut = 0
-
-    def fullest_fitting(n: int) -> list[int] | None:
-        fits = [b for b in bins if size - len(b) >= n]
-        return max(fits, key=len) if fits else None  # least room left that still holds n rows
-
-    # (sorts are stable: ties keep the given, random, order)
-    for unit in sorted(units, key=lambda u: sum(len(r) for r in u), reverse=True):
-        target = fullest_fitting(sum(len(r) for r in unit))
-        if target is not None:
-            for rows in unit:
-                target.extend(rows)
-            continue
-        for rows in sorted(unit, key=len, reverse=True):
-            target = fullest_fitting(len(rows))
-            if target is not None:
-                target.extend(rows)
-                continue
-            cut += 1
-            rest = list(rows)
-            for b in sorted(bins, key=len):  # most room first
-                take = min(size - len(b), len(rest))
-                b.extend(rest[:take])
-                rest = rest[take:]
-                if not rest:
-                    break
-    return bins, cut
-
-
-def _select(value: Any, index: torch.Tensor) -> Any:
-    """Rows ``index`` of one generation-batch entry (as TRL's shuffle/split treat them)."""
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        return value if value.ndim == 0 else value[index.to(value.device)]
-    if isinstance(value, (list, tuple)):
-        return [value[i] for i in index.tolist()]
-    return value
-
-
-def _chunks_of_groups(
-    groups: torch.Tensor, max_rows: int, families: torch.Tensor | None = None
-) -> list[torch.Tensor]:
-    """Row indices of consecutive chunks of whole groups, each of at most ``max_rows`` rows
-    (a larger group is one chunk), groups in first-seen order (with ``families``: a family's
-    groups one after another, families in first-seen order)."""
-    codes = groups.to("cpu", torch.int64)
-    order = torch.argsort(codes, stable=True).tolist()
-    counts = torch.bincount(codes).tolist() if codes.numel() else []
-    starts = [0] * len(counts)
-    for g in range(1, len(counts)):
-        starts[g] = starts[g - 1] + counts[g - 1]
-    group_order = list(range(len(counts)))
-    if families is not None:
-        fam = torch.zeros(len(counts), dtype=torch.int64)
-        fam.scatter_(0, codes, families.to("cpu", torch.int64))
-        group_order = torch.argsort(fam, stable=True).tolist()
-    chunks: list[list[int]] = []
-    current: list[int] = []
-    for g in group_order:
-        c = counts[g]
-        rows = order[starts[g] : starts[g] + c]
-        if current and len(current) + c > max_rows:
-            chunks.append(current)
-            current = []
-        current = current + rows
-    if current:
-        chunks.append(current)
-    return [torch.tensor(c, dtype=torch.int64) for c in chunks]
 
 
 # Options of TRL's loss that are normalised per micro-batch (``bnpo``: by its token count; the
@@ -660,7 +310,7 @@ class DualKVGRPOTrainer(GRPOTrainer):
                 cut,
                 groups.numel() // num_chunks,
             )
-        return [{k: _select(v, idx) for k, v in batch.items()} for idx in chunks]
+        return [{k: select_rows(v, idx) for k, v in batch.items()} for idx in chunks]
 
     def _get_per_token_logps_and_entropies(  # type: ignore[override]
         self,
@@ -694,7 +344,7 @@ class DualKVGRPOTrainer(GRPOTrainer):
             families = prefix_families(
                 input_ids[:, :prompt_width], prompt_mask, groups, max_rows, self.tree_min_shared
             )
-        chunks = _chunks_of_groups(groups, max_rows, families)
+        chunks = chunks_of_groups(groups, max_rows, families)
         logps: list[torch.Tensor] = []
         ents: list[torch.Tensor] = []
         auxes: list[torch.Tensor] = []
@@ -761,7 +411,7 @@ class DualKVGRPOTrainer(GRPOTrainer):
                 packed = pack_rows_tree(
                     ids, mask, prompt_width, tree_positions, self.tree_min_shared, forest=forest
                 )
-                weights = _tree_row_counts(forest, lengths, packed.device)
+                weights = tree_row_counts(forest, lengths, packed.device)
                 # (a tree layout's own token_reduction counts its root-to-leaf paths, not rows)
                 reduction = int(lengths.sum()) / max(packed.total_tokens, 1)
         if packed is None:

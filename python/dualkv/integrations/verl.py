@@ -82,21 +82,26 @@ from typing import Any
 import torch
 
 from .. import parallel as _sp
-from ..logprobs import response_logprobs
 from ..packing import PackedBatch, pack_rows
 from ..tree_packing import DEFAULT_MIN_SHARED, pack_rows_tree, sorted_trainer_rows
 from . import transformers as _hf  # registers attn_implementation="dualkv"
 from .verl_cpu_platform import use_cpu_platform
+from .verl_errors import DualKVVerlError, unsupported
 from .verl_grouping import (
     PACKING_ENV,
     GroupCosts,
     packing_mode,
     partition_groups,
     prompt_groups,
-    sharing_order,
-    sharing_runs,
-    split_runs,
     use_tree,
+)
+from .verl_microbatches import all_reduce_int, group_partition, padded_rows, sharing_partition
+from .verl_packed_model import (
+    ENTROPY_KW,
+    GRAD_SCALE_KW,
+    PACKED_KW,
+    TEMP_KW,
+    install_packed_forward,
 )
 
 try:
@@ -123,23 +128,8 @@ __all__ = [
 ]
 
 ATTN_IMPLEMENTATION = _hf.ATTN_IMPLEMENTATION
-SWITCH = "actor_rollout_ref.model.override_config.attn_implementation=dualkv"
-_PACKED_KW = "dualkv_packed"
-_TEMP_KW = "dualkv_temperature"
-_ENTROPY_KW = "dualkv_entropy"
-_GRAD_SCALE_KW = "dualkv_grad_scale"
 _TREE_KW = "dualkv_tree"  # a micro-batch's packing (non-tensor data, set by the partition)
 _TOKENS_KW = "dualkv_packed_tokens"  # and its packed token count
-
-
-class DualKVVerlError(ValueError):
-    """A veRL setting the DualKV engine cannot run packed (the message names it)."""
-
-
-def _unsupported(what: str) -> DualKVVerlError:
-    return DualKVVerlError(
-        f"DualKV engine ({SWITCH}): {what} is not supported yet; turn it off or run without DualKV"
-    )
 
 
 # veRL policy losses normalised over each micro-batch's own rows or tokens instead of the global
@@ -165,35 +155,18 @@ def check_loss_split_invariant(loss_function: Callable[..., Any]) -> None:
         return
     mode = _option(policy, "loss_mode", "vanilla")
     if mode in _MICRO_BATCH_LOSS_MODES:
-        raise _unsupported(
+        raise unsupported(
             f"policy_loss.loss_mode={mode!r} (it normalises over each micro-batch, and DualKV's "
             "micro-batches hold whole prompt groups where veRL's hold consecutive rows)"
         )
     correction = _option(policy, "rollout_correction")
     if mode == "bypass_mode" and correction is not None:
         if _option(correction, "rollout_is_batch_normalize", False):
-            raise _unsupported(
+            raise unsupported(
                 "policy_loss.rollout_correction.rollout_is_batch_normalize=True with "
                 "loss_mode='bypass_mode' (the importance weights are normalised per micro-batch, "
                 "and DualKV's micro-batches are not veRL's)"
             )
-
-
-def _all_reduce_int(value: int, op: Any, group: Any) -> int:
-    if not torch.distributed.is_initialized():
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=get_device_name())
-    torch.distributed.all_reduce(t, op=op, group=group)
-    return int(t.item())
-
-
-def _check_count(count: int, fewest_groups: int, name: str, budget: int) -> None:
-    if count > fewest_groups:
-        raise DualKVVerlError(
-            f"DualKV engine: {name}={budget} needs {count} micro-batches, but a "
-            f"data-parallel rank has only {fewest_groups} prompt groups (groups are never "
-            f"split); raise {name}"
-        )
 
 
 def _packing_mode(engine: Any) -> str:
@@ -201,186 +174,12 @@ def _packing_mode(engine: Any) -> str:
     return str(getattr(engine, "dualkv_packing", "auto"))
 
 
-def _group_partition(
-    costs: list[int], budget: int, use_dynamic_bsz: bool, name: str, dp_group: Any
-) -> list[list[int]]:
-    """Prompt groups balanced over the fewest micro-batches every dp rank can run."""
-    max_op, min_op = torch.distributed.ReduceOp.MAX, torch.distributed.ReduceOp.MIN
-    num_groups = len(costs)
-    if use_dynamic_bsz:
-        largest = _all_reduce_int(max(costs, default=0), max_op, dp_group)
-        if largest > budget:
-            raise DualKVVerlError(
-                f"DualKV engine: a prompt group has {largest} packed tokens (P + sum of its "
-                f"responses), more than {name}={budget}; a group is never split across "
-                f"micro-batches, so raise {name} to at least {largest}"
-            )
-    fewest_groups = _all_reduce_int(num_groups, min_op, dp_group)
-    total = sum(costs)
-    count = max(1, -(-total // budget)) if budget > 0 else num_groups
-    count = _all_reduce_int(min(count, max(num_groups, 1)), max_op, dp_group)
-    while True:
-        _check_count(count, fewest_groups, name, budget)
-        bins = partition_groups(costs, budget, count, allow_oversized=not use_dynamic_bsz)
-        ok = _all_reduce_int(int(bins is not None), min_op, dp_group)
-        if ok and bins is not None:
-            return bins
-        count += 1
-
-
-def _sharing_partition(
-    prices: GroupCosts,
-    rows_of: list[list[int]],
-    budget: int,
-    token_budget: int | None,
-    name: str,
-    dp_group: Any,
-) -> list[list[int]]:
-    """Groups in the sorted order of their rows (neighbours share prefixes) cut into
-    contiguous runs, each within the budget in the packed tokens of its own packing (or rows,
-    with a fixed micro-batch size), as many runs on every dp rank."""
-    max_op, min_op = torch.distributed.ReduceOp.MAX, torch.distributed.ReduceOp.MIN
-    order = sharing_order(prices.rows, rows_of)
-    weight: Callable[[list[int]], int]
-    if token_budget is not None:
-
-        def weight(run: list[int]) -> int:
-            return prices.choice(run, token_budget)[1]
-
-        largest = max((weight([g]) for g in order), default=0)
-        largest = _all_reduce_int(largest, max_op, dp_group)
-        if largest > budget:
-            raise DualKVVerlError(
-                f"DualKV engine: a prompt group packs to {largest} tokens, more than "
-                f"{name}={budget}; a group is never split across micro-batches, so raise "
-                f"{name} to at least {largest}"
-            )
-    else:
-
-        def weight(run: list[int]) -> int:
-            return sum(len(rows_of[g]) for g in run)
-
-    def fits(run: list[int]) -> bool:
-        return len(run) == 1 or weight(run) <= budget
-
-    runs = sharing_runs(order, fits)
-    fewest_groups = _all_reduce_int(len(order), min_op, dp_group)
-    count = _all_reduce_int(max(len(runs), 1), max_op, dp_group)
-    _check_count(count, fewest_groups, name, budget)
-    split = split_runs(runs, count, fits, weight)
-    if _all_reduce_int(int(split is not None), min_op, dp_group) and split is not None:
-        return split
-    raise DualKVVerlError(
-        f"DualKV engine: {name}={budget} needs {count} micro-batches on every data-parallel "
-        f"rank, but a rank's prompt groups cannot be cut into {count} within {name}; raise {name}"
-    )
-
-
-def _padded_rows(data: Any) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
-    """veRL's no-padding rows back in its padded layout: ``(input_ids, attention_mask,
-    prompt_width, position_ids)``, each ``[B, Pw + Rw]`` (left-padded prompt, right-padded
-    response), what the packers take."""
-    input_ids = data["input_ids"]
-    position_ids = data["position_ids"]
-    if not input_ids.is_nested or position_ids.dim() != 2:
-        raise _unsupported("position ids that are not one per token (3-D / mRoPE)")
-    prompts = data["prompts"]
-    mask = data["attention_mask"].to(input_ids.device)
-    if prompts.is_nested or mask.is_nested:
-        raise _unsupported("nested 'prompts' or 'attention_mask'")
-    real = mask != 0
-    values = input_ids.values()
-    if int(real.sum()) != values.numel():
-        raise DualKVVerlError(
-            f"DualKV engine: attention_mask has {int(real.sum())} real tokens but input_ids "
-            f"has {values.numel()}; the rows cannot be packed"
-        )
-    rows = torch.zeros(mask.shape, dtype=values.dtype, device=values.device)
-    rows[real] = values
-    pos = torch.zeros(mask.shape, dtype=torch.int64, device=values.device)
-    pos[real] = position_ids.values().to(torch.int64)
-    return rows, mask, prompts.shape[1], pos
-
-
-# --- the model side: packed forward inside FSDP's forward ----------------------------------------
-
-
-def _install_packed_forward(model: Any) -> None:
-    """Let ``model(dualkv_packed=...)`` run the decoder packed and the LM head on responses.
-
-    Instance attributes (this model only): the causal LM's ``forward`` and its output embedding's
-    ``forward`` take the DualKV keywords and fall back to the original forward without them. The
-    LM head's log-probs are computed inside the head module's own call, so FSDP (1 or 2) has its
-    weight gathered there and registers its backward hooks on the outputs.
-    """
-    head = model.get_output_embeddings()
-    if head is None or not hasattr(head, "weight"):
-        raise _unsupported(f"a model without an LM head ({type(model).__name__})")
-    lm_forward = model.forward
-    head_forward = head.forward
-    softcap = _hf.lm_head_softcap(model)
-    _hf.check_token_mixers(_hf.text_config_of(model), model)
-
-    def packed_head(
-        hidden: torch.Tensor,
-        dualkv_packed: PackedBatch | _sp.ShardedBatch | None = None,
-        dualkv_temperature: float = 1.0,
-        dualkv_entropy: bool = False,
-        dualkv_grad_scale: float = 1.0,
-    ) -> Any:
-        if dualkv_packed is None:
-            return head_forward(hidden)
-        bias = getattr(head, "bias", None)
-        out: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-        if isinstance(dualkv_packed, _sp.ShardedBatch):
-            # Ulysses: this rank scores the tokens predicted from its shard; the ranks' disjoint
-            # parts are summed, so every rank holds the whole [B, R_max] (see dualkv.parallel)
-            out = _sp.response_logprobs(
-                hidden, head.weight, dualkv_packed, temperature=dualkv_temperature,
-                return_entropy=dualkv_entropy, lm_head_bias=bias, logit_softcap=softcap,
-                grad_scale=dualkv_grad_scale,
-            )  # fmt: skip
-        else:
-            out = response_logprobs(
-                hidden, head.weight, dualkv_packed, temperature=dualkv_temperature,
-                return_entropy=dualkv_entropy, lm_head_bias=bias, logit_softcap=softcap,
-            )  # fmt: skip
-        # fresh tensors (not views) for FSDP2's output hooks
-        return tuple(t.clone() for t in out) if isinstance(out, tuple) else (out.clone(),)
-
-    def packed_lm(*args: Any, **kwargs: Any) -> Any:
-        packed = kwargs.pop(_PACKED_KW, None)
-        if packed is None:
-            return lm_forward(*args, **kwargs)
-        temperature = kwargs.pop(_TEMP_KW, 1.0)
-        entropy = bool(kwargs.pop(_ENTROPY_KW, False))
-        grad_scale = float(kwargs.pop(_GRAD_SCALE_KW, 1.0))
-        if isinstance(packed, _sp.ShardedBatch):  # this rank's token shard (Ulysses)
-            # the guards of every packed forward, on the global batch (length-dependent RoPE,
-            # Llama 4's attention temperature, ...), as packed_hidden_states runs them
-            _hf.check_packed_model(model, {}, packed.packed)
-            out = _hf.decoder_of(model)(**packed.model_inputs())
-            hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        else:
-            hidden = _hf.packed_hidden_states(model, packed)
-        # the head as the model holds it now: FSDP1 may have wrapped it in a unit of its own
-        # (a size-based wrap policy) after this forward was installed, and only a call through
-        # that wrapper gathers its weight and hooks its gradient
-        return model.get_output_embeddings()(
-            hidden, dualkv_packed=packed, dualkv_temperature=temperature, dualkv_entropy=entropy,
-            dualkv_grad_scale=grad_scale,
-        )  # fmt: skip
-
-    head.forward = packed_head
-    model.forward = packed_lm
-
-
 def _check_sequence_parallel(text_config: Any, sp: int) -> None:
     """Refuse a model whose heads cannot be split over ``sp`` Ulysses ranks (naming the config)."""
     hq = getattr(text_config, "num_attention_heads", None)
     hkv = getattr(text_config, "num_key_value_heads", None) or hq
     if not isinstance(hq, int) or not isinstance(hkv, int):
-        raise _unsupported(
+        raise unsupported(
             "Ulysses sequence parallelism (ulysses_sequence_parallel_size="
             f"{sp}) on a model config without num_attention_heads / num_key_value_heads"
         )
@@ -415,20 +214,20 @@ class DualKVFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             if sp > 1:
                 _check_sequence_parallel(text_config, sp)
             if getattr(model_config, "use_fused_kernels", False):
-                raise _unsupported("use_fused_kernels=True")
+                raise unsupported("use_fused_kernels=True")
             if getattr(engine_config, "pad_to_length", False):
-                raise _unsupported("pad_to_length=True")
+                raise unsupported("pad_to_length=True")
             if getattr(model_config, "lora_rank", 0) > 0:
-                raise _unsupported(f"LoRA (lora_rank={model_config.lora_rank})")
+                raise unsupported(f"LoRA (lora_rank={model_config.lora_rank})")
             if getattr(model_config, "model_type", "language_model") != "language_model":
-                raise _unsupported(f"model_type={model_config.model_type!r}")
+                raise unsupported(f"model_type={model_config.model_type!r}")
         super().__init__(model_config, engine_config, *args, **kwargs)
 
     # model construction: the packed forward is installed before FSDP wraps the model
     def _build_module(self) -> torch.nn.Module:
         module = super()._build_module()
         if self.dualkv:
-            _install_packed_forward(module)
+            install_packed_forward(module)
         return module
 
     # micro-batching ---------------------------------------------------------------------------
@@ -442,12 +241,12 @@ class DualKVFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             packed token count as non-tensor data for :meth:`prepare_model_inputs`.
         """
         if "prompts" not in data.keys() or "attention_mask" not in data.keys():
-            raise _unsupported(
+            raise unsupported(
                 "a batch without veRL's padded 'prompts' and 'attention_mask' (the DualKV engine "
                 "reads each row's prompt from them)"
             )
         if data["prompts"].is_nested:
-            raise _unsupported("nested 'prompts'")
+            raise unsupported("nested 'prompts'")
         group, plen, rlen = prompt_groups(data["prompts"], data["attention_mask"])
         num_groups = int(group.max()) + 1 if group.numel() else 0
         rows_of: list[list[int]] = [[] for _ in range(num_groups)]
@@ -477,16 +276,16 @@ class DualKVFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         prices: GroupCosts | None = None
         shares = False
         if mode != "groups":
-            rows, mask, pw, pos = _padded_rows(data)
+            rows, mask, pw, pos = padded_rows(data)
             prices = GroupCosts(sorted_trainer_rows(rows, mask, pw, pos), rows_of, flat, mode)
             every = list(range(num_groups))
             shares = mode == "tree" or use_tree("auto", sum(flat), prices.tree(every))
         # one partition on every data-parallel rank (they run the same collectives)
-        if _all_reduce_int(int(shares), torch.distributed.ReduceOp.MAX, dp_group):
+        if all_reduce_int(int(shares), torch.distributed.ReduceOp.MAX, dp_group):
             assert prices is not None  # (every rank is in the same mode)
-            bins = _sharing_partition(prices, rows_of, budget, token_budget, name, dp_group)
+            bins = sharing_partition(prices, rows_of, budget, token_budget, name, dp_group)
         else:
-            bins = _group_partition(costs, budget, use_dynamic_bsz, name, dp_group)
+            bins = group_partition(costs, budget, use_dynamic_bsz, name, dp_group)
         indices = [sorted(b for g in groups for b in rows_of[g]) for groups in bins]
         micro_batches = []
         for groups, idx in zip(bins, indices, strict=True):
@@ -534,7 +333,7 @@ class DualKVFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             data=data, key="return_model_output", default=False
         )
         if data["loss_mask"].is_nested:
-            raise _unsupported(
+            raise unsupported(
                 "a loss mask over whole sequences (SFT-style nested loss_mask; the DualKV engine "
                 "scores response tokens only)"
             )
@@ -579,20 +378,20 @@ class DualKVFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         get = tu.get_non_tensor_data
         pad_mode = get(data=micro_batch, key="pad_mode", default=DatasetPadMode.NO_PADDING)
         if pad_mode != DatasetPadMode.NO_PADDING:
-            raise _unsupported(f"pad_mode={pad_mode}")
+            raise unsupported(f"pad_mode={pad_mode}")
         if get(data=micro_batch, key="use_fused_kernels", default=False):
-            raise _unsupported("use_fused_kernels=True")
+            raise unsupported("use_fused_kernels=True")
         if get(data=micro_batch, key="distillation_use_topk", default=False):
-            raise _unsupported("top-k distillation (distillation_use_topk)")
+            raise unsupported("top-k distillation (distillation_use_topk)")
         if get(data=micro_batch, key="calculate_sum_pi_squared", default=False):
-            raise _unsupported("calculate_sum_pi_squared=True (it needs the full logits)")
+            raise unsupported("calculate_sum_pi_squared=True (it needs the full logits)")
         if len(micro_batch.get("multi_modal_inputs", [])) > 0:
-            raise _unsupported("multi-modal inputs")
+            raise unsupported("multi-modal inputs")
         input_ids = micro_batch["input_ids"]
-        rows, mask, pw, pos = _padded_rows(micro_batch)
+        rows, mask, pw, pos = padded_rows(micro_batch)
         plen = (mask[:, :pw] != 0).sum(1)
         if bool((plen == 0).any()):
-            raise _unsupported("an empty prompt (veRL's layout needs P >= 1)")
+            raise unsupported("an empty prompt (veRL's layout needs P >= 1)")
         tree = get(data=micro_batch, key=_TREE_KW, default=None)
         if tree is None:  # (a micro-batch not cut by prepare_dualkv_micro_batches)
             tree = _packing_mode(self) == "tree"
@@ -620,16 +419,16 @@ class DualKVFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if isinstance(temperature, torch.Tensor):
             flat = temperature.detach().reshape(-1).to("cpu", torch.float64)
             if flat.numel() and bool((flat != flat[0]).any()):
-                raise _unsupported("per-sample temperatures that differ within a micro-batch")
+                raise unsupported("per-sample temperatures that differ within a micro-batch")
             temperature = float(flat[0]) if flat.numel() else 1.0
         calculate_entropy = get(data=micro_batch, key="calculate_entropy", default=False)
         model_inputs = {
             "input_ids": model_batch.input_ids,
             "position_ids": model_batch.position_ids,
-            _PACKED_KW: model_batch,
-            _TEMP_KW: float(temperature),
-            _ENTROPY_KW: bool(calculate_entropy),
-            _GRAD_SCALE_KW: grad_scale,
+            PACKED_KW: model_batch,
+            TEMP_KW: float(temperature),
+            ENTROPY_KW: bool(calculate_entropy),
+            GRAD_SCALE_KW: grad_scale,
         }
         offsets = input_ids.offsets()
         row_start = offsets[:-1].to(rows.device)
