@@ -8,7 +8,7 @@ from .attention import attention
 from .layout import Layout
 from .logprobs import logprobs_from_logits, response_logprobs
 from .losses import aggregate, dapo_loss, group_advantages, grpo_loss, policy_loss
-from .packing import PackedBatch, pack, pack_lists, pack_rows, rows_from_lists
+from .packing import PackedBatch, pack, pack_lists, pack_rows, rows_from_lists, rows_from_trees
 from .tree_packing import pack_rows_tree
 
 __version__ = "0.1.0"
@@ -29,4 +29,5 @@ __all__ = [
     "policy_loss",
     "response_logprobs",
     "rows_from_lists",
+    "rows_from_trees",
 ]

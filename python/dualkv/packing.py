@@ -14,6 +14,7 @@ synchronisation to read the lengths); nothing here runs per layer or per token i
 from __future__ import annotations
 
 import numbers
+import reprlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,7 +25,7 @@ from .packed_batch import PackedBatch, batch_from_row_maps
 from .trainer_rows import checked_row_lengths, group_codes, prompt_group_codes
 from .tree_packing import DEFAULT_MIN_SHARED, pack_rows_tree
 
-__all__ = ["PackedBatch", "pack", "pack_lists", "pack_rows", "rows_from_lists"]
+__all__ = ["PackedBatch", "pack", "pack_lists", "pack_rows", "rows_from_lists", "rows_from_trees"]
 
 
 def _group_name(group_ids: Any, row: int, code: int) -> Any:
@@ -249,6 +250,57 @@ def rows_from_lists(
     return ids.to(device), mask.to(device), pw, gid.to(device)
 
 
+def _tree_node(node: Any, where: str) -> tuple[Sequence[int], Sequence[Any]]:
+    """A node of an explicit tree: ``(tokens, children)``, checked, naming where it is."""
+    if not isinstance(node, (tuple, list)) or len(node) != 2:
+        raise TypeError(
+            f"{where} must be a node (tokens, children): a list of token ids and a list of child "
+            f"nodes, e.g. ([1, 2], [([3], []), ([4, 5], [])]); got {reprlib.repr(node)}"
+        )
+    tokens, children = node
+    _check_tokens(tokens, f"{where}[0]")
+    if isinstance(children, (str, bytes)) or not isinstance(children, Sequence):
+        raise TypeError(f"{where}[1] must be a list of child nodes, got {type(children).__name__}")
+    return tokens, children
+
+
+def rows_from_trees(
+    trees: Sequence[Any], pad_id: int = 0, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """Build trainer rows from explicit trees of token lists: one row per leaf.
+
+    Args:
+        trees: each a node ``(tokens, children)``: a list of token ids and a list of child nodes
+            (``[]`` for a leaf). A tree's root is its rows' prompt; each root-to-leaf path after
+            the root is a row's response (a root without children: one row, empty response).
+        pad_id, device: as :func:`rows_from_lists`.
+
+    Returns:
+        :func:`rows_from_lists`' ``(input_ids, attention_mask, prompt_width, group_ids)``: the
+        rows tree by tree, the leaves of a tree in depth-first order (children in list order);
+        ``group_ids`` is the tree's index.
+    """
+    if isinstance(trees, (str, bytes)) or not isinstance(trees, Sequence):
+        raise TypeError(f"trees must be a list of (tokens, children) nodes, got {type(trees)}")
+    prompts: list[Sequence[int]] = []
+    responses: list[list[list[int]]] = []
+    for t, tree in enumerate(trees):
+        root, children = _tree_node(tree, f"trees[{t}]")
+        paths: list[list[int]] = []
+        # depth first, children in order: a stack of (node, where, the path's tokens above it)
+        stack = [(c, f"trees[{t}][1][{i}]", []) for i, c in reversed(list(enumerate(children)))]
+        while stack:
+            node, where, above = stack.pop()
+            tokens, kids = _tree_node(node, where)
+            path = above + [int(x) for x in tokens]
+            if not kids:
+                paths.append(path)
+            stack.extend((c, f"{where}[1][{i}]", path) for i, c in reversed(list(enumerate(kids))))
+        prompts.append(root)
+        responses.append(paths if children else [[]])
+    return rows_from_lists(prompts, responses, pad_id, device)
+
+
 def pack_lists(
     prompts: Sequence[Sequence[int]],
     responses: Sequence[Sequence[Sequence[int]]],
@@ -273,9 +325,10 @@ def pack(
     min_shared: int | None = None,
     prompts: Sequence[Sequence[int]] | None = None,
     responses: Sequence[Sequence[Sequence[int]]] | None = None,
+    trees: Sequence[Any] | None = None,
     device: torch.device | str | None = None,
 ) -> PackedBatch:
-    """Pack a batch into the shared-prompt layout, from trainer rows or from token lists.
+    """Pack a batch into the shared-prompt layout, from trainer rows, token lists or trees.
 
     Either trainer rows: ``pack(input_ids, attention_mask, prompt_width, group_ids=None,
     position_ids=None)`` (see :func:`pack_rows`; without group ids, rows with identical prompts
@@ -288,11 +341,21 @@ def pack(
     beyond the prompt (multi-turn and branching rollouts; group ids are then not needed): see
     :func:`dualkv.tree_packing.pack_rows_tree`, whose ``min_shared`` it passes on.
 
+    Or explicit trees: ``pack(trees=[(root_tokens, [(tokens, [...]), ...]), ...])``, each node a
+    list of token ids and its child nodes (see :func:`rows_from_trees`): one row per leaf (its
+    prompt the root, its response the path below it), packed as a prefix tree (``tree`` is
+    implied; ``min_shared`` as above, so branches shorter than it are repeated per path).
+
     Returns:
         A :class:`PackedBatch`: packed ``input_ids``/``position_ids`` ``[1, T]``, the ``layout``
         and the index maps back to the rows.
     """
-    if prompts is not None or responses is not None:
+    if trees is not None:
+        if input_ids is not None or attention_mask is not None or prompts or responses:
+            raise ValueError("give trees= alone, not with trainer rows or prompts/responses")
+        input_ids, attention_mask, prompt_width, _ = rows_from_trees(trees, device=device)
+        tree = True
+    elif prompts is not None or responses is not None:
         if input_ids is not None or attention_mask is not None:
             raise ValueError(
                 "give either trainer rows (input_ids, ...) or prompts/responses, not both"
