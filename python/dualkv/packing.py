@@ -288,7 +288,9 @@ def rows_from_trees(
         root, children = _tree_node(tree, f"trees[{t}]")
         paths: list[list[int]] = []
         # depth first, children in order: a stack of (node, where, the path's tokens above it)
-        stack = [(c, f"trees[{t}][1][{i}]", []) for i, c in reversed(list(enumerate(children)))]
+        stack: list[tuple[Any, str, list[int]]] = [
+            (c, f"trees[{t}][1][{i}]", []) for i, c in reversed(list(enumerate(children)))
+        ]
         while stack:
             node, where, above = stack.pop()
             tokens, kids = _tree_node(node, where)
