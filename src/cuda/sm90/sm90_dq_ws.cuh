@@ -13,7 +13,13 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "sm90/sm90_fwd_ws.cuh"
+#include "collective/online_softmax.cuh"
+#include "collective/score_mod.cuh"
+#include "launch.h"
+#include "sm90/pipeline.cuh"
+#include "sm90/sm90_ws.h"
+#include "sm90/tma.cuh"
+#include "sm90/warp_roles.cuh"
 
 namespace dualkv::cuda::detail {
 

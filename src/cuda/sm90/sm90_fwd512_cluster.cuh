@@ -36,9 +36,10 @@
 #include "collective/score_mod.cuh"
 #include "launch.h"
 #include "sm90/dsmem.cuh"
+#include "sm90/fwd_mainloop.cuh"
 #include "sm90/pipeline.cuh"
-#include "sm90/sm90_fwd_ws.cuh"  // FwdWsArgs, the TMA and setmaxnreg wrappers
 #include "sm90/sm90_ws.h"
+#include "sm90/warp_roles.cuh"
 
 namespace dualkv::cuda::detail {
 
