@@ -225,3 +225,53 @@ def test_attention_temperature_tuning_raises(seed: int) -> None:
     with pytest.raises(NotImplementedError, match="attn_temperature_tuning"):
         _packed_vs_rows(_model(config(4), seed), seed)
     assert _packed_vs_rows(_model(config(8192), seed), seed) < 1e-4
+
+
+def _shift_changes_logits(model: torch.nn.Module, seed: int, shift: int) -> float:
+    """Largest logit change (fp64) when every position of a row moves by ``shift``: the oracle
+    of :func:`relative_positions_only` (TRL's trees number rows from 0 instead of after their
+    left padding, which is such a shift)."""
+    torch.manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (1, 12))
+    pos = torch.arange(12)[None]
+    model = model.double()
+    with torch.no_grad():
+        a = model(ids, position_ids=pos).logits
+        b = model(ids, position_ids=pos + shift).logits
+    return (a - b).abs().max().item()
+
+
+def _ministral3(beta: float) -> object:
+    rope = {
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,
+        "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": beta,
+    }  # fmt: skip
+    return T.Ministral3Config(**COMMON, head_dim=16, rope_parameters=rope)
+
+
+@pytest.mark.parametrize(
+    "name,config,relative",
+    [
+        ("qwen3", lambda: T.Qwen3Config(**COMMON, head_dim=16), True),
+        ("ministral3 without the query scale", lambda: _ministral3(0.0), True),
+        # Ministral 3 / Mistral 4 scale the queries by 1 + beta log(1 + floor(pos / original))
+        ("ministral3", lambda: _ministral3(0.1), False),
+        (
+            "dynamic rope",
+            lambda: T.LlamaConfig(
+                **{**COMMON, "max_position_embeddings": 16},
+                rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4},
+            ),
+            False,
+        ),
+        ("gpt2", lambda: T.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4), False),
+    ],
+)
+def test_relative_positions_only_against_a_shift(name: str, config, relative: bool, seed: int):
+    """relative_positions_only is True only for models whose outputs a constant shift of a row's
+    positions leaves unchanged (shifted past every threshold of the configs above)."""
+    model = _model(config(), seed)
+    change = _shift_changes_logits(model, seed, shift=40)
+    assert (change < 1e-6) == relative, (name, change)
+    assert dkt.relative_positions_only(model) == relative, name

@@ -176,18 +176,30 @@ def check_rope_length(model: PreTrainedModel, length: Any, what: str) -> None:
             )
 
 
+def _position_scaled_queries(config: Any) -> bool:
+    """Whether ``config``'s attention scales the queries by their absolute position (Ministral 3's
+    and Mistral 4's ``llama_4_scaling_beta``: ``1 + beta log(1 + floor(pos / original_max))``)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return False
+    per_type = params.values() if all(isinstance(v, dict) for v in params.values()) else [params]
+    return any(float(p.get("llama_4_scaling_beta") or 0.0) != 0.0 for p in per_type)
+
+
 def relative_positions_only(model: PreTrainedModel) -> bool:
     """Whether ``model`` reads positions only through a rotary embedding of fixed frequencies, so
     shifting all of a row's positions by one constant leaves its outputs unchanged (up to the
     rounding of the rotary angles): its text decoder computes a ``rotary_emb``, holds no embedding
     table besides the token embeddings (GPT-2's and OPT's learned positions are one), has no
-    length-dependent RoPE and no position-dependent attention temperature. Conservative: False
-    for anything else (ALiBi, sinusoidal or per-layer embeddings too)."""
+    length-dependent RoPE and no position-dependent attention temperature or query scale.
+    Conservative: False for anything else (ALiBi, sinusoidal or per-layer embeddings too)."""
     config = text_config_of(model)
     decoder = decoder_of(model)
     if not isinstance(getattr(decoder, "rotary_emb", None), torch.nn.Module):
         return False
     if _length_dependent_ropes(config) or getattr(config, "attn_temperature_tuning", False):
+        return False
+    if _position_scaled_queries(config):
         return False
     tokens = model.get_input_embeddings()
     return all(m is tokens for m in decoder.modules() if isinstance(m, torch.nn.Embedding))
