@@ -353,8 +353,19 @@ def pack(
         and the index maps back to the rows.
     """
     if trees is not None:
-        if input_ids is not None or attention_mask is not None or prompts or responses:
-            raise ValueError("give trees= alone, not with trainer rows or prompts/responses")
+        given = {
+            "input_ids": input_ids, "attention_mask": attention_mask, "prompt_width": prompt_width,
+            "group_ids": group_ids, "position_ids": position_ids, "prompts": prompts,
+            "responses": responses,
+        }  # fmt: skip
+        extra = [name for name, value in given.items() if value is not None]
+        if extra:
+            raise ValueError(
+                f"give trees= alone (with min_shared / device), not with {', '.join(extra)}: the "
+                "rows, their groups and positions come from the trees"
+            )
+        if not isinstance(trees, Sequence) or isinstance(trees, (str, bytes)) or not trees:
+            raise ValueError("trees= needs at least one (tokens, children) tree")
         input_ids, attention_mask, prompt_width, _ = rows_from_trees(trees, device=device)
         tree = True
     elif prompts is not None or responses is not None:

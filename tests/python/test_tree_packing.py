@@ -181,8 +181,12 @@ def test_explicit_trees_errors():
         dualkv.pack(trees=[([1, 2], [([3, "b"], [])])])
     with pytest.raises(TypeError, match=r"trees\[1\]\[1\] must be a list of child nodes"):
         dualkv.pack(trees=[([1], []), ([2], 7)])
-    with pytest.raises(ValueError, match="trees= alone"):
+    with pytest.raises(ValueError, match="trees= alone.*prompts, responses"):
         dualkv.pack(prompts=[[1]], responses=[[[2]]], trees=[([1], [])])
+    with pytest.raises(ValueError, match="trees= alone.*position_ids"):
+        dualkv.pack(trees=[([1, 2], [([3], [])])], position_ids=torch.tensor([[9, 9, 9]]))
+    with pytest.raises(ValueError, match="at least one"):
+        dualkv.pack(trees=[])
     # a root alone is one row with an empty response
     pk = dualkv.pack(trees=[([1, 2, 3], [])], min_shared=1)
     assert pk.num_rows == 1 and not pk.real_mask.any() and pk.total_tokens == 3

@@ -255,6 +255,20 @@ class DualKVGRPOTrainer(GRPOTrainer):
 
         if is_peft_model(self.model):
             raise NotImplementedError("DualKVGRPOTrainer does not support PEFT models yet")
+        steps = getattr(self.args, "steps_per_generation", 1) or 1
+        if getattr(self, "aux_loss_enabled", False) and steps > 1:
+            # the load-balancing loss is nonlinear in which tokens share a micro-batch: whole
+            # groups (and families sharing a system prompt) route more alike than TRL's shuffled
+            # rows, so its expected value is larger; said once, not refused (MoE users rely on it)
+            logger.warning(
+                "DualKVGRPOTrainer: the MoE load-balancing loss (router_aux_loss_coef=%s) is "
+                "computed per micro-batch, and with steps_per_generation=%d DualKV's micro-batches "
+                "hold whole prompt groups where TRL's hold shuffled rows: its value differs from "
+                "TRL's in expectation (larger: a micro-batch's tokens route more alike). "
+                "steps_per_generation=1 gives TRL's value exactly.",
+                self.router_aux_loss_coef,
+                steps,
+            )
 
     @contextlib.contextmanager
     def _generation_attention(self) -> Iterator[None]:
