@@ -430,6 +430,17 @@ def report(result: dict[str, Any], out: Any) -> None:
               f"{summary['train_speedup']:.2f}x", file=out)  # fmt: skip
 
 
+def save(result: dict[str, Any], folder: str | None) -> str:
+    """Write ``result`` to ``folder/grpo_learning.json`` (nothing without a folder); its path."""
+    if not folder:
+        return ""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "grpo_learning.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    return path
+
+
 def run(argv: list[str] | None = None, out: Any = None) -> dict[str, Any]:
     out = out or sys.stdout
     args = parse(argv)
@@ -475,14 +486,12 @@ def run(argv: list[str] | None = None, out: Any = None) -> dict[str, Any]:
             result.setdefault("peak_gib", {})[mode] = peak
             memory = f", peak GPU memory {peak:.1f} GiB" if peak is not None else ""
             print(f"{mode}: {len(logs)} steps in {seconds:.0f} s{memory}", file=out, flush=True)
+            save(result, args.out)  # each run as it ends: a run cut short keeps the ones before
     result["summary"] = summarize(
         {m: [StepLog(**s) for s in logs] for m, logs in result["runs"].items()}
     )
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, "grpo_learning.json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+        path = save(result, args.out)
         try:
             plot(result, os.path.join(args.out, "grpo_learning.png"))
         except ImportError:
