@@ -27,10 +27,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "collective/bwd_preprocess.cuh"
-#include "sm90/dkdv_producer.cuh"
+#include "sm90/sm90_bwd_ws.cuh"
 #include "sm90/sm90_dq_ws.cuh"
-#include "sm90/warp_roles.cuh"
 
 namespace dualkv::cuda::detail {
 

@@ -35,14 +35,11 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "collective/bwd_preprocess.cuh"
 #include "collective/epilogue.cuh"
 #include "collective/score_mod.cuh"
-#include "sm90/dkdv_producer.cuh"
-#include "sm90/dq_producer.cuh"
 #include "sm90/dsmem.cuh"
 #include "sm90/pipeline.cuh"
-#include "sm90/warp_roles.cuh"
+#include "sm90/sm90_bwd_ws.cuh"
 
 namespace dualkv::cuda::detail {
 
