@@ -62,6 +62,11 @@ __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
+// Arrives on `bar` once this thread's earlier cp.async copies have landed (counts as one of the
+// barrier's expected arrivals).
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
 // Blocks until the phase of parity `parity` has completed (a fresh barrier counts its phase of
 // parity 1 as completed, so a producer's first pass through the ring does not wait). No watchdog:
 // a clock64 timeout here made ptxas spill and serialise the wgmmas; the test scripts time out.

@@ -27,8 +27,13 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "sm90/sm90_bwd_ws.cuh"
-#include "sm90/sm90_dq_ws.cuh"
+#include "collective/epilogue.cuh"
+#include "collective/query_walk.cuh"
+#include "collective/score_mod.cuh"
+#include "sm90/pipeline.cuh"
+#include "sm90/producers.cuh"
+#include "sm90/warp_roles.cuh"
+#include "sm90/ws_args.cuh"
 
 namespace dualkv::cuda::detail {
 
@@ -236,33 +241,6 @@ __global__ void __launch_bounds__(384, 1)
     store_dkdv_rows<T, D, DW>(p, dk, dv, k0, nk, hk, kr0, col0, tq);
   }
 #endif
-}
-
-// Preprocess, the warp-specialised D = 256 dK/dV kernel, then the warp-specialised dQ pass. False
-// (nothing launched, with a warning) when a tensor map of either kernel cannot be encoded: the
-// caller then runs the synchronous backward.
-template <typename T>
-bool launch_backward_sm90_d256ws(const BwdParams& p, const KernelPolicy& policy,
-                                 cudaStream_t stream) {
-  using C = DkdvWs256Cfg;
-  if (int64_t(p.T) * p.Hq == 0) return true;
-  DkdvWsArgs a{};
-  if (!make_bwd_ws_args(a, p, C::D, C::BM, C::BN)) return false;
-  DqWsArgs qa{};  // the dQ pass's maps, encoded before anything is launched
-  if (!make_dq_ws_args<C::D>(qa, p, policy)) {
-    warn_ws_fallback("cuTensorMapEncodeTiled failed for the dQ pass");
-    return false;
-  }
-  launch_bwd_pre<T, C::D>(p, false, stream);
-  const int64_t grid = int64_t(p.nkt) * (kTileSize / C::BN) * p.Hkv;
-  if (grid > 0) {
-    auto kernel =
-        p.softcap > 0.f ? dkdv_ws256_kernel_sm90<T, true> : dkdv_ws256_kernel_sm90<T, false>;
-    launch_kernel(kernel, grid, C::THREADS, C::SMEM, stream, a,
-                  "dualkv backward dk/dv (sm90a, warp-specialised, D = 256)");
-  }
-  launch_dq_sm90_ws<T, C::D>(qa, stream);
-  return true;
 }
 
 }  // namespace dualkv::cuda::detail

@@ -36,10 +36,13 @@
 #include <type_traits>
 
 #include "collective/epilogue.cuh"
+#include "collective/query_walk.cuh"
 #include "collective/score_mod.cuh"
 #include "sm90/dsmem.cuh"
 #include "sm90/pipeline.cuh"
-#include "sm90/sm90_bwd_ws.cuh"
+#include "sm90/producers.cuh"
+#include "sm90/warp_roles.cuh"
+#include "sm90/ws_args.cuh"
 
 namespace dualkv::cuda::detail {
 
@@ -689,38 +692,6 @@ __global__ void __launch_bounds__(384, 1)
   }
   ws::cluster_sync();
 #endif
-}
-
-// D = 512 backward on wgmma: preprocess, the dK/dV kernel, then the dQ kernel above. Atomic-free
-// and bitwise reproducible. False (nothing launched) when a tensor map cannot be encoded: the
-// caller then runs the sm_80 backward.
-template <typename T>
-bool launch_backward_sm90_d512(const BwdParams& p, cudaStream_t stream) {
-  using C = DkdvWs512Cfg;
-  constexpr int D = C::D;
-  if (int64_t(p.T) * p.Hq == 0) return true;
-  DkdvWsArgs a{};
-  if (!make_bwd_ws_args(a, p, D, C::BM, C::BN)) return false;
-  launch_bwd_pre<T, D>(p, false, stream);
-  const bool cap = p.softcap > 0.f;
-  const int64_t grid = int64_t(p.nkt) * (kTileSize / C::BN) * p.Hkv * C::CLUSTER;
-  if (grid > 0) {
-    launch_kernel(cap ? dkdv_ws512_kernel_sm90<T, true> : dkdv_ws512_kernel_sm90<T, false>, grid,
-                  C::THREADS, C::SMEM, stream, a,
-                  "dualkv backward dk/dv D=512 (sm90a, warp-specialised, 2-CTA clusters)",
-                  C::CLUSTER);
-  }
-  // The dQ maps are the dK/dV kernel's (boxes of 64 rows for Q, dO, K and V alike).
-  static_assert(DqWs512Cfg::BM == C::BM && DqWs512Cfg::BN == C::BN, "shared tensor maps");
-  using QW = DqWs512Cfg;
-  const int64_t grid_q = int64_t(p.nqt) * (kTileSize / QW::BM) * p.Hq * QW::CLUSTER;
-  if (grid_q > 0) {
-    launch_kernel(cap ? dq_ws512_kernel_sm90<T, true> : dq_ws512_kernel_sm90<T, false>, grid_q,
-                  QW::THREADS, QW::SMEM, stream, a,
-                  "dualkv backward dq D=512 (sm90a, warp-specialised, 2-CTA clusters)",
-                  QW::CLUSTER);
-  }
-  return true;
 }
 
 }  // namespace dualkv::cuda::detail

@@ -73,6 +73,18 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
+// Shared-memory stores by address (the fused dQ's dS^T and dQ hand-over buffers).
+namespace ws {
+#if DUALKV_SM90_BODY
+__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_shared_f32x2(uint32_t addr, float x, float y) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y) : "memory");
+}
+#endif
+}  // namespace ws
+
 // Tile layout ("SW128"): a [ROWS][D] 16-bit tile is stored as D/64 column blocks of ROWS x 128 B;
 // in row r the 16-byte chunk c (of the block) lives at chunk c ^ (r & 7). The tile base must be
 // 1024-byte aligned. This is the canonical 128B-swizzled wgmma layout, K-major when rows are the

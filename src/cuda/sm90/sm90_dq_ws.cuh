@@ -13,13 +13,14 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "collective/online_softmax.cuh"
+#include "collective/epilogue.cuh"
 #include "collective/score_mod.cuh"
 #include "launch.h"
 #include "sm90/pipeline.cuh"
+#include "sm90/producers.cuh"
 #include "sm90/sm90_ws.h"
-#include "sm90/tma.cuh"
 #include "sm90/warp_roles.cuh"
+#include "sm90/ws_args.cuh"
 
 namespace dualkv::cuda::detail {
 
@@ -55,49 +56,6 @@ struct DqWsCfg {
   static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "register pool of one CTA");
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
-
-struct DqWsArgs {
-  CUtensorMap tq, tdo, tk, tv;
-  BwdParams p;
-  int pingpong;
-};
-
-#if DUALKV_SM90_BODY
-// The producer thread of the dQ kernels (dq_ws_kernel_sm90, and per CTA of its cluster the D = 512
-// one: NB column blocks of 64 from col0): Q and dO of the CTA's queries once on bQ, then K and V
-// of each key block of the walk: SV = 0, both through the S-stage ring (full / empty); SV > 0, K
-// through it and V through a separate SV-stage ring (full_v / empty_v).
-template <int BM, int BN, int S, int NB, int SV, class Args, class Walk, class Full, class Empty,
-          class FullV, class EmptyV>
-__device__ __forceinline__ void dq_producer_thread(const Args& a, const Walk& walk, int total,
-                                                   int h, int hk, int q0, int col0, uint32_t sQ,
-                                                   uint32_t sdO, uint32_t bQ, uint32_t sK0,
-                                                   uint32_t sV0, Full full, Empty empty,
-                                                   FullV full_v, EmptyV empty_v) {
-  constexpr int Q_BYTES = BM * NB * 128, KV_BYTES = BN * NB * 128;
-  ws::prefetch_tmap(&a.tk);
-  ws::prefetch_tmap(&a.tv);
-  ws::mbar_expect_tx(bQ, 2 * Q_BYTES);
-  ws::tma_load3_pair<NB, BM>(sQ, &a.tq, sdO, &a.tdo, bQ, col0, h, q0);
-  for (int j = 0; j < total; ++j) {
-    const int s = Ring<S>::stage(j);
-    const int row = int(walk.at(j).row());
-    ws::mbar_wait(empty(s), Ring<S>::empty_parity(j));
-    if constexpr (SV == 0) {
-      ws::mbar_expect_tx(full(s), 2 * KV_BYTES);
-      ws::tma_load3_pair<NB, BN>(sK0 + s * KV_BYTES, &a.tk, sV0 + s * KV_BYTES, &a.tv, full(s),
-                                 col0, hk, row);
-    } else {
-      const int sv = Ring<SV>::stage(j);
-      ws::mbar_expect_tx(full(s), KV_BYTES);
-      ws::tma_load3_cols<NB, BN>(sK0 + s * KV_BYTES, &a.tk, full(s), col0, hk, row);
-      ws::mbar_wait(empty_v(sv), Ring<SV>::empty_parity(j));
-      ws::mbar_expect_tx(full_v(sv), KV_BYTES);
-      ws::tma_load3_cols<NB, BN>(sV0 + sv * KV_BYTES, &a.tv, full_v(sv), col0, hk, row);
-    }
-  }
-}
-#endif
 
 template <typename T, int D, bool kCap>
 __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constant__ DqWsArgs a) {
@@ -257,21 +215,6 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
     store_dq_rows<T, D, D>(p, acc, q0, nq, h, row0, 0, tq, total > 0);
   }
 #endif
-}
-
-// The dQ kernel's arguments (tensor maps, ping-pong); false when a map cannot be encoded.
-template <int D>
-bool make_dq_ws_args(DqWsArgs& a, const BwdParams& p, const KernelPolicy& policy) {
-  using C = DqWsCfg<D>;
-  if (!encode_tmap_thd(&a.tq, p.q, p.T, p.Hq, D, p.q_tok, p.q_head, C::BM) ||
-      !encode_tmap_thd(&a.tdo, p.dout, p.T, p.Hq, D, int64_t(p.Hq) * D, D, C::BM) ||
-      !encode_tmap_thd(&a.tk, p.k, p.T, p.Hkv, D, p.k_tok, p.k_head, C::BN) ||
-      !encode_tmap_thd(&a.tv, p.v, p.T, p.Hkv, D, p.v_tok, p.v_head, C::BN)) {
-    return false;
-  }
-  a.p = p;
-  a.pingpong = policy.pingpong;
-  return true;
 }
 
 // The separate dQ pass, with the arguments of make_dq_ws_args.

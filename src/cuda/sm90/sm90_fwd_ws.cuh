@@ -30,11 +30,13 @@
 #include "collective/online_softmax.cuh"
 #include "collective/score_mod.cuh"
 #include "launch.h"
-#include "sm90/dsmem.cuh"
 #include "sm90/fwd_mainloop.cuh"
 #include "sm90/pipeline.cuh"
+#include "sm90/producers.cuh"
 #include "sm90/sm90_ws.h"
+#include "sm90/tma.cuh"
 #include "sm90/warp_roles.cuh"
+#include "sm90/ws_args.cuh"
 
 namespace dualkv::cuda::detail {
 

@@ -1,0 +1,162 @@
+// The producers of the warp-specialised sm_90a kernels: the thread or warp of warpgroup 0 that
+// issues every load of the CTA (TMA for the tiles, cp.async for the backward's row statistics) into
+// the stage rings, in the order of the region walk (the consumers never read the segment tables):
+//   - ws_fwd_producer: the forwards' (Q once, then each key block's K and V);
+//   - dkdv_producer_warp / dkdv_produce_stage: the dK/dV kernels' (K and V once, then each query
+//     block's Q, dO, lse2 and delta, and its record for the consumers);
+//   - dq_producer_thread: the dQ passes' (Q and dO once, then each key block's K and V).
+#pragma once
+
+#include <cstdint>
+
+#include "collective/common.cuh"
+#include "collective/query_walk.cuh"
+#include "sm90/pipeline.cuh"
+#include "sm90/tma.cuh"
+#include "sm90/ws_args.cuh"
+
+namespace dualkv::cuda::detail {
+
+#if DUALKV_SM90_BODY
+// The warp-specialised forwards' producer (one thread): the Q tile (NQB column blocks from
+// column qcol0 of query rows q0.., q head h, on bar_q), then per key block j of the walk its K
+// and V tiles into ring stage Ring<S>::stage(j): each waits for the stage's release, expects
+// KVB bytes on its full barrier and issues its copies through load_kv(map, stage tile, full
+// barrier, first key row) (the kernel's own column blocks: all of them, or its column half).
+template <int S, int NQB, int BM, int QB, int KVB, int BN, class FullK, class FullV, class EmptyK,
+          class EmptyV, class LoadKV>
+__device__ __forceinline__ void ws_fwd_producer(const FwdWsArgs& a, const KeyBlockWalk<BN>& walk,
+                                                uint32_t sQ, uint32_t sK0, uint32_t sV0,
+                                                uint32_t bar_q, int qcol0, int h, int q0,
+                                                FullK&& full_k, FullV&& full_v, EmptyK&& empty_k,
+                                                EmptyV&& empty_v, LoadKV&& load_kv) {
+  ws::prefetch_tmap(&a.tq);
+  ws::prefetch_tmap(&a.tk);
+  ws::prefetch_tmap(&a.tv);
+  ws::mbar_expect_tx(bar_q, QB);
+  ws::tma_load3_cols<NQB, BM>(sQ, &a.tq, bar_q, qcol0, h, q0);
+  for (int j = 0; j < walk.total; ++j) {
+    const int s = Ring<S>::stage(j);
+    const uint32_t ph = Ring<S>::empty_parity(j);
+    const int row = int(walk.at(j).row());
+    ws::mbar_wait(empty_k(s), ph);
+    ws::mbar_expect_tx(full_k(s), KVB);
+    load_kv(&a.tk, sK0 + s * KVB, full_k(s), row);
+    ws::mbar_wait(empty_v(s), ph);
+    ws::mbar_expect_tx(full_v(s), KVB);
+    load_kv(&a.tv, sV0 + s * KVB, full_v(s), row);
+  }
+}
+
+// One stage of a warp-specialised dK/dV kernel's producer warp (the D <= 128, D = 256 and D = 512
+// kernels): waits until ring stage s is free (`parity`: Ring::empty_parity), then, past the end
+// of the walk (valid = false), marks the stage's record 0 and returns false; else writes block
+// cur's record in meta (1 + q head within the group, rows, logical position, first packed row)
+// and loads into stage s, all on its full barrier: Q and dO columns [col0, col0 + 64 NCB) of the
+// block's QB-byte tiles through TMA (lane 0), its lse2 and delta rows through cp.async (every
+// lane).
+template <int NCB, int BM, int QB>
+__device__ __forceinline__ bool dkdv_produce_stage(const DkdvWsArgs& a, int s, uint32_t parity,
+                                                   bool valid, const QIter& cur, int hk,
+                                                   uint32_t full, uint32_t empty,
+                                                   volatile int* meta, uint32_t sQ0, uint32_t sdO0,
+                                                   uint32_t sL0, int col0, int lane) {
+  const BwdParams& p = a.p;
+  ws::mbar_wait(empty, parity);
+  if (!valid) {
+    if (lane == 0) {
+      meta[0] = 0;  // end of the walk
+      ws::mbar_arrive(full);
+    }
+    ws::mbar_arrive(full);
+    return false;
+  }
+  const int h = hk * p.group + cur.hi;
+  const int qs = cur.row(BM);
+  const int nq = cur.count(BM);
+  if (lane == 0) {
+    meta[0] = 1 + cur.hi;  // which q head of the GQA group
+    meta[1] = nq;
+    meta[2] = cur.pos(BM);
+    meta[3] = qs;
+    ws::mbar_expect_tx(full, 2 * QB);
+    ws::tma_load3_pair<NCB, BM>(sQ0 + s * QB, &a.tq, sdO0 + s * QB, &a.tdo, full, col0, h, qs);
+  }
+#pragma unroll
+  for (int i = lane; i < 2 * BM; i += 32) {
+    const int r = i % BM;
+    const float* src = (i < BM ? p.lse2 : p.delta) + int64_t(h) * p.T + qs + (r < nq ? r : 0);
+    cp_async4(sL0 + (s * 2 * BM + i) * 4, src, r < nq);
+  }
+  ws::cp_async_mbar_arrive(full);
+  return true;
+}
+
+// A warp-specialised dK/dV kernel's producer warp (warp 0; the D <= 128, D = 256 and D = 512
+// kernels): the key tile's K and V columns [col0, col0 + 64 NCB) (KB bytes each, on bKV), then
+// one ring stage per query block of the walk (dkdv_produce_stage) until a stage marks its end.
+// The walk starts at query_walk_begin; step(cur) advances it (false: past its end) and is the
+// kernel's own (its register-pressure workarounds at the producer's 24 registers differ).
+template <int NCB, int BN, int BM, int S, int QB, int KB, class Full, class Empty, class Meta,
+          class Step>
+__device__ __forceinline__ void dkdv_producer_warp(const DkdvWsArgs& a, const Segment& kseg,
+                                                   int ksi, int hk, int k0, int pk_first,
+                                                   int pk_last, uint32_t sK, uint32_t sV,
+                                                   uint32_t bKV, uint32_t sQ0, uint32_t sdO0,
+                                                   uint32_t sL0, int col0, int lane, Full&& full,
+                                                   Empty&& empty, Meta&& meta, Step&& step) {
+  if (lane == 0) {
+    ws::prefetch_tmap(&a.tq);
+    ws::prefetch_tmap(&a.tdo);
+    ws::mbar_expect_tx(bKV, 2 * KB);
+    ws::tma_load3_pair<NCB, BN>(sK, &a.tk, sV, &a.tv, bKV, col0, hk, k0);
+  }
+  QIter cur;
+  bool valid = query_walk_begin<BM>(a.p, kseg, ksi, pk_first, pk_last, cur);
+  for (int it = 0;; ++it) {
+    const int s = Ring<S>::stage(it);
+    if (!dkdv_produce_stage<NCB, BM, QB>(a, s, Ring<S>::empty_parity(it), valid, cur, hk, full(s),
+                                         empty(s), meta(s), sQ0, sdO0, sL0, col0, lane))
+      break;
+    valid = step(cur);
+  }
+  cp_wait<0>();  // no lse/delta copy outlives its thread
+}
+
+// The producer thread of the dQ kernels (dq_ws_kernel_sm90, and per CTA of its cluster the D = 512
+// one: NB column blocks of 64 from col0): Q and dO of the CTA's queries once on bQ, then K and V
+// of each key block of the walk: SV = 0, both through the S-stage ring (full / empty); SV > 0, K
+// through it and V through a separate SV-stage ring (full_v / empty_v).
+template <int BM, int BN, int S, int NB, int SV, class Args, class Walk, class Full, class Empty,
+          class FullV, class EmptyV>
+__device__ __forceinline__ void dq_producer_thread(const Args& a, const Walk& walk, int total,
+                                                   int h, int hk, int q0, int col0, uint32_t sQ,
+                                                   uint32_t sdO, uint32_t bQ, uint32_t sK0,
+                                                   uint32_t sV0, Full full, Empty empty,
+                                                   FullV full_v, EmptyV empty_v) {
+  constexpr int Q_BYTES = BM * NB * 128, KV_BYTES = BN * NB * 128;
+  ws::prefetch_tmap(&a.tk);
+  ws::prefetch_tmap(&a.tv);
+  ws::mbar_expect_tx(bQ, 2 * Q_BYTES);
+  ws::tma_load3_pair<NB, BM>(sQ, &a.tq, sdO, &a.tdo, bQ, col0, h, q0);
+  for (int j = 0; j < total; ++j) {
+    const int s = Ring<S>::stage(j);
+    const int row = int(walk.at(j).row());
+    ws::mbar_wait(empty(s), Ring<S>::empty_parity(j));
+    if constexpr (SV == 0) {
+      ws::mbar_expect_tx(full(s), 2 * KV_BYTES);
+      ws::tma_load3_pair<NB, BN>(sK0 + s * KV_BYTES, &a.tk, sV0 + s * KV_BYTES, &a.tv, full(s),
+                                 col0, hk, row);
+    } else {
+      const int sv = Ring<SV>::stage(j);
+      ws::mbar_expect_tx(full(s), KV_BYTES);
+      ws::tma_load3_cols<NB, BN>(sK0 + s * KV_BYTES, &a.tk, full(s), col0, hk, row);
+      ws::mbar_wait(empty_v(sv), Ring<SV>::empty_parity(j));
+      ws::mbar_expect_tx(full_v(sv), KV_BYTES);
+      ws::tma_load3_cols<NB, BN>(sV0 + sv * KV_BYTES, &a.tv, full_v(sv), col0, hk, row);
+    }
+  }
+}
+#endif  // DUALKV_SM90_BODY
+
+}  // namespace dualkv::cuda::detail
