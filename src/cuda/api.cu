@@ -224,7 +224,6 @@ KernelPolicy resolve_policy(bool deterministic) {
   pol.pingpong = !is("DUALKV_SM90_PINGPONG", '0');
   pol.fused_dq = !deterministic && !is("DUALKV_FUSED_DQ", '0');
   pol.d512_bwd_sm90 = !is("DUALKV_SM90_D512_BWD", '0');
-  pol.d256_bwd_ws = !is("DUALKV_SM90_D256_BWD", '0');
   pol.bwd_key_chunk = is("DUALKV_BWD_KEY_ORDER", '0')   ? 0
                       : is("DUALKV_BWD_KEY_ORDER", '1') ? 16
                       : is("DUALKV_BWD_KEY_ORDER", '2') ? 32
@@ -391,9 +390,7 @@ void attention_backward(const BackwardArgs& a, void* workspace, size_t bytes, cu
       // Fused dQ unless deterministic (policy.h).
       if (pol.sm90 && launch_backward_sm90_ws<T, D>(p, pol, stream)) return;
     } else if constexpr (D == 256) {
-      // The warp-specialised D = 256 backward (KernelPolicy::d256_bwd_ws; false: a TMA map failed).
-      if (pol.sm90 && pol.d256_bwd_ws && launch_backward_sm90_d256ws<T>(p, pol, stream)) return;
-      if (pol.sm90) return launch_backward_sm90<T, D>(p, stream);
+      if (pol.sm90 && launch_backward_sm90_d256ws<T>(p, pol, stream)) return;
     } else {
       if (pol.sm90 && pol.d512_bwd_sm90 && launch_backward_sm90_d512<T>(p, stream)) return;
     }

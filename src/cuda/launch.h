@@ -55,11 +55,7 @@ void launch_forward_sm80(const FwdParams& p, bool small_smem, cudaStream_t strea
 template <typename T, int D>
 void launch_backward_sm80(const BwdParams& p, bool small_smem, cudaStream_t stream);
 
-// sm_90a (wgmma) path: built when CMAKE_CUDA_ARCHITECTURES has 90a (DUALKV_HAS_SM90A), chosen at
-// run time when KernelPolicy::sm90 (compute capability 9.x, not DUALKV_FORCE_SM80=1). The
-// synchronous wgmma backward (sm90/sm90_bwd.cuh), instantiated for D = 256 only (D <= 128 and
-// D = 512 have warp-specialised backwards, sm90/sm90_ws.h).
-template <typename T, int D>
-void launch_backward_sm90(const BwdParams& p, cudaStream_t stream);
+// The sm_90a launchers (built when CMAKE_CUDA_ARCHITECTURES has 90a, DUALKV_HAS_SM90A; chosen at
+// run time when KernelPolicy::sm90): sm90/sm90_ws.h.
 
 }  // namespace dualkv::cuda::detail

@@ -40,11 +40,6 @@ struct KernelPolicy {
   // the head dim, so that wgmma tiles fit; faster than the sm_80 mma.sync backward:
   // bench/RESULTS.md); DUALKV_SM90_D512_BWD=0 runs the sm_80 one (A/B, cross-check).
   bool d512_bwd_sm90 = true;
-  // D = 256 backward on sm_90a: sm90/sm90_bwd256_ws.cuh's warp-specialised dK/dV kernel (TMA
-  // producer warp, 2-stage ring) + the warp-specialised dQ pass (sm90_dq_ws.cuh, 3 stages);
-  // DUALKV_SM90_D256_BWD=0 the synchronous D = 256 backward (A/B; slower: every thread loads
-  // with cp.async and waits for each product, where the warp-specialised kernels overlap them).
-  bool d256_bwd_ws = true;
   // The order of the dK/dV kernels' CTAs (Params::key_chunk; every backward path): key tiles in
   // chunks of n, the kv heads outer within a chunk, so that the CTAs running together walk the
   // same kv head's queries (L2 reuse of Q, dO and the dQ reductions), or n = 0: the kv heads of a

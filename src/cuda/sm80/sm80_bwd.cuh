@@ -190,8 +190,8 @@ __global__ void __launch_bounds__(BwdCfg<D, kSmall>::THREADS, BwdCfg<D, kSmall>:
       sV, static_cast<const T*>(p.v) + int64_t(k0) * p.v_tok + int64_t(hk) * p.v_head, p.v_tok, nk);
 
   auto issue = [&](const QIter& it, int stage) {
-    load_query_block<T, SwzTiles, BM, D, THREADS, BM * D * 2, Cfg::FRESH_ADDR>(
-        p, it, hk, tid, stage, sQ0, sdO0, sL0);
+    load_query_block<T, BM, D, THREADS, BM * D * 2, Cfg::FRESH_ADDR>(p, it, hk, tid, stage, sQ0,
+                                                                     sdO0, sL0);
   };
   auto advance = [&](QIter& it) {
     return query_walk_next<BM>(p, kseg, ksi, pk_first, pk_last, it);
@@ -367,13 +367,13 @@ __global__ void __launch_bounds__(DqCfg<D, kSmall>::THREADS, DqCfg<D, kSmall>::M
   const T* kg = static_cast<const T*>(p.k) + int64_t(hk) * p.k_head;
   const T* vg = static_cast<const T*>(p.v) + int64_t(hk) * p.v_head;
 
-  load_q_do_rows<T, SwzTiles, BM, D, THREADS, Cfg::FRESH_ADDR>(p, q0, nq, h, sQ, sdO);
+  load_q_do_rows<T, BM, D, THREADS, Cfg::FRESH_ADDR>(p, q0, nq, h, sQ, sdO);
 
   const KeyBlockWalk<BN> walk(p, seg, q0, nq);
   const int total = walk.total, pq_first = walk.pq_first;
   auto load_kv = [&](int j, int stage) {
-    load_kv_block<SwzTiles, BN, D, THREADS, Cfg::FRESH_ADDR>(
-        p, walk.at(j), sK0 + stage * BN * D * 2, sV0 + stage * BN * D * 2, kg, vg);
+    load_kv_block<BN, D, THREADS, Cfg::FRESH_ADDR>(p, walk.at(j), sK0 + stage * BN * D * 2,
+                                                   sV0 + stage * BN * D * 2, kg, vg);
   };
   if (total > 0) load_kv(0, 0);
   cp_commit();

@@ -92,8 +92,8 @@ __global__ void __launch_bounds__(FwdCfg<D, kSmall>::THREADS, FwdCfg<D, kSmall>:
   const KeyBlockWalk<BN> walk(p, seg, q0, nq);
   const int total = walk.total, pq_first = walk.pq_first;
   auto load_kv = [&](int j, int stage) {
-    load_kv_block<SwzTiles, BN, D, THREADS, Cfg::FRESH_ADDR>(
-        p, walk.at(j), sK0 + stage * BN * D * 2, sV0 + stage * BN * D * 2, kg, vg);
+    load_kv_block<BN, D, THREADS, Cfg::FRESH_ADDR>(p, walk.at(j), sK0 + stage * BN * D * 2,
+                                                   sV0 + stage * BN * D * 2, kg, vg);
   };
 
   if (total > 0) load_kv(0, 0);

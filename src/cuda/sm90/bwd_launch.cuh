@@ -70,7 +70,7 @@ bool launch_backward_sm90_ws(const BwdParams& p, const KernelPolicy& policy, cud
 
 // Preprocess, the warp-specialised D = 256 dK/dV kernel, then the warp-specialised dQ pass. False
 // (nothing launched, with a warning) when a tensor map of either kernel cannot be encoded: the
-// caller then runs the synchronous backward.
+// caller then runs the sm_80 backward.
 template <typename T>
 bool launch_backward_sm90_d256ws(const BwdParams& p, const KernelPolicy& policy,
                                  cudaStream_t stream) {

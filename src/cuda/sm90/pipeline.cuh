@@ -1,8 +1,7 @@
 // The pipeline pieces of the sm_90a kernels: stages and phases of a ring of shared-memory buffers
 // (Ring), the mbarrier operations that hand a stage between producer and consumers, named
 // barriers (bar_sync / bar_arrive) and the ping-pong turns of the consumer warpgroups built on
-// them (PingPong). Used by the warp-specialised kernels (sm90_fwd_ws.cuh, sm90_bwd_ws.cuh,
-// sm90_dq_ws.cuh; named barriers also by sm90_bwd.cuh).
+// them (PingPong). Used by the warp-specialised kernels.
 #pragma once
 
 #include <cstdint>

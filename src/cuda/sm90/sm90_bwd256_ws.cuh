@@ -1,12 +1,11 @@
-// sm_90a backward for D = 256, warp-specialised (the default D = 256 backward on Hopper:
-// KernelPolicy::d256_bwd_ws; DUALKV_SM90_D256_BWD=0 runs sm90_bwd.cuh's synchronous one).
-// The dK/dV kernel keeps the synchronous kernel's decomposition (Dkdv90Cfg::kSplitD, measured
-// correct on the GPU): one CTA per (64-key block, kv head), both consumer warpgroups own the same
-// 64 keys and warpgroup c the dK/dV columns 128c..128c+127 (64 keys x 128 columns x 2 fp32
-// accumulators = 128 registers per thread); per 64-query block warpgroup c computes S^T and dP^T
-// for queries 32c..32c+31 (64 x 32 x 256 products), P and dS for them, and the two warpgroups
-// swap their P^T / dS^T A fragments through shared memory. What is new is the schedule of
-// sm90_bwd_ws.cuh's kernels:
+// sm_90a backward for D = 256, warp-specialised (the D = 256 backward on Hopper). The dK/dV
+// kernel keeps the decomposition of the synchronous wgmma kernel it replaced (deleted since):
+// one CTA per (64-key block, kv head), both consumer warpgroups own the same 64 keys and
+// warpgroup c the dK/dV columns 128c..128c+127 (64 keys x 128 columns x 2 fp32 accumulators =
+// 128 registers per thread); per 64-query block warpgroup c computes S^T and dP^T for queries
+// 32c..32c+31 (64 x 32 x 256 products), P and dS for them, and the two warpgroups swap their
+// P^T / dS^T A fragments through shared memory. The schedule is that of sm90_bwd_ws.cuh's
+// kernel:
 //   - producer warp 0 (setmaxnreg 24): TMA of K and V once, then per query block of the fixed
 //     walk (query_walk_begin / seek_query_region, the same order as every dK/dV kernel, so dK/dV
 //     stay bitwise reproducible) the Q and dO tiles by TMA and the lse2 / delta rows by cp.async,

@@ -428,7 +428,7 @@ __global__ void __launch_bounds__(384, 1)
         hx.template swap_add_pipe<2, false>(sc, dp, it, [] {}, [] {});
       }
       // P (and dsoftcap) and dS of this CTA's 16 of the warpgroup's queries (floats 0..7 after
-      // own_half_first), as dkdv_kernel_sm90's kSplitD.
+      // own_half_first), as dkdv_ws256_kernel_sm90's.
       constexpr int NF = decltype(hx)::H;
       const int qf = q_off + 16 * int(rank);
 #pragma unroll

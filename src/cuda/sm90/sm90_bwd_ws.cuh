@@ -1,8 +1,7 @@
-// sm_90a backward at D <= 128, warp-specialised: the shared preprocess, a dK/dV kernel in the
-// style of sm90_fwd_ws.cuh with dQ fused in (the default) or the separate dQ pass of
-// sm90_dq_ws.cuh. The dK/dV schedule and order of dkdv_kernel_sm90 (one CTA per (128-key tile,
-// kv head), query blocks of 64 in the fixed walk of query_walk_begin/next), so dK/dV are
-// atomic-free and deterministic.
+// sm_90a dK/dV kernel at D <= 128, warp-specialised, in the style of sm90_fwd_ws.cuh, with dQ
+// fused in (the default) or not (then the separate dQ pass of sm90_dq_ws.cuh runs; the launcher:
+// bwd_launch.cuh). One CTA per (128-key tile, kv head), query blocks of 64 in the fixed walk of
+// query_walk_begin/next (as every dK/dV kernel), so dK/dV are atomic-free and deterministic.
 //   - producer warp 0: TMA of K and V once, then per query block of the walk: Q and dO tiles by
 //     TMA, lse2/delta rows by cp.async (completing on the same full barrier with
 //     cp.async.mbarrier.arrive.noinc), and a small record (query count, first position, or "end")
@@ -106,7 +105,7 @@ struct DkdvWsCfg {
   // allocation), i.e. 504 per thread slot of the three warpgroups. More would leave a consumer
   // warp waiting in setmaxnreg.inc forever.
   static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "register pool of one CTA");
-  static_assert(D <= 128, "D = 256 keeps the synchronous dK/dV kernel");
+  static_assert(D <= 128, "D = 256: sm90_bwd256_ws.cuh");
   static_assert(BM == 64 || (BM == 128 && D == 64 && kFusedDq),
                 "128-query blocks: D = 64 with the fused dQ only (dQ's rows split between the "
                 "warpgroups; D = 128 splits its columns)");
@@ -295,7 +294,7 @@ __global__ void __launch_bounds__(384, 1)
         fence_proxy_async();
       };
       if constexpr (kCap) {
-        // dS needs tanh'(S): wait for both products, then one pass (as the synchronous kernel).
+        // dS needs tanh'(S): wait for both products, then one pass.
         wg_wait<0>();
         fence_regs(sc, dp);
         // Packed as computed, so each pair of S/dP registers dies at once (no spills).

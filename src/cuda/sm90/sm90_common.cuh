@@ -95,23 +95,6 @@ __device__ __forceinline__ uint32_t sw128(int r,
   return uint32_t((c >> 6) * (ROWS * 128) + r * 128 + ((((c & 63) >> 3) ^ (r & 7)) << 4));
 }
 
-// load_tile_swizzled in the SW128 layout of the wgmma kernels.
-template <int ROWS, int D, int THREADS, typename T>
-__device__ __forceinline__ void load_tile_sw128(uint32_t s_base, const T* base, int64_t row_stride,
-                                                int valid) {
-  load_tile_swizzled<ROWS, D, THREADS>(s_base, base, row_stride, valid,
-                                       [](int r, int c) { return sw128<ROWS>(r, c); });
-}
-// The tile policy of the loaders (collective SwzTiles) for SW128 tiles.
-struct SW128Tiles {
-  template <int ROWS, int D, int THREADS, bool kFresh = false, typename T>
-  static __device__ __forceinline__ void load(uint32_t s_base, const T* base, int64_t row_stride,
-                                              int valid) {
-    static_assert(!kFresh, "load_tile_sw128 has no fresh-address form (no caller needs one)");
-    load_tile_sw128<ROWS, D, THREADS>(s_base, base, row_stride, valid);
-  }
-};
-
 // Shared-memory matrix descriptor, 128-byte swizzle. lbo/sbo in bytes.
 __device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
   uint64_t d = 0;

@@ -1,8 +1,7 @@
 // Warp-specialised sm_90a dQ pass: the separate dQ pass of the Hopper backward at D <= 128
-// (deterministic=True, or DUALKV_FUSED_DQ=0 for A/B) and the default one at D = 256 (BN = 32);
-// bitwise reproducible, no atomics. Same
-// schedule as dq_kernel_sm90 (one CTA per (128-query tile, q head),
-// the forward's key-block walk), with the forward's warp specialisation: a producer thread issues
+// (deterministic=True, or DUALKV_FUSED_DQ=0 for A/B) and the one at D = 256 (BN = 32);
+// bitwise reproducible, no atomics. One CTA per (128-query tile, q head) walks the key blocks as
+// the forward does, with the forward's warp specialisation: a producer thread issues
 // TMA for Q and dO once and K/V blocks through a STAGES-deep ring; two consumer warpgroups of 64
 // query rows. Per block j, one issue turn: dQ += dS_{j-1} K_{j-1}, S_j = Q K_j^T and
 // dP_j = dO V_j^T as three wgmma groups back to back; P_j is computed while dP_j runs, then dS_j.
