@@ -31,7 +31,7 @@ void check_launch(const char* what) {
 namespace {
 
 // Head dims compiled in (DUALKV_CUDA_HEAD_DIMS at configure time).
-bool head_dim_built(int d) {
+constexpr bool head_dim_built(int d) {
   switch (d) {
 #if DUALKV_HAS_HD64
     case 64:
@@ -252,34 +252,24 @@ void check_smem_for(int head_dim) {
                smem_regular(head_dim) / 1024, " KB), this GPU offers ", optin / 1024, " KB");
 }
 
+// f(T{}, std::integral_constant<int, D>{}) for the element type T of `dtype` and D = d, a head
+// dim the library was built for (only those are instantiated: head_dim_built).
 template <typename F>
 void dispatch(DType dtype, int d, F&& f) {
   auto by_dim = [&](auto tag) {
-    using T = decltype(tag);
-    switch (d) {
-#if DUALKV_HAS_HD64
-      case 64:
-        f(T{}, std::integral_constant<int, 64>{});
-        return;
-#endif
-#if DUALKV_HAS_HD128
-      case 128:
-        f(T{}, std::integral_constant<int, 128>{});
-        return;
-#endif
-#if DUALKV_HAS_HD256
-      case 256:
-        f(T{}, std::integral_constant<int, 256>{});
-        return;
-#endif
-#if DUALKV_HAS_HD512
-      case 512:
-        f(T{}, std::integral_constant<int, 512>{});
-        return;
-#endif
-      default:
-        throw Error(
-            ::dualkv::detail::concat("head_dim ", d, " is not supported by the CUDA kernels"));
+    auto one = [&](auto dim) {
+      if constexpr (head_dim_built(decltype(dim)::value)) {
+        if (d == decltype(dim)::value) {
+          f(tag, dim);
+          return true;
+        }
+      }
+      return false;
+    };
+    if (!(one(std::integral_constant<int, 64>{}) || one(std::integral_constant<int, 128>{}) ||
+          one(std::integral_constant<int, 256>{}) || one(std::integral_constant<int, 512>{}))) {
+      throw Error(
+          ::dualkv::detail::concat("head_dim ", d, " is not supported by the CUDA kernels"));
     }
   };
   if (dtype == DType::kBFloat16) {

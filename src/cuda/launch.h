@@ -4,6 +4,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <type_traits>
+
 #include "collective/common.cuh"
 #include "dualkv/error.h"
 #include "policy.h"
@@ -44,6 +46,16 @@ void launch_kernel(void (*kernel)(Arg), int64_t grid, int threads, int smem, cud
     cudaLaunchKernelEx(&cfg, kernel, arg);
   }
   check_launch(what);
+}
+
+// f(std::bool_constant<kSmall>{}): kSmall = small_smem (KernelPolicy::sm80_small_smem(D)) at the
+// head dims with small sm_80 configs (256, 512), false at the others.
+template <int D, class F>
+void with_sm80_smem_cfg(bool small_smem, F&& f) {
+  if constexpr (D >= 256) {
+    if (small_smem) return f(std::true_type{});
+  }
+  f(std::false_type{});
 }
 
 // small_smem (KernelPolicy::sm80_small_smem(D)): the small shared-memory configs of D = 256 and

@@ -163,7 +163,7 @@ struct BwdCfg {
 };
 static_assert(BwdCfg<512>::SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
 static_assert(BwdCfg<512, true>::SMEM <= kSmemSmall, "api.cu checks this much");
-// D = 256 has no small dK/dV config: the regular one fits (launch_backward_sm80_cfg).
+// D = 256 has no small dK/dV config: the regular one fits (launch_backward_sm80).
 static_assert(BwdCfg<256>::SMEM <= kSmemSmall, "BwdCfg<256> runs where the small configs do");
 
 template <typename T, int D, bool kCap, bool kSmall>

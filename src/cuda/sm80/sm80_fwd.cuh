@@ -204,23 +204,18 @@ __global__ void __launch_bounds__(FwdCfg<D, kSmall>::THREADS, FwdCfg<D, kSmall>:
                              dbase, dpart == 0);
 }
 
-template <typename T, int D, bool kSmall>
-void launch_forward_sm80_cfg(const FwdParams& p, cudaStream_t stream) {
-  using Cfg = FwdCfg<D, kSmall>;
-  const int64_t grid = int64_t(p.nqt) * (kTileSize / Cfg::BM) * p.Hq;
-  if (grid == 0) return;
-  auto kernel =
-      p.softcap > 0.f ? fwd_kernel_sm80<T, D, true, kSmall> : fwd_kernel_sm80<T, D, false, kSmall>;
-  launch_kernel(kernel, grid, Cfg::THREADS, Cfg::SMEM, stream, p,
-                kSmall ? "dualkv forward (sm80, small smem)" : "dualkv forward (sm80)");
-}
-
 template <typename T, int D>
 void launch_forward_sm80(const FwdParams& p, bool small_smem, cudaStream_t stream) {
-  if constexpr (D >= 256) {
-    if (small_smem) return launch_forward_sm80_cfg<T, D, true>(p, stream);
-  }
-  launch_forward_sm80_cfg<T, D, false>(p, stream);
+  with_sm80_smem_cfg<D>(small_smem, [&](auto small) {
+    constexpr bool kSmall = decltype(small)::value;
+    using Cfg = FwdCfg<D, kSmall>;
+    const int64_t grid = int64_t(p.nqt) * (kTileSize / Cfg::BM) * p.Hq;
+    if (grid == 0) return;
+    launch_kernel(p.softcap > 0.f ? fwd_kernel_sm80<T, D, true, kSmall>
+                                  : fwd_kernel_sm80<T, D, false, kSmall>,
+                  grid, Cfg::THREADS, Cfg::SMEM, stream, p,
+                  kSmall ? "dualkv forward (sm80, small smem)" : "dualkv forward (sm80)");
+  });
 }
 
 }  // namespace dualkv::cuda::detail

@@ -107,23 +107,21 @@ bool launch_backward_sm90_d512(const BwdParams& p, cudaStream_t stream) {
   if (!make_bwd_ws_args(a, p, D, C::BM, C::BN)) return false;
   launch_bwd_pre<T, D>(p, false, stream);
   const bool cap = p.softcap > 0.f;
-  const int64_t grid = int64_t(p.nkt) * (kTileSize / C::BN) * p.Hkv * C::CLUSTER;
-  if (grid > 0) {
-    launch_kernel(cap ? dkdv_ws512_kernel_sm90<T, true> : dkdv_ws512_kernel_sm90<T, false>, grid,
-                  C::THREADS, C::SMEM, stream, a,
-                  "dualkv backward dk/dv D=512 (sm90a, warp-specialised, 2-CTA clusters)",
-                  C::CLUSTER);
-  }
-  // The dQ maps are the dK/dV kernel's (boxes of 64 rows for Q, dO, K and V alike).
+  // Both kernels: the same arguments (the dQ maps are the dK/dV kernel's: boxes of 64 rows for Q,
+  // dO, K and V alike), 2-CTA clusters, `units` of them.
   static_assert(DqWs512Cfg::BM == C::BM && DqWs512Cfg::BN == C::BN, "shared tensor maps");
-  using QW = DqWs512Cfg;
-  const int64_t grid_q = int64_t(p.nqt) * (kTileSize / QW::BM) * p.Hq * QW::CLUSTER;
-  if (grid_q > 0) {
-    launch_kernel(cap ? dq_ws512_kernel_sm90<T, true> : dq_ws512_kernel_sm90<T, false>, grid_q,
-                  QW::THREADS, QW::SMEM, stream, a,
-                  "dualkv backward dq D=512 (sm90a, warp-specialised, 2-CTA clusters)",
-                  QW::CLUSTER);
-  }
+  auto launch = [&](void (*kernel)(DkdvWsArgs), int64_t units, auto cfg, const char* what) {
+    using Cfg = decltype(cfg);
+    if (units > 0)
+      launch_kernel(kernel, units * Cfg::CLUSTER, Cfg::THREADS, Cfg::SMEM, stream, a, what,
+                    Cfg::CLUSTER);
+  };
+  launch(cap ? dkdv_ws512_kernel_sm90<T, true> : dkdv_ws512_kernel_sm90<T, false>,
+         int64_t(p.nkt) * (kTileSize / C::BN) * p.Hkv, C{},
+         "dualkv backward dk/dv D=512 (sm90a, warp-specialised, 2-CTA clusters)");
+  launch(cap ? dq_ws512_kernel_sm90<T, true> : dq_ws512_kernel_sm90<T, false>,
+         int64_t(p.nqt) * (kTileSize / DqWs512Cfg::BM) * p.Hq, DqWs512Cfg{},
+         "dualkv backward dq D=512 (sm90a, warp-specialised, 2-CTA clusters)");
   return true;
 }
 
