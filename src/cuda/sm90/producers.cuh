@@ -7,6 +7,7 @@
 //   - dq_producer_thread: the dQ passes' (Q and dO once, then each key block's K and V).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "collective/common.cuh"
@@ -17,7 +18,56 @@
 
 namespace dualkv::cuda::detail {
 
+// The shared memory a dK/dV kernel's producer warp fills, in the kernel's SharedStorage: at its
+// front the tiles, K and V (BN rows of DC columns) and S stages of Q and dO (BM rows); further on
+// the rows, per stage the lse2 / delta rows and the query block's record; and the barrier array,
+// which starts with the barrier of K and V and the ring's full[S] and empty[S].
+template <int BN, int BM, int DC, int S>
+struct DkdvTiles {
+  uint16_t k[BN * DC];
+  uint16_t v[BN * DC];
+  uint16_t q[S][BM * DC];
+  uint16_t dout[S][BM * DC];
+};
+template <int BM, int S>
+struct DkdvRows {
+  float l[S][2 * BM];  // per stage: lse2, delta
+  int meta[S][4];      // per stage: the query block's record
+};
+
 #if DUALKV_SM90_BODY
+// Their addresses in a CTA from its aligned base `base` (generic pointer `gbase`), for a config
+// Cfg with Tiles (a DkdvTiles at offset 0), STAGES, Q_BYTES (one stage's Q or dO tile) and the
+// offsets OFF_ROWS (the DkdvRows) and OFF_BAR (the barrier array).
+template <class Cfg>
+struct DkdvSmem {
+  static constexpr int S = Cfg::STAGES;
+  using Rows = DkdvRows<Cfg::BM, S>;
+  static constexpr int OFF_L = Cfg::OFF_ROWS + int(offsetof(Rows, l));
+  static constexpr int OFF_META = Cfg::OFF_ROWS + int(offsetof(Rows, meta));
+  uint32_t k, v, q0, dout0, l0, kv_bar;  // K, V, stage 0's Q / dO / rows, the kv barrier
+  unsigned char* gbase;
+  __device__ __forceinline__ DkdvSmem(uint32_t base, unsigned char* gbase_)
+      : k(base),
+        v(base + int(offsetof(typename Cfg::Tiles, v))),
+        q0(base + int(offsetof(typename Cfg::Tiles, q))),
+        dout0(base + int(offsetof(typename Cfg::Tiles, dout))),
+        l0(base + OFF_L),
+        kv_bar(base + Cfg::OFF_BAR),
+        gbase(gbase_) {}
+  __device__ __forceinline__ uint32_t q(int s) const { return q0 + s * Cfg::Q_BYTES; }
+  __device__ __forceinline__ uint32_t dout(int s) const { return dout0 + s * Cfg::Q_BYTES; }
+  // Stage 0's lse2 (stage s's at + 2 BM s, its delta BM floats on).
+  __device__ __forceinline__ const float* lse() const {
+    return reinterpret_cast<const float*>(gbase + OFF_L);
+  }
+  __device__ __forceinline__ volatile int* meta(int s) const {
+    return reinterpret_cast<volatile int*>(gbase + OFF_META + 16 * s);
+  }
+  __device__ __forceinline__ uint32_t full(int s) const { return kv_bar + 8u * (1 + s); }
+  __device__ __forceinline__ uint32_t empty(int s) const { return kv_bar + 8u * (1 + S + s); }
+};
+
 // The warp-specialised forwards' producer (one thread): the Q tile (NQB column blocks from
 // column qcol0 of query rows q0.., q head h, on bar_q), then per key block j of the walk its K
 // and V tiles into ring stage Ring<S>::stage(j): each waits for the stage's release, expects
@@ -93,30 +143,29 @@ __device__ __forceinline__ bool dkdv_produce_stage(const DkdvWsArgs& a, int s, u
 }
 
 // A warp-specialised dK/dV kernel's producer warp (warp 0; the D <= 128, D = 256 and D = 512
-// kernels): the key tile's K and V columns [col0, col0 + 64 NCB) (KB bytes each, on bKV), then
-// one ring stage per query block of the walk (dkdv_produce_stage) until a stage marks its end.
-// The walk starts at query_walk_begin; step(cur) advances it (false: past its end) and is the
-// kernel's own (its register-pressure workarounds at the producer's 24 registers differ).
-template <int NCB, int BN, int BM, int S, int QB, int KB, class Full, class Empty, class Meta,
-          class Step>
-__device__ __forceinline__ void dkdv_producer_warp(const DkdvWsArgs& a, const Segment& kseg,
-                                                   int ksi, int hk, int k0, int pk_first,
-                                                   int pk_last, uint32_t sK, uint32_t sV,
-                                                   uint32_t bKV, uint32_t sQ0, uint32_t sdO0,
-                                                   uint32_t sL0, int col0, int lane, Full&& full,
-                                                   Empty&& empty, Meta&& meta, Step&& step) {
+// kernels), into the shared memory of `sm` (DkdvSmem): the key tile's K and V columns
+// [col0, col0 + 64 NCB) (KB bytes each, on its kv barrier), then one ring stage per query block of
+// the walk (dkdv_produce_stage) until a stage marks its end. The walk starts at
+// query_walk_begin; step(cur) advances it (false: past its end) and is the kernel's own (its
+// register-pressure workarounds at the producer's 24 registers differ).
+template <int NCB, int BN, int BM, int S, int QB, int KB, class Smem, class Step>
+__device__ __forceinline__ void dkdv_producer_warp(const DkdvWsArgs& a, const Smem& sm,
+                                                   const Segment& kseg, int ksi, int hk, int k0,
+                                                   int pk_first, int pk_last, int col0, int lane,
+                                                   Step&& step) {
   if (lane == 0) {
     ws::prefetch_tmap(&a.tq);
     ws::prefetch_tmap(&a.tdo);
-    ws::mbar_expect_tx(bKV, 2 * KB);
-    ws::tma_load3_pair<NCB, BN>(sK, &a.tk, sV, &a.tv, bKV, col0, hk, k0);
+    ws::mbar_expect_tx(sm.kv_bar, 2 * KB);
+    ws::tma_load3_pair<NCB, BN>(sm.k, &a.tk, sm.v, &a.tv, sm.kv_bar, col0, hk, k0);
   }
   QIter cur;
   bool valid = query_walk_begin<BM>(a.p, kseg, ksi, pk_first, pk_last, cur);
   for (int it = 0;; ++it) {
     const int s = Ring<S>::stage(it);
-    if (!dkdv_produce_stage<NCB, BM, QB>(a, s, Ring<S>::empty_parity(it), valid, cur, hk, full(s),
-                                         empty(s), meta(s), sQ0, sdO0, sL0, col0, lane))
+    if (!dkdv_produce_stage<NCB, BM, QB>(a, s, Ring<S>::empty_parity(it), valid, cur, hk,
+                                         sm.full(s), sm.empty(s), sm.meta(s), sm.q0, sm.dout0,
+                                         sm.l0, col0, lane))
       break;
     valid = step(cur);
   }

@@ -47,25 +47,19 @@ struct DkdvWs256Cfg {
   static constexpr int CONSUMERS = 256;
   static constexpr int K_BYTES = BN * D * 2;
   static constexpr int Q_BYTES = BM * D * 2;
+  // The producer's tiles and rows (DkdvSmem), and the two warpgroups' exchange buffers.
+  using Tiles = DkdvTiles<BN, BM, D, STAGES>;
   struct SharedStorage {
-    uint16_t k[BN * D];
-    uint16_t v[BN * D];
-    uint16_t q[STAGES][BM * D];
-    uint16_t dout[STAGES][BM * D];
-    uint4 xpa[BM / 16][128];       // P^T A fragments, slice kt of thread t (of either warpgroup)
-    uint4 xda[BM / 16][128];       // dS^T A fragments
-    float l[STAGES][2 * BM];       // per stage: lse2, delta
-    int meta[STAGES][4];           // per stage: the query block's record
+    Tiles t;
+    uint4 xpa[BM / 16][128];  // P^T A fragments, slice kt of thread t (of either warpgroup)
+    uint4 xda[BM / 16][128];  // dS^T A fragments
+    DkdvRows<BM, STAGES> r;
     uint64_t bar[1 + 2 * STAGES];  // kv, full[S], empty[S]
   };
-  static_assert(sizeof(SharedStorage::k) == K_BYTES && sizeof(SharedStorage::q[0]) == Q_BYTES);
-  static constexpr int OFF_V = int(offsetof(SharedStorage, v));
-  static constexpr int OFF_Q = int(offsetof(SharedStorage, q));
-  static constexpr int OFF_DO = int(offsetof(SharedStorage, dout));
+  static_assert(sizeof(Tiles::k) == K_BYTES && sizeof(Tiles::q[0]) == Q_BYTES);
   static constexpr int OFF_XPA = int(offsetof(SharedStorage, xpa));
   static constexpr int OFF_XDA = int(offsetof(SharedStorage, xda));
-  static constexpr int OFF_L = int(offsetof(SharedStorage, l));
-  static constexpr int OFF_META = int(offsetof(SharedStorage, meta));
+  static constexpr int OFF_ROWS = int(offsetof(SharedStorage, r));
   static constexpr int OFF_BAR = int(offsetof(SharedStorage, bar));
   static constexpr int SMEM = int(sizeof(SharedStorage)) + 1024;
   // Full barrier: the elected lane's arrive.expect_tx + the producer warp's 32 cp.async arrivals.
@@ -90,14 +84,7 @@ __global__ void __launch_bounds__(384, 1)
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
   unsigned char* gbase = smem + (base - smem_u32(smem));
-  const uint32_t sK = base, sV = base + Cfg::OFF_V;
-  const uint32_t sQ0 = base + Cfg::OFF_Q, sdO0 = base + Cfg::OFF_DO, sL0 = base + Cfg::OFF_L;
-  const uint32_t bKV = base + Cfg::OFF_BAR;
-  auto full = [&](int s) { return bKV + 8u * (1 + s); };
-  auto empty = [&](int s) { return bKV + 8u * (1 + S + s); };
-  auto meta = [&](int s) {
-    return reinterpret_cast<volatile int*>(gbase + Cfg::OFF_META + 16 * s);
-  };
+  const DkdvSmem<Cfg> sm(base, gbase);
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   // Each role decodes its key block after the split (cta_of): a value kept live across the
@@ -107,8 +94,9 @@ __global__ void __launch_bounds__(384, 1)
   auto cta_of = [&]() { return KeyTileCta<BN>(p); };
 
   if (tid == 0) {
-    ws::mbar_init(bKV, 1);
-    ws::ring_init<S>(full, empty, Cfg::FULL_COUNT, NC);
+    ws::mbar_init(sm.kv_bar, 1);
+    ws::ring_init<S>([&](int s) { return sm.full(s); }, [&](int s) { return sm.empty(s); },
+                     Cfg::FULL_COUNT, NC);
     ws::mbar_init_fence();
   }
   __syncthreads();
@@ -122,8 +110,7 @@ __global__ void __launch_bounds__(384, 1)
       const int pk_first = cta.pk_first, pk_last = cta.pk_last;
       const Segment& kseg = cta.kseg;
       dkdv_producer_warp<D / 64, BN, BM, S, Cfg::Q_BYTES, Cfg::K_BYTES>(
-          a, kseg, ksi, hk, k0, pk_first, pk_last, sK, sV, bKV, sQ0, sdO0, sL0, 0, lane, full,
-          empty, meta, [&](QIter& cur) {
+          a, sm, kseg, ksi, hk, k0, pk_first, pk_last, 0, lane, [&](QIter& cur) {
             // pk_last through an empty asm, so that nothing derived from it is kept live across
             // the loop (at 24 registers ptxas spilled it, as in dkdv_ws_kernel_sm90's producer).
             int pkl = pk_last;
@@ -148,7 +135,7 @@ __global__ void __launch_bounds__(384, 1)
     float dk[AR], dv[AR];
 #pragma unroll
     for (int i = 0; i < AR; ++i) dk[i] = dv[i] = 0.f;
-    const float* lse_s = reinterpret_cast<const float*>(gbase + Cfg::OFF_L);
+    const float* lse_s = sm.lse();
     uint4* xpa = reinterpret_cast<uint4*>(gbase + Cfg::OFF_XPA);
     uint4* xda = reinterpret_cast<uint4*>(gbase + Cfg::OFF_XDA);
     // This warpgroup's HQ query columns of an S^T-shaped fragment f (P^T or dS^T) as bf16/fp16
@@ -179,15 +166,16 @@ __global__ void __launch_bounds__(384, 1)
       wg_commit();
     };
 
-    ws::mbar_wait(bKV, 0);
+    ws::mbar_wait(sm.kv_bar, 0);
     for (int it = 0;; ++it) {
       const int s = Ring<S>::stage(it);
-      ws::mbar_wait(full(s), Ring<S>::full_parity(it));
-      if (meta(s)[0] == 0) break;  // the end record
-      const int nq = meta(s)[1], pq_first = meta(s)[2];
+      ws::mbar_wait(sm.full(s), Ring<S>::full_parity(it));
+      volatile int* meta = sm.meta(s);
+      if (meta[0] == 0) break;  // the end record
+      const int nq = meta[1], pq_first = meta[2];
       const bool msk =
           needs_mask(nq, BM, nk, BN, pq_first, pq_first + nq - 1, pk_first, pk_last, p.mask);
-      const uint32_t sQ = sQ0 + s * Cfg::Q_BYTES, sdO = sdO0 + s * Cfg::Q_BYTES;
+      const uint32_t sQ = sm.q(s), sdO = sm.dout(s);
       const float* lse_c = lse_s + s * 2 * BM;
       const float* del_c = lse_c + BM;
       auto qc_of = [&](int i) { return q_off + (i >> 2) * 8 + 2 * tq + (i & 1); };
@@ -205,9 +193,9 @@ __global__ void __launch_bounds__(384, 1)
       }
       float sc[HR], dp[HR];
       wg_fence();
-      wgmma_rows<T, HQ, D, BN, BM>(sc, sK, 0, sQ, q_off);
+      wgmma_rows<T, HQ, D, BN, BM>(sc, sm.k, 0, sQ, q_off);
       wg_commit();
-      wgmma_rows<T, HQ, D, BN, BM>(dp, sV, 0, sdO, q_off);
+      wgmma_rows<T, HQ, D, BN, BM>(dp, sm.v, 0, sdO, q_off);
       wg_commit();
       wg_wait<1>();  // S^T done: P (and the softcap's derivative factor) while dP^T runs
       fence_regs(sc);
@@ -235,7 +223,7 @@ __global__ void __launch_bounds__(384, 1)
       swap_and_issue(dp, xda, 2, da, dk, sQ + half);  // dK += dS^T Q
       wg_wait<0>();  // dV, dK done: the stage (sQ, sdO, lse2/delta) is free
       fence_regs(dv, dk, pa, da);
-      ws::mbar_arrive(empty(s));
+      ws::mbar_arrive(sm.empty(s));
     }
     store_dkdv_rows<T, D, DW>(p, dk, dv, k0, nk, hk, kr0, col0, tq);
   }

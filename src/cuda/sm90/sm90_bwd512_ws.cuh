@@ -78,24 +78,18 @@ struct DkdvWs512Cfg : Ws512Cfg {
   static constexpr int K_BYTES = BN * DH * 2;  // one CTA's half of K (and of V)
   static constexpr int Q_BYTES = BM * DH * 2;  // its half of a Q (and dO) block
   // Shared memory from the kernel's 1024-byte aligned base (SMEM adds the slack for that
-  // alignment); the OFF_* offsets come from here.
+  // alignment); the OFF_* offsets come from here: the producer's tiles (this CTA's column half)
+  // and rows (DkdvSmem), and the exchange buffers.
+  using Tiles = DkdvTiles<BN, BM, DH, STAGES>;
   struct SharedStorage {
-    uint16_t k[BN * DH];
-    uint16_t v[BN * DH];
-    uint16_t q[STAGES][BM * DH];
-    uint16_t dout[STAGES][BM * DH];
+    Tiles t;
     float x[2][X_BYTES / 4];  // X[w] per consumer warpgroup
-    float l[STAGES][2 * BM];  // per stage: lse2[BM], delta[BM]
-    int meta[STAGES][4];      // per stage: the query block's record
+    DkdvRows<BM, STAGES> r;
     uint64_t bar[nbars(STAGES, 0, 1)];
   };
-  static_assert(sizeof(SharedStorage::k) == K_BYTES && sizeof(SharedStorage::q[0]) == Q_BYTES);
-  static constexpr int OFF_V = int(offsetof(SharedStorage, v));
-  static constexpr int OFF_Q = int(offsetof(SharedStorage, q));
-  static constexpr int OFF_DO = int(offsetof(SharedStorage, dout));
+  static_assert(sizeof(Tiles::k) == K_BYTES && sizeof(Tiles::q[0]) == Q_BYTES);
   static constexpr int OFF_X = int(offsetof(SharedStorage, x));
-  static constexpr int OFF_L = int(offsetof(SharedStorage, l));
-  static constexpr int OFF_META = int(offsetof(SharedStorage, meta));
+  static constexpr int OFF_ROWS = int(offsetof(SharedStorage, r));
   static constexpr int OFF_BAR = int(offsetof(SharedStorage, bar));
   static constexpr int SMEM = int(sizeof(SharedStorage)) + 1024;
   static constexpr int FULL_COUNT = 1 + 32;  // the elected lane's expect_tx + 32 cp.async arrivals
@@ -304,13 +298,8 @@ __global__ void __launch_bounds__(384, 1)
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
   unsigned char* gbase = smem + (base - smem_u32(smem));
-  const uint32_t sK = base, sV = base + Cfg::OFF_V;
-  const uint32_t sQ0 = base + Cfg::OFF_Q, sdO0 = base + Cfg::OFF_DO, sL0 = base + Cfg::OFF_L;
-  const Ws512Bars<S, 0, 1> bars{base + Cfg::OFF_BAR};
-  const uint32_t bKV = bars.b0;
-  auto meta = [&](int s) {
-    return reinterpret_cast<volatile int*>(gbase + Cfg::OFF_META + 16 * s);
-  };
+  const DkdvSmem<Cfg> sm(base, gbase);
+  const Ws512Bars<S, 0, 1> bars{sm.kv_bar};
 
   // blockIdx.x = unit * 2 + rank, the unit ((tile * 2 + half) * Hkv + kv head, after key_order's
   // renumbering) shared by the two CTAs of a cluster, so they agree on validity and on the walk.
@@ -330,9 +319,7 @@ __global__ void __launch_bounds__(384, 1)
     ws::reg_dealloc<Cfg::PRODUCER_REGS>();
     if (warp == 0) {
       dkdv_producer_warp<DH / 64, BN, BM, S, Cfg::Q_BYTES, Cfg::K_BYTES>(
-          a, kseg, ksi, hk, k0, pk_first, pk_last, sK, sV, bKV, sQ0, sdO0, sL0, cb0, lane,
-          [&](int s) { return bars.full(s); }, [&](int s) { return bars.empty(s); }, meta,
-          [&](QIter& cur) {
+          a, sm, kseg, ksi, hk, k0, pk_first, pk_last, cb0, lane, [&](QIter& cur) {
             // query_walk_next, spelled out (as dkdv_ws_kernel_sm90: the call made the producer
             // spill at 24 registers).
             if (++cur.qb < cur.qb_end) return true;
@@ -354,7 +341,7 @@ __global__ void __launch_bounds__(384, 1)
     float dk[AR], dv[AR];
 #pragma unroll
     for (int i = 0; i < AR; ++i) dk[i] = dv[i] = 0.f;
-    const float* lse_s = reinterpret_cast<const float*>(gbase + Cfg::OFF_L);
+    const float* lse_s = sm.lse();
     const Ws512HalfExchange<2, 2, std::remove_cv_t<decltype(bars)>> hx(base, Cfg::OFF_X, bars, cw,
                                                                        t, rank);
     const uint32_t half = uint32_t(cw * DW / 64) * (BM * 128);  // this warpgroup's column blocks
@@ -366,8 +353,8 @@ __global__ void __launch_bounds__(384, 1)
     // dV += P^T dO, dK += dS^T Q from stage st's tiles, issued.
     auto products = [&](int st) {
       const int rk = int(rank), rows[BM / 16] = {rk, 2 + rk, 1 - rk, 3 - rk};
-      wgmma_rs_acc_rows<T, DW, BM>(dv, pa, sdO0 + st * Cfg::Q_BYTES + half, rows);
-      wgmma_rs_acc_rows<T, DW, BM>(dk, da, sQ0 + st * Cfg::Q_BYTES + half, rows);
+      wgmma_rs_acc_rows<T, DW, BM>(dv, pa, sm.dout(st) + half, rows);
+      wgmma_rs_acc_rows<T, DW, BM>(dk, da, sm.q(st) + half, rows);
     };
     // The peer's slices of block jj (it may then send block jj + 1's).
     auto recv_remote = [&](int jj) {
@@ -391,25 +378,26 @@ __global__ void __launch_bounds__(384, 1)
       ws::mbar_arrive(bars.empty(st));
     };
 
-    ws::mbar_wait(bKV, 0);
+    ws::mbar_wait(bars.b0, 0);
     int it = 0;
     for (;; ++it) {
       const int s = Ring<S>::stage(it);
       ws::mbar_wait(bars.full(s), Ring<S>::full_parity(it));
-      if (meta(s)[0] == 0) break;
-      const int nq = meta(s)[1], pq_first = meta(s)[2];
+      volatile int* meta = sm.meta(s);
+      if (meta[0] == 0) break;
+      const int nq = meta[1], pq_first = meta[2];
       const bool msk =
           needs_mask(nq, BM, nk, BN, pq_first, pq_first + nq - 1, pk_first, pk_last, p.mask);
-      const uint32_t sQ = sQ0 + s * Cfg::Q_BYTES, sdO = sdO0 + s * Cfg::Q_BYTES;
+      const uint32_t sQ = sm.q(s), sdO = sm.dout(s);
       const float* lse_c = lse_s + s * 2 * BM;
       const float* del_c = lse_c + BM;
       hx.arm_partials();
 
       float sc[HR], dp[HR];
       wg_fence();
-      wgmma_rows_cols<T, HQ, DH, BN, BM>(sc, sK, 0, sQ, q_off, 0);
+      wgmma_rows_cols<T, HQ, DH, BN, BM>(sc, sm.k, 0, sQ, q_off, 0);
       wg_commit();
-      wgmma_rows_cols<T, HQ, DH, BN, BM>(dp, sV, 0, sdO, q_off, 0);
+      wgmma_rows_cols<T, HQ, DH, BN, BM>(dp, sm.v, 0, sdO, q_off, 0);
       wg_commit();
       if (it > 0) {  // block it - 1's dV += P^T dO, dK += dS^T Q (its fragments, its stage)
         recv_remote(it - 1);

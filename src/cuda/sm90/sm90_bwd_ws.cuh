@@ -59,17 +59,12 @@ struct DkdvWsCfg {
   static constexpr int DS_BYTES = BN * BM * 2;  // dS^T [BN keys][BM queries]
   static constexpr int DQ_BYTES = 64 * 64 * 4;  // kFusedDq: a warpgroup's fp32 m64n64 dQ block
   // Shared memory from the kernel's 1024-byte aligned base (the + 1024 of SMEM is the slack for
-  // that alignment); the OFF_* offsets come from here. Between the tiles and the tail, kFusedDq:
-  // the two dS^T buffers and the two warpgroups' dQ blocks.
-  struct Tiles {
-    uint16_t k[BN * D];
-    uint16_t v[BN * D];
-    uint16_t q[STAGES][BM * D];
-    uint16_t dout[STAGES][BM * D];
-  };
+  // that alignment); the OFF_* offsets come from here. The producer's tiles and rows
+  // (DkdvSmem); between the tiles and the tail, kFusedDq: the two dS^T buffers and the two
+  // warpgroups' dQ blocks.
+  using Tiles = DkdvTiles<BN, BM, D, STAGES>;
   struct Tail {
-    float l[STAGES][2 * BM];           // per stage: lse2, delta
-    int meta[STAGES][4];               // per stage: the query block's record
+    DkdvRows<BM, STAGES> r;
     int dq_meta[2][4];                 // kFusedDq: per warpgroup
     uint64_t bar[1 + 2 * STAGES + 4];  // kv, full[S], empty[S], dq_full[2], dq_empty[2]
   };
@@ -86,13 +81,9 @@ struct DkdvWsCfg {
   using SharedStorage = std::conditional_t<kFusedDq, Storage2, Storage0>;
   static_assert(sizeof(Tiles::k) == K_BYTES && sizeof(Tiles::q[0]) == Q_BYTES &&
                 sizeof(Storage2::ds[0]) == DS_BYTES && sizeof(Storage2::dq[0]) == DQ_BYTES);
-  static constexpr int OFF_V = int(offsetof(Tiles, v));
-  static constexpr int OFF_Q = int(offsetof(Tiles, q));
-  static constexpr int OFF_DO = int(offsetof(Tiles, dout));
   static constexpr int OFF_DS = int(sizeof(Tiles));           // kFusedDq
   static constexpr int OFF_DQ = int(offsetof(Storage2, dq));  // kFusedDq
-  static constexpr int OFF_L = int(offsetof(SharedStorage, x) + offsetof(Tail, l));
-  static constexpr int OFF_META = int(offsetof(SharedStorage, x) + offsetof(Tail, meta));
+  static constexpr int OFF_ROWS = int(offsetof(SharedStorage, x) + offsetof(Tail, r));
   static constexpr int OFF_DQMETA = int(offsetof(SharedStorage, x) + offsetof(Tail, dq_meta));
   static constexpr int OFF_BAR = int(offsetof(SharedStorage, x) + offsetof(Tail, bar));
   static constexpr int SMEM = int(sizeof(SharedStorage)) + 1024;
@@ -122,18 +113,11 @@ __global__ void __launch_bounds__(384, 1)
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
   unsigned char* gbase = smem + (base - smem_u32(smem));
-  const uint32_t sK = base, sV = base + Cfg::OFF_V;
-  const uint32_t sQ0 = base + Cfg::OFF_Q, sdO0 = base + Cfg::OFF_DO, sL0 = base + Cfg::OFF_L;
-  const uint32_t bKV = base + Cfg::OFF_BAR;
-  auto full = [&](int s) { return bKV + 8u * (1 + s); };
-  auto empty = [&](int s) { return bKV + 8u * (1 + S + s); };
-  auto meta = [&](int s) {
-    return reinterpret_cast<volatile int*>(gbase + Cfg::OFF_META + 16 * s);
-  };
+  const DkdvSmem<Cfg> sm(base, gbase);
   // kFusedDq: consumer warpgroup c's dQ block is ready (128 arrivals) / free again (1 arrival),
   // and its record {valid, first query token, q head, query count}.
-  auto dq_full = [&](int c) { return bKV + 8u * (1 + 2 * S + c); };
-  auto dq_empty = [&](int c) { return bKV + 8u * (3 + 2 * S + c); };
+  auto dq_full = [&](int c) { return sm.kv_bar + 8u * (1 + 2 * S + c); };
+  auto dq_empty = [&](int c) { return sm.kv_bar + 8u * (3 + 2 * S + c); };
   auto dq_meta = [&](int c) {
     return reinterpret_cast<volatile int*>(gbase + Cfg::OFF_DQMETA + 16 * c);
   };
@@ -154,8 +138,9 @@ __global__ void __launch_bounds__(384, 1)
   const Segment& kseg = cta.kseg;
 
   if (tid == 0) {
-    ws::mbar_init(bKV, 1);
-    ws::ring_init<S>(full, empty, Cfg::FULL_COUNT, NC);
+    ws::mbar_init(sm.kv_bar, 1);
+    ws::ring_init<S>([&](int s) { return sm.full(s); }, [&](int s) { return sm.empty(s); },
+                     Cfg::FULL_COUNT, NC);
     if constexpr (kFusedDq) {
       for (int c = 0; c < 2; ++c) {
         ws::mbar_init(dq_full(c), NC / 2);
@@ -171,8 +156,7 @@ __global__ void __launch_bounds__(384, 1)
     ws::reg_dealloc<Cfg::PRODUCER_REGS>();
     if (warp == 0) {
       dkdv_producer_warp<D / 64, BN, BM, S, Cfg::Q_BYTES, Cfg::K_BYTES>(
-          a, kseg, ksi, hk, k0, pk_first, pk_last, sK, sV, bKV, sQ0, sdO0, sL0, 0, lane, full,
-          empty, meta, [&](QIter& cur) {
+          a, sm, kseg, ksi, hk, k0, pk_first, pk_last, 0, lane, [&](QIter& cur) {
             // query_walk_next, spelled out: as a call it changes this producer's machine code,
             // which has not been run on a GPU that way yet.
             if (++cur.qb < cur.qb_end) return true;
@@ -223,23 +207,24 @@ __global__ void __launch_bounds__(384, 1)
     float dk[AR], dv[AR];
 #pragma unroll
     for (int i = 0; i < AR; ++i) dk[i] = dv[i] = 0.f;
-    const float* lse_s = reinterpret_cast<const float*>(gbase + Cfg::OFF_L);
+    const float* lse_s = sm.lse();
     constexpr int DQ_KEYS = kJoinDs ? BN : 64;
     // With 128-query blocks the query columns' lse2 stay in shared memory (in registers, 32 of
     // them beside the m64n128 S^T and dP^T would not fit), as with softcap.
     constexpr bool kLseRegs = !kCap && BM == 64;
 
-    ws::mbar_wait(bKV, 0);
+    ws::mbar_wait(sm.kv_bar, 0);
     int it = 0;  // after the loop: the number of query blocks seen
     for (;; ++it) {
       const int s = Ring<S>::stage(it);
-      ws::mbar_wait(full(s), Ring<S>::full_parity(it));
-      if (meta(s)[0] == 0) break;
-      const int nq = meta(s)[1], pq_first = meta(s)[2];
-      const int hq = hk * p.group + meta(s)[0] - 1, qs = meta(s)[3];
+      ws::mbar_wait(sm.full(s), Ring<S>::full_parity(it));
+      volatile int* meta = sm.meta(s);
+      if (meta[0] == 0) break;
+      const int nq = meta[1], pq_first = meta[2];
+      const int hq = hk * p.group + meta[0] - 1, qs = meta[3];
       const bool msk =
           needs_mask(nq, BM, nk, BN, pq_first, pq_first + nq - 1, pk_first, pk_last, p.mask);
-      const uint32_t sQ = sQ0 + s * Cfg::Q_BYTES, sdO = sdO0 + s * Cfg::Q_BYTES;
+      const uint32_t sQ = sm.q(s), sdO = sm.dout(s);
       const float* lse_c = lse_s + s * 2 * BM;
       const float* del_c = lse_c + BM;
 
@@ -253,9 +238,9 @@ __global__ void __launch_bounds__(384, 1)
       }
       float sc[SR], dp[SR];
       wg_fence();
-      wgmma_rows<T, BM, D, BN, BM>(sc, sK, cw * 64, sQ, 0);
+      wgmma_rows<T, BM, D, BN, BM>(sc, sm.k, cw * 64, sQ, 0);
       wg_commit();
-      wgmma_rows<T, BM, D, BN, BM>(dp, sV, cw * 64, sdO, 0);
+      wgmma_rows<T, BM, D, BN, BM>(dp, sm.v, cw * 64, sdO, 0);
       wg_commit();
 
       uint32_t pa[BM / 16][4], da[BM / 16][4];
@@ -374,9 +359,9 @@ __global__ void __launch_bounds__(384, 1)
         const uint32_t a_tile = sDS + (kSplitD      ? 0u
                                        : kSplitRows ? uint32_t(cw * BN * 128)
                                                     : uint32_t(cw * 64 * 128));
-        const uint32_t b_tile = sK + (kSplitD      ? uint32_t(cw * BN * 128)
-                                      : kSplitRows ? 0u
-                                                   : uint32_t(cw * 64 * 128));
+        const uint32_t b_tile = sm.k + (kSplitD      ? uint32_t(cw * BN * 128)
+                                        : kSplitRows ? 0u
+                                                     : uint32_t(cw * 64 * 128));
         fence_regs(dk, da);
         wg_fence();
 #pragma unroll
@@ -416,11 +401,11 @@ __global__ void __launch_bounds__(384, 1)
         ws::mbar_arrive(dq_full(cw));
         wg_wait<0>();  // dK done: the stage (sQ) and dS^T's registers are free
         fence_regs(dk, da);
-        ws::mbar_arrive(empty(s));
+        ws::mbar_arrive(sm.empty(s));
       } else {
         wg_wait<0>();
         fence_regs(dv, dk, pa, da);
-        ws::mbar_arrive(empty(s));
+        ws::mbar_arrive(sm.empty(s));
       }
     }
     if constexpr (kFusedDq) {
