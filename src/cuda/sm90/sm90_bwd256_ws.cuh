@@ -36,15 +36,13 @@
 
 namespace dualkv::cuda::detail {
 
-struct DkdvWs256Cfg {
+struct DkdvWs256Cfg : WsRoles<24, 240> {
   static constexpr int D = 256;
   static constexpr int BN = 64;  // keys per CTA (both consumer warpgroups)
   static constexpr int BM = 64;  // queries per step; each warpgroup's S^T / dP^T covers 32
   static constexpr int HQ = BM / 2;
   static constexpr int DW = D / 2;  // dK/dV columns per consumer warpgroup
   static constexpr int STAGES = 2;
-  static constexpr int THREADS = 384;
-  static constexpr int CONSUMERS = 256;
   static constexpr int K_BYTES = BN * D * 2;
   static constexpr int Q_BYTES = BM * D * 2;
   // The producer's tiles and rows (DkdvSmem), and the two warpgroups' exchange buffers.
@@ -61,15 +59,10 @@ struct DkdvWs256Cfg {
   static constexpr int OFF_XDA = int(offsetof(SharedStorage, xda));
   static constexpr int OFF_ROWS = int(offsetof(SharedStorage, r));
   static constexpr int OFF_BAR = int(offsetof(SharedStorage, bar));
-  static constexpr int SMEM = int(sizeof(SharedStorage)) + 1024;
+  static constexpr int SMEM = smem_bytes<SharedStorage>();
   // Full barrier: the elected lane's arrive.expect_tx + the producer warp's 32 cp.async arrivals.
   static constexpr int FULL_COUNT = 1 + 32;
-  // setmaxnreg splits the CTA's pool of 384 x 168 registers: producer + 2 x consumer <= 504.
-  static constexpr int PRODUCER_REGS = 24;
-  static constexpr int CONSUMER_REGS = 240;
-  static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "register pool of one CTA");
   static_assert(OFF_BAR % 8 == 0, "mbarriers are 8-byte aligned");
-  static_assert(SMEM <= 227 * 1024, "shared memory per block");
   static_assert(DW % 64 == 0, "a warpgroup's dK/dV columns are whole SW128 column blocks");
 };
 

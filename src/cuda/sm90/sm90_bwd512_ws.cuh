@@ -50,7 +50,7 @@ namespace dualkv::cuda::detail {
 // 64 rows on both sides, the 2-stage ring (the dQ kernel: K and V rings of its own), the warp roles
 // and register split, and the exchange buffer X[w] of each consumer warpgroup (its HP = 32 rows of
 // the S / dP partials: S^T and dP^T for dK/dV, S and dP for dQ).
-struct Ws512Cfg {
+struct Ws512Cfg : WsRoles<40, 232> {
   static constexpr int D = 512;
   static constexpr int CLUSTER = 2;       // CTAs splitting the head dim
   static constexpr int DH = D / CLUSTER;  // 256 columns per CTA
@@ -60,16 +60,11 @@ struct Ws512Cfg {
   static constexpr int HP = 32;           // rows of a warpgroup's partial products
   static constexpr int HR = HP / 2;       // their fragment floats per thread
   static constexpr int STAGES = 2;
-  static constexpr int THREADS = 384;  // warpgroup 0 produces, 1 and 2 consume
-  static constexpr int CONSUMERS = 256;
   static constexpr int X_VECS = 2 * HR / 4;          // float4s per thread: the two partials
   static constexpr int X_BYTES = X_VECS * 128 * 16;  // per consumer warpgroup
   // The barriers of a ring of s stages (and sv of a separate V ring), xf xfree barriers and two
   // pairs of slice-exchange barriers: Ws512Bars<s, sv, xf>.
   static constexpr int nbars(int s, int sv, int xf) { return 1 + 2 * s + 2 * sv + 2 + xf + 4; }
-  static constexpr int PRODUCER_REGS = 40;
-  static constexpr int CONSUMER_REGS = 232;
-  static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "register pool of one CTA");
   static_assert(DW % 64 == 0 && DH % 64 == 0, "whole SW128 column blocks");
 };
 
@@ -91,9 +86,8 @@ struct DkdvWs512Cfg : Ws512Cfg {
   static constexpr int OFF_X = int(offsetof(SharedStorage, x));
   static constexpr int OFF_ROWS = int(offsetof(SharedStorage, r));
   static constexpr int OFF_BAR = int(offsetof(SharedStorage, bar));
-  static constexpr int SMEM = int(sizeof(SharedStorage)) + 1024;
+  static constexpr int SMEM = smem_bytes<SharedStorage>();
   static constexpr int FULL_COUNT = 1 + 32;  // the elected lane's expect_tx + 32 cp.async arrivals
-  static_assert(SMEM <= 227 * 1024, "shared memory per block");
   static_assert(SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
   // The slices (2 x 2 x 16-query A fragments of 16 bytes per thread) fit in X[w] at words the
   // thread itself has read.
@@ -503,8 +497,7 @@ struct DqWs512Cfg : Ws512Cfg {
   static constexpr int OFF_V = int(offsetof(SharedStorage, v));
   static constexpr int OFF_X = int(offsetof(SharedStorage, x));
   static constexpr int OFF_BAR = int(offsetof(SharedStorage, bar));
-  static constexpr int SMEM = int(sizeof(SharedStorage)) + 1024;
-  static_assert(SMEM <= 227 * 1024, "shared memory per block");
+  static constexpr int SMEM = smem_bytes<SharedStorage>();
   static_assert(SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
   // The two warpgroups' partial dQ (the other's half of the columns, 64 x 128 fp32 each) meet in
   // the K ring's tiles after the loop.

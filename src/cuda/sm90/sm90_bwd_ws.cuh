@@ -48,12 +48,10 @@ namespace dualkv::cuda::detail {
 // reduction of 16 KB covers 128 x 64 x 128 of dQ's work instead of 64 x 64 x 128; 2 stages, as
 // the 32 KB Q + dO blocks and 32 KB dS^T buffers fill the shared memory).
 template <int D, bool kFusedDq = false, int BM_ = 64>
-struct DkdvWsCfg {
+struct DkdvWsCfg : WsRoles<BM_ == 64 ? 24 : 40, BM_ == 64 ? 240 : 232> {
   static constexpr int BN = kTileSize;  // 128 keys: 2 consumer warpgroups x 64
   static constexpr int BM = BM_;        // queries per step
   static constexpr int STAGES = BM == 64 ? 3 : 2;
-  static constexpr int THREADS = 384;
-  static constexpr int CONSUMERS = 256;
   static constexpr int K_BYTES = BN * D * 2;
   static constexpr int Q_BYTES = BM * D * 2;
   static constexpr int DS_BYTES = BN * BM * 2;  // dS^T [BN keys][BM queries]
@@ -86,21 +84,15 @@ struct DkdvWsCfg {
   static constexpr int OFF_ROWS = int(offsetof(SharedStorage, x) + offsetof(Tail, r));
   static constexpr int OFF_DQMETA = int(offsetof(SharedStorage, x) + offsetof(Tail, dq_meta));
   static constexpr int OFF_BAR = int(offsetof(SharedStorage, x) + offsetof(Tail, bar));
-  static constexpr int SMEM = int(sizeof(SharedStorage)) + 1024;
+  static constexpr int SMEM = smem_bytes<SharedStorage>();
   // Full barrier: the elected lane's arrive.expect_tx + the producer warp's 32 cp.async arrivals.
   static constexpr int FULL_COUNT = 1 + 32;
-  // (128-query blocks: at 24 registers the producer warps spill 32 bytes.)
-  static constexpr int PRODUCER_REGS = BM == 64 ? 24 : 40;
-  static constexpr int CONSUMER_REGS = BM == 64 ? 240 : 232;
-  // setmaxnreg moves registers within the CTA's pool: 384 threads x 168 (the launch bound's
-  // allocation), i.e. 504 per thread slot of the three warpgroups. More would leave a consumer
-  // warp waiting in setmaxnreg.inc forever.
-  static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "register pool of one CTA");
+  // Registers (WsRoles): 24 / 240, or with 128-query blocks 40 / 232 (at 24 registers the
+  // producer warps spill 32 bytes).
   static_assert(D <= 128, "D = 256: sm90_bwd256_ws.cuh");
   static_assert(BM == 64 || (BM == 128 && D == 64 && kFusedDq),
                 "128-query blocks: D = 64 with the fused dQ only (dQ's rows split between the "
                 "warpgroups; D = 128 splits its columns)");
-  static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
 
 template <typename T, int D, bool kCap, bool kFusedDq, int BM_ = 64>

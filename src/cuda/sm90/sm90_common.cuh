@@ -95,6 +95,14 @@ __device__ __forceinline__ uint32_t sw128(int r,
   return uint32_t((c >> 6) * (ROWS * 128) + r * 128 + ((((c & 63) >> 3) ^ (r & 7)) << 4));
 }
 
+// A kernel's dynamic shared memory for its SharedStorage SS placed at the first 1024-byte aligned
+// byte (the SW128 tiles' alignment): sizeof(SS) and the slack for that alignment.
+template <class SS>
+constexpr int smem_bytes() {
+  static_assert(sizeof(SS) + 1024 <= 227 * 1024, "shared memory per block");
+  return int(sizeof(SS)) + 1024;
+}
+
 // Shared-memory matrix descriptor, 128-byte swizzle. lbo/sbo in bytes.
 __device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
   uint64_t d = 0;

@@ -24,14 +24,12 @@
 namespace dualkv::cuda::detail {
 
 template <int D>
-struct DqWsCfg {
+struct DqWsCfg : WsRoles<40, 232> {
   static constexpr int BM = kTileSize;  // 2 consumer warpgroups x 64 queries
   static constexpr int BN = D >= 256 ? 32 : 64;
   // The consumers hold two stages (K_{j-1} for the deferred dQ product, and block j), so a third
   // keeps one load in flight; at D = 256 it still fits (Q + dO 128 KB + 3 x 32 KB).
   static constexpr int STAGES = 3;
-  static constexpr int THREADS = 384;
-  static constexpr int CONSUMERS = 256;
   static constexpr int Q_BYTES = BM * D * 2;
   static constexpr int KV_BYTES = BN * D * 2;
   // Shared memory from the kernel's 1024-byte aligned base (the + 1024 of SMEM is the slack for
@@ -48,12 +46,7 @@ struct DqWsCfg {
   static constexpr int OFF_K = int(offsetof(SharedStorage, k));
   static constexpr int OFF_V = int(offsetof(SharedStorage, v));
   static constexpr int OFF_BAR = int(offsetof(SharedStorage, bar_q));
-  static constexpr int SMEM = int(sizeof(SharedStorage)) + 1024;
-  static constexpr int PRODUCER_REGS = 40;
-  static constexpr int CONSUMER_REGS = 232;
-  // setmaxnreg moves registers within the CTA's pool (384 x 168 at this launch bound).
-  static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "register pool of one CTA");
-  static_assert(SMEM <= 227 * 1024, "shared memory per block");
+  static constexpr int SMEM = smem_bytes<SharedStorage>();
 };
 
 template <typename T, int D, bool kCap>

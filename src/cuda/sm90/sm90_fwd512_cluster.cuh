@@ -46,15 +46,13 @@
 
 namespace dualkv::cuda::detail {
 
-struct FwdD512ClusterCfg {
+struct FwdD512ClusterCfg : WsRoles<40, 232> {
   static constexpr int D = 512;
   static constexpr int CLUSTER = 2;       // CTAs splitting the head dim
   static constexpr int DH = D / CLUSTER;  // 256 columns per CTA (of Q, K, V and O)
   static constexpr int BM = kTileSize;    // 128 queries per cluster: 64 per consumer warpgroup
   static constexpr int BN = 64;           // keys per block
   static constexpr int STAGES = 2;
-  static constexpr int THREADS = 384;  // warpgroup 0 produces, 1 and 2 consume
-  static constexpr int CONSUMERS = 256;
   static constexpr int OR = DH / 2;  // O floats per consumer thread (64 x 256)
   static constexpr int SR = BN / 2;  // S floats per consumer thread (64 x 64): 2 rows x 16
   static constexpr int Q_BYTES = BM * DH * 2;
@@ -90,12 +88,7 @@ struct FwdD512ClusterCfg {
   static constexpr int OFF_V = int(offsetof(SharedStorage, v));
   static constexpr int OFF_X = int(offsetof(SharedStorage, x));
   static constexpr int OFF_BAR = int(offsetof(SharedStorage, bar));
-  static constexpr int SMEM = int(sizeof(SharedStorage)) + 1024;
-  // setmaxnreg: 40 + 2 x 232 = 504 registers per thread slot of the three warpgroups (<= 512).
-  static constexpr int PRODUCER_REGS = 40;
-  static constexpr int CONSUMER_REGS = 232;
-  static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "register pool of one CTA");
-  static_assert(SMEM <= 227 * 1024, "shared memory per block");
+  static constexpr int SMEM = smem_bytes<SharedStorage>();
   static_assert(SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
   static_assert(DH % 64 == 0 && BN == 64, "whole SW128 blocks; 16 floats per fragment row");
 };
