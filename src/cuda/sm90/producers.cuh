@@ -66,6 +66,18 @@ struct DkdvSmem {
   }
   __device__ __forceinline__ uint32_t full(int s) const { return kv_bar + 8u * (1 + s); }
   __device__ __forceinline__ uint32_t empty(int s) const { return kv_bar + 8u * (1 + S + s); }
+  // The consumers' acquire of stage s for block `it` of the walk: waits until it is full; false at
+  // the walk's end record, else the block's query count and first logical position.
+  __device__ __forceinline__ bool wait_block(int s, int it, int& nq, int& pq_first) const {
+    ws::mbar_wait(full(s), Ring<S>::full_parity(it));
+    volatile int* m = meta(s);
+    if (m[0] == 0) return false;
+    nq = m[1];
+    pq_first = m[2];
+    return true;
+  }
+  // ... and a consumer thread's release of the stage.
+  __device__ __forceinline__ void release(int s) const { ws::mbar_arrive(empty(s)); }
 };
 
 // The warp-specialised forwards' producer (one thread): the Q tile (NQB column blocks from

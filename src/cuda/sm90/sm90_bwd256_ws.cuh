@@ -126,8 +126,8 @@ __global__ void __launch_bounds__(384, 1)
     const uint32_t half = uint32_t(col0 / 64) * (BM * 128);  // its column blocks of dO and Q
     constexpr int AR = DW / 2, HR = HQ / 2;
     float dk[AR], dv[AR];
-#pragma unroll
-    for (int i = 0; i < AR; ++i) dk[i] = dv[i] = 0.f;
+    zero_frag(dk);
+    zero_frag(dv);
     const float* lse_s = sm.lse();
     uint4* xpa = reinterpret_cast<uint4*>(gbase + Cfg::OFF_XPA);
     uint4* xda = reinterpret_cast<uint4*>(gbase + Cfg::OFF_XDA);
@@ -162,10 +162,8 @@ __global__ void __launch_bounds__(384, 1)
     ws::mbar_wait(sm.kv_bar, 0);
     for (int it = 0;; ++it) {
       const int s = Ring<S>::stage(it);
-      ws::mbar_wait(sm.full(s), Ring<S>::full_parity(it));
-      volatile int* meta = sm.meta(s);
-      if (meta[0] == 0) break;  // the end record
-      const int nq = meta[1], pq_first = meta[2];
+      int nq, pq_first;
+      if (!sm.wait_block(s, it, nq, pq_first)) break;  // the end record
       const bool msk =
           needs_mask(nq, BM, nk, BN, pq_first, pq_first + nq - 1, pk_first, pk_last, p.mask);
       const uint32_t sQ = sm.q(s), sdO = sm.dout(s);
@@ -216,7 +214,7 @@ __global__ void __launch_bounds__(384, 1)
       swap_and_issue(dp, xda, 2, da, dk, sQ + half);  // dK += dS^T Q
       wg_wait<0>();  // dV, dK done: the stage (sQ, sdO, lse2/delta) is free
       fence_regs(dv, dk, pa, da);
-      ws::mbar_arrive(sm.empty(s));
+      sm.release(s);
     }
     store_dkdv_rows<T, D, DW>(p, dk, dv, k0, nk, hk, kr0, col0, tq);
   }

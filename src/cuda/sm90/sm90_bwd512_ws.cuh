@@ -333,8 +333,8 @@ __global__ void __launch_bounds__(384, 1)
     const int q_off = cw * HQ;
     constexpr int AR = DW / 2;
     float dk[AR], dv[AR];
-#pragma unroll
-    for (int i = 0; i < AR; ++i) dk[i] = dv[i] = 0.f;
+    zero_frag(dk);
+    zero_frag(dv);
     const float* lse_s = sm.lse();
     const Ws512HalfExchange<2, 2, std::remove_cv_t<decltype(bars)>> hx(base, Cfg::OFF_X, bars, cw,
                                                                        t, rank);
@@ -376,10 +376,8 @@ __global__ void __launch_bounds__(384, 1)
     int it = 0;
     for (;; ++it) {
       const int s = Ring<S>::stage(it);
-      ws::mbar_wait(bars.full(s), Ring<S>::full_parity(it));
-      volatile int* meta = sm.meta(s);
-      if (meta[0] == 0) break;
-      const int nq = meta[1], pq_first = meta[2];
+      int nq, pq_first;
+      if (!sm.wait_block(s, it, nq, pq_first)) break;
       const bool msk =
           needs_mask(nq, BM, nk, BN, pq_first, pq_first + nq - 1, pk_first, pk_last, p.mask);
       const uint32_t sQ = sm.q(s), sdO = sm.dout(s);
@@ -555,8 +553,7 @@ __global__ void __launch_bounds__(384, 1)
     float lse2[2], del[2];
     load_row_stats(p, h, q0, nq, row0, lse2, del);
     float acc[DH / 2];  // this warpgroup's keys' share of the CTA's DH columns of dQ
-#pragma unroll
-    for (int i = 0; i < DH / 2; ++i) acc[i] = 0.f;
+    zero_frag(acc);
     const Ws512HalfExchange<1, 0, std::remove_cv_t<decltype(bars)>> hx(base, Cfg::OFF_X, bars, cw,
                                                                        t, rank);
     // The dS A fragments of the warpgroup's HK keys of block j - 1 until its product has completed

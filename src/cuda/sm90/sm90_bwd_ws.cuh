@@ -197,8 +197,8 @@ __global__ void __launch_bounds__(384, 1)
     const int kr0 = cw * 64 + (warp & 3) * 16 + g;  // key rows kr0, kr0 + 8
     constexpr int AR = D / 2, SR = BM / 2;
     float dk[AR], dv[AR];
-#pragma unroll
-    for (int i = 0; i < AR; ++i) dk[i] = dv[i] = 0.f;
+    zero_frag(dk);
+    zero_frag(dv);
     const float* lse_s = sm.lse();
     constexpr int DQ_KEYS = kJoinDs ? BN : 64;
     // With 128-query blocks the query columns' lse2 stay in shared memory (in registers, 32 of
@@ -209,11 +209,9 @@ __global__ void __launch_bounds__(384, 1)
     int it = 0;  // after the loop: the number of query blocks seen
     for (;; ++it) {
       const int s = Ring<S>::stage(it);
-      ws::mbar_wait(sm.full(s), Ring<S>::full_parity(it));
-      volatile int* meta = sm.meta(s);
-      if (meta[0] == 0) break;
-      const int nq = meta[1], pq_first = meta[2];
-      const int hq = hk * p.group + meta[0] - 1, qs = meta[3];
+      int nq, pq_first;
+      if (!sm.wait_block(s, it, nq, pq_first)) break;
+      const int hq = hk * p.group + sm.meta(s)[0] - 1, qs = sm.meta(s)[3];
       const bool msk =
           needs_mask(nq, BM, nk, BN, pq_first, pq_first + nq - 1, pk_first, pk_last, p.mask);
       const uint32_t sQ = sm.q(s), sdO = sm.dout(s);
@@ -393,11 +391,11 @@ __global__ void __launch_bounds__(384, 1)
         ws::mbar_arrive(dq_full(cw));
         wg_wait<0>();  // dK done: the stage (sQ) and dS^T's registers are free
         fence_regs(dk, da);
-        ws::mbar_arrive(sm.empty(s));
+        sm.release(s);
       } else {
         wg_wait<0>();
         fence_regs(dv, dk, pa, da);
-        ws::mbar_arrive(sm.empty(s));
+        sm.release(s);
       }
     }
     if constexpr (kFusedDq) {

@@ -367,8 +367,7 @@ __global__ void __launch_bounds__(384, 1)
     const float sl = (kCap || a.prescale) ? 1.f : p.scale_log2;  // log2-domain factor of the scores
 
     float o[OR];
-#pragma unroll
-    for (int i = 0; i < OR; ++i) o[i] = 0.f;
+    zero_frag(o);
     // The own row's running max and sum in slot 0 (both rows, fragment order, after swap_stats).
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
     float s[SR];

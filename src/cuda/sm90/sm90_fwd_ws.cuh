@@ -126,8 +126,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NWG>::THREADS, 1)
 
     constexpr int OR = D / 2, SR = BN / 2;  // accumulator floats per thread
     float o[OR];
-#pragma unroll
-    for (int i = 0; i < OR; ++i) o[i] = 0.f;
+    zero_frag(o);
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
     float s[SR];
     uint32_t pa[BN / 16][4];
