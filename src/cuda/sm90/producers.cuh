@@ -36,25 +36,23 @@ struct DkdvRows {
 };
 
 #if DUALKV_SM90_BODY
-// Their addresses in a CTA from its aligned base `base` (generic pointer `gbase`), for a config
-// Cfg with Tiles (a DkdvTiles at offset 0), STAGES, Q_BYTES (one stage's Q or dO tile) and the
-// offsets OFF_ROWS (the DkdvRows) and OFF_BAR (the barrier array).
+// Their addresses in the CTA's shared memory (SmemBase), for a config Cfg with Tiles (a DkdvTiles
+// at the aligned base), STAGES, Q_BYTES (one stage's Q or dO tile) and the offsets OFF_ROWS (the
+// DkdvRows) and OFF_BAR (the barrier array).
 template <class Cfg>
-struct DkdvSmem {
+struct DkdvSmem : SmemBase {
   static constexpr int S = Cfg::STAGES;
   using Rows = DkdvRows<Cfg::BM, S>;
   static constexpr int OFF_L = Cfg::OFF_ROWS + int(offsetof(Rows, l));
   static constexpr int OFF_META = Cfg::OFF_ROWS + int(offsetof(Rows, meta));
   uint32_t k, v, q0, dout0, l0, kv_bar;  // K, V, stage 0's Q / dO / rows, the kv barrier
-  unsigned char* gbase;
-  __device__ __forceinline__ DkdvSmem(uint32_t base, unsigned char* gbase_)
+  __device__ __forceinline__ DkdvSmem()
       : k(base),
         v(base + int(offsetof(typename Cfg::Tiles, v))),
         q0(base + int(offsetof(typename Cfg::Tiles, q))),
         dout0(base + int(offsetof(typename Cfg::Tiles, dout))),
         l0(base + OFF_L),
-        kv_bar(base + Cfg::OFF_BAR),
-        gbase(gbase_) {}
+        kv_bar(base + Cfg::OFF_BAR) {}
   __device__ __forceinline__ uint32_t q(int s) const { return q0 + s * Cfg::Q_BYTES; }
   __device__ __forceinline__ uint32_t dout(int s) const { return dout0 + s * Cfg::Q_BYTES; }
   // Stage 0's lse2 (stage s's at + 2 BM s, its delta BM floats on).

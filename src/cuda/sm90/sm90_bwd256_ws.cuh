@@ -74,10 +74,7 @@ __global__ void __launch_bounds__(384, 1)
   constexpr int D = Cfg::D, BM = Cfg::BM, BN = Cfg::BN, HQ = Cfg::HQ, DW = Cfg::DW;
   constexpr int S = Cfg::STAGES, NC = Cfg::CONSUMERS;
   const BwdParams& p = a.p;
-  extern __shared__ __align__(1024) unsigned char smem[];
-  const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
-  unsigned char* gbase = smem + (base - smem_u32(smem));
-  const DkdvSmem<Cfg> sm(base, gbase);
+  const DkdvSmem<Cfg> sm;
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   // Each role decodes its key block after the split (cta_of): a value kept live across the
@@ -129,8 +126,8 @@ __global__ void __launch_bounds__(384, 1)
     zero_frag(dk);
     zero_frag(dv);
     const float* lse_s = sm.lse();
-    uint4* xpa = reinterpret_cast<uint4*>(gbase + Cfg::OFF_XPA);
-    uint4* xda = reinterpret_cast<uint4*>(gbase + Cfg::OFF_XDA);
+    uint4* xpa = reinterpret_cast<uint4*>(sm.gbase + Cfg::OFF_XPA);
+    uint4* xda = reinterpret_cast<uint4*>(sm.gbase + Cfg::OFF_XDA);
     // This warpgroup's HQ query columns of an S^T-shaped fragment f (P^T or dS^T) as bf16/fp16
     // A-fragment slices into the exchange buffer x, the named barrier `bar` of both warpgroups,
     // then all BM / 16 slices (both warpgroups' columns) back into a.

@@ -289,10 +289,7 @@ __global__ void __launch_bounds__(384, 1)
   constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
   constexpr int DH = Cfg::DH, DW = Cfg::DW, HQ = Cfg::HQ, HR = Cfg::HR;
   const BwdParams& p = a.p;
-  extern __shared__ __align__(1024) unsigned char smem[];
-  const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
-  unsigned char* gbase = smem + (base - smem_u32(smem));
-  const DkdvSmem<Cfg> sm(base, gbase);
+  const DkdvSmem<Cfg> sm;
   const Ws512Bars<S, 0, 1> bars{sm.kv_bar};
 
   // blockIdx.x = unit * 2 + rank, the unit ((tile * 2 + half) * Hkv + kv head, after key_order's
@@ -336,8 +333,8 @@ __global__ void __launch_bounds__(384, 1)
     zero_frag(dk);
     zero_frag(dv);
     const float* lse_s = sm.lse();
-    const Ws512HalfExchange<2, 2, std::remove_cv_t<decltype(bars)>> hx(base, Cfg::OFF_X, bars, cw,
-                                                                       t, rank);
+    const Ws512HalfExchange<2, 2, std::remove_cv_t<decltype(bars)>> hx(sm.base, Cfg::OFF_X, bars,
+                                                                       cw, t, rank);
     const uint32_t half = uint32_t(cw * DW / 64) * (BM * 128);  // this warpgroup's column blocks
     // The P^T / dS^T A fragments of all BM queries of block it - 1 (live across block it's S^T /
     // dP^T until their dV/dK products have completed) and that block's stage: [0..1] this CTA's
@@ -511,12 +508,10 @@ __global__ void __launch_bounds__(384, 1)
   constexpr int NC = Cfg::CONSUMERS;
   constexpr int DH = Cfg::DH, DW = Cfg::DW, HK = Cfg::HK, HR = Cfg::HR;
   const BwdParams& p = a.p;
-  extern __shared__ __align__(1024) unsigned char smem[];
-  const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
-  unsigned char* gbase = smem + (base - smem_u32(smem));
-  const uint32_t sQ = base, sdO = base + Cfg::OFF_DO, sK0 = base + Cfg::OFF_K,
-                 sV0 = base + Cfg::OFF_V;
-  const Ws512Bars<S, SV, 2> bars{base + Cfg::OFF_BAR};
+  const SmemBase sm;
+  const uint32_t sQ = sm.base, sdO = sm.base + Cfg::OFF_DO, sK0 = sm.base + Cfg::OFF_K,
+                 sV0 = sm.base + Cfg::OFF_V;
+  const Ws512Bars<S, SV, 2> bars{sm.base + Cfg::OFF_BAR};
   const uint32_t bQ = bars.b0;
 
   // blockIdx.x = ((tile * 2 + half) * Hq + q head) * 2 + rank (see dkdv_ws512_kernel_sm90).
@@ -554,8 +549,8 @@ __global__ void __launch_bounds__(384, 1)
     load_row_stats(p, h, q0, nq, row0, lse2, del);
     float acc[DH / 2];  // this warpgroup's keys' share of the CTA's DH columns of dQ
     zero_frag(acc);
-    const Ws512HalfExchange<1, 0, std::remove_cv_t<decltype(bars)>> hx(base, Cfg::OFF_X, bars, cw,
-                                                                       t, rank);
+    const Ws512HalfExchange<1, 0, std::remove_cv_t<decltype(bars)>> hx(sm.base, Cfg::OFF_X, bars,
+                                                                       cw, t, rank);
     // The dS A fragments of the warpgroup's HK keys of block j - 1 until its product has completed
     // (built from this CTA's slice and the peer's) and that block's stage.
     uint32_t da[HK / 16][4], ds_own[1][4], ds_other[4];
@@ -647,7 +642,7 @@ __global__ void __launch_bounds__(384, 1)
     // (free: every product has completed once both warpgroups pass the first barrier) and adds
     // the other's share of its own half (own + other: the same two numbers in every run).
     constexpr int HALF = DW / 2;  // floats per thread of 64 x DW
-    float4* red = reinterpret_cast<float4*>(gbase + Cfg::OFF_K);
+    float4* red = reinterpret_cast<float4*>(sm.gbase + Cfg::OFF_K);
     // acc[i] of half hf, by selects (a run-time index would put acc in local memory).
     auto half_at = [&](int hf, int i) { return hf == 0 ? acc[i] : acc[HALF + i]; };
     ws::bar_sync(1, NC);

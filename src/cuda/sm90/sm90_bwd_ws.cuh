@@ -102,16 +102,13 @@ __global__ void __launch_bounds__(384, 1)
   using Cfg = DkdvWsCfg<D, kFusedDq, BM_>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
   const BwdParams& p = a.p;
-  extern __shared__ __align__(1024) unsigned char smem[];
-  const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
-  unsigned char* gbase = smem + (base - smem_u32(smem));
-  const DkdvSmem<Cfg> sm(base, gbase);
+  const DkdvSmem<Cfg> sm;
   // kFusedDq: consumer warpgroup c's dQ block is ready (128 arrivals) / free again (1 arrival),
   // and its record {valid, first query token, q head, query count}.
   auto dq_full = [&](int c) { return sm.kv_bar + 8u * (1 + 2 * S + c); };
   auto dq_empty = [&](int c) { return sm.kv_bar + 8u * (3 + 2 * S + c); };
   auto dq_meta = [&](int c) {
-    return reinterpret_cast<volatile int*>(gbase + Cfg::OFF_DQMETA + 16 * c);
+    return reinterpret_cast<volatile int*>(sm.gbase + Cfg::OFF_DQMETA + 16 * c);
   };
   // kFusedDq: D = 128 splits dQ's columns between the consumer warpgroups (each sums all 128
   // keys), D = 64 splits the keys (each adds all columns over its own 64 keys), or with 128-query
@@ -167,7 +164,7 @@ __global__ void __launch_bounds__(384, 1)
         // ---- dQ reducers: lane 0 of warp 1 + c adds warpgroup c's blocks into dq_accum --------
         // (one lane: the bulk copies issue one lane at a time anyway, and 24 registers suffice)
         const int c = warp - 1;
-        const uint32_t src = base + Cfg::OFF_DQ + uint32_t(c) * Cfg::DQ_BYTES;
+        const uint32_t src = sm.base + Cfg::OFF_DQ + uint32_t(c) * Cfg::DQ_BYTES;
         volatile int* dm = dq_meta(c);
         const int col0 = kSplitD ? c * 64 : 0;
         const uint64_t l2pol = ws::createpolicy_evict_last();
@@ -257,7 +254,7 @@ __global__ void __launch_bounds__(384, 1)
         return pr * (dp[i] - del_c[qc]) * dcap;
       };
       // kFusedDq: dS^T (key rows x query columns, SW128) to this iteration's shared buffer.
-      const uint32_t sDS = base + Cfg::OFF_DS + uint32_t(it & 1) * Cfg::DS_BYTES;
+      const uint32_t sDS = sm.base + Cfg::OFF_DS + uint32_t(it & 1) * Cfg::DS_BYTES;
       auto stash_ds = [&]() {
 #pragma unroll
         for (int kt = 0; kt < BM / 16; ++kt)
@@ -369,7 +366,7 @@ __global__ void __launch_bounds__(384, 1)
         // Hand the block to this warpgroup's reducer warp once it has read the previous one.
         fence_regs(dqa);
         ws::mbar_wait(dq_empty(cw), (uint32_t(it) & 1u) ^ 1u);
-        const uint32_t dst = base + Cfg::OFF_DQ + uint32_t(cw) * Cfg::DQ_BYTES;
+        const uint32_t dst = sm.base + Cfg::OFF_DQ + uint32_t(cw) * Cfg::DQ_BYTES;
         // This warpgroup's dQ rows: queries q_c .. of the block, n_c of them.
         const int q_c = kSplitRows ? qs + 64 * cw : qs;
         const int n_c = kSplitRows ? max(0, min(64, nq - 64 * cw)) : nq;

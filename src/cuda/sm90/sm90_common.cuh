@@ -103,6 +103,21 @@ constexpr int smem_bytes() {
   return int(sizeof(SS)) + 1024;
 }
 
+#if DUALKV_SM90_BODY
+// The CTA's dynamic shared memory from its first 1024-byte aligned byte, where a kernel's
+// SharedStorage starts: `base` as a shared-memory address, `gbase` as a generic pointer to the
+// same byte.
+struct SmemBase {
+  uint32_t base;
+  unsigned char* gbase;
+  __device__ __forceinline__ SmemBase() {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    base = (smem_u32(smem) + 1023u) & ~1023u;
+    gbase = smem + (base - smem_u32(smem));
+  }
+};
+#endif
+
 // Shared-memory matrix descriptor, 128-byte swizzle. lbo/sbo in bytes.
 __device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
   uint64_t d = 0;

@@ -55,11 +55,10 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
   using Cfg = DqWsCfg<D>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
   const BwdParams& p = a.p;
-  extern __shared__ __align__(1024) unsigned char smem[];
-  const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
-  const uint32_t sQ = base, sdO = base + Cfg::OFF_DO, sK0 = base + Cfg::OFF_K,
-                 sV0 = base + Cfg::OFF_V;
-  const uint32_t bQ = base + Cfg::OFF_BAR;
+  const SmemBase sm;
+  const uint32_t sQ = sm.base, sdO = sm.base + Cfg::OFF_DO, sK0 = sm.base + Cfg::OFF_K,
+                 sV0 = sm.base + Cfg::OFF_V;
+  const uint32_t bQ = sm.base + Cfg::OFF_BAR;
   auto full = [&](int s) { return bQ + 8u * (1 + s); };
   auto empty = [&](int s) { return bQ + 8u * (1 + S + s); };
 

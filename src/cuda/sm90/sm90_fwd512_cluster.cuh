@@ -323,11 +323,9 @@ __global__ void __launch_bounds__(384, 1)
   constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
   constexpr int DH = Cfg::DH, OR = Cfg::OR, SR = Cfg::SR;
   const FwdParams& p = a.p;
-  extern __shared__ __align__(1024) unsigned char smem[];
-  const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
-  const unsigned char* gbase = smem + (base - smem_u32(smem));
-  const uint32_t sQ = base, sK0 = base + Cfg::OFF_K, sV0 = base + Cfg::OFF_V;
-  const FwdD512Bars bars{base + Cfg::OFF_BAR};
+  const SmemBase sm;
+  const uint32_t sQ = sm.base, sK0 = sm.base + Cfg::OFF_K, sV0 = sm.base + Cfg::OFF_V;
+  const FwdD512Bars bars{sm.base + Cfg::OFF_BAR};
 
   // blockIdx.x = (tile * Hq + q head) * 2 + rank: the two CTAs of a cluster share every index but
   // the rank, so they agree on validity and on the key walk.
@@ -363,7 +361,7 @@ __global__ void __launch_bounds__(384, 1)
     const int g = lane >> 2, tq = lane & 3;
     const int row0 = wrow + (warp & 3) * 16 + g;  // rows row0, row0 + 8
     const PingPong<NC> pp(a.pingpong != 0, cw);
-    const FwdD512HalfExchange x(base, bars, cw, tid & 127, rank);
+    const FwdD512HalfExchange x(sm.base, bars, cw, tid & 127, rank);
     const float sl = (kCap || a.prescale) ? 1.f : p.scale_log2;  // log2-domain factor of the scores
 
     float o[OR];

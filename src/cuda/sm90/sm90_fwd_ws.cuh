@@ -80,10 +80,9 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NWG>::THREADS, 1)
   using Cfg = FwdWsCfg<D, NWG>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
   const FwdParams& p = a.p;
-  extern __shared__ __align__(1024) unsigned char smem[];
-  const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
-  const uint32_t sQ = base, sK0 = base + Cfg::OFF_K, sV0 = base + Cfg::OFF_V;
-  const uint32_t bQ = base + Cfg::OFF_BAR;
+  const SmemBase sm;
+  const uint32_t sQ = sm.base, sK0 = sm.base + Cfg::OFF_K, sV0 = sm.base + Cfg::OFF_V;
+  const uint32_t bQ = sm.base + Cfg::OFF_BAR;
   auto full_k = [&](int s) { return bQ + 8u * (1 + s); };
   auto full_v = [&](int s) { return bQ + 8u * (1 + S + s); };
   auto empty_k = [&](int s) { return bQ + 8u * (1 + 2 * S + s); };
