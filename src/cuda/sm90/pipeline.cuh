@@ -54,6 +54,17 @@ __device__ __forceinline__ void ring_init(Full&& full, Empty&& empty, uint32_t f
     mbar_init(empty(s), empty_count);
   }
 }
+// Thread 0 initialises the CTA's mbarriers (init()) and fences them; then the CTA synchronises, so
+// that no thread uses a barrier before its initialisation. (The 2-CTA cluster kernels synchronise
+// the cluster instead: Ws512Bars::init, FwdD512Bars.)
+template <class Init>
+__device__ __forceinline__ void init_barriers(int tid, Init&& init) {
+  if (tid == 0) {
+    init();
+    mbar_init_fence();
+  }
+  __syncthreads();
+}
 __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
                : "memory");

@@ -22,8 +22,11 @@ namespace dualkv::cuda::detail {
 // front the tiles, K and V (BN rows of DC columns) and S stages of Q and dO (BM rows); further on
 // the rows, per stage the lse2 / delta rows and the query block's record; and the barrier array,
 // which starts with the barrier of K and V and the ring's full[S] and empty[S].
-template <int BN, int BM, int DC, int S>
+template <int BN_, int BM_, int DC_, int S_>
 struct DkdvTiles {
+  static constexpr int BN = BN_, BM = BM_, DC = DC_, S = S_;
+  static constexpr int K_BYTES = BN * DC * 2;  // K (and V)
+  static constexpr int Q_BYTES = BM * DC * 2;  // a stage's Q (and dO)
   uint16_t k[BN * DC];
   uint16_t v[BN * DC];
   uint16_t q[S][BM * DC];
@@ -37,24 +40,27 @@ struct DkdvRows {
 
 #if DUALKV_SM90_BODY
 // Their addresses in the CTA's shared memory (SmemBase), for a config Cfg with Tiles (a DkdvTiles
-// at the aligned base), STAGES, Q_BYTES (one stage's Q or dO tile) and the offsets OFF_ROWS (the
-// DkdvRows) and OFF_BAR (the barrier array).
+// at the aligned base) and the offsets OFF_ROWS (the DkdvRows) and OFF_BAR (the barrier array).
 template <class Cfg>
 struct DkdvSmem : SmemBase {
-  static constexpr int S = Cfg::STAGES;
-  using Rows = DkdvRows<Cfg::BM, S>;
+  using Tiles = typename Cfg::Tiles;
+  static constexpr int S = Tiles::S;
+  using Rows = DkdvRows<Tiles::BM, S>;
+  // A full barrier's arrivals: the elected lane's arrive.expect_tx + the producer warp's 32
+  // cp.async arrivals.
+  static constexpr int FULL_COUNT = 1 + 32;
   static constexpr int OFF_L = Cfg::OFF_ROWS + int(offsetof(Rows, l));
   static constexpr int OFF_META = Cfg::OFF_ROWS + int(offsetof(Rows, meta));
   uint32_t k, v, q0, dout0, l0, kv_bar;  // K, V, stage 0's Q / dO / rows, the kv barrier
   __device__ __forceinline__ DkdvSmem()
       : k(base),
-        v(base + int(offsetof(typename Cfg::Tiles, v))),
-        q0(base + int(offsetof(typename Cfg::Tiles, q))),
-        dout0(base + int(offsetof(typename Cfg::Tiles, dout))),
+        v(base + int(offsetof(Tiles, v))),
+        q0(base + int(offsetof(Tiles, q))),
+        dout0(base + int(offsetof(Tiles, dout))),
         l0(base + OFF_L),
         kv_bar(base + Cfg::OFF_BAR) {}
-  __device__ __forceinline__ uint32_t q(int s) const { return q0 + s * Cfg::Q_BYTES; }
-  __device__ __forceinline__ uint32_t dout(int s) const { return dout0 + s * Cfg::Q_BYTES; }
+  __device__ __forceinline__ uint32_t q(int s) const { return q0 + s * Tiles::Q_BYTES; }
+  __device__ __forceinline__ uint32_t dout(int s) const { return dout0 + s * Tiles::Q_BYTES; }
   // Stage 0's lse2 (stage s's at + 2 BM s, its delta BM floats on).
   __device__ __forceinline__ const float* lse() const {
     return reinterpret_cast<const float*>(gbase + OFF_L);
@@ -64,6 +70,13 @@ struct DkdvSmem : SmemBase {
   }
   __device__ __forceinline__ uint32_t full(int s) const { return kv_bar + 8u * (1 + s); }
   __device__ __forceinline__ uint32_t empty(int s) const { return kv_bar + 8u * (1 + S + s); }
+  // The kv barrier and the ring (empty: the consumer threads' releases), by the thread that
+  // initialises the CTA's barriers.
+  __device__ __forceinline__ void init_ring(uint32_t consumers) const {
+    ws::mbar_init(kv_bar, 1);
+    ws::ring_init<S>([&](int s) { return full(s); }, [&](int s) { return empty(s); }, FULL_COUNT,
+                     consumers);
+  }
   // The consumers' acquire of stage s for block `it` of the walk: waits until it is full; false at
   // the walk's end record, else the block's query count and first logical position.
   __device__ __forceinline__ bool wait_block(int s, int it, int& nq, int& pq_first) const {
@@ -154,15 +167,18 @@ __device__ __forceinline__ bool dkdv_produce_stage(const DkdvWsArgs& a, int s, u
 
 // A warp-specialised dK/dV kernel's producer warp (warp 0; the D <= 128, D = 256 and D = 512
 // kernels), into the shared memory of `sm` (DkdvSmem): the key tile's K and V columns
-// [col0, col0 + 64 NCB) (KB bytes each, on its kv barrier), then one ring stage per query block of
-// the walk (dkdv_produce_stage) until a stage marks its end. The walk starts at
-// query_walk_begin; step(cur) advances it (false: past its end) and is the kernel's own (its
-// register-pressure workarounds at the producer's 24 registers differ).
-template <int NCB, int BN, int BM, int S, int QB, int KB, class Smem, class Step>
+// [col0, col0 + DC) (its kv barrier), then one ring stage per query block of the walk
+// (dkdv_produce_stage) until a stage marks its end. The walk starts at query_walk_begin;
+// step(cur) advances it (false: past its end) and is the kernel's own (its register-pressure
+// workarounds at the producer's 24 registers differ).
+template <class Smem, class Step>
 __device__ __forceinline__ void dkdv_producer_warp(const DkdvWsArgs& a, const Smem& sm,
                                                    const Segment& kseg, int ksi, int hk, int k0,
                                                    int pk_first, int pk_last, int col0, int lane,
                                                    Step&& step) {
+  using Tiles = typename Smem::Tiles;
+  constexpr int NCB = Tiles::DC / 64, BN = Tiles::BN, BM = Tiles::BM, S = Tiles::S;
+  constexpr int QB = Tiles::Q_BYTES, KB = Tiles::K_BYTES;
   if (lane == 0) {
     ws::prefetch_tmap(&a.tq);
     ws::prefetch_tmap(&a.tdo);

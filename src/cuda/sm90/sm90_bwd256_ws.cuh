@@ -43,8 +43,6 @@ struct DkdvWs256Cfg : WsRoles<24, 240> {
   static constexpr int HQ = BM / 2;
   static constexpr int DW = D / 2;  // dK/dV columns per consumer warpgroup
   static constexpr int STAGES = 2;
-  static constexpr int K_BYTES = BN * D * 2;
-  static constexpr int Q_BYTES = BM * D * 2;
   // The producer's tiles and rows (DkdvSmem), and the two warpgroups' exchange buffers.
   using Tiles = DkdvTiles<BN, BM, D, STAGES>;
   struct SharedStorage {
@@ -54,14 +52,11 @@ struct DkdvWs256Cfg : WsRoles<24, 240> {
     DkdvRows<BM, STAGES> r;
     uint64_t bar[1 + 2 * STAGES];  // kv, full[S], empty[S]
   };
-  static_assert(sizeof(Tiles::k) == K_BYTES && sizeof(Tiles::q[0]) == Q_BYTES);
   static constexpr int OFF_XPA = int(offsetof(SharedStorage, xpa));
   static constexpr int OFF_XDA = int(offsetof(SharedStorage, xda));
   static constexpr int OFF_ROWS = int(offsetof(SharedStorage, r));
   static constexpr int OFF_BAR = int(offsetof(SharedStorage, bar));
   static constexpr int SMEM = smem_bytes<SharedStorage>();
-  // Full barrier: the elected lane's arrive.expect_tx + the producer warp's 32 cp.async arrivals.
-  static constexpr int FULL_COUNT = 1 + 32;
   static_assert(OFF_BAR % 8 == 0, "mbarriers are 8-byte aligned");
   static_assert(DW % 64 == 0, "a warpgroup's dK/dV columns are whole SW128 column blocks");
 };
@@ -83,13 +78,7 @@ __global__ void __launch_bounds__(384, 1)
   if (!KeyTileCta<BN>(p).valid) return;  // uniform over the CTA, before any barrier
   auto cta_of = [&]() { return KeyTileCta<BN>(p); };
 
-  if (tid == 0) {
-    ws::mbar_init(sm.kv_bar, 1);
-    ws::ring_init<S>([&](int s) { return sm.full(s); }, [&](int s) { return sm.empty(s); },
-                     Cfg::FULL_COUNT, NC);
-    ws::mbar_init_fence();
-  }
-  __syncthreads();
+  ws::init_barriers(tid, [&] { sm.init_ring(NC); });
 
   if (warp < 4) {
     // ---- producer: warp 0 walks the query blocks ---------------------------------------------
@@ -99,14 +88,13 @@ __global__ void __launch_bounds__(384, 1)
       const int hk = cta.hk, k0 = cta.k0, ksi = cta.ksi;
       const int pk_first = cta.pk_first, pk_last = cta.pk_last;
       const Segment& kseg = cta.kseg;
-      dkdv_producer_warp<D / 64, BN, BM, S, Cfg::Q_BYTES, Cfg::K_BYTES>(
-          a, sm, kseg, ksi, hk, k0, pk_first, pk_last, 0, lane, [&](QIter& cur) {
-            // pk_last through an empty asm, so that nothing derived from it is kept live across
-            // the loop (at 24 registers ptxas spilled it, as in dkdv_ws_kernel_sm90's producer).
-            int pkl = pk_last;
-            asm volatile("" : "+r"(pkl));
-            return query_walk_next<BM>(p, kseg, ksi, pk_first, pkl, cur);
-          });
+      dkdv_producer_warp(a, sm, kseg, ksi, hk, k0, pk_first, pk_last, 0, lane, [&](QIter& cur) {
+        // pk_last through an empty asm, so that nothing derived from it is kept live across
+        // the loop (at 24 registers ptxas spilled it, as in dkdv_ws_kernel_sm90's producer).
+        int pkl = pk_last;
+        asm volatile("" : "+r"(pkl));
+        return query_walk_next<BM>(p, kseg, ksi, pk_first, pkl, cur);
+      });
     }
   } else {
     // ---- consumers ---------------------------------------------------------------------------

@@ -69,9 +69,7 @@ struct Ws512Cfg : WsRoles<40, 232> {
 };
 
 struct DkdvWs512Cfg : Ws512Cfg {
-  static constexpr int HQ = HP;                // queries of a warpgroup's S^T / dP^T
-  static constexpr int K_BYTES = BN * DH * 2;  // one CTA's half of K (and of V)
-  static constexpr int Q_BYTES = BM * DH * 2;  // its half of a Q (and dO) block
+  static constexpr int HQ = HP;  // queries of a warpgroup's S^T / dP^T
   // Shared memory from the kernel's 1024-byte aligned base (SMEM adds the slack for that
   // alignment); the OFF_* offsets come from here: the producer's tiles (this CTA's column half)
   // and rows (DkdvSmem), and the exchange buffers.
@@ -82,12 +80,10 @@ struct DkdvWs512Cfg : Ws512Cfg {
     DkdvRows<BM, STAGES> r;
     uint64_t bar[nbars(STAGES, 0, 1)];
   };
-  static_assert(sizeof(Tiles::k) == K_BYTES && sizeof(Tiles::q[0]) == Q_BYTES);
   static constexpr int OFF_X = int(offsetof(SharedStorage, x));
   static constexpr int OFF_ROWS = int(offsetof(SharedStorage, r));
   static constexpr int OFF_BAR = int(offsetof(SharedStorage, bar));
   static constexpr int SMEM = smem_bytes<SharedStorage>();
-  static constexpr int FULL_COUNT = 1 + 32;  // the elected lane's expect_tx + 32 cp.async arrivals
   static_assert(SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
   // The slices (2 x 2 x 16-query A fragments of 16 bytes per thread) fit in X[w] at words the
   // thread itself has read.
@@ -303,22 +299,21 @@ __global__ void __launch_bounds__(384, 1)
   const int cb0 = int(rank) * DH;  // this CTA's first column
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
-  bars.init(tid, Cfg::FULL_COUNT, Cfg::CONSUMERS / 32);  // xfree_d: both peer warpgroups read
+  bars.init(tid, sm.FULL_COUNT, Cfg::CONSUMERS / 32);  // xfree_d: both peer warpgroups read
 
   if (warp < 4) {
     // ---- producer: warp 0 walks the query blocks (this CTA's column half) --------------------
     ws::reg_dealloc<Cfg::PRODUCER_REGS>();
     if (warp == 0) {
-      dkdv_producer_warp<DH / 64, BN, BM, S, Cfg::Q_BYTES, Cfg::K_BYTES>(
-          a, sm, kseg, ksi, hk, k0, pk_first, pk_last, cb0, lane, [&](QIter& cur) {
-            // query_walk_next, spelled out (as dkdv_ws_kernel_sm90: the call made the producer
-            // spill at 24 registers).
-            if (++cur.qb < cur.qb_end) return true;
-            bool valid = seek_query_region<BM>(p, kseg, ksi, cur.si + 1, pk_first, pk_last, cur);
-            if (!valid && ++cur.hi < p.group)
-              valid = seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pk_last, cur);
-            return valid;
-          });
+      dkdv_producer_warp(a, sm, kseg, ksi, hk, k0, pk_first, pk_last, cb0, lane, [&](QIter& cur) {
+        // query_walk_next, spelled out (as dkdv_ws_kernel_sm90: the call made the producer
+        // spill at 24 registers).
+        if (++cur.qb < cur.qb_end) return true;
+        bool valid = seek_query_region<BM>(p, kseg, ksi, cur.si + 1, pk_first, pk_last, cur);
+        if (!valid && ++cur.hi < p.group)
+          valid = seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pk_last, cur);
+        return valid;
+      });
     }
   } else {
     // ---- consumers ---------------------------------------------------------------------------

@@ -52,8 +52,6 @@ struct DkdvWsCfg : WsRoles<BM_ == 64 ? 24 : 40, BM_ == 64 ? 240 : 232> {
   static constexpr int BN = kTileSize;  // 128 keys: 2 consumer warpgroups x 64
   static constexpr int BM = BM_;        // queries per step
   static constexpr int STAGES = BM == 64 ? 3 : 2;
-  static constexpr int K_BYTES = BN * D * 2;
-  static constexpr int Q_BYTES = BM * D * 2;
   static constexpr int DS_BYTES = BN * BM * 2;  // dS^T [BN keys][BM queries]
   static constexpr int DQ_BYTES = 64 * 64 * 4;  // kFusedDq: a warpgroup's fp32 m64n64 dQ block
   // Shared memory from the kernel's 1024-byte aligned base (the + 1024 of SMEM is the slack for
@@ -77,16 +75,13 @@ struct DkdvWsCfg : WsRoles<BM_ == 64 ? 24 : 40, BM_ == 64 ? 240 : 232> {
     Tail x;
   };
   using SharedStorage = std::conditional_t<kFusedDq, Storage2, Storage0>;
-  static_assert(sizeof(Tiles::k) == K_BYTES && sizeof(Tiles::q[0]) == Q_BYTES &&
-                sizeof(Storage2::ds[0]) == DS_BYTES && sizeof(Storage2::dq[0]) == DQ_BYTES);
+  static_assert(sizeof(Storage2::ds[0]) == DS_BYTES && sizeof(Storage2::dq[0]) == DQ_BYTES);
   static constexpr int OFF_DS = int(sizeof(Tiles));           // kFusedDq
   static constexpr int OFF_DQ = int(offsetof(Storage2, dq));  // kFusedDq
   static constexpr int OFF_ROWS = int(offsetof(SharedStorage, x) + offsetof(Tail, r));
   static constexpr int OFF_DQMETA = int(offsetof(SharedStorage, x) + offsetof(Tail, dq_meta));
   static constexpr int OFF_BAR = int(offsetof(SharedStorage, x) + offsetof(Tail, bar));
   static constexpr int SMEM = smem_bytes<SharedStorage>();
-  // Full barrier: the elected lane's arrive.expect_tx + the producer warp's 32 cp.async arrivals.
-  static constexpr int FULL_COUNT = 1 + 32;
   // Registers (WsRoles): 24 / 240, or with 128-query blocks 40 / 232 (at 24 registers the
   // producer warps spill 32 bytes).
   static_assert(D <= 128, "D = 256: sm90_bwd256_ws.cuh");
@@ -126,39 +121,34 @@ __global__ void __launch_bounds__(384, 1)
   const int pk_first = cta.pk_first, pk_last = cta.pk_last;
   const Segment& kseg = cta.kseg;
 
-  if (tid == 0) {
-    ws::mbar_init(sm.kv_bar, 1);
-    ws::ring_init<S>([&](int s) { return sm.full(s); }, [&](int s) { return sm.empty(s); },
-                     Cfg::FULL_COUNT, NC);
+  ws::init_barriers(tid, [&] {
+    sm.init_ring(NC);
     if constexpr (kFusedDq) {
       for (int c = 0; c < 2; ++c) {
         ws::mbar_init(dq_full(c), NC / 2);
         ws::mbar_init(dq_empty(c), 1);
       }
     }
-    ws::mbar_init_fence();
-  }
-  __syncthreads();
+  });
 
   if (warp < 4) {
     // ---- producer: warp 0 walks the query blocks ---------------------------------------------
     ws::reg_dealloc<Cfg::PRODUCER_REGS>();
     if (warp == 0) {
-      dkdv_producer_warp<D / 64, BN, BM, S, Cfg::Q_BYTES, Cfg::K_BYTES>(
-          a, sm, kseg, ksi, hk, k0, pk_first, pk_last, 0, lane, [&](QIter& cur) {
-            // query_walk_next, spelled out: as a call it changes this producer's machine code,
-            // which has not been run on a GPU that way yet.
-            if (++cur.qb < cur.qb_end) return true;
-            // kFusedDq: pk_last passed through an empty asm, so that nothing derived from it is
-            // kept live across the loop (ptxas hoisted its sign extension and spilled it at 24
-            // registers).
-            int pkl = pk_last;
-            if constexpr (kFusedDq) asm volatile("" : "+r"(pkl));
-            bool valid = seek_query_region<BM>(p, kseg, ksi, cur.si + 1, pk_first, pkl, cur);
-            if (!valid && ++cur.hi < p.group)
-              valid = seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pkl, cur);
-            return valid;
-          });
+      dkdv_producer_warp(a, sm, kseg, ksi, hk, k0, pk_first, pk_last, 0, lane, [&](QIter& cur) {
+        // query_walk_next, spelled out: as a call it changes this producer's machine code,
+        // which has not been run on a GPU that way yet.
+        if (++cur.qb < cur.qb_end) return true;
+        // kFusedDq: pk_last passed through an empty asm, so that nothing derived from it is
+        // kept live across the loop (ptxas hoisted its sign extension and spilled it at 24
+        // registers).
+        int pkl = pk_last;
+        if constexpr (kFusedDq) asm volatile("" : "+r"(pkl));
+        bool valid = seek_query_region<BM>(p, kseg, ksi, cur.si + 1, pk_first, pkl, cur);
+        if (!valid && ++cur.hi < p.group)
+          valid = seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pkl, cur);
+        return valid;
+      });
     } else if (kFusedDq && warp <= 2) {
       if constexpr (kFusedDq) {
         // ---- dQ reducers: lane 0 of warp 1 + c adds warpgroup c's blocks into dq_accum --------

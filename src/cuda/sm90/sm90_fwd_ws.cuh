@@ -96,13 +96,11 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NWG>::THREADS, 1)
   const KeyBlockWalk<BN> walk(p, cta.seg, q0, nq);
   const int total = walk.total, pq_first = walk.pq_first;
 
-  if (tid == 0) {
+  ws::init_barriers(tid, [&] {
     ws::mbar_init(bQ, 1);
     ws::ring_init<S>(full_k, empty_k, 1, NC);
     ws::ring_init<S>(full_v, empty_v, 1, NC);
-    ws::mbar_init_fence();
-  }
-  __syncthreads();
+  });
 
   if (warp < 4) {
     // ---- producer warpgroup: one thread issues every copy ------------------------------------
