@@ -21,6 +21,13 @@ constexpr int kSmemSmall = 99 * 1024;
 constexpr int smem_regular(int d) {
   return d == 512 ? kSmemHeadDim512 : d == 256 ? kSmemHeadDim256 : 0;
 }
+// Whether an sm_80 pass's configs Cfg<D, kSmall> (FwdCfg, DqCfg) fit the shared memory api.cu
+// checks for: the regular ones of D = 256 / 512 smem_regular(D), the small ones kSmemSmall.
+template <template <int, bool> class Cfg>
+constexpr bool sm80_configs_fit() {
+  return Cfg<512, false>::SMEM <= smem_regular(512) && Cfg<512, true>::SMEM <= kSmemSmall &&
+         Cfg<256, false>::SMEM <= smem_regular(256) && Cfg<256, true>::SMEM <= kSmemSmall;
+}
 
 struct KernelPolicy {
   // The wgmma paths: built for sm_90a, a device of compute capability 9.x, and not

@@ -345,10 +345,7 @@ struct DqCfg {
   static_assert(!XSTAGE || (XCHG && X_VECS * 16 <= BN * D * 2), "the exchange fits a K stage");
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
-static_assert(DqCfg<512>::SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
-static_assert(DqCfg<512, true>::SMEM <= kSmemSmall, "api.cu checks this much");
-static_assert(DqCfg<256>::SMEM <= kSmemHeadDim256 && DqCfg<256, true>::SMEM <= kSmemSmall,
-              "policy.h's smem_regular / kSmemSmall");
+static_assert(sm80_configs_fit<DqCfg>(), "policy.h's smem_regular / kSmemSmall");
 
 template <typename T, int D, bool kCap, bool kSmall>
 __global__ void __launch_bounds__(DqCfg<D, kSmall>::THREADS, DqCfg<D, kSmall>::MIN_BLOCKS)

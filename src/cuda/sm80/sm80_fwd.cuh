@@ -63,10 +63,7 @@ struct FwdCfg {
 #endif
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
-static_assert(FwdCfg<512>::SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
-static_assert(FwdCfg<512, true>::SMEM <= kSmemSmall, "api.cu checks this much");
-static_assert(FwdCfg<256>::SMEM <= kSmemHeadDim256 && FwdCfg<256, true>::SMEM <= kSmemSmall,
-              "policy.h's smem_regular / kSmemSmall");
+static_assert(sm80_configs_fit<FwdCfg>(), "policy.h's smem_regular / kSmemSmall");
 
 template <typename T, int D, bool kCap, bool kSmall>
 __global__ void __launch_bounds__(FwdCfg<D, kSmall>::THREADS, FwdCfg<D, kSmall>::MIN_BLOCKS)
