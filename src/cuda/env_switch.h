@@ -16,9 +16,9 @@ struct EnvSwitch {
 };
 
 inline constexpr EnvSwitch kEnvSwitches[] = {
-    {"DUALKV_FORCE_SM80", "01"},        {"DUALKV_SM90_PINGPONG", "01"},
-    {"DUALKV_FUSED_DQ", "01"},          {"DUALKV_SM90_D512_BWD", "01"},
-    {"DUALKV_BWD_KEY_ORDER", "0123"},   {"DUALKV_SM80_SMALL_SMEM", "01"},
+    {"DUALKV_FORCE_SM80", "01"},      {"DUALKV_SM90_PINGPONG", "01"},
+    {"DUALKV_FUSED_DQ", "01"},        {"DUALKV_SM90_D512_BWD", "01"},
+    {"DUALKV_BWD_KEY_ORDER", "0123"}, {"DUALKV_SM80_SMALL_SMEM", "01"},
     {"DUALKV_SM90_D64_TILES", "0123"}};
 
 // A switch this library no longer reads, and what replaced it.
