@@ -31,7 +31,7 @@ void check_launch(const char* what) {
 namespace {
 
 // Head dims compiled in (DUALKV_CUDA_HEAD_DIMS at configure time).
-bool head_dim_built(int d) {
+constexpr bool head_dim_built(int d) {
   switch (d) {
 #if DUALKV_HAS_HD64
     case 64:
@@ -224,7 +224,6 @@ KernelPolicy resolve_policy(bool deterministic) {
   pol.pingpong = !is("DUALKV_SM90_PINGPONG", '0');
   pol.fused_dq = !deterministic && !is("DUALKV_FUSED_DQ", '0');
   pol.d512_bwd_sm90 = !is("DUALKV_SM90_D512_BWD", '0');
-  pol.d256_bwd_ws = !is("DUALKV_SM90_D256_BWD", '0');
   pol.bwd_key_chunk = is("DUALKV_BWD_KEY_ORDER", '0')   ? 0
                       : is("DUALKV_BWD_KEY_ORDER", '1') ? 16
                       : is("DUALKV_BWD_KEY_ORDER", '2') ? 32
@@ -253,34 +252,24 @@ void check_smem_for(int head_dim) {
                smem_regular(head_dim) / 1024, " KB), this GPU offers ", optin / 1024, " KB");
 }
 
+// f(T{}, std::integral_constant<int, D>{}) for the element type T of `dtype` and D = d, a head
+// dim the library was built for (only those are instantiated: head_dim_built).
 template <typename F>
 void dispatch(DType dtype, int d, F&& f) {
   auto by_dim = [&](auto tag) {
-    using T = decltype(tag);
-    switch (d) {
-#if DUALKV_HAS_HD64
-      case 64:
-        f(T{}, std::integral_constant<int, 64>{});
-        return;
-#endif
-#if DUALKV_HAS_HD128
-      case 128:
-        f(T{}, std::integral_constant<int, 128>{});
-        return;
-#endif
-#if DUALKV_HAS_HD256
-      case 256:
-        f(T{}, std::integral_constant<int, 256>{});
-        return;
-#endif
-#if DUALKV_HAS_HD512
-      case 512:
-        f(T{}, std::integral_constant<int, 512>{});
-        return;
-#endif
-      default:
-        throw Error(
-            ::dualkv::detail::concat("head_dim ", d, " is not supported by the CUDA kernels"));
+    auto one = [&](auto dim) {
+      if constexpr (head_dim_built(decltype(dim)::value)) {
+        if (d == decltype(dim)::value) {
+          f(tag, dim);
+          return true;
+        }
+      }
+      return false;
+    };
+    if (!(one(std::integral_constant<int, 64>{}) || one(std::integral_constant<int, 128>{}) ||
+          one(std::integral_constant<int, 256>{}) || one(std::integral_constant<int, 512>{}))) {
+      throw Error(
+          ::dualkv::detail::concat("head_dim ", d, " is not supported by the CUDA kernels"));
     }
   };
   if (dtype == DType::kBFloat16) {
@@ -391,9 +380,7 @@ void attention_backward(const BackwardArgs& a, void* workspace, size_t bytes, cu
       // Fused dQ unless deterministic (policy.h).
       if (pol.sm90 && launch_backward_sm90_ws<T, D>(p, pol, stream)) return;
     } else if constexpr (D == 256) {
-      // The warp-specialised D = 256 backward (KernelPolicy::d256_bwd_ws; false: a TMA map failed).
-      if (pol.sm90 && pol.d256_bwd_ws && launch_backward_sm90_d256ws<T>(p, pol, stream)) return;
-      if (pol.sm90) return launch_backward_sm90<T, D>(p, stream);
+      if (pol.sm90 && launch_backward_sm90_d256ws<T>(p, pol, stream)) return;
     } else {
       if (pol.sm90 && pol.d512_bwd_sm90 && launch_backward_sm90_d512<T>(p, stream)) return;
     }

@@ -18,8 +18,8 @@ struct EnvSwitch {
 inline constexpr EnvSwitch kEnvSwitches[] = {
     {"DUALKV_FORCE_SM80", "01"},      {"DUALKV_SM90_PINGPONG", "01"},
     {"DUALKV_FUSED_DQ", "01"},        {"DUALKV_SM90_D512_BWD", "01"},
-    {"DUALKV_SM90_D256_BWD", "01"},   {"DUALKV_BWD_KEY_ORDER", "0123"},
-    {"DUALKV_SM80_SMALL_SMEM", "01"}, {"DUALKV_SM90_D64_TILES", "0123"}};
+    {"DUALKV_BWD_KEY_ORDER", "0123"}, {"DUALKV_SM80_SMALL_SMEM", "01"},
+    {"DUALKV_SM90_D64_TILES", "0123"}};
 
 // A switch this library no longer reads, and what replaced it.
 struct RemovedSwitch {
@@ -39,7 +39,11 @@ inline constexpr RemovedSwitch kRemovedSwitches[] = {
      "deleted; the default fused backward runs"},
     {"DUALKV_SM90_D512_FWD",
      "its single-CTA head dim 512 forward measured 13% slower than the 2-CTA cluster one and was "
-     "deleted; the cluster forward runs (DUALKV_FORCE_SM80=1 runs the sm_80 one)"}};
+     "deleted; the cluster forward runs (DUALKV_FORCE_SM80=1 runs the sm_80 one)"},
+    {"DUALKV_SM90_D256_BWD",
+     "the synchronous head dim 256 backward it selected was slower than the warp-specialised one "
+     "and was deleted; the warp-specialised backward runs (DUALKV_FORCE_SM80=1 runs the sm_80 "
+     "one)"}};
 
 // parse_switch's result for a switch that is unset, empty or blank (the default path runs).
 constexpr int kSwitchUnset = -1;

@@ -4,6 +4,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <type_traits>
+
 #include "collective/common.cuh"
 #include "dualkv/error.h"
 #include "policy.h"
@@ -46,6 +48,16 @@ void launch_kernel(void (*kernel)(Arg), int64_t grid, int threads, int smem, cud
   check_launch(what);
 }
 
+// f(std::bool_constant<kSmall>{}): kSmall = small_smem (KernelPolicy::sm80_small_smem(D)) at the
+// head dims with small sm_80 configs (256, 512), false at the others.
+template <int D, class F>
+void with_sm80_smem_cfg(bool small_smem, F&& f) {
+  if constexpr (D >= 256) {
+    if (small_smem) return f(std::true_type{});
+  }
+  f(std::false_type{});
+}
+
 // small_smem (KernelPolicy::sm80_small_smem(D)): the small shared-memory configs of D = 256 and
 // 512 (ignored at the other head dims).
 template <typename T, int D>
@@ -55,11 +67,7 @@ void launch_forward_sm80(const FwdParams& p, bool small_smem, cudaStream_t strea
 template <typename T, int D>
 void launch_backward_sm80(const BwdParams& p, bool small_smem, cudaStream_t stream);
 
-// sm_90a (wgmma) path: built when CMAKE_CUDA_ARCHITECTURES has 90a (DUALKV_HAS_SM90A), chosen at
-// run time when KernelPolicy::sm90 (compute capability 9.x, not DUALKV_FORCE_SM80=1). The
-// synchronous wgmma backward (sm90/sm90_bwd.cuh), instantiated for D = 256 only (D <= 128 and
-// D = 512 have warp-specialised backwards, sm90/sm90_ws.h).
-template <typename T, int D>
-void launch_backward_sm90(const BwdParams& p, cudaStream_t stream);
+// The sm_90a launchers (built when CMAKE_CUDA_ARCHITECTURES has 90a, DUALKV_HAS_SM90A; chosen at
+// run time when KernelPolicy::sm90): sm90/sm90_ws.h.
 
 }  // namespace dualkv::cuda::detail

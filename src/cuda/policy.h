@@ -21,6 +21,13 @@ constexpr int kSmemSmall = 99 * 1024;
 constexpr int smem_regular(int d) {
   return d == 512 ? kSmemHeadDim512 : d == 256 ? kSmemHeadDim256 : 0;
 }
+// Whether an sm_80 pass's configs Cfg<D, kSmall> (FwdCfg, DqCfg) fit the shared memory api.cu
+// checks for: the regular ones of D = 256 / 512 smem_regular(D), the small ones kSmemSmall.
+template <template <int, bool> class Cfg>
+constexpr bool sm80_configs_fit() {
+  return Cfg<512, false>::SMEM <= smem_regular(512) && Cfg<512, true>::SMEM <= kSmemSmall &&
+         Cfg<256, false>::SMEM <= smem_regular(256) && Cfg<256, true>::SMEM <= kSmemSmall;
+}
 
 struct KernelPolicy {
   // The wgmma paths: built for sm_90a, a device of compute capability 9.x, and not
@@ -40,11 +47,6 @@ struct KernelPolicy {
   // the head dim, so that wgmma tiles fit; faster than the sm_80 mma.sync backward:
   // bench/RESULTS.md); DUALKV_SM90_D512_BWD=0 runs the sm_80 one (A/B, cross-check).
   bool d512_bwd_sm90 = true;
-  // D = 256 backward on sm_90a: sm90/sm90_bwd256_ws.cuh's warp-specialised dK/dV kernel (TMA
-  // producer warp, 2-stage ring) + the warp-specialised dQ pass (sm90_dq_ws.cuh, 3 stages);
-  // DUALKV_SM90_D256_BWD=0 the synchronous D = 256 backward (A/B; slower: every thread loads
-  // with cp.async and waits for each product, where the warp-specialised kernels overlap them).
-  bool d256_bwd_ws = true;
   // The order of the dK/dV kernels' CTAs (Params::key_chunk; every backward path): key tiles in
   // chunks of n, the kv heads outer within a chunk, so that the CTAs running together walk the
   // same kv head's queries (L2 reuse of Q, dO and the dQ reductions), or n = 0: the kv heads of a

@@ -22,9 +22,8 @@ TEST(EnvSwitch, AcceptedDigits) {
   EXPECT_TRUE(w.empty());
   EXPECT_EQ(parse("DUALKV_FUSED_DQ", "1", &w), 1);
   EXPECT_EQ(parse("DUALKV_FUSED_DQ", " 0\n", &w), 0);  // blanks around it are ignored
-  EXPECT_EQ(parse("DUALKV_SM90_D256_BWD", "1", &w), 1);
-  EXPECT_EQ(parse("DUALKV_SM90_D256_BWD", "\t0 ", &w), 0);
   EXPECT_EQ(parse("DUALKV_SM90_D512_BWD", "1", &w), 1);
+  EXPECT_EQ(parse("DUALKV_SM90_D512_BWD", "\t0 ", &w), 0);
   EXPECT_EQ(parse("DUALKV_FORCE_SM80", "1", &w), 1);
   EXPECT_EQ(parse("DUALKV_SM80_SMALL_SMEM", "1", &w), 1);
   EXPECT_EQ(parse("DUALKV_SM80_SMALL_SMEM", "0", &w), 0);
@@ -49,12 +48,10 @@ TEST(EnvSwitch, OtherValuesWarnAndReadAsUnset) {
     EXPECT_NE(w.find("accepted: 0 or 1"), std::string::npos) << w;
   }
   std::string w;
-  // A digit the switch does not take: DUALKV_SM90_D512_BWD and DUALKV_SM90_D256_BWD have 0 and 1
-  // (their mode 2 was removed); DUALKV_BWD_KEY_ORDER 0 to 3.
+  // A digit the switch does not take: DUALKV_SM90_D512_BWD has 0 and 1 (its mode 2 was removed);
+  // DUALKV_BWD_KEY_ORDER 0 to 3.
   EXPECT_EQ(parse("DUALKV_SM90_D512_BWD", "2", &w), kSwitchUnset);
   EXPECT_NE(w.find("DUALKV_SM90_D512_BWD='2'"), std::string::npos) << w;
-  EXPECT_EQ(parse("DUALKV_SM90_D256_BWD", "2", &w), kSwitchUnset);
-  EXPECT_NE(w.find("DUALKV_SM90_D256_BWD='2'"), std::string::npos) << w;
   EXPECT_EQ(parse("DUALKV_BWD_KEY_ORDER", "4", &w), kSwitchUnset);
   EXPECT_NE(w.find("accepted: 0, 1, 2 or 3"), std::string::npos) << w;
   EXPECT_EQ(parse("DUALKV_FORCE_SM80", "yes", &w), kSwitchUnset);
@@ -78,7 +75,8 @@ TEST(EnvSwitch, EverySwitchTakesExactlyItsDigits) {
 }
 
 TEST(EnvSwitch, RemovedSwitchesWarn) {
-  for (const char* name : {"DUALKV_ATOMIC_DQ", "DUALKV_SM90_WS", "DUALKV_SM90_D512_FWD"}) {
+  for (const char* name :
+       {"DUALKV_ATOMIC_DQ", "DUALKV_SM90_WS", "DUALKV_SM90_D512_FWD", "DUALKV_SM90_D256_BWD"}) {
     for (const char* v : {"0", "1", "5"}) {
       const std::string w = removed_switch_warning(name, v);
       EXPECT_NE(w.find(std::string(name) + "=" + v + " was removed and is ignored"),

@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
-# Head dim 256, one device call for the warp-specialised D = 256 backward (sm90/sm90_bwd256_ws.cuh;
-# the default: its dK/dV kernel + the warp-specialised dQ pass; DUALKV_SM90_D256_BWD=0: --path
-# sm90-d256-sync, the synchronous one). The binary is
+# Head dim 256, one device call for the warp-specialised D = 256 backward (sm90/sm90_bwd256_ws.cuh:
+# its dK/dV kernel + the warp-specialised dQ pass). The binary is
 # built on the dev machine (DUALKV_CUDA_HEAD_DIMS=256, sm_90a, static CUDA runtime) and carried in
 # .out/ (libgomp in .out/lib); without it the script builds it first (-j16, ~2 min).
 #   OUT=... bash tests/cuda/d256_run.sh
-# Steps (a hang, timeout rc 124, in the matrix skips the rest): the D = 256 matrix + race 20 on
-# both paths (100 s), compute-sanitizer memcheck on --small (the default path, 50 s), the bench
-# of the two at two shapes in one process (40 s), ncu durations of the backward kernels (50 s). Four files under $OUT; a short table last.
+# Steps (a hang, timeout rc 124, in the matrix skips the rest): the D = 256 matrix + race 20
+# (100 s), compute-sanitizer memcheck on --small (50 s), the bench at two shapes (40 s), ncu
+# durations of the backward kernels (50 s). Four files under $OUT; a short table last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-.out/d256}"
@@ -25,7 +24,7 @@ fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
 date -u
 status=0
-PATHS=default,sm90-d256-sync
+PATHS=default
 SHAPES=(--shape 16,8192,1024,16,8,256 --shape 8,16384,2048,16,8,256)
 declare -A res
 
@@ -51,7 +50,7 @@ else
     "${SHAPES[@]}" >"$OUT/bench.log" 2>&1; rc=$?
   echo "rc=$rc"; [ $rc = 0 ] || status=1
 
-  echo "== ncu backward kernel durations (first shape, $PATHS, sm90-d256-sync) =="
+  echo "== ncu backward kernel durations (first shape, $PATHS) =="
   timeout 50 ncu --clock-control none \
     --metrics gpu__time_duration.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
     -k "regex:dkdv|dq_kernel|dq_ws_kernel|bwd_pre" $BIN --no-check --bench --bench-reps 1 \
@@ -69,7 +68,7 @@ echo "memcheck: ${res[memcheck]:-not run}"
 echo "-- bench (ms, useful TF/s): layout | fwd | bwd | fwd+bwd | bwd det. | fwd+bwd det."
 [ -f "$OUT/bench.log" ] && grep "^| " "$OUT/bench.log" | grep -v "^| layout" | cut -d"|" -f2-7
 echo "-- ncu (first shape; mean over launches): kernel | launches | ms | tensor pipe %"
-# Grouped by kernel (the paths' dK/dV and dQ kernels differ).
+# Grouped by kernel.
 [ -f "$OUT/ncu.log" ] && awk '
   /^  (void )?[a-z_]+.*\(/ {n=$0; sub(/^  (void )?/,"",n); sub(/\(.*/,"",n)}
   /gpu__time_duration/ {u=$(NF-1); v=$NF; gsub(/,/,"",v)

@@ -3,8 +3,8 @@
 # Expects the prebuilt binary at .out/dualkv_cuda_test (built on the dev machine), logs to $OUT.
 #   bash tests/cuda/device_run.sh [test] [trees] [sanitize] [bench]
 # Every step covers each kernel path of dualkv_cuda_test's kPaths (default = sm_90a on Hopper,
-# sm80, sm90-nopp, and the A/B paths sm90-sepdq at D <= 128, sm90-d256-sync at
-# D = 256, sm90-d512-sm80 at D = 512); racecheck runs the
+# sm80, sm90-nopp, and the A/B paths sm90-sepdq at D <= 128, sm90-d512-sm80 at D = 512);
+# racecheck runs the
 # sm80 path only (on the wgmma paths it outruns its time limit). `trees` (not in the default
 # steps): TREES rounds (default 3) of the random prefix-tree forests on every path, then the bench
 # of the branching-rollout forest next to the depth-two micro-batch at the same heads.

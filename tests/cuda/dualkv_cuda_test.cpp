@@ -2,8 +2,7 @@
 //
 //   dualkv_cuda_test [--seed S] [--quick] [--small] [--no-check] [--race N] [--random N]
 //                    [--trees N] [--bench] [--bench-reps N] [--bench-rounds N]
-//                    [--path default|sm80|sm90-nopp|sm90-sepdq|sm90-d512-sm80|
-//                            sm90-d256-sync|key-chunk0|
+//                    [--path default|sm80|sm90-nopp|sm90-sepdq|sm90-d512-sm80|key-chunk0|
 //                            key-chunk16|key-chunk32|key-chunk64|sm80-d512-small|
 //                            sm80-d256-small|d64-fwd192|
 //                            d64-bwd128|d64-tiles]
@@ -32,14 +31,13 @@
 // the default (sm_90a on Hopper: fused dQ at D = 64/128 unless deterministic, the wgmma D = 512
 // backward), the sm_80 one (DUALKV_FORCE_SM80=1), ping-pong off (DUALKV_SM90_PINGPONG=0: forward
 // and dQ kernels), and for A/B: at D <= 128 the separate dQ pass in the default mode
-// (DUALKV_FUSED_DQ=0), at D = 512 the sm_80 backward (DUALKV_SM90_D512_BWD=0); at D = 256 the
-// synchronous backward (sm90-d256-sync: DUALKV_SM90_D256_BWD=0); the dK/dV CTAs in chunks of key
-// tiles with the kv heads outer (key-chunk16/32/64: DUALKV_BWD_KEY_ORDER=1/2/3; 32 at every head
-// dim, the others at 64/128; key-chunk0 at D = 64, where the default is 32: the kv heads side by
-// side); at D = 512 the sm_80 kernels' small shared-memory configs, which GPUs with less than 227
-// KB per block run (sm80-d512-small: DUALKV_SM80_SMALL_SMEM=1, which implies the sm_80 path), and
-// at D = 256 those that GPUs with less than 128 KB run (sm80-d256-small, the same switch); at
-// D = 64 the experimental tiles (d64-fwd192 / d64-bwd128 / d64-tiles:
+// (DUALKV_FUSED_DQ=0), at D = 512 the sm_80 backward (DUALKV_SM90_D512_BWD=0); the dK/dV CTAs
+// in chunks of key tiles with the kv heads outer (key-chunk16/32/64: DUALKV_BWD_KEY_ORDER=1/2/3;
+// 32 at every head dim, the others at 64/128; key-chunk0 at D = 64, where the default is 32: the
+// kv heads side by side); at D = 512 the sm_80 kernels' small shared-memory configs, which GPUs
+// with less than 227 KB per block run (sm80-d512-small: DUALKV_SM80_SMALL_SMEM=1, which implies the
+// sm_80 path), and at D = 256 those that GPUs with less than 128 KB run (sm80-d256-small, the same
+// switch); at D = 64 the experimental tiles (d64-fwd192 / d64-bwd128 / d64-tiles:
 // DUALKV_SM90_D64_TILES=1 / 2 / 3).
 #include <cuda_runtime_api.h>
 
@@ -200,7 +198,6 @@ constexpr KernelPath kPaths[] = {{"default", nullptr, nullptr, 0, 512},
                                  {"sm90-nopp", "DUALKV_SM90_PINGPONG", "0", 0, 512},
                                  {"sm90-sepdq", "DUALKV_FUSED_DQ", "0", 0, 128},
                                  {"sm90-d512-sm80", "DUALKV_SM90_D512_BWD", "0", 512, 512},
-                                 {"sm90-d256-sync", "DUALKV_SM90_D256_BWD", "0", 256, 256},
                                  {"key-chunk0", "DUALKV_BWD_KEY_ORDER", "0", 64, 64},
                                  {"key-chunk16", "DUALKV_BWD_KEY_ORDER", "1", 64, 128},
                                  {"key-chunk32", "DUALKV_BWD_KEY_ORDER", "2", 0, 512},
@@ -1194,7 +1191,6 @@ int main(int argc, char** argv) {
                      [&](const KernelPath& k) { return name == k.name; })) {
       std::fprintf(stderr,
                    "unknown --path %s (default, sm80, sm90-nopp, sm90-sepdq, sm90-d512-sm80, "
-                   "sm90-d256-sync, "
                    "key-chunk0, key-chunk16, "
                    "key-chunk32, key-chunk64, sm80-d512-small, sm80-d256-small, d64-fwd192, "
                    "d64-bwd128, d64-tiles; or a "

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# One device call for the kernel variants (the A/B paths of D = 512 and D = 256) and an A/B of the
+# One device call for the kernel variants (the A/B paths of D = 512) and an A/B of the
 # default path: builds this tree and an older one (OLD_TREE, copied into an ignored folder and
 # carried), checks the variants (matrix + race, memcheck on --small), checks this tree's default
 # path (quick matrix + race), then benches the default path of both trees and each variant beside
 # this tree's default. Every step has a timeout; a hung variant skips its bench. Logs: $OUT (at
 # most 8 files).
 #   OUT=... bash tests/cuda/variants_run.sh OLD_TREE
-#   D512_PATHS / D256_PATHS: the variant paths checked and benched (defaults below); KEY_PATHS:
+#   D512_PATHS: the variant paths checked and benched (default below); KEY_PATHS:
 #   the dK/dV CTA orders (DUALKV_BWD_KEY_ORDER), checked (quick matrix + race) and benched at the
 #   D = 64/128 shapes beside the default, with ncu's L2 hit rate and DRAM bytes of the fused dK/dV
 #   kernel at (32, 4096, 2048) for the default and the first of them.
@@ -16,7 +16,6 @@ OUT="${OUT:-.out/variants}"
 mkdir -p "$OUT"
 OLD_TREE=${1:?usage: variants_run.sh OLD_TREE}
 D512_PATHS=${D512_PATHS-sm90-d512-sm80}
-D256_PATHS=${D256_PATHS-sm90-d256-sync}
 KEY_PATHS=${KEY_PATHS-key-chunk32,key-chunk16,key-chunk64}
 DIMS="64;128;256;512"
 T0=$(date +%s)
@@ -33,14 +32,12 @@ echo "builds $(($(date +%s) - T0)) s"
 BIN=$NEW
 : >"$OUT/test.log"
 : >"$OUT/summary.txt"
-# An empty D512_PATHS / D256_PATHS / KEY_PATHS skips that family's checks and benches.
+# An empty D512_PATHS / KEY_PATHS skips that family's checks and benches.
 [ -n "$D512_PATHS" ] && check d512 100 --path "$D512_PATHS" --race 10
-[ -n "$D256_PATHS" ] && check d256 100 --path "$D256_PATHS" --race 10
 check default-quick 60 --path default --quick --race 5
 [ -n "$KEY_PATHS" ] && check key-order 90 --path "$KEY_PATHS" --quick --race 5
 memcheck default default
 case "$hung" in *d512*) ;; *) for p in ${D512_PATHS//,/ }; do memcheck "$p" "$p"; done ;; esac
-case "$hung" in *d256*) ;; *) for p in ${D256_PATHS//,/ }; do memcheck "$p" "$p"; done ;; esac
 rm -f "$OUT/one.log"
 D128=(--shape 16,8192,1024,32,8,128 --shape 32,4096,2048,32,8,128 --shape 8,16384,2048,32,8,128
   --shape 16,8192,1024,16,8,128 --shape 16,2048,2048,16,16,64)
@@ -54,9 +51,6 @@ done
   case "$hung" in *d512*) ;; *)
     [ -n "$D512_PATHS" ] && timeout 90 $NEW --no-check --bench --bench-reps 3 \
       --path "default,$D512_PATHS" --shape 16,8192,1024,32,4,512 --shape 8,16384,2048,32,4,512 ;; esac
-  case "$hung" in *d256*) ;; *)
-    [ -n "$D256_PATHS" ] && timeout 60 $NEW --no-check --bench --bench-reps 5 \
-      --path "default,$D256_PATHS" --shape 16,8192,1024,16,8,256 --shape 8,16384,2048,16,8,256 ;; esac
   case "$hung" in *key-order*) ;; *)
     [ -n "$KEY_PATHS" ] && timeout 90 $NEW --no-check --bench --bench-reps 5 \
       --path "default,$KEY_PATHS" "${D128[@]}" ;; esac

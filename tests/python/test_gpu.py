@@ -145,7 +145,7 @@ def test_deterministic_runs_the_separate_dq_pass(
     rng = random.Random(seed)
     layout = dualkv.Layout(*random_layout_lens(rng, groups=3, max_p=700, max_r=300), device="cuda")
     q, k, v, dout = inputs(layout, 8, 2, d, seed)
-    for name in ("DUALKV_FUSED_DQ", "DUALKV_SM90_D256_BWD", "DUALKV_FORCE_SM80"):
+    for name in ("DUALKV_FUSED_DQ", "DUALKV_FORCE_SM80"):
         monkeypatch.delenv(name, raising=False)
     if d <= 128:
         monkeypatch.setenv("DUALKV_FUSED_DQ", "0")
@@ -165,7 +165,7 @@ def test_switch_values_not_accepted_warn(
     that the message is new to this process."""
     layout = dualkv.Layout([300], [[64, 129]], device="cuda")
     q, k, v, dout = inputs(layout, 8, 2, 128, seed)
-    for name in ("DUALKV_FUSED_DQ", "DUALKV_SM90_D256_BWD", "DUALKV_FORCE_SM80"):
+    for name in ("DUALKV_FUSED_DQ", "DUALKV_FORCE_SM80"):
         monkeypatch.delenv(name, raising=False)
     default = fwd_bwd(q, k, v, dout, layout)
     capfd.readouterr()

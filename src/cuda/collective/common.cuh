@@ -199,17 +199,6 @@ __device__ __forceinline__ void load_tile(uint32_t s_base, const T* base, int64_
                                                    [](int r, int c) { return swz<D>(r, c); });
 }
 
-// The tile layout a synchronous kernel's cp.async loads write (a policy for the loaders below and
-// in query_walk.cuh): the sm_80 kernels' swz<D> layout (SW128Tiles, sm90/sm90_common.cuh: the
-// synchronous wgmma kernels').
-struct SwzTiles {
-  template <int ROWS, int D, int THREADS, bool kFresh = false, typename T>
-  static __device__ __forceinline__ void load(uint32_t s_base, const T* base, int64_t row_stride,
-                                              int valid) {
-    load_tile<ROWS, D, THREADS, kFresh>(s_base, base, row_stride, valid);
-  }
-};
-
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
@@ -219,25 +208,25 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// A synchronous kernel's cp.async of key block kb's K and V rows (kg / vg: row 0 of the kv head)
-// into the stage tiles sK, sV (BN rows of D columns, in Tiles' layout). kFresh: load_tile's.
-template <class Tiles, int BN, int D, int THREADS, bool kFresh = false, typename T, int B>
+// An sm_80 kernel's cp.async of key block kb's K and V rows (kg / vg: row 0 of the kv head) into
+// the stage tiles sK, sV (BN rows of D columns, swz<D> layout). kFresh: load_tile's.
+template <int BN, int D, int THREADS, bool kFresh = false, typename T, int B>
 __device__ __forceinline__ void load_kv_block(const Params& p, const KeyBlock<B>& kb, uint32_t sK,
                                               uint32_t sV, const T* kg, const T* vg) {
   const int nk = kb.count();
   const int64_t ks = kb.row();
-  Tiles::template load<BN, D, THREADS, kFresh>(sK, kg + ks * p.k_tok, p.k_tok, nk);
-  Tiles::template load<BN, D, THREADS, kFresh>(sV, vg + ks * p.v_tok, p.v_tok, nk);
+  load_tile<BN, D, THREADS, kFresh>(sK, kg + ks * p.k_tok, p.k_tok, nk);
+  load_tile<BN, D, THREADS, kFresh>(sV, vg + ks * p.v_tok, p.v_tok, nk);
 }
 
-// A synchronous backward kernel's cp.async of the Q and dO rows [qs, qs + nq) of q head h into
-// the tiles sQ, sdO (BM rows of D columns, in Tiles' layout).
-template <typename T, class Tiles, int BM, int D, int THREADS, bool kFresh = false>
+// An sm_80 backward kernel's cp.async of the Q and dO rows [qs, qs + nq) of q head h into the
+// tiles sQ, sdO (BM rows of D columns, swz<D> layout).
+template <typename T, int BM, int D, int THREADS, bool kFresh = false>
 __device__ __forceinline__ void load_q_do_rows(const BwdParams& p, int qs, int nq, int h,
                                                uint32_t sQ, uint32_t sdO) {
-  Tiles::template load<BM, D, THREADS, kFresh>(
+  load_tile<BM, D, THREADS, kFresh>(
       sQ, static_cast<const T*>(p.q) + int64_t(qs) * p.q_tok + int64_t(h) * p.q_head, p.q_tok, nq);
-  Tiles::template load<BM, D, THREADS, kFresh>(
+  load_tile<BM, D, THREADS, kFresh>(
       sdO, static_cast<const T*>(p.dout) + (int64_t(qs) * p.Hq + h) * D, int64_t(p.Hq) * D, nq);
 }
 

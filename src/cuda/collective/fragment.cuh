@@ -35,4 +35,11 @@ __device__ __forceinline__ void frag_cols_load(const float* v, int tq, float (&o
 }
 __device__ __forceinline__ int frag_col_slot(int i) { return ((i >> 2) << 1) | (i & 1); }
 
+// Zeroes a flat accumulator (before the loop that adds into it).
+template <int N>
+__device__ __forceinline__ void zero_frag(float (&f)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) f[i] = 0.f;
+}
+
 }  // namespace dualkv::cuda::detail

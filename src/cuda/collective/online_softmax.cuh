@@ -48,7 +48,7 @@ __device__ __forceinline__ float tree_reduce(float* v, F f) {
 }
 
 // One online-softmax step of row r over a block's NT n-tiles of scores s; returns corr.
-//   kFold = false (sm_80, synchronous sm_90a): the scores are log2-domain logits already
+//   kFold = false (sm_80): the scores are log2-domain logits already
 //     (score_log2); l = l * corr, rescale_o(corr) runs, then l += each n-tile's p0 + p1.
 //   kFold = true (warp-specialised sm_90a): the logits are s * sl (sl = scale * log2(e) folded into
 //     one FFMA per element, or 1 after a pre-scale); l = l * corr + the block's sum; rescale_o

@@ -17,20 +17,13 @@ namespace dualkv::cuda::detail {
 
 // min / max of two ints: CUDA's in device code (the kernels' machine code as before the walks
 // moved here), a comparison on the host.
-DUALKV_HD int imin(int a, int b) {
 #if defined(__CUDA_ARCH__)
-  return ::min(a, b);
+DUALKV_HD int imin(int a, int b) { return ::min(a, b); }
+DUALKV_HD int imax(int a, int b) { return ::max(a, b); }
 #else
-  return a < b ? a : b;
+DUALKV_HD int imin(int a, int b) { return a < b ? a : b; }
+DUALKV_HD int imax(int a, int b) { return a < b ? b : a; }
 #endif
-}
-DUALKV_HD int imax(int a, int b) {
-#if defined(__CUDA_ARCH__)
-  return ::max(a, b);
-#else
-  return a < b ? b : a;
-#endif
-}
 
 // The parameters every kernel reads: the layout tables, the shape, the score (scale, softcap,
 // mask) and q, k, v with their strides. The forward and backward kernels take FwdParams /

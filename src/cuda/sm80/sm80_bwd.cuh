@@ -23,7 +23,6 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "collective/bwd_preprocess.cuh"
 #include "collective/epilogue.cuh"
 #include "collective/query_walk.cuh"
 #include "collective/score_mod.cuh"
@@ -164,7 +163,7 @@ struct BwdCfg {
 };
 static_assert(BwdCfg<512>::SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
 static_assert(BwdCfg<512, true>::SMEM <= kSmemSmall, "api.cu checks this much");
-// D = 256 has no small dK/dV config: the regular one fits (launch_backward_sm80_cfg).
+// D = 256 has no small dK/dV config: the regular one fits (launch_backward_sm80).
 static_assert(BwdCfg<256>::SMEM <= kSmemSmall, "BwdCfg<256> runs where the small configs do");
 
 template <typename T, int D, bool kCap, bool kSmall>
@@ -191,8 +190,8 @@ __global__ void __launch_bounds__(BwdCfg<D, kSmall>::THREADS, BwdCfg<D, kSmall>:
       sV, static_cast<const T*>(p.v) + int64_t(k0) * p.v_tok + int64_t(hk) * p.v_head, p.v_tok, nk);
 
   auto issue = [&](const QIter& it, int stage) {
-    load_query_block<T, SwzTiles, BM, D, THREADS, BM * D * 2, Cfg::FRESH_ADDR>(
-        p, it, hk, tid, stage, sQ0, sdO0, sL0);
+    load_query_block<T, BM, D, THREADS, BM * D * 2, Cfg::FRESH_ADDR>(p, it, hk, tid, stage, sQ0,
+                                                                     sdO0, sL0);
   };
   auto advance = [&](QIter& it) {
     return query_walk_next<BM>(p, kseg, ksi, pk_first, pk_last, it);
@@ -346,10 +345,7 @@ struct DqCfg {
   static_assert(!XSTAGE || (XCHG && X_VECS * 16 <= BN * D * 2), "the exchange fits a K stage");
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
-static_assert(DqCfg<512>::SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
-static_assert(DqCfg<512, true>::SMEM <= kSmemSmall, "api.cu checks this much");
-static_assert(DqCfg<256>::SMEM <= kSmemHeadDim256 && DqCfg<256, true>::SMEM <= kSmemSmall,
-              "policy.h's smem_regular / kSmemSmall");
+static_assert(sm80_configs_fit<DqCfg>(), "policy.h's smem_regular / kSmemSmall");
 
 template <typename T, int D, bool kCap, bool kSmall>
 __global__ void __launch_bounds__(DqCfg<D, kSmall>::THREADS, DqCfg<D, kSmall>::MIN_BLOCKS)
@@ -368,13 +364,13 @@ __global__ void __launch_bounds__(DqCfg<D, kSmall>::THREADS, DqCfg<D, kSmall>::M
   const T* kg = static_cast<const T*>(p.k) + int64_t(hk) * p.k_head;
   const T* vg = static_cast<const T*>(p.v) + int64_t(hk) * p.v_head;
 
-  load_q_do_rows<T, SwzTiles, BM, D, THREADS, Cfg::FRESH_ADDR>(p, q0, nq, h, sQ, sdO);
+  load_q_do_rows<T, BM, D, THREADS, Cfg::FRESH_ADDR>(p, q0, nq, h, sQ, sdO);
 
   const KeyBlockWalk<BN> walk(p, seg, q0, nq);
   const int total = walk.total, pq_first = walk.pq_first;
   auto load_kv = [&](int j, int stage) {
-    load_kv_block<SwzTiles, BN, D, THREADS, Cfg::FRESH_ADDR>(
-        p, walk.at(j), sK0 + stage * BN * D * 2, sV0 + stage * BN * D * 2, kg, vg);
+    load_kv_block<BN, D, THREADS, Cfg::FRESH_ADDR>(p, walk.at(j), sK0 + stage * BN * D * 2,
+                                                   sV0 + stage * BN * D * 2, kg, vg);
   };
   if (total > 0) load_kv(0, 0);
   cp_commit();
@@ -448,38 +444,6 @@ __global__ void __launch_bounds__(DqCfg<D, kSmall>::THREADS, DqCfg<D, kSmall>::M
   cp_wait<0>();
 
   store_dq_rows<T, D, DC>(p, acc, q0, nq, h, row0, dbase, tq);
-}
-
-template <typename T, int D, bool kSmall>
-void launch_backward_sm80_cfg(const BwdParams& p, cudaStream_t stream) {
-  if (int64_t(p.T) * p.Hq == 0) return;
-  launch_bwd_pre<T, D>(p, false, stream);
-  const bool cap = p.softcap > 0.f;
-  constexpr bool kSmallKv = kSmall && D >= 512;  // BwdCfg<256> fits where the small ones do
-  using BC = BwdCfg<D, kSmallKv>;
-  const int64_t grid_kv = int64_t(p.nkt) * (kTileSize / BC::BN) * p.Hkv;
-  if (grid_kv > 0) {
-    auto kernel =
-        cap ? dkdv_kernel_sm80<T, D, true, kSmallKv> : dkdv_kernel_sm80<T, D, false, kSmallKv>;
-    launch_kernel(
-        kernel, grid_kv, BC::THREADS, BC::SMEM, stream, p,
-        kSmallKv ? "dualkv backward dk/dv (sm80, small smem)" : "dualkv backward dk/dv (sm80)");
-  }
-  using QC = DqCfg<D, kSmall>;
-  const int64_t grid_q = int64_t(p.nqt) * (kTileSize / QC::BM) * p.Hq;
-  if (grid_q > 0) {
-    auto kernel = cap ? dq_kernel_sm80<T, D, true, kSmall> : dq_kernel_sm80<T, D, false, kSmall>;
-    launch_kernel(kernel, grid_q, QC::THREADS, QC::SMEM, stream, p,
-                  kSmall ? "dualkv backward dq (sm80, small smem)" : "dualkv backward dq (sm80)");
-  }
-}
-
-template <typename T, int D>
-void launch_backward_sm80(const BwdParams& p, bool small_smem, cudaStream_t stream) {
-  if constexpr (D >= 256) {
-    if (small_smem) return launch_backward_sm80_cfg<T, D, true>(p, stream);
-  }
-  launch_backward_sm80_cfg<T, D, false>(p, stream);
 }
 
 }  // namespace dualkv::cuda::detail

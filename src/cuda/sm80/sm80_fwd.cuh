@@ -63,10 +63,7 @@ struct FwdCfg {
 #endif
   static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
-static_assert(FwdCfg<512>::SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
-static_assert(FwdCfg<512, true>::SMEM <= kSmemSmall, "api.cu checks this much");
-static_assert(FwdCfg<256>::SMEM <= kSmemHeadDim256 && FwdCfg<256, true>::SMEM <= kSmemSmall,
-              "policy.h's smem_regular / kSmemSmall");
+static_assert(sm80_configs_fit<FwdCfg>(), "policy.h's smem_regular / kSmemSmall");
 
 template <typename T, int D, bool kCap, bool kSmall>
 __global__ void __launch_bounds__(FwdCfg<D, kSmall>::THREADS, FwdCfg<D, kSmall>::MIN_BLOCKS)
@@ -92,8 +89,8 @@ __global__ void __launch_bounds__(FwdCfg<D, kSmall>::THREADS, FwdCfg<D, kSmall>:
   const KeyBlockWalk<BN> walk(p, seg, q0, nq);
   const int total = walk.total, pq_first = walk.pq_first;
   auto load_kv = [&](int j, int stage) {
-    load_kv_block<SwzTiles, BN, D, THREADS, Cfg::FRESH_ADDR>(
-        p, walk.at(j), sK0 + stage * BN * D * 2, sV0 + stage * BN * D * 2, kg, vg);
+    load_kv_block<BN, D, THREADS, Cfg::FRESH_ADDR>(p, walk.at(j), sK0 + stage * BN * D * 2,
+                                                   sV0 + stage * BN * D * 2, kg, vg);
   };
 
   if (total > 0) load_kv(0, 0);
@@ -204,23 +201,18 @@ __global__ void __launch_bounds__(FwdCfg<D, kSmall>::THREADS, FwdCfg<D, kSmall>:
                              dbase, dpart == 0);
 }
 
-template <typename T, int D, bool kSmall>
-void launch_forward_sm80_cfg(const FwdParams& p, cudaStream_t stream) {
-  using Cfg = FwdCfg<D, kSmall>;
-  const int64_t grid = int64_t(p.nqt) * (kTileSize / Cfg::BM) * p.Hq;
-  if (grid == 0) return;
-  auto kernel =
-      p.softcap > 0.f ? fwd_kernel_sm80<T, D, true, kSmall> : fwd_kernel_sm80<T, D, false, kSmall>;
-  launch_kernel(kernel, grid, Cfg::THREADS, Cfg::SMEM, stream, p,
-                kSmall ? "dualkv forward (sm80, small smem)" : "dualkv forward (sm80)");
-}
-
 template <typename T, int D>
 void launch_forward_sm80(const FwdParams& p, bool small_smem, cudaStream_t stream) {
-  if constexpr (D >= 256) {
-    if (small_smem) return launch_forward_sm80_cfg<T, D, true>(p, stream);
-  }
-  launch_forward_sm80_cfg<T, D, false>(p, stream);
+  with_sm80_smem_cfg<D>(small_smem, [&](auto small) {
+    constexpr bool kSmall = decltype(small)::value;
+    using Cfg = FwdCfg<D, kSmall>;
+    const int64_t grid = int64_t(p.nqt) * (kTileSize / Cfg::BM) * p.Hq;
+    if (grid == 0) return;
+    launch_kernel(p.softcap > 0.f ? fwd_kernel_sm80<T, D, true, kSmall>
+                                  : fwd_kernel_sm80<T, D, false, kSmall>,
+                  grid, Cfg::THREADS, Cfg::SMEM, stream, p,
+                  kSmall ? "dualkv forward (sm80, small smem)" : "dualkv forward (sm80)");
+  });
 }
 
 }  // namespace dualkv::cuda::detail

@@ -1,8 +1,7 @@
 // The pipeline pieces of the sm_90a kernels: stages and phases of a ring of shared-memory buffers
 // (Ring), the mbarrier operations that hand a stage between producer and consumers, named
 // barriers (bar_sync / bar_arrive) and the ping-pong turns of the consumer warpgroups built on
-// them (PingPong). Used by the warp-specialised kernels (sm90_fwd_ws.cuh, sm90_bwd_ws.cuh,
-// sm90_dq_ws.cuh; named barriers also by sm90_bwd.cuh).
+// them (PingPong). Used by the warp-specialised kernels.
 #pragma once
 
 #include <cstdint>
@@ -55,12 +54,28 @@ __device__ __forceinline__ void ring_init(Full&& full, Empty&& empty, uint32_t f
     mbar_init(empty(s), empty_count);
   }
 }
+// Thread 0 initialises the CTA's mbarriers (init()) and fences them; then the CTA synchronises, so
+// that no thread uses a barrier before its initialisation. (The 2-CTA cluster kernels synchronise
+// the cluster instead: Ws512Bars::init, FwdD512Bars.)
+template <class Init>
+__device__ __forceinline__ void init_barriers(int tid, Init&& init) {
+  if (tid == 0) {
+    init();
+    mbar_init_fence();
+  }
+  __syncthreads();
+}
 __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
                : "memory");
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// Arrives on `bar` once this thread's earlier cp.async copies have landed (counts as one of the
+// barrier's expected arrivals).
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
 // Blocks until the phase of parity `parity` has completed (a fresh barrier counts its phase of
 // parity 1 as completed, so a producer's first pass through the ring does not wait). No watchdog:

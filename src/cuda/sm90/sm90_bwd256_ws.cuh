@@ -1,12 +1,11 @@
-// sm_90a backward for D = 256, warp-specialised (the default D = 256 backward on Hopper:
-// KernelPolicy::d256_bwd_ws; DUALKV_SM90_D256_BWD=0 runs sm90_bwd.cuh's synchronous one).
-// The dK/dV kernel keeps the synchronous kernel's decomposition (Dkdv90Cfg::kSplitD, measured
-// correct on the GPU): one CTA per (64-key block, kv head), both consumer warpgroups own the same
-// 64 keys and warpgroup c the dK/dV columns 128c..128c+127 (64 keys x 128 columns x 2 fp32
-// accumulators = 128 registers per thread); per 64-query block warpgroup c computes S^T and dP^T
-// for queries 32c..32c+31 (64 x 32 x 256 products), P and dS for them, and the two warpgroups
-// swap their P^T / dS^T A fragments through shared memory. What is new is the schedule of
-// sm90_bwd_ws.cuh's kernels:
+// sm_90a backward for D = 256, warp-specialised (the D = 256 backward on Hopper). The dK/dV
+// kernel keeps the decomposition of the synchronous wgmma kernel it replaced (deleted since):
+// one CTA per (64-key block, kv head), both consumer warpgroups own the same 64 keys and
+// warpgroup c the dK/dV columns 128c..128c+127 (64 keys x 128 columns x 2 fp32 accumulators =
+// 128 registers per thread); per 64-query block warpgroup c computes S^T and dP^T for queries
+// 32c..32c+31 (64 x 32 x 256 products), P and dS for them, and the two warpgroups swap their
+// P^T / dS^T A fragments through shared memory. The schedule is that of sm90_bwd_ws.cuh's
+// kernel:
 //   - producer warp 0 (setmaxnreg 24): TMA of K and V once, then per query block of the fixed
 //     walk (query_walk_begin / seek_query_region, the same order as every dK/dV kernel, so dK/dV
 //     stay bitwise reproducible) the Q and dO tiles by TMA and the lse2 / delta rows by cp.async,
@@ -27,53 +26,38 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "collective/bwd_preprocess.cuh"
-#include "sm90/dkdv_producer.cuh"
-#include "sm90/sm90_dq_ws.cuh"
+#include "collective/epilogue.cuh"
+#include "collective/query_walk.cuh"
+#include "collective/score_mod.cuh"
+#include "sm90/pipeline.cuh"
+#include "sm90/producers.cuh"
 #include "sm90/warp_roles.cuh"
+#include "sm90/ws_args.cuh"
 
 namespace dualkv::cuda::detail {
 
-struct DkdvWs256Cfg {
+struct DkdvWs256Cfg : WsRoles<24, 240> {
   static constexpr int D = 256;
   static constexpr int BN = 64;  // keys per CTA (both consumer warpgroups)
   static constexpr int BM = 64;  // queries per step; each warpgroup's S^T / dP^T covers 32
   static constexpr int HQ = BM / 2;
   static constexpr int DW = D / 2;  // dK/dV columns per consumer warpgroup
   static constexpr int STAGES = 2;
-  static constexpr int THREADS = 384;
-  static constexpr int CONSUMERS = 256;
-  static constexpr int K_BYTES = BN * D * 2;
-  static constexpr int Q_BYTES = BM * D * 2;
+  // The producer's tiles and rows (DkdvSmem), and the two warpgroups' exchange buffers.
+  using Tiles = DkdvTiles<BN, BM, D, STAGES>;
   struct SharedStorage {
-    uint16_t k[BN * D];
-    uint16_t v[BN * D];
-    uint16_t q[STAGES][BM * D];
-    uint16_t dout[STAGES][BM * D];
-    uint4 xpa[BM / 16][128];       // P^T A fragments, slice kt of thread t (of either warpgroup)
-    uint4 xda[BM / 16][128];       // dS^T A fragments
-    float l[STAGES][2 * BM];       // per stage: lse2, delta
-    int meta[STAGES][4];           // per stage: the query block's record
+    Tiles t;
+    uint4 xpa[BM / 16][128];  // P^T A fragments, slice kt of thread t (of either warpgroup)
+    uint4 xda[BM / 16][128];  // dS^T A fragments
+    DkdvRows<BM, STAGES> r;
     uint64_t bar[1 + 2 * STAGES];  // kv, full[S], empty[S]
   };
-  static_assert(sizeof(SharedStorage::k) == K_BYTES && sizeof(SharedStorage::q[0]) == Q_BYTES);
-  static constexpr int OFF_V = int(offsetof(SharedStorage, v));
-  static constexpr int OFF_Q = int(offsetof(SharedStorage, q));
-  static constexpr int OFF_DO = int(offsetof(SharedStorage, dout));
   static constexpr int OFF_XPA = int(offsetof(SharedStorage, xpa));
   static constexpr int OFF_XDA = int(offsetof(SharedStorage, xda));
-  static constexpr int OFF_L = int(offsetof(SharedStorage, l));
-  static constexpr int OFF_META = int(offsetof(SharedStorage, meta));
+  static constexpr int OFF_ROWS = int(offsetof(SharedStorage, r));
   static constexpr int OFF_BAR = int(offsetof(SharedStorage, bar));
-  static constexpr int SMEM = int(sizeof(SharedStorage)) + 1024;
-  // Full barrier: the elected lane's arrive.expect_tx + the producer warp's 32 cp.async arrivals.
-  static constexpr int FULL_COUNT = 1 + 32;
-  // setmaxnreg splits the CTA's pool of 384 x 168 registers: producer + 2 x consumer <= 504.
-  static constexpr int PRODUCER_REGS = 24;
-  static constexpr int CONSUMER_REGS = 240;
-  static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "register pool of one CTA");
+  static constexpr int SMEM = smem_bytes<SharedStorage>();
   static_assert(OFF_BAR % 8 == 0, "mbarriers are 8-byte aligned");
-  static_assert(SMEM <= 227 * 1024, "shared memory per block");
   static_assert(DW % 64 == 0, "a warpgroup's dK/dV columns are whole SW128 column blocks");
 };
 
@@ -85,17 +69,7 @@ __global__ void __launch_bounds__(384, 1)
   constexpr int D = Cfg::D, BM = Cfg::BM, BN = Cfg::BN, HQ = Cfg::HQ, DW = Cfg::DW;
   constexpr int S = Cfg::STAGES, NC = Cfg::CONSUMERS;
   const BwdParams& p = a.p;
-  extern __shared__ __align__(1024) unsigned char smem[];
-  const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
-  unsigned char* gbase = smem + (base - smem_u32(smem));
-  const uint32_t sK = base, sV = base + Cfg::OFF_V;
-  const uint32_t sQ0 = base + Cfg::OFF_Q, sdO0 = base + Cfg::OFF_DO, sL0 = base + Cfg::OFF_L;
-  const uint32_t bKV = base + Cfg::OFF_BAR;
-  auto full = [&](int s) { return bKV + 8u * (1 + s); };
-  auto empty = [&](int s) { return bKV + 8u * (1 + S + s); };
-  auto meta = [&](int s) {
-    return reinterpret_cast<volatile int*>(gbase + Cfg::OFF_META + 16 * s);
-  };
+  const DkdvSmem<Cfg> sm;
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   // Each role decodes its key block after the split (cta_of): a value kept live across the
@@ -104,12 +78,7 @@ __global__ void __launch_bounds__(384, 1)
   if (!KeyTileCta<BN>(p).valid) return;  // uniform over the CTA, before any barrier
   auto cta_of = [&]() { return KeyTileCta<BN>(p); };
 
-  if (tid == 0) {
-    ws::mbar_init(bKV, 1);
-    ws::ring_init<S>(full, empty, Cfg::FULL_COUNT, NC);
-    ws::mbar_init_fence();
-  }
-  __syncthreads();
+  ws::init_barriers(tid, [&] { sm.init_ring(NC); });
 
   if (warp < 4) {
     // ---- producer: warp 0 walks the query blocks ---------------------------------------------
@@ -119,15 +88,13 @@ __global__ void __launch_bounds__(384, 1)
       const int hk = cta.hk, k0 = cta.k0, ksi = cta.ksi;
       const int pk_first = cta.pk_first, pk_last = cta.pk_last;
       const Segment& kseg = cta.kseg;
-      dkdv_producer_warp<D / 64, BN, BM, S, Cfg::Q_BYTES, Cfg::K_BYTES>(
-          a, kseg, ksi, hk, k0, pk_first, pk_last, sK, sV, bKV, sQ0, sdO0, sL0, 0, lane, full,
-          empty, meta, [&](QIter& cur) {
-            // pk_last through an empty asm, so that nothing derived from it is kept live across
-            // the loop (at 24 registers ptxas spilled it, as in dkdv_ws_kernel_sm90's producer).
-            int pkl = pk_last;
-            asm volatile("" : "+r"(pkl));
-            return query_walk_next<BM>(p, kseg, ksi, pk_first, pkl, cur);
-          });
+      dkdv_producer_warp(a, sm, kseg, ksi, hk, k0, pk_first, pk_last, 0, lane, [&](QIter& cur) {
+        // pk_last through an empty asm, so that nothing derived from it is kept live across
+        // the loop (at 24 registers ptxas spilled it, as in dkdv_ws_kernel_sm90's producer).
+        int pkl = pk_last;
+        asm volatile("" : "+r"(pkl));
+        return query_walk_next<BM>(p, kseg, ksi, pk_first, pkl, cur);
+      });
     }
   } else {
     // ---- consumers ---------------------------------------------------------------------------
@@ -144,11 +111,11 @@ __global__ void __launch_bounds__(384, 1)
     const uint32_t half = uint32_t(col0 / 64) * (BM * 128);  // its column blocks of dO and Q
     constexpr int AR = DW / 2, HR = HQ / 2;
     float dk[AR], dv[AR];
-#pragma unroll
-    for (int i = 0; i < AR; ++i) dk[i] = dv[i] = 0.f;
-    const float* lse_s = reinterpret_cast<const float*>(gbase + Cfg::OFF_L);
-    uint4* xpa = reinterpret_cast<uint4*>(gbase + Cfg::OFF_XPA);
-    uint4* xda = reinterpret_cast<uint4*>(gbase + Cfg::OFF_XDA);
+    zero_frag(dk);
+    zero_frag(dv);
+    const float* lse_s = sm.lse();
+    uint4* xpa = reinterpret_cast<uint4*>(sm.gbase + Cfg::OFF_XPA);
+    uint4* xda = reinterpret_cast<uint4*>(sm.gbase + Cfg::OFF_XDA);
     // This warpgroup's HQ query columns of an S^T-shaped fragment f (P^T or dS^T) as bf16/fp16
     // A-fragment slices into the exchange buffer x, the named barrier `bar` of both warpgroups,
     // then all BM / 16 slices (both warpgroups' columns) back into a.
@@ -177,15 +144,14 @@ __global__ void __launch_bounds__(384, 1)
       wg_commit();
     };
 
-    ws::mbar_wait(bKV, 0);
+    ws::mbar_wait(sm.kv_bar, 0);
     for (int it = 0;; ++it) {
       const int s = Ring<S>::stage(it);
-      ws::mbar_wait(full(s), Ring<S>::full_parity(it));
-      if (meta(s)[0] == 0) break;  // the end record
-      const int nq = meta(s)[1], pq_first = meta(s)[2];
+      int nq, pq_first;
+      if (!sm.wait_block(s, it, nq, pq_first)) break;  // the end record
       const bool msk =
           needs_mask(nq, BM, nk, BN, pq_first, pq_first + nq - 1, pk_first, pk_last, p.mask);
-      const uint32_t sQ = sQ0 + s * Cfg::Q_BYTES, sdO = sdO0 + s * Cfg::Q_BYTES;
+      const uint32_t sQ = sm.q(s), sdO = sm.dout(s);
       const float* lse_c = lse_s + s * 2 * BM;
       const float* del_c = lse_c + BM;
       auto qc_of = [&](int i) { return q_off + (i >> 2) * 8 + 2 * tq + (i & 1); };
@@ -203,9 +169,9 @@ __global__ void __launch_bounds__(384, 1)
       }
       float sc[HR], dp[HR];
       wg_fence();
-      wgmma_rows<T, HQ, D, BN, BM>(sc, sK, 0, sQ, q_off);
+      wgmma_rows<T, HQ, D, BN, BM>(sc, sm.k, 0, sQ, q_off);
       wg_commit();
-      wgmma_rows<T, HQ, D, BN, BM>(dp, sV, 0, sdO, q_off);
+      wgmma_rows<T, HQ, D, BN, BM>(dp, sm.v, 0, sdO, q_off);
       wg_commit();
       wg_wait<1>();  // S^T done: P (and the softcap's derivative factor) while dP^T runs
       fence_regs(sc);
@@ -233,38 +199,11 @@ __global__ void __launch_bounds__(384, 1)
       swap_and_issue(dp, xda, 2, da, dk, sQ + half);  // dK += dS^T Q
       wg_wait<0>();  // dV, dK done: the stage (sQ, sdO, lse2/delta) is free
       fence_regs(dv, dk, pa, da);
-      ws::mbar_arrive(empty(s));
+      sm.release(s);
     }
     store_dkdv_rows<T, D, DW>(p, dk, dv, k0, nk, hk, kr0, col0, tq);
   }
 #endif
-}
-
-// Preprocess, the warp-specialised D = 256 dK/dV kernel, then the warp-specialised dQ pass. False
-// (nothing launched, with a warning) when a tensor map of either kernel cannot be encoded: the
-// caller then runs the synchronous backward.
-template <typename T>
-bool launch_backward_sm90_d256ws(const BwdParams& p, const KernelPolicy& policy,
-                                 cudaStream_t stream) {
-  using C = DkdvWs256Cfg;
-  if (int64_t(p.T) * p.Hq == 0) return true;
-  DkdvWsArgs a{};
-  if (!make_bwd_ws_args(a, p, C::D, C::BM, C::BN)) return false;
-  DqWsArgs qa{};  // the dQ pass's maps, encoded before anything is launched
-  if (!make_dq_ws_args<C::D>(qa, p, policy)) {
-    warn_ws_fallback("cuTensorMapEncodeTiled failed for the dQ pass");
-    return false;
-  }
-  launch_bwd_pre<T, C::D>(p, false, stream);
-  const int64_t grid = int64_t(p.nkt) * (kTileSize / C::BN) * p.Hkv;
-  if (grid > 0) {
-    auto kernel =
-        p.softcap > 0.f ? dkdv_ws256_kernel_sm90<T, true> : dkdv_ws256_kernel_sm90<T, false>;
-    launch_kernel(kernel, grid, C::THREADS, C::SMEM, stream, a,
-                  "dualkv backward dk/dv (sm90a, warp-specialised, D = 256)");
-  }
-  launch_dq_sm90_ws<T, C::D>(qa, stream);
-  return true;
 }
 
 }  // namespace dualkv::cuda::detail

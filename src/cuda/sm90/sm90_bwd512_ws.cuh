@@ -35,14 +35,14 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "collective/bwd_preprocess.cuh"
 #include "collective/epilogue.cuh"
+#include "collective/query_walk.cuh"
 #include "collective/score_mod.cuh"
-#include "sm90/dkdv_producer.cuh"
-#include "sm90/dq_producer.cuh"
 #include "sm90/dsmem.cuh"
 #include "sm90/pipeline.cuh"
+#include "sm90/producers.cuh"
 #include "sm90/warp_roles.cuh"
+#include "sm90/ws_args.cuh"
 
 namespace dualkv::cuda::detail {
 
@@ -50,7 +50,7 @@ namespace dualkv::cuda::detail {
 // 64 rows on both sides, the 2-stage ring (the dQ kernel: K and V rings of its own), the warp roles
 // and register split, and the exchange buffer X[w] of each consumer warpgroup (its HP = 32 rows of
 // the S / dP partials: S^T and dP^T for dK/dV, S and dP for dQ).
-struct Ws512Cfg {
+struct Ws512Cfg : WsRoles<40, 232> {
   static constexpr int D = 512;
   static constexpr int CLUSTER = 2;       // CTAs splitting the head dim
   static constexpr int DH = D / CLUSTER;  // 256 columns per CTA
@@ -60,46 +60,30 @@ struct Ws512Cfg {
   static constexpr int HP = 32;           // rows of a warpgroup's partial products
   static constexpr int HR = HP / 2;       // their fragment floats per thread
   static constexpr int STAGES = 2;
-  static constexpr int THREADS = 384;  // warpgroup 0 produces, 1 and 2 consume
-  static constexpr int CONSUMERS = 256;
   static constexpr int X_VECS = 2 * HR / 4;          // float4s per thread: the two partials
   static constexpr int X_BYTES = X_VECS * 128 * 16;  // per consumer warpgroup
   // The barriers of a ring of s stages (and sv of a separate V ring), xf xfree barriers and two
   // pairs of slice-exchange barriers: Ws512Bars<s, sv, xf>.
   static constexpr int nbars(int s, int sv, int xf) { return 1 + 2 * s + 2 * sv + 2 + xf + 4; }
-  static constexpr int PRODUCER_REGS = 40;
-  static constexpr int CONSUMER_REGS = 232;
-  static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "register pool of one CTA");
   static_assert(DW % 64 == 0 && DH % 64 == 0, "whole SW128 column blocks");
 };
 
 struct DkdvWs512Cfg : Ws512Cfg {
-  static constexpr int HQ = HP;                // queries of a warpgroup's S^T / dP^T
-  static constexpr int K_BYTES = BN * DH * 2;  // one CTA's half of K (and of V)
-  static constexpr int Q_BYTES = BM * DH * 2;  // its half of a Q (and dO) block
+  static constexpr int HQ = HP;  // queries of a warpgroup's S^T / dP^T
   // Shared memory from the kernel's 1024-byte aligned base (SMEM adds the slack for that
-  // alignment); the OFF_* offsets come from here.
+  // alignment); the OFF_* offsets come from here: the producer's tiles (this CTA's column half)
+  // and rows (DkdvSmem), and the exchange buffers.
+  using Tiles = DkdvTiles<BN, BM, DH, STAGES>;
   struct SharedStorage {
-    uint16_t k[BN * DH];
-    uint16_t v[BN * DH];
-    uint16_t q[STAGES][BM * DH];
-    uint16_t dout[STAGES][BM * DH];
+    Tiles t;
     float x[2][X_BYTES / 4];  // X[w] per consumer warpgroup
-    float l[STAGES][2 * BM];  // per stage: lse2[BM], delta[BM]
-    int meta[STAGES][4];      // per stage: the query block's record
+    DkdvRows<BM, STAGES> r;
     uint64_t bar[nbars(STAGES, 0, 1)];
   };
-  static_assert(sizeof(SharedStorage::k) == K_BYTES && sizeof(SharedStorage::q[0]) == Q_BYTES);
-  static constexpr int OFF_V = int(offsetof(SharedStorage, v));
-  static constexpr int OFF_Q = int(offsetof(SharedStorage, q));
-  static constexpr int OFF_DO = int(offsetof(SharedStorage, dout));
   static constexpr int OFF_X = int(offsetof(SharedStorage, x));
-  static constexpr int OFF_L = int(offsetof(SharedStorage, l));
-  static constexpr int OFF_META = int(offsetof(SharedStorage, meta));
+  static constexpr int OFF_ROWS = int(offsetof(SharedStorage, r));
   static constexpr int OFF_BAR = int(offsetof(SharedStorage, bar));
-  static constexpr int SMEM = int(sizeof(SharedStorage)) + 1024;
-  static constexpr int FULL_COUNT = 1 + 32;  // the elected lane's expect_tx + 32 cp.async arrivals
-  static_assert(SMEM <= 227 * 1024, "shared memory per block");
+  static constexpr int SMEM = smem_bytes<SharedStorage>();
   static_assert(SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
   // The slices (2 x 2 x 16-query A fragments of 16 bytes per thread) fit in X[w] at words the
   // thread itself has read.
@@ -301,16 +285,8 @@ __global__ void __launch_bounds__(384, 1)
   constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
   constexpr int DH = Cfg::DH, DW = Cfg::DW, HQ = Cfg::HQ, HR = Cfg::HR;
   const BwdParams& p = a.p;
-  extern __shared__ __align__(1024) unsigned char smem[];
-  const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
-  unsigned char* gbase = smem + (base - smem_u32(smem));
-  const uint32_t sK = base, sV = base + Cfg::OFF_V;
-  const uint32_t sQ0 = base + Cfg::OFF_Q, sdO0 = base + Cfg::OFF_DO, sL0 = base + Cfg::OFF_L;
-  const Ws512Bars<S, 0, 1> bars{base + Cfg::OFF_BAR};
-  const uint32_t bKV = bars.b0;
-  auto meta = [&](int s) {
-    return reinterpret_cast<volatile int*>(gbase + Cfg::OFF_META + 16 * s);
-  };
+  const DkdvSmem<Cfg> sm;
+  const Ws512Bars<S, 0, 1> bars{sm.kv_bar};
 
   // blockIdx.x = unit * 2 + rank, the unit ((tile * 2 + half) * Hkv + kv head, after key_order's
   // renumbering) shared by the two CTAs of a cluster, so they agree on validity and on the walk.
@@ -323,24 +299,21 @@ __global__ void __launch_bounds__(384, 1)
   const int cb0 = int(rank) * DH;  // this CTA's first column
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
-  bars.init(tid, Cfg::FULL_COUNT, Cfg::CONSUMERS / 32);  // xfree_d: both peer warpgroups read
+  bars.init(tid, sm.FULL_COUNT, Cfg::CONSUMERS / 32);  // xfree_d: both peer warpgroups read
 
   if (warp < 4) {
     // ---- producer: warp 0 walks the query blocks (this CTA's column half) --------------------
     ws::reg_dealloc<Cfg::PRODUCER_REGS>();
     if (warp == 0) {
-      dkdv_producer_warp<DH / 64, BN, BM, S, Cfg::Q_BYTES, Cfg::K_BYTES>(
-          a, kseg, ksi, hk, k0, pk_first, pk_last, sK, sV, bKV, sQ0, sdO0, sL0, cb0, lane,
-          [&](int s) { return bars.full(s); }, [&](int s) { return bars.empty(s); }, meta,
-          [&](QIter& cur) {
-            // query_walk_next, spelled out (as dkdv_ws_kernel_sm90: the call made the producer
-            // spill at 24 registers).
-            if (++cur.qb < cur.qb_end) return true;
-            bool valid = seek_query_region<BM>(p, kseg, ksi, cur.si + 1, pk_first, pk_last, cur);
-            if (!valid && ++cur.hi < p.group)
-              valid = seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pk_last, cur);
-            return valid;
-          });
+      dkdv_producer_warp(a, sm, kseg, ksi, hk, k0, pk_first, pk_last, cb0, lane, [&](QIter& cur) {
+        // query_walk_next, spelled out (as dkdv_ws_kernel_sm90: the call made the producer
+        // spill at 24 registers).
+        if (++cur.qb < cur.qb_end) return true;
+        bool valid = seek_query_region<BM>(p, kseg, ksi, cur.si + 1, pk_first, pk_last, cur);
+        if (!valid && ++cur.hi < p.group)
+          valid = seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pk_last, cur);
+        return valid;
+      });
     }
   } else {
     // ---- consumers ---------------------------------------------------------------------------
@@ -352,11 +325,11 @@ __global__ void __launch_bounds__(384, 1)
     const int q_off = cw * HQ;
     constexpr int AR = DW / 2;
     float dk[AR], dv[AR];
-#pragma unroll
-    for (int i = 0; i < AR; ++i) dk[i] = dv[i] = 0.f;
-    const float* lse_s = reinterpret_cast<const float*>(gbase + Cfg::OFF_L);
-    const Ws512HalfExchange<2, 2, std::remove_cv_t<decltype(bars)>> hx(base, Cfg::OFF_X, bars, cw,
-                                                                       t, rank);
+    zero_frag(dk);
+    zero_frag(dv);
+    const float* lse_s = sm.lse();
+    const Ws512HalfExchange<2, 2, std::remove_cv_t<decltype(bars)>> hx(sm.base, Cfg::OFF_X, bars,
+                                                                       cw, t, rank);
     const uint32_t half = uint32_t(cw * DW / 64) * (BM * 128);  // this warpgroup's column blocks
     // The P^T / dS^T A fragments of all BM queries of block it - 1 (live across block it's S^T /
     // dP^T until their dV/dK products have completed) and that block's stage: [0..1] this CTA's
@@ -366,8 +339,8 @@ __global__ void __launch_bounds__(384, 1)
     // dV += P^T dO, dK += dS^T Q from stage st's tiles, issued.
     auto products = [&](int st) {
       const int rk = int(rank), rows[BM / 16] = {rk, 2 + rk, 1 - rk, 3 - rk};
-      wgmma_rs_acc_rows<T, DW, BM>(dv, pa, sdO0 + st * Cfg::Q_BYTES + half, rows);
-      wgmma_rs_acc_rows<T, DW, BM>(dk, da, sQ0 + st * Cfg::Q_BYTES + half, rows);
+      wgmma_rs_acc_rows<T, DW, BM>(dv, pa, sm.dout(st) + half, rows);
+      wgmma_rs_acc_rows<T, DW, BM>(dk, da, sm.q(st) + half, rows);
     };
     // The peer's slices of block jj (it may then send block jj + 1's).
     auto recv_remote = [&](int jj) {
@@ -391,25 +364,24 @@ __global__ void __launch_bounds__(384, 1)
       ws::mbar_arrive(bars.empty(st));
     };
 
-    ws::mbar_wait(bKV, 0);
+    ws::mbar_wait(bars.b0, 0);
     int it = 0;
     for (;; ++it) {
       const int s = Ring<S>::stage(it);
-      ws::mbar_wait(bars.full(s), Ring<S>::full_parity(it));
-      if (meta(s)[0] == 0) break;
-      const int nq = meta(s)[1], pq_first = meta(s)[2];
+      int nq, pq_first;
+      if (!sm.wait_block(s, it, nq, pq_first)) break;
       const bool msk =
           needs_mask(nq, BM, nk, BN, pq_first, pq_first + nq - 1, pk_first, pk_last, p.mask);
-      const uint32_t sQ = sQ0 + s * Cfg::Q_BYTES, sdO = sdO0 + s * Cfg::Q_BYTES;
+      const uint32_t sQ = sm.q(s), sdO = sm.dout(s);
       const float* lse_c = lse_s + s * 2 * BM;
       const float* del_c = lse_c + BM;
       hx.arm_partials();
 
       float sc[HR], dp[HR];
       wg_fence();
-      wgmma_rows_cols<T, HQ, DH, BN, BM>(sc, sK, 0, sQ, q_off, 0);
+      wgmma_rows_cols<T, HQ, DH, BN, BM>(sc, sm.k, 0, sQ, q_off, 0);
       wg_commit();
-      wgmma_rows_cols<T, HQ, DH, BN, BM>(dp, sV, 0, sdO, q_off, 0);
+      wgmma_rows_cols<T, HQ, DH, BN, BM>(dp, sm.v, 0, sdO, q_off, 0);
       wg_commit();
       if (it > 0) {  // block it - 1's dV += P^T dO, dK += dS^T Q (its fragments, its stage)
         recv_remote(it - 1);
@@ -428,7 +400,7 @@ __global__ void __launch_bounds__(384, 1)
         hx.template swap_add_pipe<2, false>(sc, dp, it, [] {}, [] {});
       }
       // P (and dsoftcap) and dS of this CTA's 16 of the warpgroup's queries (floats 0..7 after
-      // own_half_first), as dkdv_kernel_sm90's kSplitD.
+      // own_half_first), as dkdv_ws256_kernel_sm90's.
       constexpr int NF = decltype(hx)::H;
       const int qf = q_off + 16 * int(rank);
 #pragma unroll
@@ -515,8 +487,7 @@ struct DqWs512Cfg : Ws512Cfg {
   static constexpr int OFF_V = int(offsetof(SharedStorage, v));
   static constexpr int OFF_X = int(offsetof(SharedStorage, x));
   static constexpr int OFF_BAR = int(offsetof(SharedStorage, bar));
-  static constexpr int SMEM = int(sizeof(SharedStorage)) + 1024;
-  static_assert(SMEM <= 227 * 1024, "shared memory per block");
+  static constexpr int SMEM = smem_bytes<SharedStorage>();
   static_assert(SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
   // The two warpgroups' partial dQ (the other's half of the columns, 64 x 128 fp32 each) meet in
   // the K ring's tiles after the loop.
@@ -532,12 +503,10 @@ __global__ void __launch_bounds__(384, 1)
   constexpr int NC = Cfg::CONSUMERS;
   constexpr int DH = Cfg::DH, DW = Cfg::DW, HK = Cfg::HK, HR = Cfg::HR;
   const BwdParams& p = a.p;
-  extern __shared__ __align__(1024) unsigned char smem[];
-  const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
-  unsigned char* gbase = smem + (base - smem_u32(smem));
-  const uint32_t sQ = base, sdO = base + Cfg::OFF_DO, sK0 = base + Cfg::OFF_K,
-                 sV0 = base + Cfg::OFF_V;
-  const Ws512Bars<S, SV, 2> bars{base + Cfg::OFF_BAR};
+  const SmemBase sm;
+  const uint32_t sQ = sm.base, sdO = sm.base + Cfg::OFF_DO, sK0 = sm.base + Cfg::OFF_K,
+                 sV0 = sm.base + Cfg::OFF_V;
+  const Ws512Bars<S, SV, 2> bars{sm.base + Cfg::OFF_BAR};
   const uint32_t bQ = bars.b0;
 
   // blockIdx.x = ((tile * 2 + half) * Hq + q head) * 2 + rank (see dkdv_ws512_kernel_sm90).
@@ -574,10 +543,9 @@ __global__ void __launch_bounds__(384, 1)
     float lse2[2], del[2];
     load_row_stats(p, h, q0, nq, row0, lse2, del);
     float acc[DH / 2];  // this warpgroup's keys' share of the CTA's DH columns of dQ
-#pragma unroll
-    for (int i = 0; i < DH / 2; ++i) acc[i] = 0.f;
-    const Ws512HalfExchange<1, 0, std::remove_cv_t<decltype(bars)>> hx(base, Cfg::OFF_X, bars, cw,
-                                                                       t, rank);
+    zero_frag(acc);
+    const Ws512HalfExchange<1, 0, std::remove_cv_t<decltype(bars)>> hx(sm.base, Cfg::OFF_X, bars,
+                                                                       cw, t, rank);
     // The dS A fragments of the warpgroup's HK keys of block j - 1 until its product has completed
     // (built from this CTA's slice and the peer's) and that block's stage.
     uint32_t da[HK / 16][4], ds_own[1][4], ds_other[4];
@@ -669,7 +637,7 @@ __global__ void __launch_bounds__(384, 1)
     // (free: every product has completed once both warpgroups pass the first barrier) and adds
     // the other's share of its own half (own + other: the same two numbers in every run).
     constexpr int HALF = DW / 2;  // floats per thread of 64 x DW
-    float4* red = reinterpret_cast<float4*>(gbase + Cfg::OFF_K);
+    float4* red = reinterpret_cast<float4*>(sm.gbase + Cfg::OFF_K);
     // acc[i] of half hf, by selects (a run-time index would put acc in local memory).
     auto half_at = [&](int hf, int i) { return hf == 0 ? acc[i] : acc[HALF + i]; };
     ws::bar_sync(1, NC);
@@ -692,38 +660,6 @@ __global__ void __launch_bounds__(384, 1)
   }
   ws::cluster_sync();
 #endif
-}
-
-// D = 512 backward on wgmma: preprocess, the dK/dV kernel, then the dQ kernel above. Atomic-free
-// and bitwise reproducible. False (nothing launched) when a tensor map cannot be encoded: the
-// caller then runs the sm_80 backward.
-template <typename T>
-bool launch_backward_sm90_d512(const BwdParams& p, cudaStream_t stream) {
-  using C = DkdvWs512Cfg;
-  constexpr int D = C::D;
-  if (int64_t(p.T) * p.Hq == 0) return true;
-  DkdvWsArgs a{};
-  if (!make_bwd_ws_args(a, p, D, C::BM, C::BN)) return false;
-  launch_bwd_pre<T, D>(p, false, stream);
-  const bool cap = p.softcap > 0.f;
-  const int64_t grid = int64_t(p.nkt) * (kTileSize / C::BN) * p.Hkv * C::CLUSTER;
-  if (grid > 0) {
-    launch_kernel(cap ? dkdv_ws512_kernel_sm90<T, true> : dkdv_ws512_kernel_sm90<T, false>, grid,
-                  C::THREADS, C::SMEM, stream, a,
-                  "dualkv backward dk/dv D=512 (sm90a, warp-specialised, 2-CTA clusters)",
-                  C::CLUSTER);
-  }
-  // The dQ maps are the dK/dV kernel's (boxes of 64 rows for Q, dO, K and V alike).
-  static_assert(DqWs512Cfg::BM == C::BM && DqWs512Cfg::BN == C::BN, "shared tensor maps");
-  using QW = DqWs512Cfg;
-  const int64_t grid_q = int64_t(p.nqt) * (kTileSize / QW::BM) * p.Hq * QW::CLUSTER;
-  if (grid_q > 0) {
-    launch_kernel(cap ? dq_ws512_kernel_sm90<T, true> : dq_ws512_kernel_sm90<T, false>, grid_q,
-                  QW::THREADS, QW::SMEM, stream, a,
-                  "dualkv backward dq D=512 (sm90a, warp-specialised, 2-CTA clusters)",
-                  QW::CLUSTER);
-  }
-  return true;
 }
 
 }  // namespace dualkv::cuda::detail

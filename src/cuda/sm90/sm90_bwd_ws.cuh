@@ -1,8 +1,7 @@
-// sm_90a backward at D <= 128, warp-specialised: the shared preprocess, a dK/dV kernel in the
-// style of sm90_fwd_ws.cuh with dQ fused in (the default) or the separate dQ pass of
-// sm90_dq_ws.cuh. The dK/dV schedule and order of dkdv_kernel_sm90 (one CTA per (128-key tile,
-// kv head), query blocks of 64 in the fixed walk of query_walk_begin/next), so dK/dV are
-// atomic-free and deterministic.
+// sm_90a dK/dV kernel at D <= 128, warp-specialised, in the style of sm90_fwd_ws.cuh, with dQ
+// fused in (the default) or not (then the separate dQ pass of sm90_dq_ws.cuh runs; the launcher:
+// bwd_launch.cuh). One CTA per (128-key tile, kv head), query blocks of 64 in the fixed walk of
+// query_walk_begin/next (as every dK/dV kernel), so dK/dV are atomic-free and deterministic.
 //   - producer warp 0: TMA of K and V once, then per query block of the walk: Q and dO tiles by
 //     TMA, lse2/delta rows by cp.async (completing on the same full barrier with
 //     cp.async.mbarrier.arrive.noinc), and a small record (query count, first position, or "end")
@@ -32,11 +31,14 @@
 #include <type_traits>
 #include <utility>
 
-#include "collective/bwd_preprocess.cuh"
+#include "collective/epilogue.cuh"
 #include "collective/query_walk.cuh"
-#include "sm90/dkdv_producer.cuh"
-#include "sm90/sm90_dq_ws.cuh"
+#include "collective/score_mod.cuh"
+#include "sm90/pipeline.cuh"
+#include "sm90/producers.cuh"
+#include "sm90/tma.cuh"
 #include "sm90/warp_roles.cuh"
+#include "sm90/ws_args.cuh"
 
 namespace dualkv::cuda::detail {
 
@@ -46,28 +48,19 @@ namespace dualkv::cuda::detail {
 // reduction of 16 KB covers 128 x 64 x 128 of dQ's work instead of 64 x 64 x 128; 2 stages, as
 // the 32 KB Q + dO blocks and 32 KB dS^T buffers fill the shared memory).
 template <int D, bool kFusedDq = false, int BM_ = 64>
-struct DkdvWsCfg {
+struct DkdvWsCfg : WsRoles<BM_ == 64 ? 24 : 40, BM_ == 64 ? 240 : 232> {
   static constexpr int BN = kTileSize;  // 128 keys: 2 consumer warpgroups x 64
   static constexpr int BM = BM_;        // queries per step
   static constexpr int STAGES = BM == 64 ? 3 : 2;
-  static constexpr int THREADS = 384;
-  static constexpr int CONSUMERS = 256;
-  static constexpr int K_BYTES = BN * D * 2;
-  static constexpr int Q_BYTES = BM * D * 2;
   static constexpr int DS_BYTES = BN * BM * 2;  // dS^T [BN keys][BM queries]
   static constexpr int DQ_BYTES = 64 * 64 * 4;  // kFusedDq: a warpgroup's fp32 m64n64 dQ block
   // Shared memory from the kernel's 1024-byte aligned base (the + 1024 of SMEM is the slack for
-  // that alignment); the OFF_* offsets come from here. Between the tiles and the tail, kFusedDq:
-  // the two dS^T buffers and the two warpgroups' dQ blocks.
-  struct Tiles {
-    uint16_t k[BN * D];
-    uint16_t v[BN * D];
-    uint16_t q[STAGES][BM * D];
-    uint16_t dout[STAGES][BM * D];
-  };
+  // that alignment); the OFF_* offsets come from here. The producer's tiles and rows
+  // (DkdvSmem); between the tiles and the tail, kFusedDq: the two dS^T buffers and the two
+  // warpgroups' dQ blocks.
+  using Tiles = DkdvTiles<BN, BM, D, STAGES>;
   struct Tail {
-    float l[STAGES][2 * BM];           // per stage: lse2, delta
-    int meta[STAGES][4];               // per stage: the query block's record
+    DkdvRows<BM, STAGES> r;
     int dq_meta[2][4];                 // kFusedDq: per warpgroup
     uint64_t bar[1 + 2 * STAGES + 4];  // kv, full[S], empty[S], dq_full[2], dq_empty[2]
   };
@@ -82,32 +75,19 @@ struct DkdvWsCfg {
     Tail x;
   };
   using SharedStorage = std::conditional_t<kFusedDq, Storage2, Storage0>;
-  static_assert(sizeof(Tiles::k) == K_BYTES && sizeof(Tiles::q[0]) == Q_BYTES &&
-                sizeof(Storage2::ds[0]) == DS_BYTES && sizeof(Storage2::dq[0]) == DQ_BYTES);
-  static constexpr int OFF_V = int(offsetof(Tiles, v));
-  static constexpr int OFF_Q = int(offsetof(Tiles, q));
-  static constexpr int OFF_DO = int(offsetof(Tiles, dout));
+  static_assert(sizeof(Storage2::ds[0]) == DS_BYTES && sizeof(Storage2::dq[0]) == DQ_BYTES);
   static constexpr int OFF_DS = int(sizeof(Tiles));           // kFusedDq
   static constexpr int OFF_DQ = int(offsetof(Storage2, dq));  // kFusedDq
-  static constexpr int OFF_L = int(offsetof(SharedStorage, x) + offsetof(Tail, l));
-  static constexpr int OFF_META = int(offsetof(SharedStorage, x) + offsetof(Tail, meta));
+  static constexpr int OFF_ROWS = int(offsetof(SharedStorage, x) + offsetof(Tail, r));
   static constexpr int OFF_DQMETA = int(offsetof(SharedStorage, x) + offsetof(Tail, dq_meta));
   static constexpr int OFF_BAR = int(offsetof(SharedStorage, x) + offsetof(Tail, bar));
-  static constexpr int SMEM = int(sizeof(SharedStorage)) + 1024;
-  // Full barrier: the elected lane's arrive.expect_tx + the producer warp's 32 cp.async arrivals.
-  static constexpr int FULL_COUNT = 1 + 32;
-  // (128-query blocks: at 24 registers the producer warps spill 32 bytes.)
-  static constexpr int PRODUCER_REGS = BM == 64 ? 24 : 40;
-  static constexpr int CONSUMER_REGS = BM == 64 ? 240 : 232;
-  // setmaxnreg moves registers within the CTA's pool: 384 threads x 168 (the launch bound's
-  // allocation), i.e. 504 per thread slot of the three warpgroups. More would leave a consumer
-  // warp waiting in setmaxnreg.inc forever.
-  static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "register pool of one CTA");
-  static_assert(D <= 128, "D = 256 keeps the synchronous dK/dV kernel");
+  static constexpr int SMEM = smem_bytes<SharedStorage>();
+  // Registers (WsRoles): 24 / 240, or with 128-query blocks 40 / 232 (at 24 registers the
+  // producer warps spill 32 bytes).
+  static_assert(D <= 128, "D = 256: sm90_bwd256_ws.cuh");
   static_assert(BM == 64 || (BM == 128 && D == 64 && kFusedDq),
                 "128-query blocks: D = 64 with the fused dQ only (dQ's rows split between the "
                 "warpgroups; D = 128 splits its columns)");
-  static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
 
 template <typename T, int D, bool kCap, bool kFusedDq, int BM_ = 64>
@@ -117,23 +97,13 @@ __global__ void __launch_bounds__(384, 1)
   using Cfg = DkdvWsCfg<D, kFusedDq, BM_>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
   const BwdParams& p = a.p;
-  extern __shared__ __align__(1024) unsigned char smem[];
-  const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
-  unsigned char* gbase = smem + (base - smem_u32(smem));
-  const uint32_t sK = base, sV = base + Cfg::OFF_V;
-  const uint32_t sQ0 = base + Cfg::OFF_Q, sdO0 = base + Cfg::OFF_DO, sL0 = base + Cfg::OFF_L;
-  const uint32_t bKV = base + Cfg::OFF_BAR;
-  auto full = [&](int s) { return bKV + 8u * (1 + s); };
-  auto empty = [&](int s) { return bKV + 8u * (1 + S + s); };
-  auto meta = [&](int s) {
-    return reinterpret_cast<volatile int*>(gbase + Cfg::OFF_META + 16 * s);
-  };
+  const DkdvSmem<Cfg> sm;
   // kFusedDq: consumer warpgroup c's dQ block is ready (128 arrivals) / free again (1 arrival),
   // and its record {valid, first query token, q head, query count}.
-  auto dq_full = [&](int c) { return bKV + 8u * (1 + 2 * S + c); };
-  auto dq_empty = [&](int c) { return bKV + 8u * (3 + 2 * S + c); };
+  auto dq_full = [&](int c) { return sm.kv_bar + 8u * (1 + 2 * S + c); };
+  auto dq_empty = [&](int c) { return sm.kv_bar + 8u * (3 + 2 * S + c); };
   auto dq_meta = [&](int c) {
-    return reinterpret_cast<volatile int*>(gbase + Cfg::OFF_DQMETA + 16 * c);
+    return reinterpret_cast<volatile int*>(sm.gbase + Cfg::OFF_DQMETA + 16 * c);
   };
   // kFusedDq: D = 128 splits dQ's columns between the consumer warpgroups (each sums all 128
   // keys), D = 64 splits the keys (each adds all columns over its own 64 keys), or with 128-query
@@ -151,45 +121,40 @@ __global__ void __launch_bounds__(384, 1)
   const int pk_first = cta.pk_first, pk_last = cta.pk_last;
   const Segment& kseg = cta.kseg;
 
-  if (tid == 0) {
-    ws::mbar_init(bKV, 1);
-    ws::ring_init<S>(full, empty, Cfg::FULL_COUNT, NC);
+  ws::init_barriers(tid, [&] {
+    sm.init_ring(NC);
     if constexpr (kFusedDq) {
       for (int c = 0; c < 2; ++c) {
         ws::mbar_init(dq_full(c), NC / 2);
         ws::mbar_init(dq_empty(c), 1);
       }
     }
-    ws::mbar_init_fence();
-  }
-  __syncthreads();
+  });
 
   if (warp < 4) {
     // ---- producer: warp 0 walks the query blocks ---------------------------------------------
     ws::reg_dealloc<Cfg::PRODUCER_REGS>();
     if (warp == 0) {
-      dkdv_producer_warp<D / 64, BN, BM, S, Cfg::Q_BYTES, Cfg::K_BYTES>(
-          a, kseg, ksi, hk, k0, pk_first, pk_last, sK, sV, bKV, sQ0, sdO0, sL0, 0, lane, full,
-          empty, meta, [&](QIter& cur) {
-            // query_walk_next, spelled out: as a call it changes this producer's machine code,
-            // which has not been run on a GPU that way yet.
-            if (++cur.qb < cur.qb_end) return true;
-            // kFusedDq: pk_last passed through an empty asm, so that nothing derived from it is
-            // kept live across the loop (ptxas hoisted its sign extension and spilled it at 24
-            // registers).
-            int pkl = pk_last;
-            if constexpr (kFusedDq) asm volatile("" : "+r"(pkl));
-            bool valid = seek_query_region<BM>(p, kseg, ksi, cur.si + 1, pk_first, pkl, cur);
-            if (!valid && ++cur.hi < p.group)
-              valid = seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pkl, cur);
-            return valid;
-          });
+      dkdv_producer_warp(a, sm, kseg, ksi, hk, k0, pk_first, pk_last, 0, lane, [&](QIter& cur) {
+        // query_walk_next, spelled out: as a call it changes this producer's machine code,
+        // which has not been run on a GPU that way yet.
+        if (++cur.qb < cur.qb_end) return true;
+        // kFusedDq: pk_last passed through an empty asm, so that nothing derived from it is
+        // kept live across the loop (ptxas hoisted its sign extension and spilled it at 24
+        // registers).
+        int pkl = pk_last;
+        if constexpr (kFusedDq) asm volatile("" : "+r"(pkl));
+        bool valid = seek_query_region<BM>(p, kseg, ksi, cur.si + 1, pk_first, pkl, cur);
+        if (!valid && ++cur.hi < p.group)
+          valid = seek_query_region<BM>(p, kseg, ksi, ksi, pk_first, pkl, cur);
+        return valid;
+      });
     } else if (kFusedDq && warp <= 2) {
       if constexpr (kFusedDq) {
         // ---- dQ reducers: lane 0 of warp 1 + c adds warpgroup c's blocks into dq_accum --------
         // (one lane: the bulk copies issue one lane at a time anyway, and 24 registers suffice)
         const int c = warp - 1;
-        const uint32_t src = base + Cfg::OFF_DQ + uint32_t(c) * Cfg::DQ_BYTES;
+        const uint32_t src = sm.base + Cfg::OFF_DQ + uint32_t(c) * Cfg::DQ_BYTES;
         volatile int* dm = dq_meta(c);
         const int col0 = kSplitD ? c * 64 : 0;
         const uint64_t l2pol = ws::createpolicy_evict_last();
@@ -219,25 +184,24 @@ __global__ void __launch_bounds__(384, 1)
     const int kr0 = cw * 64 + (warp & 3) * 16 + g;  // key rows kr0, kr0 + 8
     constexpr int AR = D / 2, SR = BM / 2;
     float dk[AR], dv[AR];
-#pragma unroll
-    for (int i = 0; i < AR; ++i) dk[i] = dv[i] = 0.f;
-    const float* lse_s = reinterpret_cast<const float*>(gbase + Cfg::OFF_L);
+    zero_frag(dk);
+    zero_frag(dv);
+    const float* lse_s = sm.lse();
     constexpr int DQ_KEYS = kJoinDs ? BN : 64;
     // With 128-query blocks the query columns' lse2 stay in shared memory (in registers, 32 of
     // them beside the m64n128 S^T and dP^T would not fit), as with softcap.
     constexpr bool kLseRegs = !kCap && BM == 64;
 
-    ws::mbar_wait(bKV, 0);
+    ws::mbar_wait(sm.kv_bar, 0);
     int it = 0;  // after the loop: the number of query blocks seen
     for (;; ++it) {
       const int s = Ring<S>::stage(it);
-      ws::mbar_wait(full(s), Ring<S>::full_parity(it));
-      if (meta(s)[0] == 0) break;
-      const int nq = meta(s)[1], pq_first = meta(s)[2];
-      const int hq = hk * p.group + meta(s)[0] - 1, qs = meta(s)[3];
+      int nq, pq_first;
+      if (!sm.wait_block(s, it, nq, pq_first)) break;
+      const int hq = hk * p.group + sm.meta(s)[0] - 1, qs = sm.meta(s)[3];
       const bool msk =
           needs_mask(nq, BM, nk, BN, pq_first, pq_first + nq - 1, pk_first, pk_last, p.mask);
-      const uint32_t sQ = sQ0 + s * Cfg::Q_BYTES, sdO = sdO0 + s * Cfg::Q_BYTES;
+      const uint32_t sQ = sm.q(s), sdO = sm.dout(s);
       const float* lse_c = lse_s + s * 2 * BM;
       const float* del_c = lse_c + BM;
 
@@ -251,9 +215,9 @@ __global__ void __launch_bounds__(384, 1)
       }
       float sc[SR], dp[SR];
       wg_fence();
-      wgmma_rows<T, BM, D, BN, BM>(sc, sK, cw * 64, sQ, 0);
+      wgmma_rows<T, BM, D, BN, BM>(sc, sm.k, cw * 64, sQ, 0);
       wg_commit();
-      wgmma_rows<T, BM, D, BN, BM>(dp, sV, cw * 64, sdO, 0);
+      wgmma_rows<T, BM, D, BN, BM>(dp, sm.v, cw * 64, sdO, 0);
       wg_commit();
 
       uint32_t pa[BM / 16][4], da[BM / 16][4];
@@ -280,7 +244,7 @@ __global__ void __launch_bounds__(384, 1)
         return pr * (dp[i] - del_c[qc]) * dcap;
       };
       // kFusedDq: dS^T (key rows x query columns, SW128) to this iteration's shared buffer.
-      const uint32_t sDS = base + Cfg::OFF_DS + uint32_t(it & 1) * Cfg::DS_BYTES;
+      const uint32_t sDS = sm.base + Cfg::OFF_DS + uint32_t(it & 1) * Cfg::DS_BYTES;
       auto stash_ds = [&]() {
 #pragma unroll
         for (int kt = 0; kt < BM / 16; ++kt)
@@ -292,7 +256,7 @@ __global__ void __launch_bounds__(384, 1)
         fence_proxy_async();
       };
       if constexpr (kCap) {
-        // dS needs tanh'(S): wait for both products, then one pass (as the synchronous kernel).
+        // dS needs tanh'(S): wait for both products, then one pass.
         wg_wait<0>();
         fence_regs(sc, dp);
         // Packed as computed, so each pair of S/dP registers dies at once (no spills).
@@ -372,9 +336,9 @@ __global__ void __launch_bounds__(384, 1)
         const uint32_t a_tile = sDS + (kSplitD      ? 0u
                                        : kSplitRows ? uint32_t(cw * BN * 128)
                                                     : uint32_t(cw * 64 * 128));
-        const uint32_t b_tile = sK + (kSplitD      ? uint32_t(cw * BN * 128)
-                                      : kSplitRows ? 0u
-                                                   : uint32_t(cw * 64 * 128));
+        const uint32_t b_tile = sm.k + (kSplitD      ? uint32_t(cw * BN * 128)
+                                        : kSplitRows ? 0u
+                                                     : uint32_t(cw * 64 * 128));
         fence_regs(dk, da);
         wg_fence();
 #pragma unroll
@@ -392,7 +356,7 @@ __global__ void __launch_bounds__(384, 1)
         // Hand the block to this warpgroup's reducer warp once it has read the previous one.
         fence_regs(dqa);
         ws::mbar_wait(dq_empty(cw), (uint32_t(it) & 1u) ^ 1u);
-        const uint32_t dst = base + Cfg::OFF_DQ + uint32_t(cw) * Cfg::DQ_BYTES;
+        const uint32_t dst = sm.base + Cfg::OFF_DQ + uint32_t(cw) * Cfg::DQ_BYTES;
         // This warpgroup's dQ rows: queries q_c .. of the block, n_c of them.
         const int q_c = kSplitRows ? qs + 64 * cw : qs;
         const int n_c = kSplitRows ? max(0, min(64, nq - 64 * cw)) : nq;
@@ -414,11 +378,11 @@ __global__ void __launch_bounds__(384, 1)
         ws::mbar_arrive(dq_full(cw));
         wg_wait<0>();  // dK done: the stage (sQ) and dS^T's registers are free
         fence_regs(dk, da);
-        ws::mbar_arrive(empty(s));
+        sm.release(s);
       } else {
         wg_wait<0>();
         fence_regs(dv, dk, pa, da);
-        ws::mbar_arrive(empty(s));
+        sm.release(s);
       }
     }
     if constexpr (kFusedDq) {
@@ -431,56 +395,6 @@ __global__ void __launch_bounds__(384, 1)
     store_dkdv_rows<T, D, D>(p, dk, dv, k0, nk, hk, kr0, 0, tq);
   }
 #endif
-}
-
-// Preprocess, the warp-specialised dK/dV kernel, then (policy.fused_dq) the conversion of the dQ
-// it added up, or the separate dQ pass (sm90_dq_ws.cuh). False (nothing launched) for D = 256 (its
-// own launcher, sm90_bwd256_ws.cuh) or when a tensor map cannot be encoded: the caller then runs
-// the sm_80 backward.
-template <typename T, int D>
-bool launch_backward_sm90_ws(const BwdParams& p, const KernelPolicy& policy, cudaStream_t stream) {
-  if constexpr (D > 128) {
-    return false;
-  } else {
-    const bool fused = policy.fused_dq, cap = p.softcap > 0.f;
-    // The kernel, its query block and shared memory: 128-query blocks with d64_bwd_bm128 (fused
-    // dQ, no softcap: DkdvWsCfg), else 64.
-    auto kernel =
-        fused
-            ? (cap ? dkdv_ws_kernel_sm90<T, D, true, true> : dkdv_ws_kernel_sm90<T, D, false, true>)
-            : (cap ? dkdv_ws_kernel_sm90<T, D, true, false>
-                   : dkdv_ws_kernel_sm90<T, D, false, false>);
-    int bm = DkdvWsCfg<D>::BM;
-    int smem = fused ? DkdvWsCfg<D, true>::SMEM : DkdvWsCfg<D, false>::SMEM;
-    if constexpr (D == 64) {
-      if (policy.d64_bwd_bm128 && fused && !cap) {
-        using C128 = DkdvWsCfg<D, true, 128>;
-        kernel = dkdv_ws_kernel_sm90<T, D, false, true, C128::BM>;
-        bm = C128::BM;
-        smem = C128::SMEM;
-      }
-    }
-    if (int64_t(p.T) * p.Hq == 0) return true;
-    DkdvWsArgs a{};
-    if (!make_bwd_ws_args(a, p, D, bm, DkdvWsCfg<D>::BN)) return false;
-    DqWsArgs qa{};  // the separate dQ pass's maps, encoded before anything is launched
-    if (!fused && !make_dq_ws_args<D>(qa, p, policy)) {
-      warn_ws_fallback("cuTensorMapEncodeTiled failed for the dQ pass");
-      return false;
-    }
-    launch_bwd_pre<T, D>(p, fused, stream);
-    const int64_t grid = int64_t(p.nkt) * p.Hkv;
-    if (grid > 0) {
-      launch_kernel(kernel, grid, DkdvWsCfg<D>::THREADS, smem, stream, a,
-                    "dualkv backward dk/dv (sm90a, warp-specialised)");
-    }
-    if (fused) {
-      launch_dq_convert<T, D>(p, stream);
-    } else {
-      launch_dq_sm90_ws<T, D>(qa, stream);
-    }
-    return true;
-  }
 }
 
 }  // namespace dualkv::cuda::detail

@@ -73,6 +73,18 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
+// Shared-memory stores by address (the fused dQ's dS^T and dQ hand-over buffers).
+namespace ws {
+#if DUALKV_SM90_BODY
+__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_shared_f32x2(uint32_t addr, float x, float y) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(x), "f"(y) : "memory");
+}
+#endif
+}  // namespace ws
+
 // Tile layout ("SW128"): a [ROWS][D] 16-bit tile is stored as D/64 column blocks of ROWS x 128 B;
 // in row r the 16-byte chunk c (of the block) lives at chunk c ^ (r & 7). The tile base must be
 // 1024-byte aligned. This is the canonical 128B-swizzled wgmma layout, K-major when rows are the
@@ -83,22 +95,28 @@ __device__ __forceinline__ uint32_t sw128(int r,
   return uint32_t((c >> 6) * (ROWS * 128) + r * 128 + ((((c & 63) >> 3) ^ (r & 7)) << 4));
 }
 
-// load_tile_swizzled in the SW128 layout of the wgmma kernels.
-template <int ROWS, int D, int THREADS, typename T>
-__device__ __forceinline__ void load_tile_sw128(uint32_t s_base, const T* base, int64_t row_stride,
-                                                int valid) {
-  load_tile_swizzled<ROWS, D, THREADS>(s_base, base, row_stride, valid,
-                                       [](int r, int c) { return sw128<ROWS>(r, c); });
+// A kernel's dynamic shared memory for its SharedStorage SS placed at the first 1024-byte aligned
+// byte (the SW128 tiles' alignment): sizeof(SS) and the slack for that alignment.
+template <class SS>
+constexpr int smem_bytes() {
+  static_assert(sizeof(SS) + 1024 <= 227 * 1024, "shared memory per block");
+  return int(sizeof(SS)) + 1024;
 }
-// The tile policy of the loaders (collective SwzTiles) for SW128 tiles.
-struct SW128Tiles {
-  template <int ROWS, int D, int THREADS, bool kFresh = false, typename T>
-  static __device__ __forceinline__ void load(uint32_t s_base, const T* base, int64_t row_stride,
-                                              int valid) {
-    static_assert(!kFresh, "load_tile_sw128 has no fresh-address form (no caller needs one)");
-    load_tile_sw128<ROWS, D, THREADS>(s_base, base, row_stride, valid);
+
+#if DUALKV_SM90_BODY
+// The CTA's dynamic shared memory from its first 1024-byte aligned byte, where a kernel's
+// SharedStorage starts: `base` as a shared-memory address, `gbase` as a generic pointer to the
+// same byte.
+struct SmemBase {
+  uint32_t base;
+  unsigned char* gbase;
+  __device__ __forceinline__ SmemBase() {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    base = (smem_u32(smem) + 1023u) & ~1023u;
+    gbase = smem + (base - smem_u32(smem));
   }
 };
+#endif
 
 // Shared-memory matrix descriptor, 128-byte swizzle. lbo/sbo in bytes.
 __device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {

@@ -1,8 +1,7 @@
 // Warp-specialised sm_90a dQ pass: the separate dQ pass of the Hopper backward at D <= 128
-// (deterministic=True, or DUALKV_FUSED_DQ=0 for A/B) and the default one at D = 256 (BN = 32);
-// bitwise reproducible, no atomics. Same
-// schedule as dq_kernel_sm90 (one CTA per (128-query tile, q head),
-// the forward's key-block walk), with the forward's warp specialisation: a producer thread issues
+// (deterministic=True, or DUALKV_FUSED_DQ=0 for A/B) and the one at D = 256 (BN = 32);
+// bitwise reproducible, no atomics. One CTA per (128-query tile, q head) walks the key blocks as
+// the forward does, with the forward's warp specialisation: a producer thread issues
 // TMA for Q and dO once and K/V blocks through a STAGES-deep ring; two consumer warpgroups of 64
 // query rows. Per block j, one issue turn: dQ += dS_{j-1} K_{j-1}, S_j = Q K_j^T and
 // dP_j = dO V_j^T as three wgmma groups back to back; P_j is computed while dP_j runs, then dS_j.
@@ -13,25 +12,24 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "collective/online_softmax.cuh"
+#include "collective/epilogue.cuh"
 #include "collective/score_mod.cuh"
 #include "launch.h"
-#include "sm90/dq_producer.cuh"
 #include "sm90/pipeline.cuh"
+#include "sm90/producers.cuh"
 #include "sm90/sm90_ws.h"
 #include "sm90/warp_roles.cuh"
+#include "sm90/ws_args.cuh"
 
 namespace dualkv::cuda::detail {
 
 template <int D>
-struct DqWsCfg {
+struct DqWsCfg : WsRoles<40, 232> {
   static constexpr int BM = kTileSize;  // 2 consumer warpgroups x 64 queries
   static constexpr int BN = D >= 256 ? 32 : 64;
   // The consumers hold two stages (K_{j-1} for the deferred dQ product, and block j), so a third
   // keeps one load in flight; at D = 256 it still fits (Q + dO 128 KB + 3 x 32 KB).
   static constexpr int STAGES = 3;
-  static constexpr int THREADS = 384;
-  static constexpr int CONSUMERS = 256;
   static constexpr int Q_BYTES = BM * D * 2;
   static constexpr int KV_BYTES = BN * D * 2;
   // Shared memory from the kernel's 1024-byte aligned base (the + 1024 of SMEM is the slack for
@@ -48,18 +46,7 @@ struct DqWsCfg {
   static constexpr int OFF_K = int(offsetof(SharedStorage, k));
   static constexpr int OFF_V = int(offsetof(SharedStorage, v));
   static constexpr int OFF_BAR = int(offsetof(SharedStorage, bar_q));
-  static constexpr int SMEM = int(sizeof(SharedStorage)) + 1024;
-  static constexpr int PRODUCER_REGS = 40;
-  static constexpr int CONSUMER_REGS = 232;
-  // setmaxnreg moves registers within the CTA's pool (384 x 168 at this launch bound).
-  static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "register pool of one CTA");
-  static_assert(SMEM <= 227 * 1024, "shared memory per block");
-};
-
-struct DqWsArgs {
-  CUtensorMap tq, tdo, tk, tv;
-  BwdParams p;
-  int pingpong;
+  static constexpr int SMEM = smem_bytes<SharedStorage>();
 };
 
 template <typename T, int D, bool kCap>
@@ -68,11 +55,10 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
   using Cfg = DqWsCfg<D>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
   const BwdParams& p = a.p;
-  extern __shared__ __align__(1024) unsigned char smem[];
-  const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
-  const uint32_t sQ = base, sdO = base + Cfg::OFF_DO, sK0 = base + Cfg::OFF_K,
-                 sV0 = base + Cfg::OFF_V;
-  const uint32_t bQ = base + Cfg::OFF_BAR;
+  const SmemBase sm;
+  const uint32_t sQ = sm.base, sdO = sm.base + Cfg::OFF_DO, sK0 = sm.base + Cfg::OFF_K,
+                 sV0 = sm.base + Cfg::OFF_V;
+  const uint32_t bQ = sm.base + Cfg::OFF_BAR;
   auto full = [&](int s) { return bQ + 8u * (1 + s); };
   auto empty = [&](int s) { return bQ + 8u * (1 + S + s); };
 
@@ -220,21 +206,6 @@ __global__ void __launch_bounds__(384, 1) dq_ws_kernel_sm90(const __grid_constan
     store_dq_rows<T, D, D>(p, acc, q0, nq, h, row0, 0, tq, total > 0);
   }
 #endif
-}
-
-// The dQ kernel's arguments (tensor maps, ping-pong); false when a map cannot be encoded.
-template <int D>
-bool make_dq_ws_args(DqWsArgs& a, const BwdParams& p, const KernelPolicy& policy) {
-  using C = DqWsCfg<D>;
-  if (!encode_tmap_thd(&a.tq, p.q, p.T, p.Hq, D, p.q_tok, p.q_head, C::BM) ||
-      !encode_tmap_thd(&a.tdo, p.dout, p.T, p.Hq, D, int64_t(p.Hq) * D, D, C::BM) ||
-      !encode_tmap_thd(&a.tk, p.k, p.T, p.Hkv, D, p.k_tok, p.k_head, C::BN) ||
-      !encode_tmap_thd(&a.tv, p.v, p.T, p.Hkv, D, p.v_tok, p.v_head, C::BN)) {
-    return false;
-  }
-  a.p = p;
-  a.pingpong = policy.pingpong;
-  return true;
 }
 
 // The separate dQ pass, with the arguments of make_dq_ws_args.

@@ -38,20 +38,21 @@
 #include "sm90/dsmem.cuh"
 #include "sm90/fwd_mainloop.cuh"
 #include "sm90/pipeline.cuh"
+#include "sm90/producers.cuh"
 #include "sm90/sm90_ws.h"
+#include "sm90/tma.cuh"
 #include "sm90/warp_roles.cuh"
+#include "sm90/ws_args.cuh"
 
 namespace dualkv::cuda::detail {
 
-struct FwdD512ClusterCfg {
+struct FwdD512ClusterCfg : WsRoles<40, 232> {
   static constexpr int D = 512;
   static constexpr int CLUSTER = 2;       // CTAs splitting the head dim
   static constexpr int DH = D / CLUSTER;  // 256 columns per CTA (of Q, K, V and O)
   static constexpr int BM = kTileSize;    // 128 queries per cluster: 64 per consumer warpgroup
   static constexpr int BN = 64;           // keys per block
   static constexpr int STAGES = 2;
-  static constexpr int THREADS = 384;  // warpgroup 0 produces, 1 and 2 consume
-  static constexpr int CONSUMERS = 256;
   static constexpr int OR = DH / 2;  // O floats per consumer thread (64 x 256)
   static constexpr int SR = BN / 2;  // S floats per consumer thread (64 x 64): 2 rows x 16
   static constexpr int Q_BYTES = BM * DH * 2;
@@ -87,12 +88,7 @@ struct FwdD512ClusterCfg {
   static constexpr int OFF_V = int(offsetof(SharedStorage, v));
   static constexpr int OFF_X = int(offsetof(SharedStorage, x));
   static constexpr int OFF_BAR = int(offsetof(SharedStorage, bar));
-  static constexpr int SMEM = int(sizeof(SharedStorage)) + 1024;
-  // setmaxnreg: 40 + 2 x 232 = 504 registers per thread slot of the three warpgroups (<= 512).
-  static constexpr int PRODUCER_REGS = 40;
-  static constexpr int CONSUMER_REGS = 232;
-  static_assert(PRODUCER_REGS + 2 * CONSUMER_REGS <= 3 * 168, "register pool of one CTA");
-  static_assert(SMEM <= 227 * 1024, "shared memory per block");
+  static constexpr int SMEM = smem_bytes<SharedStorage>();
   static_assert(SMEM <= kSmemHeadDim512, "api.cu checks the GPU offers this much");
   static_assert(DH % 64 == 0 && BN == 64, "whole SW128 blocks; 16 floats per fragment row");
 };
@@ -327,11 +323,9 @@ __global__ void __launch_bounds__(384, 1)
   constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
   constexpr int DH = Cfg::DH, OR = Cfg::OR, SR = Cfg::SR;
   const FwdParams& p = a.p;
-  extern __shared__ __align__(1024) unsigned char smem[];
-  const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
-  const unsigned char* gbase = smem + (base - smem_u32(smem));
-  const uint32_t sQ = base, sK0 = base + Cfg::OFF_K, sV0 = base + Cfg::OFF_V;
-  const FwdD512Bars bars{base + Cfg::OFF_BAR};
+  const SmemBase sm;
+  const uint32_t sQ = sm.base, sK0 = sm.base + Cfg::OFF_K, sV0 = sm.base + Cfg::OFF_V;
+  const FwdD512Bars bars{sm.base + Cfg::OFF_BAR};
 
   // blockIdx.x = (tile * Hq + q head) * 2 + rank: the two CTAs of a cluster share every index but
   // the rank, so they agree on validity and on the key walk.
@@ -367,12 +361,11 @@ __global__ void __launch_bounds__(384, 1)
     const int g = lane >> 2, tq = lane & 3;
     const int row0 = wrow + (warp & 3) * 16 + g;  // rows row0, row0 + 8
     const PingPong<NC> pp(a.pingpong != 0, cw);
-    const FwdD512HalfExchange x(base, bars, cw, tid & 127, rank);
+    const FwdD512HalfExchange x(sm.base, bars, cw, tid & 127, rank);
     const float sl = (kCap || a.prescale) ? 1.f : p.scale_log2;  // log2-domain factor of the scores
 
     float o[OR];
-#pragma unroll
-    for (int i = 0; i < OR; ++i) o[i] = 0.f;
+    zero_frag(o);
     // The own row's running max and sum in slot 0 (both rows, fragment order, after swap_stats).
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
     float s[SR];

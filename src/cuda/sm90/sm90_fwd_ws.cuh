@@ -30,19 +30,22 @@
 #include "collective/online_softmax.cuh"
 #include "collective/score_mod.cuh"
 #include "launch.h"
-#include "sm90/dsmem.cuh"
 #include "sm90/fwd_mainloop.cuh"
 #include "sm90/pipeline.cuh"
+#include "sm90/producers.cuh"
 #include "sm90/sm90_ws.h"
+#include "sm90/tma.cuh"
 #include "sm90/warp_roles.cuh"
+#include "sm90/ws_args.cuh"
 
 namespace dualkv::cuda::detail {
 
 // NWG consumer warpgroups of 64 query rows each: 2 (a kTileSize-row CTA), or 3 at D = 64
 // (KernelPolicy::d64_fwd_bm192: 192-row CTAs on wide tiles, FlashAttention-3's hdim-64 tile, so
-// that each SM scheduler has three consumer warps instead of two; setmaxnreg 24 / 160).
+// that each SM scheduler has three consumer warps instead of two; setmaxnreg 24 / 160, else
+// 40 / 232).
 template <int D, int NWG = 2>
-struct FwdWsCfg {
+struct FwdWsCfg : WsRoles<NWG == 2 ? 40 : 24, NWG == 2 ? 232 : 160, NWG> {
   static_assert(D <= 256, "a 64 x D fp32 O per warpgroup; D = 512: sm90_fwd512_cluster.cuh");
   static_assert(NWG == 2 || (NWG == 3 && D == 64),
                 "three consumer warpgroups at D = 64 only: 160 registers each hold O, S and P "
@@ -50,8 +53,6 @@ struct FwdWsCfg {
   static constexpr int BM = 64 * NWG;  // kTileSize, or a wide tile (QueryTileCta, B > kTileSize)
   static constexpr int BN = D >= 256 ? 64 : 128;
   static constexpr int STAGES = 2;
-  static constexpr int THREADS = 128 * (NWG + 1);  // warpgroup 0 produces, 1 .. NWG consume
-  static constexpr int CONSUMERS = 128 * NWG;
   static constexpr int Q_BYTES = BM * D * 2;
   static constexpr int KV_BYTES = BN * D * 2;
   // Shared memory from the kernel's 1024-byte aligned base (the + 1024 of SMEM is the slack for
@@ -69,17 +70,7 @@ struct FwdWsCfg {
   static constexpr int OFF_K = int(offsetof(SharedStorage, k));
   static constexpr int OFF_V = int(offsetof(SharedStorage, v));
   static constexpr int OFF_BAR = int(offsetof(SharedStorage, bar));
-  static constexpr int SMEM = int(sizeof(SharedStorage)) + 1024;
-  // setmaxnreg: 40 + 2 x 232 = 504 registers per thread slot of the three warpgroups; with
-  // three consumer warpgroups 24 + 3 x 160 = 504 of the four.
-  static constexpr int PRODUCER_REGS = NWG == 2 ? 40 : 24;
-  static constexpr int CONSUMER_REGS = NWG == 2 ? 232 : 160;
-  // setmaxnreg moves registers within the CTA's pool: THREADS x the launch bound's allocation
-  // (65536 / THREADS in steps of 8: 168 at 384 threads, 128 at 512).
-  static constexpr int REG_POOL = 65536 / THREADS / 8 * 8;
-  static_assert(PRODUCER_REGS + NWG * CONSUMER_REGS <= (NWG + 1) * REG_POOL,
-                "register pool of one CTA");
-  static_assert(SMEM <= 227 * 1024, "shared memory per block");
+  static constexpr int SMEM = smem_bytes<SharedStorage>();
 };
 
 template <typename T, int D, bool kCap, int NWG = 2>
@@ -89,10 +80,9 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NWG>::THREADS, 1)
   using Cfg = FwdWsCfg<D, NWG>;
   constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
   const FwdParams& p = a.p;
-  extern __shared__ __align__(1024) unsigned char smem[];
-  const uint32_t base = (smem_u32(smem) + 1023u) & ~1023u;
-  const uint32_t sQ = base, sK0 = base + Cfg::OFF_K, sV0 = base + Cfg::OFF_V;
-  const uint32_t bQ = base + Cfg::OFF_BAR;
+  const SmemBase sm;
+  const uint32_t sQ = sm.base, sK0 = sm.base + Cfg::OFF_K, sV0 = sm.base + Cfg::OFF_V;
+  const uint32_t bQ = sm.base + Cfg::OFF_BAR;
   auto full_k = [&](int s) { return bQ + 8u * (1 + s); };
   auto full_v = [&](int s) { return bQ + 8u * (1 + S + s); };
   auto empty_k = [&](int s) { return bQ + 8u * (1 + 2 * S + s); };
@@ -106,13 +96,11 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NWG>::THREADS, 1)
   const KeyBlockWalk<BN> walk(p, cta.seg, q0, nq);
   const int total = walk.total, pq_first = walk.pq_first;
 
-  if (tid == 0) {
+  ws::init_barriers(tid, [&] {
     ws::mbar_init(bQ, 1);
     ws::ring_init<S>(full_k, empty_k, 1, NC);
     ws::ring_init<S>(full_v, empty_v, 1, NC);
-    ws::mbar_init_fence();
-  }
-  __syncthreads();
+  });
 
   if (warp < 4) {
     // ---- producer warpgroup: one thread issues every copy ------------------------------------
@@ -135,8 +123,7 @@ __global__ void __launch_bounds__(FwdWsCfg<D, NWG>::THREADS, 1)
 
     constexpr int OR = D / 2, SR = BN / 2;  // accumulator floats per thread
     float o[OR];
-#pragma unroll
-    for (int i = 0; i < OR; ++i) o[i] = 0.f;
+    zero_frag(o);
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
     float s[SR];
     uint32_t pa[BN / 16][4];

@@ -1,7 +1,6 @@
 // Warp-specialised sm_90a kernels (FlashAttention-3 style: TMA, producer warps, ping-pong): the
-// path on Hopper (DUALKV_SM90_D256_BWD=0 aside: the synchronous D = 256 backward of
-// sm90_bwd.cuh). When a TMA tensor map cannot be encoded a launcher returns false and the caller
-// runs the sm_80 kernels (the synchronous wgmma backward at D = 256), with a warning.
+// path on Hopper. When a TMA tensor map cannot be encoded a launcher returns false and the caller
+// runs the sm_80 kernels, with a warning.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -21,8 +20,7 @@ namespace dualkv::cuda::detail {
 bool encode_tmap_thd(CUtensorMap_st* map, const void* base, int T, int H, int D, int64_t tok_stride,
                      int64_t head_stride, int rows);
 
-// Warns once on stderr that the warp-specialised path could not run (the sm_80 one does; at
-// D = 256 the backward's synchronous wgmma one).
+// Warns once on stderr that the warp-specialised path could not run (the sm_80 one does).
 void warn_ws_fallback(const char* why);
 
 // Warp-specialised TMA forward, every head dim (64, 128, 256, 512). Returns false (nothing
@@ -44,8 +42,8 @@ template <typename T>
 bool launch_backward_sm90_d512(const BwdParams& p, cudaStream_t stream);
 
 // D = 256 backward with sm90_bwd256_ws.cuh's warp-specialised dK/dV kernel, then the
-// warp-specialised dQ pass (KernelPolicy::d256_bwd_ws, the default). False (nothing launched,
-// with a warning) when a tensor map of either kernel cannot be encoded.
+// warp-specialised dQ pass. False (nothing launched, with a warning) when a tensor map of either
+// kernel cannot be encoded.
 template <typename T>
 bool launch_backward_sm90_d256ws(const BwdParams& p, const KernelPolicy& policy,
                                  cudaStream_t stream);

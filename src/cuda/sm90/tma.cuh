@@ -1,6 +1,8 @@
 // TMA and bulk-copy wrappers of the sm_90a kernels (one thread issues them): 3-D tensor copies
 // (cp.async.bulk.tensor) of column blocks into SW128 shared-memory tiles, completing on an
-// mbarrier's transaction count, their cluster multicast, and the tensor-map prefetch.
+// mbarrier's transaction count, their cluster multicast, the tensor-map prefetch, and the bulk
+// asynchronous fp32 reduction from shared to global memory with its commit / wait groups (the
+// fused dQ's accumulation).
 #pragma once
 
 #include <cuda.h>
@@ -54,6 +56,33 @@ __device__ __forceinline__ void tma_load3_multicast(uint32_t dst, const CUtensor
 }
 __device__ __forceinline__ void prefetch_tmap(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+// dst[0:bytes/4] += src[0:bytes/4] (fp32), asynchronously, with an L2 cache policy
+// (createpolicy_evict_last) for the destination lines; bytes a multiple of 16.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes,
+                                                    uint64_t policy) {
+  asm volatile(
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.L2::cache_hint.add.f32 [%0], [%1], %2, "
+      "%3;" ::"l"(dst),
+      "r"(src), "r"(bytes), "l"(policy)
+      : "memory");
+}
+// An L2 policy that keeps the lines it is applied to ahead of normal ones when evicting.
+__device__ __forceinline__ uint64_t createpolicy_evict_last() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+// This thread's committed bulk operations have read their shared-memory sources.
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+// ... and have completed.
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 #endif  // DUALKV_SM90_BODY
 

@@ -15,7 +15,7 @@ void warn_ws_fallback(const char* why) {
   if (!warned.exchange(true)) {
     std::fprintf(stderr,
                  "dualkv: the warp-specialised sm_90a kernels cannot run (%s); "
-                 "using the sm_80 kernels (the synchronous wgmma backward at head dim 256); "
+                 "using the sm_80 kernels; "
                  "warned once, later fallbacks are silent\n",
                  why);
   }
