@@ -61,3 +61,27 @@ def agent_rows(
         for _ in range(rollouts):
             rows.append(AgentRow(head, *turns(tokens(*turn), tokens(*tool), tokens(*turn)), t))
     return rows
+
+
+def grpo_groups_and_one_branching(
+    rng: random.Random,
+    vocab: int,
+    groups: int = 20,
+    shared: int = 40,
+    prompt: tuple[int, int] = (64, 80),
+) -> tuple[list[list[int]], list[list[list[int]]], int]:
+    """An ordinary GRPO batch (``groups`` prompts of 64-80 tokens, 2-4 responses of 1-12 tokens,
+    nothing shared beyond a prompt) plus one group of branching rollouts: 4 responses that share
+    their first ``shared`` tokens. As ``rows_from_lists`` takes them: ``(prompts, responses,
+    index of the branching group)``, the branching group at a random index."""
+
+    def tokens(lo: int, hi: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(rng.randint(lo, hi))]
+
+    prompts = [tokens(*prompt) for _ in range(groups)]
+    responses = [[tokens(1, 12) for _ in range(rng.randint(2, 4))] for _ in range(groups)]
+    at = rng.randint(0, groups)
+    stem = tokens(shared, shared)
+    prompts.insert(at, tokens(70, 70))
+    responses.insert(at, [stem + tokens(3, 10) for _ in range(4)])
+    return prompts, responses, at

@@ -868,6 +868,7 @@ def test_group_microbatches(trial):
         assert cut == 0 and pieces == [1] * len(sizes)
     over = sum(k > s // size + (s % size > 0) for k, s in zip(pieces, sizes, strict=True))
     assert over <= cut
+    assert cut == sum(k > 1 for k in pieces)  # the groups in more than one micro-batch, once each
 
 
 def test_group_microbatches_fits_uneven_groups():
@@ -881,6 +882,10 @@ def test_group_microbatches_fits_uneven_groups():
     parts, cut = group_microbatches(torch.tensor([0] * 8 + [1] * 4), 3)
     assert cut == 1
     assert sorted(sorted({0 if r < 8 else 1 for r in p.tolist()}) for p in parts) == [[0], [0], [1]]
+    # a group larger than a micro-batch whose remainder is cut too: still one group cut
+    parts, cut = group_microbatches(torch.tensor([0] * 6 + [1] * 3 + [2] * 3), 3)
+    assert cut == 1
+    assert sum(int(p.lt(6).any()) for p in parts) == 3
 
 
 @pytest.mark.parametrize("trial", range(20))
@@ -902,6 +907,8 @@ def test_group_microbatches_with_families(trial):
     assert len(parts) == chunks and all(p.numel() == size for p in parts)
     assert sorted(torch.cat(parts).tolist()) == list(range(n))
     assert cut <= plain_cut
+    pieces = [sum(int(codes[p].eq(c).any()) for p in parts) for c in range(len(sizes))]
+    assert cut == sum(k > 1 for k in pieces)
 
 
 def test_group_microbatches_keeps_families_together():

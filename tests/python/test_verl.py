@@ -48,8 +48,8 @@ from dualkv.integrations.verl import (  # noqa: E402
     use_cpu_platform,
 )
 from dualkv.packing import pack_rows, rows_from_lists  # noqa: E402
-from dualkv.tree_packing import pack_rows_tree  # noqa: E402
-from multi_turn_rows import agent_rows  # noqa: E402
+from dualkv.tree_packing import pack_rows_tree, tree_saves  # noqa: E402
+from multi_turn_rows import agent_rows, grpo_groups_and_one_branching  # noqa: E402
 
 use_cpu_platform()
 
@@ -650,6 +650,92 @@ def test_packing_setting(model_dirs, seed, monkeypatch):
     monkeypatch.setenv("DUALKV_VERL_PACKING", "trees")
     with pytest.raises(DualKVVerlError, match="DUALKV_VERL_PACKING='trees'"):
         _engine(DualKVFSDPEngineWithLMHead, path, "dualkv")
+
+
+def _padded_batch(ids: torch.Tensor, mask: torch.Tensor, pw: int) -> TensorDict:
+    """veRL's padded batch of these rows (random pad ids, veRL's position ids)."""
+    ids = torch.where(mask.bool(), ids, torch.randint(0, VOCAB, ids.shape))
+    response_mask = mask[:, pw:].clone()
+    b, rw = response_mask.shape
+    return TensorDict(
+        {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+            "prompts": ids[:, :pw].clone(),
+            "responses": ids[:, pw:].clone(),
+            "response_mask": response_mask,
+            "advantages": torch.randn(b, 1).expand(b, rw) * response_mask,
+        },
+        batch_size=[b],
+    )
+
+
+def test_group_that_fits_only_as_a_tree_runs(model_dirs, seed, monkeypatch):
+    """An ordinary GRPO batch (under 10% saved as a tree: the depth-two packing's batch) with one
+    group of branching rollouts (responses sharing 40 tokens) over max_token_len_per_gpu as
+    prompt groups but within it as a tree: the engine runs it (that group's micro-batch a tree,
+    every micro-batch within the budget), exact against veRL's engine; with
+    DUALKV_VERL_PACKING=groups it is refused, naming the budget and the group."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    prompts, responses, branching = grpo_groups_and_one_branching(rng, VOCAB)
+    ids, mask, pw, gid = rows_from_lists(prompts, responses)
+    perm = torch.randperm(ids.shape[0])
+    ids, mask, gid = ids[perm], mask[perm], gid[perm]
+    td = _padded_batch(ids, mask, pw)
+    pos = td["position_ids"]
+    assert not tree_saves(pack_rows(ids, mask, pw).total_tokens,
+                          pack_rows_tree(ids, mask, pw, pos).total_tokens)  # fmt: skip
+    flat, tree = [], []
+    for g in range(len(prompts)):
+        idx = (gid == g).nonzero().flatten()
+        flat.append(pack_rows(ids[idx], mask[idx], pw).total_tokens)
+        tree.append(pack_rows_tree(ids[idx], mask[idx], pw, pos[idx]).total_tokens)
+    budget = max(tree[branching], max(f for g, f in enumerate(flat) if g != branching))
+    assert tree[branching] <= budget < flat[branching]
+    branch_rows = set((gid == branching).nonzero().flatten().tolist())
+
+    kw = dict(max_tokens=budget)
+    ref = _engine(FSDPEngineWithLMHead, model_dirs["qwen3"], "sdpa", **kw)
+    dkv = _engine(DualKVFSDPEngineWithLMHead, model_dirs["qwen3"], "dualkv", **kw)
+    data = _prepare(td, use_dynamic_bsz=True, max_token_len_per_gpu=budget, temperature=1.0)
+    micro, indices = dkv.prepare_dualkv_micro_batches(data)
+    assert sorted(i for idx in indices for i in idx) == list(range(td.shape[0]))
+    for mb, idx in zip(micro, indices, strict=True):
+        packed = tu.get_non_tensor_data(data=mb, key="dualkv_packed_tokens", default=None)
+        assert packed <= budget
+        if branch_rows & set(idx):
+            assert branch_rows <= set(idx)
+            assert tu.get_non_tensor_data(data=mb, key="dualkv_tree", default=None)
+    seen = _capture_packing(dkv)
+    logp_ref, ent_ref, _ = _infer(ref, td)
+    logp, ent, _ = _infer(dkv, td)
+    real = td["response_mask"].bool()
+    _close(logp * real, logp_ref * real, "log_probs")
+    _close_entropy(ent * real, ent_ref * real, logp_ref * real, "entropy")
+    td["old_log_probs"] = (logp_ref + 0.15 * torch.randn_like(logp_ref)) * real
+    p_start = _params(ref)
+    ref_run = _train(ref, td, _actor_config("fsdp2", True, clip_ratio=0.1))
+    run = _train(dkv, td, _actor_config("fsdp2", True, clip_ratio=0.1))
+    _same_step(run, ref_run, start=p_start)
+    assert seen and all(packed.total_tokens <= budget for packed, _ in seen)
+    assert any(packed.layout.is_tree for packed, _ in seen)
+    # a budget under every packing of some group: refused with the fewer tokens it could pack to
+    small = _prepare(td, use_dynamic_bsz=True, max_token_len_per_gpu=budget - 1, temperature=1.0)
+    with pytest.raises(DualKVVerlError, match=rf"packs to {budget} tokens \(the fewer of its"):
+        dkv.prepare_dualkv_micro_batches(small)
+
+    monkeypatch.setenv("DUALKV_VERL_PACKING", "groups")
+    groups_only = _engine(DualKVFSDPEngineWithLMHead, model_dirs["qwen3"], "dualkv", **kw)
+    shown = ", ".join(map(str, sorted(branch_rows)))
+    want = (
+        rf"the prompt group of rows \[{shown}\] \(4 responses to a 70-token prompt; as a prefix "
+        rf"tree it packs to {tree[branching]} tokens.*packs to {flat[branching]} tokens.*"
+        rf"max_token_len_per_gpu={budget}"
+    )
+    with pytest.raises(DualKVVerlError, match=want):
+        groups_only.prepare_dualkv_micro_batches(data)
 
 
 def _tree_dp_rank(rank: int, world: int, port: int, out_dir: str) -> None:

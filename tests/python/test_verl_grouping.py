@@ -15,6 +15,7 @@ from dualkv.integrations.verl_grouping import (
     sharing_order,
     sharing_runs,
     split_runs,
+    use_sharing_partition,
     use_tree,
 )
 from dualkv.packing import pack_rows, rows_from_lists
@@ -23,9 +24,10 @@ from dualkv.tree_packing import (
     TREE_MIN_SAVING,
     pack_rows_tree,
     sorted_trainer_rows,
+    tree_saves,
 )
 from hf_helpers import VOCAB
-from multi_turn_rows import agent_rows
+from multi_turn_rows import agent_rows, grpo_groups_and_one_branching
 
 
 def _trainer_rows(rng: random.Random, tasks: int):
@@ -161,3 +163,50 @@ def test_split_runs(seed):
     # a cut is made only where both parts fit
     assert split_runs([[0, 1, 2]], 2, lambda r: r != [0, 1] and r != [2], len) == [[0], [1, 2]]
     assert split_runs([[0, 1]], 2, lambda r: len(r) == 2, len) is None
+
+
+def test_a_group_that_fits_only_as_a_tree_takes_the_tree_aware_partition(seed):
+    """An ordinary GRPO batch (the whole batch saves under TREE_MIN_SAVING as a tree) with one
+    group of branching rollouts over the token budget as prompt groups but not as a tree: the
+    tree-aware partition cuts it (the balanced one prices groups as prompt groups and would refuse
+    it), each run within the budget in its own packing, the branching group's run a tree."""
+    rng = random.Random(seed)
+    prompts, responses, branching = grpo_groups_and_one_branching(rng, VOCAB)
+    ids, mask, pw, _ = rows_from_lists(prompts, responses)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    rows_of, flat = _groups(ids, mask, pw)
+    assert len(rows_of) == len(prompts)  # (distinct random prompts: one group each)
+    sorted_rows = sorted_trainer_rows(ids, mask, pw, pos)
+    prices = GroupCosts(sorted_rows, rows_of, flat, "auto")
+    every = list(range(len(rows_of)))
+    assert not tree_saves(prices.flat(every), prices.tree(every))
+    idx = rows_of[branching]
+    tree = pack_rows_tree(ids[idx], mask[idx], pw, pos[idx], DEFAULT_MIN_SHARED).total_tokens
+    assert prices.tree([branching]) == tree < flat[branching]
+    budget = max(tree, max(f for g, f in enumerate(flat) if g != branching))
+    assert flat[branching] > budget
+
+    assert use_sharing_partition(prices, budget)
+    assert not use_sharing_partition(prices, flat[branching])  # every group fits as prompt groups
+    assert not use_sharing_partition(prices, None)  # fixed micro-batch size: rows, no budget
+    assert not use_sharing_partition(GroupCosts(sorted_rows, rows_of, flat, "groups"), budget)
+    assert use_sharing_partition(GroupCosts(sorted_rows, rows_of, flat, "tree"), None)
+    # over the budget even as a tree: the tree-aware partition too (its error names the tree's
+    # tokens, the fewer); no saving as a tree: the balanced one (its error names P + sum R)
+    assert use_sharing_partition(prices, tree - 1)
+    others = [r for g, r in enumerate(rows_of) if g != branching]
+    other_flat = [f for g, f in enumerate(flat) if g != branching]
+    plain = GroupCosts(sorted_rows, others, other_flat, "auto")
+    assert not use_sharing_partition(plain, min(plain.flat_costs))
+
+    # the runs the engine cuts (verl_microbatches.sharing_partition) with these prices
+    def fits(run):
+        return len(run) == 1 or prices.choice(run, budget)[1] <= budget
+
+    runs = sharing_runs(sharing_order(sorted_rows, rows_of), fits)
+    assert sorted(g for r in runs for g in r) == every
+    for run in runs:
+        chosen, tokens = prices.choice(run, budget)
+        assert tokens <= budget
+        if branching in run:
+            assert chosen and tokens < prices.flat(run)

@@ -19,6 +19,7 @@ from ..tree_packing import DEFAULT_MIN_SHARED
 __all__ = [
     "chunks_of_groups",
     "group_microbatches",
+    "groups_cut",
     "prefix_families",
     "prompt_groups",
     "select_rows",
@@ -127,7 +128,7 @@ def group_microbatches(
     With ``families`` (groups whose rows share more than their own prompt, e.g.
     :func:`prefix_families`), the remainders of a family are placed together, largest family
     first, where one micro-batch holds them all (else group by group as above); this placement
-    is kept only when it cuts no more groups than the one without families.
+    is kept only when it cuts no more groups (:func:`groups_cut`) than the one without families.
 
     Args:
         groups: ``[B]`` int64 group code of each row.
@@ -136,7 +137,9 @@ def group_microbatches(
         families: optional ``[B]`` int64 family code of each row (the same on a group's rows).
 
     Returns:
-        ``(row indices of each micro-batch, number of groups cut over micro-batches)``.
+        ``(row indices of each micro-batch, number of groups cut)``: :func:`groups_cut`, the
+        groups whose rows are in more than one micro-batch, each counted once (a group larger
+        than a micro-batch always is).
     """
     num_rows = groups.numel()
     if num_chunks < 1 or num_rows % num_chunks:
@@ -151,16 +154,15 @@ def group_microbatches(
         members[int(codes[r])].append(r)
     bins: list[list[int]] = []
     rests: list[list[int]] = []
-    cut = 0
     for rows in members.values():
-        cut += len(rows) > size  # larger than a micro-batch: cut into micro-batch-sized pieces
-        while len(rows) >= size:
+        while len(rows) >= size:  # larger than a micro-batch: micro-batch-sized pieces
             bins.append(rows[:size])
             rows = rows[size:]
         if rows:
             rests.append(rows)
     num_open = num_chunks - len(bins)
-    open_bins, rest_cut = _place([[rows] for rows in rests], num_open, size)
+    open_bins = _place([[rows] for rows in rests], num_open, size)
+    cut = groups_cut(bins + open_bins, codes)
     if families is not None:
         fam = families.detach().to("cpu", torch.int64).reshape(-1)
         if fam.numel() != num_rows:
@@ -170,19 +172,30 @@ def group_microbatches(
             if bool((fam[rows] != fam[rows[0]]).any()):
                 raise ValueError(f"rows {rows} of one group have different families")
             units.setdefault(int(fam[rows[0]]), []).append(rows)
-        by_family, family_cut = _place(list(units.values()), num_open, size)
-        if family_cut <= rest_cut:
-            open_bins, rest_cut = by_family, family_cut
-    return [torch.tensor(c, dtype=torch.int64) for c in bins + open_bins], cut + rest_cut
+        by_family = _place(list(units.values()), num_open, size)
+        family_cut = groups_cut(bins + by_family, codes)
+        if family_cut <= cut:
+            open_bins, cut = by_family, family_cut
+    return [torch.tensor(c, dtype=torch.int64) for c in bins + open_bins], cut
 
 
-def _place(units: list[list[list[int]]], num_bins: int, size: int) -> tuple[list[list[int]], int]:
+def groups_cut(chunks: list[list[int]], groups: torch.Tensor) -> int:
+    """The number of groups whose rows are in more than one of ``chunks`` (row indices): each
+    such group counts once, however many micro-batches it spans."""
+    codes = groups.detach().to("cpu", torch.int64).reshape(-1).tolist()
+    chunks_of: dict[int, set[int]] = {}
+    for c, rows in enumerate(chunks):
+        for r in rows:
+            chunks_of.setdefault(codes[r], set()).add(c)
+    return sum(len(where) > 1 for where in chunks_of.values())
+
+
+def _place(units: list[list[list[int]]], num_bins: int, size: int) -> list[list[int]]:
     """Rows of ``units`` (each a list of groups' rows) into ``num_bins`` bins of ``size`` rows:
     a unit, largest first, goes whole into the bin with the least room that holds it; else its
     groups, largest first, each into such a bin, and a group that fits nowhere is cut over the
-    bins with the most room. Returns ``(bins, groups cut)``."""
+    bins with the most room."""
     bins: list[list[int]] = [[] for _ in range(num_bins)]
-    cut = 0
 
     def fullest_fitting(n: int) -> list[int] | None:
         fits = [b for b in bins if size - len(b) >= n]
@@ -200,7 +213,6 @@ def _place(units: list[list[list[int]]], num_bins: int, size: int) -> tuple[list
             if target is not None:
                 target.extend(rows)
                 continue
-            cut += 1
             rest = list(rows)
             for b in sorted(bins, key=len):  # most room first
                 take = min(size - len(b), len(rest))
@@ -208,7 +220,7 @@ def _place(units: list[list[list[int]]], num_bins: int, size: int) -> tuple[list
                 rest = rest[take:]
                 if not rest:
                     break
-    return bins, cut
+    return bins
 
 
 def select_rows(value: Any, index: torch.Tensor) -> Any:

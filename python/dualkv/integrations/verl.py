@@ -27,10 +27,13 @@ update run on packed groups (or prefix trees):
   whole earlier conversation; branching rollouts) are packed as a prefix tree
   (:func:`dualkv.tree_packing.pack_rows_tree`: each shared prefix computed once) when that packs
   at least ``TREE_MIN_SAVING`` (10%) fewer tokens than the prompt groups; otherwise the depth-two
-  prompt-group packing runs, the measured fast path. When the whole batch's prefix forest saves
-  that much, micro-batches are contiguous runs of groups in the sorted order of their rows
-  (neighbours share prefixes), each within the budget in the packed tokens of the packing it
-  runs (:mod:`.verl_grouping`); ordinary GRPO batches keep the balanced prompt-group partition.
+  prompt-group packing runs, the measured fast path, unless only the tree fits the budget. When
+  the whole batch's prefix forest saves that much, or when a prompt group exceeds the packed-token
+  budget as prompt groups but not as a tree (rows sharing long prefixes beyond their prompt),
+  micro-batches are contiguous runs of groups in the sorted order of their rows (neighbours share
+  prefixes), each within the budget in the packed tokens of the packing it runs
+  (:func:`.verl_grouping.use_sharing_partition`); ordinary GRPO batches keep the balanced
+  prompt-group partition.
   ``DUALKV_VERL_PACKING=tree`` or ``=groups`` (an environment variable of the training
   processes) forces either packing. Response and loss masks with zeros inside the response (the
   agent loop's tool outputs) need nothing: every real response token gets its log-prob, and
@@ -93,7 +96,7 @@ from .verl_grouping import (
     packing_mode,
     partition_groups,
     prompt_groups,
-    use_tree,
+    use_sharing_partition,
 )
 from .verl_microbatches import all_reduce_int, group_partition, padded_rows, sharing_partition
 from .verl_packed_model import (
@@ -278,14 +281,34 @@ class DualKVFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if mode != "groups":
             rows, mask, pw, pos = padded_rows(data)
             prices = GroupCosts(sorted_trainer_rows(rows, mask, pw, pos), rows_of, flat, mode)
-            every = list(range(num_groups))
-            shares = mode == "tree" or use_tree("auto", sum(flat), prices.tree(every))
+            shares = use_sharing_partition(prices, token_budget)
+
+        def describe(g: int) -> str:
+            """A prompt group, for an error naming it (in ``"groups"`` mode with the tree that
+            would fit)."""
+            rows_g = rows_of[g]
+            shown = ", ".join(map(str, rows_g[:8])) + (", ..." if len(rows_g) > 8 else "")
+            about = f"{len(rows_g)} responses to a {int(plen[rows_g[0]])}-token prompt"
+            if mode == "groups" and token_budget is not None:
+                ids, mask, pw, pos = padded_rows(data)
+                trees = GroupCosts(sorted_trainer_rows(ids, mask, pw, pos), rows_of, flat, mode)
+                tree = trees.tree([g])
+                if tree < flat[g] and tree <= token_budget:
+                    about += (
+                        f"; as a prefix tree it packs to {tree} tokens, within the budget, but "
+                        f"{PACKING_ENV}=groups rules trees out: with {PACKING_ENV}=auto, the "
+                        "default, the engine runs it as a tree"
+                    )
+            return f"the prompt group of rows [{shown}] ({about})"
+
         # one partition on every data-parallel rank (they run the same collectives)
         if all_reduce_int(int(shares), torch.distributed.ReduceOp.MAX, dp_group):
             assert prices is not None  # (every rank is in the same mode)
-            bins = sharing_partition(prices, rows_of, budget, token_budget, name, dp_group)
+            bins = sharing_partition(
+                prices, rows_of, budget, token_budget, name, dp_group, describe
+            )
         else:
-            bins = group_partition(costs, budget, use_dynamic_bsz, name, dp_group)
+            bins = group_partition(costs, budget, use_dynamic_bsz, name, dp_group, describe)
         indices = [sorted(b for g in groups for b in rows_of[g]) for groups in bins]
         micro_batches = []
         for groups, idx in zip(bins, indices, strict=True):

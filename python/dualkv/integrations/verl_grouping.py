@@ -12,7 +12,8 @@ Two partitions:
   neighbours share prefixes, cut into contiguous runs, each priced exactly in the packed tokens
   of the packing it will run (:class:`GroupCosts`).
 
-:func:`use_tree` is the one rule that picks the packing of a set of rows.
+:func:`use_tree` is the one rule that picks the packing of a set of rows, and
+:func:`use_sharing_partition` the one that picks the partition of a batch.
 """
 
 from __future__ import annotations
@@ -146,6 +147,30 @@ class GroupCosts:
         tree = self.tree(groups) if self.mode != "groups" else flat
         chosen = use_tree(self.mode, flat, tree, budget)
         return chosen, tree if chosen else flat
+
+
+def use_sharing_partition(prices: GroupCosts, token_budget: int | None) -> bool:
+    """Whether a batch is cut by the tree-aware partition (:func:`sharing_runs`, each run priced
+    in the packing it runs) rather than the balanced prompt-group one (:func:`partition_groups`,
+    which prices every group in prompt-group tokens).
+
+    ``"tree"`` mode: always; ``"groups"``: never. ``"auto"``: when the whole batch's prefix tree
+    saves :data:`dualkv.tree_packing.TREE_MIN_SAVING` of the tokens, or when a prompt group
+    exceeds the ``token_budget`` (dynamic batch size) as prompt groups but packs to fewer tokens
+    as a tree (rows sharing long prefixes beyond their prompt): the balanced partition would
+    refuse that group, the tree-aware one runs it as a tree, or names the tree's tokens when even
+    they exceed the budget.
+    """
+    if prices.mode != "auto":
+        return prices.mode == "tree"
+    every = range(len(prices.rows_of))
+    if use_tree("auto", prices.flat(every), prices.tree(every)):
+        return True
+    if token_budget is None:
+        return False
+    return any(
+        prices.choice([g], token_budget)[0] for g in every if prices.flat_costs[g] > token_budget
+    )
 
 
 def sharing_order(rows: SortedRows, rows_of: Sequence[Sequence[int]]) -> list[int]:

@@ -34,20 +34,42 @@ def _check_count(count: int, fewest_groups: int, name: str, budget: int) -> None
         )
 
 
+def _check_largest_group(
+    weights: list[int], budget: int, name: str, dp_group: Any, what: str,
+    describe: Callable[[int], str],
+) -> None:  # fmt: skip
+    """Refuse a prompt group of more than ``budget`` packed tokens (on any dp rank), naming the
+    group (``describe`` of its index on the rank that holds it) and the setting. ``what`` says
+    how the tokens were counted."""
+    local = max(weights, default=0)
+    largest = all_reduce_int(local, torch.distributed.ReduceOp.MAX, dp_group)
+    if largest <= budget:
+        return
+    which = (
+        describe(weights.index(largest)) if local == largest
+        else "a prompt group of another data-parallel rank"
+    )  # fmt: skip
+    raise DualKVVerlError(
+        f"DualKV engine: {which} packs to {largest} tokens ({what}), more than {name}={budget}; "
+        f"a group is never split across micro-batches, so raise {name} to at least {largest}"
+    )
+
+
 def group_partition(
-    costs: list[int], budget: int, use_dynamic_bsz: bool, name: str, dp_group: Any
+    costs: list[int],
+    budget: int,
+    use_dynamic_bsz: bool,
+    name: str,
+    dp_group: Any,
+    describe: Callable[[int], str],
 ) -> list[list[int]]:
-    """Prompt groups balanced over the fewest micro-batches every dp rank can run."""
+    """Prompt groups balanced over the fewest micro-batches every dp rank can run (``describe``
+    names a group in the error for one over the token budget)."""
     max_op, min_op = torch.distributed.ReduceOp.MAX, torch.distributed.ReduceOp.MIN
     num_groups = len(costs)
     if use_dynamic_bsz:
-        largest = all_reduce_int(max(costs, default=0), max_op, dp_group)
-        if largest > budget:
-            raise DualKVVerlError(
-                f"DualKV engine: a prompt group has {largest} packed tokens (P + sum of its "
-                f"responses), more than {name}={budget}; a group is never split across "
-                f"micro-batches, so raise {name} to at least {largest}"
-            )
+        what = "as prompt groups: its prompt plus the sum of its responses"
+        _check_largest_group(costs, budget, name, dp_group, what, describe)
     fewest_groups = all_reduce_int(num_groups, min_op, dp_group)
     total = sum(costs)
     count = max(1, -(-total // budget)) if budget > 0 else num_groups
@@ -68,10 +90,12 @@ def sharing_partition(
     token_budget: int | None,
     name: str,
     dp_group: Any,
+    describe: Callable[[int], str],
 ) -> list[list[int]]:
     """Groups in the sorted order of their rows (neighbours share prefixes) cut into
     contiguous runs, each within the budget in the packed tokens of its own packing (or rows,
-    with a fixed micro-batch size), as many runs on every dp rank."""
+    with a fixed micro-batch size), as many runs on every dp rank (``describe`` names a group in
+    the error for one over the token budget)."""
     max_op, min_op = torch.distributed.ReduceOp.MAX, torch.distributed.ReduceOp.MIN
     order = sharing_order(prices.rows, rows_of)
     weight: Callable[[list[int]], int]
@@ -80,14 +104,12 @@ def sharing_partition(
         def weight(run: list[int]) -> int:
             return prices.choice(run, token_budget)[1]
 
-        largest = max((weight([g]) for g in order), default=0)
-        largest = all_reduce_int(largest, max_op, dp_group)
-        if largest > budget:
-            raise DualKVVerlError(
-                f"DualKV engine: a prompt group packs to {largest} tokens, more than "
-                f"{name}={budget}; a group is never split across micro-batches, so raise "
-                f"{name} to at least {largest}"
-            )
+        what = (
+            "as a prefix tree" if prices.mode == "tree"
+            else "the fewer of its prompt-group and prefix-tree packings"
+        )  # fmt: skip
+        weights = [weight([g]) for g in range(len(rows_of))]
+        _check_largest_group(weights, budget, name, dp_group, what, describe)
     else:
 
         def weight(run: list[int]) -> int:
