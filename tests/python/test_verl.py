@@ -509,8 +509,16 @@ def _agent_batch(rng: random.Random, tasks: int = 3, rollouts: int = 1) -> Tenso
     scored = torch.zeros(ids.shape[0], ids.shape[1] - pw, dtype=mask.dtype)
     for b, r in enumerate(rows):
         scored[b, : len(r.scored)] = torch.tensor(r.scored)
+    return _padded_batch(ids, mask, pw, scored)
+
+
+def _padded_batch(
+    ids: torch.Tensor, mask: torch.Tensor, pw: int, scored: torch.Tensor | None = None
+) -> TensorDict:
+    """veRL's padded batch of these rows: random pad ids, veRL's position ids, the response mask
+    times ``scored`` (0 on tool outputs, as veRL's agent loop sets it), random advantages."""
     ids = torch.where(mask.bool(), ids, torch.randint(0, VOCAB, ids.shape))
-    response_mask = mask[:, pw:] * scored
+    response_mask = mask[:, pw:] * (1 if scored is None else scored)
     b, rw = response_mask.shape
     return TensorDict(
         {
@@ -650,25 +658,6 @@ def test_packing_setting(model_dirs, seed, monkeypatch):
     monkeypatch.setenv("DUALKV_VERL_PACKING", "trees")
     with pytest.raises(DualKVVerlError, match="DUALKV_VERL_PACKING='trees'"):
         _engine(DualKVFSDPEngineWithLMHead, path, "dualkv")
-
-
-def _padded_batch(ids: torch.Tensor, mask: torch.Tensor, pw: int) -> TensorDict:
-    """veRL's padded batch of these rows (random pad ids, veRL's position ids)."""
-    ids = torch.where(mask.bool(), ids, torch.randint(0, VOCAB, ids.shape))
-    response_mask = mask[:, pw:].clone()
-    b, rw = response_mask.shape
-    return TensorDict(
-        {
-            "input_ids": ids,
-            "attention_mask": mask,
-            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
-            "prompts": ids[:, :pw].clone(),
-            "responses": ids[:, pw:].clone(),
-            "response_mask": response_mask,
-            "advantages": torch.randn(b, 1).expand(b, rw) * response_mask,
-        },
-        batch_size=[b],
-    )
 
 
 def test_group_that_fits_only_as_a_tree_runs(model_dirs, seed, monkeypatch):
