@@ -98,9 +98,10 @@ SHAPES: list[tuple] = [
     (16, 8192, 1024, 16, 8, 128),
     (64, 4096, 512, 32, 8, 128),
 ]
-# Prefix trees (issue 33; trees.py: "branching", "agentic", "sysprompt") with these heads, as
-# (name, 0, 0, Hq, Hkv, D); and their depth-two twins (TreeBatch.twin: the depth-two layout of
-# comparable size, for the "tree >= 90% of the depth-two kernel's TF/s" comparison).
+# Prefix trees (issue 33; trees.py: "branching", "agentic", "sysprompt"; "long-horizon") with
+# these heads, as (name, 0, 0, Hq, Hkv, D); and their depth-two twins (TreeBatch.twin: the
+# depth-two layout of comparable size, for the "tree >= 90% of the depth-two kernel's TF/s"
+# comparison).
 TREE_HEADS = (32, 8, 128)
 _FIRST_TREE = len(SHAPES)
 SHAPES += [(name, 0, 0, *TREE_HEADS) for name in TREES]
@@ -109,8 +110,10 @@ SHAPE_SETS = {
     "packed": [0, 1, 2, 3, 4, 5, 19, 20],
     "plain": list(range(6, 17)),
     "d512": [14, 15, 16, 17, 18],
-    "tree": list(range(_FIRST_TREE, _FIRST_TREE + len(TREES))),
-    "tree-d2": list(range(_FIRST_TREE + len(TREES), _FIRST_TREE + 2 * len(TREES))),
+    # the issue's three tree batches; then long-horizon (deep trees) with its twin
+    "tree": list(range(_FIRST_TREE, _FIRST_TREE + 3)),
+    "tree-d2": list(range(_FIRST_TREE + len(TREES), _FIRST_TREE + len(TREES) + 3)),
+    "tree-deep": [_FIRST_TREE + 3, _FIRST_TREE + len(TREES) + 3],
 }
 Groups = list[tuple[int, list[int]]]  # (prompt length, response lengths) per group
 

@@ -14,6 +14,8 @@ for CPU smoke runs):
 * ``sysprompt``  a 4K system prompt shared by 8 groups of 16 responses: group prompts of
                  1.5-2.5K, responses log-normal around 1K (64 to 4K); a row is system prompt +
                  group prompt + response.
+* ``long-horizon`` deep trees: per task a 4K context and two trajectories of 24 turns of
+                 150-600 tokens each, parting at the first turn; every turn a sample (rho ~ 20).
 
 The tree is listed depth-first (as ``dualkv.pack(..., tree=True)`` packs it). A row that ends
 where the tree goes on (an agentic turn that later turns extend) gets an empty leaf in
@@ -222,10 +224,38 @@ def sysprompt(seed: int = 0, scale: float = 1.0, system: int = 4096, groups: int
     return TreeBatch("sysprompt", parents, lengths, rows, task)
 
 
+def long_horizon(tasks: int = 3, seed: int = 0, scale: float = 1.0, context: int = 4096,
+                 turns: int = 24) -> TreeBatch:  # fmt: skip
+    """Long-horizon agent batch (deep trees): ``tasks`` trees, each a context of ``context``
+    tokens and two trajectories that part at the first turn and then go on alone for ``turns``
+    turns of 150-600 tokens. Every turn is a training sample: a row per turn (its whole prefix),
+    its response the turn. A query of turn t walks t - 1 middle ancestors, so this is the shape
+    where the walk's cost per ancestor shows (the others have at most 3)."""
+    rng = random.Random(seed)
+    parents: list[int] = []
+    lengths: list[int] = []
+    rows: list[tuple[int, int]] = []
+    task: list[int] = []
+    for t in range(tasks):
+        parents.append(-1)
+        lengths.append(max(1, round(context * scale)))
+        root = len(parents) - 1
+        for _ in range(2):
+            at = root
+            for _ in range(turns):
+                parents.append(at)
+                lengths.append(_length(rng, 150, 600, scale))
+                at = len(parents) - 1
+                rows.append((at, at))
+                task.append(t)
+    return TreeBatch("long-horizon", parents, lengths, rows, task)
+
+
 TREES: dict[str, Callable[..., TreeBatch]] = {
     "branching": branching,
     "agentic": agentic,
     "sysprompt": sysprompt,
+    "long-horizon": long_horizon,
 }
 
 

@@ -229,8 +229,12 @@ def test_command_line_subsets():
         with pytest.raises(SystemExit):
             ba.parse_args(bad)
     _, shapes, _ = ba.parse_args(["--shapes", "tree,tree-d2"])
-    assert shapes[:3] == [(name, 0, 0, *ba.TREE_HEADS) for name in ba.TREES]
-    assert shapes[3:] == [(*ba.TREES[name]().twin(), *ba.TREE_HEADS) for name in ba.TREES]
+    issue = ["branching", "agentic", "sysprompt"]
+    assert shapes[:3] == [(name, 0, 0, *ba.TREE_HEADS) for name in issue]
+    assert shapes[3:] == [(*ba.TREES[name]().twin(), *ba.TREE_HEADS) for name in issue]
+    _, shapes, _ = ba.parse_args(["--shapes", "tree-deep"])
+    assert shapes == [("long-horizon", 0, 0, *ba.TREE_HEADS),
+                      (*ba.TREES["long-horizon"]().twin(), *ba.TREE_HEADS)]  # fmt: skip
     args, shapes, _ = ba.parse_args(["--summary", "a.json", "b.json"])
     assert args.summary == ["a.json", "b.json"] and shapes == []
     _, shapes, _ = ba.parse_args(["--tree", "agentic,16,8,128", "--tree", "branching,32,8,64"])

@@ -71,6 +71,25 @@ def test_agentic_shape():
     assert t.task == [roots.index(t.path(e)[0]) for e, _ in t.rows]
 
 
+def test_long_horizon_shape():
+    t = trees.long_horizon()
+    roots = [s for s, p in enumerate(t.parents) if p < 0]
+    assert len(roots) == 3 and all(t.lengths[r] == 4096 for r in roots)
+    for r in roots:
+        kids = [s for s, p in enumerate(t.parents) if p == r]
+        assert len(kids) == 2  # two trajectories part at the first turn
+        for k in kids:  # then each goes on alone: a chain of 24 turns
+            chain = [k]
+            while below := [s for s, p in enumerate(t.parents) if p == chain[-1]]:
+                assert len(below) == 1
+                chain += below
+            assert len(chain) == 24 and all(150 <= t.lengths[s] <= 600 for s in chain)
+    assert max(depth_of(t, s) for s in range(len(t.parents))) == 24
+    assert sorted(e for e, _ in t.rows) == [s for s, p in enumerate(t.parents) if p >= 0]
+    assert all(e == r for e, r in t.rows)
+    assert 15 <= t.row_tokens / t.packed_tokens <= 25
+
+
 def test_sysprompt_shape():
     t = trees.sysprompt()
     assert t.lengths[0] == 4096
