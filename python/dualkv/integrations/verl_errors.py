@@ -12,6 +12,8 @@ class DualKVVerlError(ValueError):
 
 
 def unsupported(what: str) -> DualKVVerlError:
+    """The error for a veRL feature the DualKV engine does not run yet: it names ``what`` and the
+    switch, and says to turn the feature off or run without DualKV."""
     return DualKVVerlError(
         f"DualKV engine ({SWITCH}): {what} is not supported yet; turn it off or run without DualKV"
     )
