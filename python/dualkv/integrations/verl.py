@@ -396,6 +396,10 @@ class DualKVFSDPEngineWithLMHead(FSDPEngineWithLMHead):
 
     # model inputs and outputs -------------------------------------------------------------------
     def prepare_model_inputs(self, micro_batch: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """veRL's hook: the model's keyword arguments for a micro-batch. With DualKV on, the
+        micro-batch's rows packed (prompt groups or a prefix tree, as the partition chose) into
+        one stream with its layout and positions; settings it cannot run packed raise
+        :class:`DualKVVerlError` naming them. Otherwise veRL's own."""
         if not self.dualkv:
             return super().prepare_model_inputs(micro_batch)
         get = tu.get_non_tensor_data
@@ -471,6 +475,9 @@ class DualKVFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         micro_batch: Any,
         logits_processor_func: Any,
     ) -> dict[str, Any]:
+        """veRL's hook: the model's outputs in veRL's layout. With DualKV on, the packed
+        response log-probs (and entropy) scattered back to each row's response tokens, as the
+        jagged tensors veRL's no-padding path returns. Otherwise veRL's own."""
         if not self.dualkv:
             return super().prepare_model_outputs(
                 output, output_args, micro_batch, logits_processor_func

@@ -18,6 +18,8 @@ __all__ = ["all_reduce_int", "group_partition", "padded_rows", "sharing_partitio
 
 
 def all_reduce_int(value: int, op: Any, group: Any) -> int:
+    """``value`` reduced with ``op`` over the process ``group`` (itself without a process group):
+    the agreement every data-parallel rank's partition needs."""
     if not torch.distributed.is_initialized():
         return value
     t = torch.tensor([value], dtype=torch.int64, device=get_device_name())
