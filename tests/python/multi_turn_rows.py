@@ -71,15 +71,19 @@ def grpo_groups_and_one_branching(
     prompt: tuple[int, int] = (64, 80),
 ) -> tuple[list[list[int]], list[list[list[int]]], int]:
     """An ordinary GRPO batch (``groups`` prompts of 64-80 tokens, 2-4 responses of 1-12 tokens,
-    nothing shared beyond a prompt) plus one group of branching rollouts: 4 responses that share
-    their first ``shared`` tokens. As ``rows_from_lists`` takes them: ``(prompts, responses,
-    index of the branching group)``, the branching group at a random index."""
+    nothing shared beyond a prompt: a group's responses begin with distinct tokens) plus one
+    group of branching rollouts: 4 responses that share their first ``shared`` tokens. As
+    ``rows_from_lists`` takes them: ``(prompts, responses, index of the branching group)``, the
+    branching group at a random index."""
 
     def tokens(lo: int, hi: int) -> list[int]:
         return [rng.randrange(vocab) for _ in range(rng.randint(lo, hi))]
 
     prompts = [tokens(*prompt) for _ in range(groups)]
-    responses = [[tokens(1, 12) for _ in range(rng.randint(2, 4))] for _ in range(groups)]
+    responses = [
+        [[first, *tokens(0, 11)] for first in rng.sample(range(vocab), rng.randint(2, 4))]
+        for _ in range(groups)
+    ]
     at = rng.randint(0, groups)
     stem = tokens(shared, shared)
     prompts.insert(at, tokens(70, 70))
