@@ -21,12 +21,15 @@ constexpr int kSmemSmall = 99 * 1024;
 constexpr int smem_regular(int d) {
   return d == 512 ? kSmemHeadDim512 : d == 256 ? kSmemHeadDim256 : 0;
 }
-// Whether an sm_80 pass's configs Cfg<D, kSmall> (FwdCfg, DqCfg) fit the shared memory api.cu
-// checks for: the regular ones of D = 256 / 512 smem_regular(D), the small ones kSmemSmall.
+// Whether all of an sm_80 pass's configs Cfg<D, kSmall> (FwdCfg, DqCfg) fit the shared memory
+// api.cu checks for: the regular ones of D = 256 / 512 smem_regular(D), the small ones
+// kSmemSmall, and those of D = 64 / 128, which it does not check, what every sm_80+ GPU offers
+// (kSmemSmall).
 template <template <int, bool> class Cfg>
 constexpr bool sm80_configs_fit() {
   return Cfg<512, false>::SMEM <= smem_regular(512) && Cfg<512, true>::SMEM <= kSmemSmall &&
-         Cfg<256, false>::SMEM <= smem_regular(256) && Cfg<256, true>::SMEM <= kSmemSmall;
+         Cfg<256, false>::SMEM <= smem_regular(256) && Cfg<256, true>::SMEM <= kSmemSmall &&
+         Cfg<128, false>::SMEM <= kSmemSmall && Cfg<64, false>::SMEM <= kSmemSmall;
 }
 
 struct KernelPolicy {

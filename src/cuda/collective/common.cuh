@@ -208,17 +208,6 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// An sm_80 kernel's cp.async of key block kb's K and V rows (kg / vg: row 0 of the kv head) into
-// the stage tiles sK, sV (BN rows of D columns, swz<D> layout). kFresh: load_tile's.
-template <int BN, int D, int THREADS, bool kFresh = false, typename T, int B>
-__device__ __forceinline__ void load_kv_block(const Params& p, const KeyBlock<B>& kb, uint32_t sK,
-                                              uint32_t sV, const T* kg, const T* vg) {
-  const int nk = kb.count();
-  const int64_t ks = kb.row();
-  load_tile<BN, D, THREADS, kFresh>(sK, kg + ks * p.k_tok, p.k_tok, nk);
-  load_tile<BN, D, THREADS, kFresh>(sV, vg + ks * p.v_tok, p.v_tok, nk);
-}
-
 // An sm_80 backward kernel's cp.async of the Q and dO rows [qs, qs + nq) of q head h into the
 // tiles sQ, sdO (BM rows of D columns, swz<D> layout).
 template <typename T, int BM, int D, int THREADS, bool kFresh = false>
@@ -294,6 +283,40 @@ struct QueryTileCta {
       if (!valid) return;
     }
     hk = h / p.group;
+  }
+};
+
+// The K/V side of an sm_80 query-tile kernel (fwd_kernel_sm80, dq_kernel_sm80): the key-block
+// walk of the CTA's queries and the cp.async of walk block j into a stage of the two-stage K and
+// V tiles at Cfg::OFF_K / OFF_V of shared memory (Cfg::BN rows of D columns each, swz<D> layout;
+// load_tile's kFreshAddr: Cfg::FRESH_ADDR).
+template <typename T, int D, class Cfg>
+struct QueryTileKv {
+  static constexpr int BN = Cfg::BN;
+  static constexpr int STAGE_BYTES = BN * D * 2;
+  KeyBlockWalk<BN> walk;
+  const T* kg;  // row 0 of the kv head's K
+  const T* vg;  // ... and V
+  uint32_t sK0, sV0;
+
+  template <int BM>
+  __device__ __forceinline__ QueryTileKv(const Params& p, const QueryTileCta<BM>& cta,
+                                         uint32_t smem)
+      : walk(p, cta.seg, cta.q0, cta.nq),
+        kg(static_cast<const T*>(p.k) + int64_t(cta.hk) * p.k_head),
+        vg(static_cast<const T*>(p.v) + int64_t(cta.hk) * p.v_head),
+        sK0(smem + Cfg::OFF_K),
+        sV0(smem + Cfg::OFF_V) {}
+  __device__ __forceinline__ uint32_t k_stage(int st) const { return sK0 + st * STAGE_BYTES; }
+  __device__ __forceinline__ uint32_t v_stage(int st) const { return sV0 + st * STAGE_BYTES; }
+  // Key block j's K and V rows into stage st.
+  __device__ __forceinline__ void load(int j, int st) const {
+    const KeyBlock<BN> kb = walk.at(j);
+    const int nk = kb.count();
+    const int64_t ks = kb.row();
+    const Params& p = walk.p;
+    load_tile<BN, D, Cfg::THREADS, Cfg::FRESH_ADDR>(k_stage(st), kg + ks * p.k_tok, p.k_tok, nk);
+    load_tile<BN, D, Cfg::THREADS, Cfg::FRESH_ADDR>(v_stage(st), vg + ks * p.v_tok, p.v_tok, nk);
   }
 };
 

@@ -343,7 +343,6 @@ struct DqCfg {
   static constexpr int MIN_BLOCKS = D >= 512 ? 1 : 2;
   static constexpr bool FRESH_ADDR = kSmall;  // as in BwdCfg
   static_assert(!XSTAGE || (XCHG && X_VECS * 16 <= BN * D * 2), "the exchange fits a K stage");
-  static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
 static_assert(sm80_configs_fit<DqCfg>(), "policy.h's smem_regular / kSmemSmall");
 
@@ -351,28 +350,20 @@ template <typename T, int D, bool kCap, bool kSmall>
 __global__ void __launch_bounds__(DqCfg<D, kSmall>::THREADS, DqCfg<D, kSmall>::MIN_BLOCKS)
     dq_kernel_sm80(const __grid_constant__ BwdParams p) {
   using Cfg = DqCfg<D, kSmall>;
-  constexpr int BM = Cfg::BM, BN = Cfg::BN, THREADS = Cfg::THREADS, DC = Cfg::DC;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, DC = Cfg::DC;
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t sQ = smem_u32(smem), sdO = sQ + Cfg::OFF_DO;
-  const uint32_t sK0 = sQ + Cfg::OFF_K, sV0 = sQ + Cfg::OFF_V;
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const QueryTileCta<BM> cta(p);
   if (!cta.valid) return;
-  const int h = cta.h, hk = cta.hk, q0 = cta.q0, nq = cta.nq;
-  const Segment& seg = cta.seg;
-  const T* kg = static_cast<const T*>(p.k) + int64_t(hk) * p.k_head;
-  const T* vg = static_cast<const T*>(p.v) + int64_t(hk) * p.v_head;
+  const int h = cta.h, q0 = cta.q0, nq = cta.nq;
 
-  load_q_do_rows<T, BM, D, THREADS, Cfg::FRESH_ADDR>(p, q0, nq, h, sQ, sdO);
+  load_q_do_rows<T, BM, D, Cfg::THREADS, Cfg::FRESH_ADDR>(p, q0, nq, h, sQ, sdO);
 
-  const KeyBlockWalk<BN> walk(p, seg, q0, nq);
-  const int total = walk.total, pq_first = walk.pq_first;
-  auto load_kv = [&](int j, int stage) {
-    load_kv_block<BN, D, THREADS, Cfg::FRESH_ADDR>(p, walk.at(j), sK0 + stage * BN * D * 2,
-                                                   sV0 + stage * BN * D * 2, kg, vg);
-  };
-  if (total > 0) load_kv(0, 0);
+  const QueryTileKv<T, D, Cfg> kv(p, cta, sQ);
+  const int total = kv.walk.total, pq_first = kv.walk.pq_first;
+  if (total > 0) kv.load(0, 0);
   cp_commit();
 
   const int g = lane >> 2, tq = lane & 3;
@@ -393,10 +384,10 @@ __global__ void __launch_bounds__(DqCfg<D, kSmall>::THREADS, DqCfg<D, kSmall>::M
     if constexpr (Cfg::XSTAGE) {
       cp_wait<0>();  // the next block is issued after the exchange
     } else {
-      cp_pipeline_step(j + 1 < total, [&] { load_kv(j + 1, st ^ 1); });
+      cp_pipeline_step(j + 1 < total, [&] { kv.load(j + 1, st ^ 1); });
     }
     __syncthreads();
-    const uint32_t sK = sK0 + st * BN * D * 2, sV = sV0 + st * BN * D * 2;
+    const uint32_t sK = kv.k_stage(st), sV = kv.v_stage(st);
 
     float s[BN / 8][4], dp[BN / 8][4];
     slab_products<Cfg, T, D>(s, dp, sQ, sdO, sK, sV, dpart, a_row, a_col, b_row, b_col,
@@ -404,12 +395,12 @@ __global__ void __launch_bounds__(DqCfg<D, kSmall>::THREADS, DqCfg<D, kSmall>::M
                              warp, lane);
     if constexpr (Cfg::XSTAGE) {
       __syncthreads();  // every warp has read its sums: the other stage is free
-      if (j + 1 < total) load_kv(j + 1, st ^ 1);
+      if (j + 1 < total) kv.load(j + 1, st ^ 1);
       cp_commit();
     }
 
-    const auto kb = walk.at(j);
-    const bool msk = walk.masked(kb, nq, BM, p.mask);
+    const auto kb = kv.walk.at(j);
+    const bool msk = kv.walk.masked(kb, nq, BM, p.mask);
 #pragma unroll
     for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll

@@ -61,7 +61,6 @@ struct FwdCfg {
 #else
   static constexpr bool FRESH_ADDR = D >= 128;
 #endif
-  static_assert(SMEM <= 227 * 1024, "shared memory per block");
 };
 static_assert(sm80_configs_fit<FwdCfg>(), "policy.h's smem_regular / kSmemSmall");
 
@@ -69,31 +68,21 @@ template <typename T, int D, bool kCap, bool kSmall>
 __global__ void __launch_bounds__(FwdCfg<D, kSmall>::THREADS, FwdCfg<D, kSmall>::MIN_BLOCKS)
     fwd_kernel_sm80(const __grid_constant__ FwdParams p) {
   using Cfg = FwdCfg<D, kSmall>;
-  constexpr int BM = Cfg::BM, BN = Cfg::BN, THREADS = Cfg::THREADS;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN;
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t sQ = smem_u32(smem);
-  const uint32_t sK0 = sQ + Cfg::OFF_K;
-  const uint32_t sV0 = sQ + Cfg::OFF_V;
 
   const int tid = int(threadIdx.x), warp = tid >> 5, lane = tid & 31;
   const QueryTileCta<BM> cta(p);
   if (!cta.valid) return;
-  const int h = cta.h, hk = cta.hk, q0 = cta.q0, nq = cta.nq;
-  const Segment& seg = cta.seg;
+  const int h = cta.h, q0 = cta.q0, nq = cta.nq;
   const T* qg = static_cast<const T*>(p.q) + int64_t(q0) * p.q_tok + int64_t(h) * p.q_head;
-  const T* kg = static_cast<const T*>(p.k) + int64_t(hk) * p.k_head;
-  const T* vg = static_cast<const T*>(p.v) + int64_t(hk) * p.v_head;
 
-  load_tile<BM, D, THREADS, Cfg::FRESH_ADDR>(sQ, qg, p.q_tok, nq);
+  load_tile<BM, D, Cfg::THREADS, Cfg::FRESH_ADDR>(sQ, qg, p.q_tok, nq);
 
-  const KeyBlockWalk<BN> walk(p, seg, q0, nq);
-  const int total = walk.total, pq_first = walk.pq_first;
-  auto load_kv = [&](int j, int stage) {
-    load_kv_block<BN, D, THREADS, Cfg::FRESH_ADDR>(p, walk.at(j), sK0 + stage * BN * D * 2,
-                                                   sV0 + stage * BN * D * 2, kg, vg);
-  };
-
-  if (total > 0) load_kv(0, 0);
+  const QueryTileKv<T, D, Cfg> kv(p, cta, sQ);
+  const int total = kv.walk.total, pq_first = kv.walk.pq_first;
+  if (total > 0) kv.load(0, 0);
   cp_commit();
 
   constexpr int MT = Cfg::MT, DC = Cfg::DC;
@@ -117,9 +106,9 @@ __global__ void __launch_bounds__(FwdCfg<D, kSmall>::THREADS, FwdCfg<D, kSmall>:
 
   for (int j = 0; j < total; ++j) {
     const int st = j & 1;
-    cp_pipeline_step(j + 1 < total, [&] { load_kv(j + 1, st ^ 1); });
+    cp_pipeline_step(j + 1 < total, [&] { kv.load(j + 1, st ^ 1); });
     __syncthreads();
-    const uint32_t sK = sK0 + st * BN * D * 2, sV = sV0 + st * BN * D * 2;
+    const uint32_t sK = kv.k_stage(st), sV = kv.v_stage(st);
 
     float s[MT][BN / 8][4];
 #pragma unroll
@@ -143,8 +132,8 @@ __global__ void __launch_bounds__(FwdCfg<D, kSmall>::THREADS, FwdCfg<D, kSmall>:
       }
     }
 
-    const auto kb = walk.at(j);
-    const bool msk = walk.masked(kb, nq, BM, p.mask);
+    const auto kb = kv.walk.at(j);
+    const bool msk = kv.walk.masked(kb, nq, BM, p.mask);
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
 #pragma unroll

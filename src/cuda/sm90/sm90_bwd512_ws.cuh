@@ -282,7 +282,7 @@ __global__ void __launch_bounds__(384, 1)
     dkdv_ws512_kernel_sm90(const __grid_constant__ DkdvWsArgs a) {
 #if DUALKV_SM90_BODY
   using Cfg = DkdvWs512Cfg;
-  constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES, NC = Cfg::CONSUMERS;
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, S = Cfg::STAGES;
   constexpr int DH = Cfg::DH, DW = Cfg::DW, HQ = Cfg::HQ, HR = Cfg::HR;
   const BwdParams& p = a.p;
   const DkdvSmem<Cfg> sm;
@@ -430,7 +430,7 @@ __global__ void __launch_bounds__(384, 1)
       }
       hx.put_local(own);
       hx.send_slices(own, it);
-      ws::bar_sync(1, NC);
+      ws::bar_sync(1, Cfg::CONSUMERS);
 #pragma unroll
       for (int w2 = 0; w2 < 2; ++w2) {
         hx.get_local(w2, 0, pa[w2]);
