@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # A/B of the key walk's memo of the last middle ancestor (src/cuda/collective/walks.h, kMemo) on
-# the GPU machine, one call (~8 min): two builds of this tree (D = 128, sm_90a), with the memo
-# and with DUALKV_WALK_MEMO=0 (the walk before it), into .ab/memo and .ab/base; then
-# bench/attention.py, DualKV alone, on the tree batches, the long-horizon one and the depth-two
-# twins, the builds alternating (base, memo, base, memo); the tables last.
+# the GPU machine, one call (~8 min): two builds of this tree (D = 128, sm_90a), as it is (no
+# memo) and with DUALKV_WALK_MEMO=1, into .ab/base and .ab/memo; then
+# bench/attention.py, DualKV alone, on the tree batches as listed (a segment per turn: the
+# deepest walks), the long-horizon one and the depth-two twins, the builds alternating (base,
+# memo, base, memo); the tables last.
 #   OUT=$OUT bash bench/walk_memo_ab.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +12,7 @@ OUT="${OUT:-.out/walk_memo_ab}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 for build in base memo; do
-  flag=$([ "$build" = base ] && echo "-DDUALKV_WALK_MEMO=0" || echo "")
+  flag=$([ "$build" = memo ] && echo "-DDUALKV_WALK_MEMO=1" || echo "")
   echo "== build $build ($flag) =="
   rm -rf "build/ab-$build"
   CMAKE_ARGS="-DDUALKV_CUDA=ON -DDUALKV_CUDA_HEAD_DIMS=128 -DDUALKV_CUDA_ARCHS=90a-real \
@@ -25,7 +26,7 @@ for round in 1 2; do
   for build in base memo; do
     echo "== round $round: $build =="
     PYTHONPATH=".ab/$build" timeout 150 python3 bench/attention.py \
-      --shapes tree,tree-deep,tree-d2 --methods dualkv --rounds 1 \
+      --shapes tree,tree-deep,tree-d2 --tree-segments listed --methods dualkv --rounds 1 \
       --out "$OUT/$build-$round" >"$OUT/$build-$round.log" 2>&1 || echo "round $round $build: rc $?"
   done
 done

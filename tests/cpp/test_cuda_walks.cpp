@@ -165,10 +165,10 @@ std::string check_key_walk(const Layout& L, const Pairs& o, MaskRule rule, Cover
                               ") of segment " + std::to_string(part.seg) + ": ";
     if (walk.pq_first != o.pos(q0))
       WALK_FAIL(where << "pq_first " << walk.pq_first << ", position " << o.pos(q0));
-    // Blocks asked for out of order (a prefetch a block ahead, then backwards) are the blocks
-    // of the walk without its memo of the last middle ancestor (sm_80's): it is only a shortcut.
+    // With the memo of the last middle ancestor, blocks asked for out of order (a prefetch a
+    // block ahead, then backwards) are the blocks of the walk without it: only a shortcut.
     {
-      const KeyBlockWalk<BK> ahead(p, seg, q0, nq), back(p, seg, q0, nq);
+      const KeyBlockWalk<BK, true> ahead(p, seg, q0, nq), back(p, seg, q0, nq);
       std::vector<int> js;
       for (int j = 0; j < walk.total; ++j) js.insert(js.end(), {j + 1, j});
       for (int j = walk.total; j-- > 0;) js.push_back(j);

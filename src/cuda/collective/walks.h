@@ -94,12 +94,12 @@ struct KeyBlock {
 // itself (region 1, causally; empty for a root).
 // The depth-two layout (prompt, then own response) has no middle ancestors: its walk keeps two
 // regions in registers, and only a walk with middle blocks reads the table again in at().
-// kMemo: at() remembers the last middle ancestor it read (two registers, see middle_block); the
-// sm_80 kernels, at their register limit, read the chain from the parent each time instead (the
-// memo spills there). DUALKV_WALK_MEMO=0 turns it off everywhere (an A/B build, to be removed
-// once measured: bench/walk_memo_ab.sh).
+// kMemo: at() remembers the last middle ancestor it read (two registers, see middle_block), so
+// deep chains are read once per ancestor. Off by default until measured on a GPU (a build with
+// DUALKV_WALK_MEMO=1 turns it on in the sm_90 kernels: bench/walk_memo_ab.sh); the sm_80 kernels,
+// at their register limit, keep it off (the memo spills there).
 #ifndef DUALKV_WALK_MEMO
-#define DUALKV_WALK_MEMO 1
+#define DUALKV_WALK_MEMO 0
 #endif
 template <int B, bool kMemo = DUALKV_WALK_MEMO != 0>
 struct KeyBlockWalk {
