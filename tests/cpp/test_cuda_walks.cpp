@@ -165,6 +165,23 @@ std::string check_key_walk(const Layout& L, const Pairs& o, MaskRule rule, Cover
                               ") of segment " + std::to_string(part.seg) + ": ";
     if (walk.pq_first != o.pos(q0))
       WALK_FAIL(where << "pq_first " << walk.pq_first << ", position " << o.pos(q0));
+    // With the memo of the last middle ancestor, blocks asked for out of order (a prefetch a
+    // block ahead, then backwards) are the blocks of the walk without it: only a shortcut.
+    {
+      const KeyBlockWalk<BK, true> ahead(p, seg, q0, nq), back(p, seg, q0, nq);
+      std::vector<int> js;
+      for (int j = 0; j < walk.total; ++j) js.insert(js.end(), {j + 1, j});
+      for (int j = walk.total; j-- > 0;) js.push_back(j);
+      for (size_t i = 0; i < js.size(); ++i) {
+        const int j = js[i];
+        if (j >= walk.total) continue;
+        const KeyBlock<BK> want = KeyBlockWalk<BK, false>(p, seg, q0, nq).at(j);
+        const KeyBlock<BK> got = (i < 2 * size_t(walk.total) ? ahead : back).at(j);
+        if (got.row() != want.row() || got.pos() != want.pos() || got.count() != want.count())
+          WALK_FAIL(where << "block " << j << " asked out of order is keys from " << got.row()
+                          << ", in order from " << want.row());
+      }
+    }
     std::vector<int64_t> order;  // the CPU backend's region order
     cpu::detail::for_each_key_region(
         segs.data(), seg, [&](const cpu::detail::Region& r) { order.push_back(r.start); });

@@ -294,7 +294,8 @@ template <typename T, int D, class Cfg>
 struct QueryTileKv {
   static constexpr int BN = Cfg::BN;
   static constexpr int STAGE_BYTES = BN * D * 2;
-  KeyBlockWalk<BN> walk;
+  // (no memo of the last middle ancestor: it spills in these kernels; walks.h)
+  KeyBlockWalk<BN, false> walk;
   const T* kg;  // row 0 of the kv head's K
   const T* vg;  // ... and V
   uint32_t sK0, sV0;

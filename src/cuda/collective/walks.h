@@ -94,7 +94,14 @@ struct KeyBlock {
 // itself (region 1, causally; empty for a root).
 // The depth-two layout (prompt, then own response) has no middle ancestors: its walk keeps two
 // regions in registers, and only a walk with middle blocks reads the table again in at().
-template <int B>
+// kMemo: at() remembers the last middle ancestor it read (two registers, see middle_block), so
+// deep chains are read once per ancestor. Off by default until measured on a GPU (a build with
+// DUALKV_WALK_MEMO=1 turns it on in the sm_90 kernels: bench/walk_memo_ab.sh); the sm_80 kernels,
+// at their register limit, keep it off (the memo spills there).
+#ifndef DUALKV_WALK_MEMO
+#define DUALKV_WALK_MEMO 0
+#endif
+template <int B, bool kMemo = DUALKV_WALK_MEMO != 0>
 struct KeyBlockWalk {
   const Params& p;
   Region r0, r1;
@@ -136,14 +143,25 @@ struct KeyBlockWalk {
     const Segment* s = p.segs + a;
     return {s->start, s->pos0, s->len};
   }
-  // Block j of the middle ancestors' blocks (0 <= j < nbe - nb0): the chain read again from the
-  // parent.
+  // The ancestor whose blocks the last middle_block call returned and the index (among the
+  // middle blocks) of its first block: each thread of the sm_90 kernels asks for the blocks in
+  // increasing order, so the chain is read once per ancestor instead of from the parent for
+  // every block (depth - 1 reads for a block of the root's child).
+  mutable int seen_a = -1, seen_j = 0;
+  // Block j of the middle ancestors' blocks (0 <= j < nbe - nb0): the chain read from the last
+  // ancestor seen when j is not before its blocks, else from the parent.
   DUALKV_HD KeyBlock<B> middle_block(int j) const {
-    for (int a = mid;; a = p.segs[a].parent) {
+    int a = mid;
+    const int asked = j;
+    if (kMemo && seen_a >= 0 && j >= seen_j) a = seen_a, j -= seen_j;
+    for (;; a = p.segs[a].parent) {
       const Region r = region_of(a);
       int b0 = 0;
       const int n = key_blocks<B>(r, pq_first, pq_last, p.mask, &b0);
-      if (j < n) return {r, (b0 + j) * B};
+      if (j < n) {
+        if constexpr (kMemo) seen_a = a, seen_j = asked - j;
+        return {r, (b0 + j) * B};
+      }
       j -= n;
     }
   }
