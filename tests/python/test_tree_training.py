@@ -194,6 +194,7 @@ def test_tree_positions_through_the_model(seed):
     model.set_attn_implementation("dualkv")
     rng = random.Random(seed)
     system, b, c = ([rng.randrange(VOCAB) for _ in range(n)] for n in (4, 3, 2))
+    c[0] = (b[0] + 1) % VOCAB  # (the responses share no token: two branches of the system prompt)
     pk = dualkv.pack(prompts=[system], responses=[[b, c]], tree=True, min_shared=1)
     assert pk.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 6, 4, 5]]
     other = dualkv.Layout.tree([-1, 0, 0], [3, 3, 3])  # 0 1 2 | 3 4 5 | 3 4 5
