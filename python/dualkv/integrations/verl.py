@@ -276,11 +276,16 @@ class DualKVFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         token_budget = budget if use_dynamic_bsz else None
         dp_group = self.get_data_parallel_group()
         mode = _packing_mode(self)
+
+        def group_costs() -> GroupCosts:
+            """The batch's groups priced in both packings (sorts the rows: host work)."""
+            rows, mask, pw, pos = padded_rows(data)
+            return GroupCosts(sorted_trainer_rows(rows, mask, pw, pos), rows_of, flat, mode)
+
         prices: GroupCosts | None = None
         shares = False
         if mode != "groups":
-            rows, mask, pw, pos = padded_rows(data)
-            prices = GroupCosts(sorted_trainer_rows(rows, mask, pw, pos), rows_of, flat, mode)
+            prices = group_costs()
             shares = use_sharing_partition(prices, token_budget)
 
         def describe(g: int) -> str:
@@ -290,9 +295,7 @@ class DualKVFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             shown = ", ".join(map(str, rows_g[:8])) + (", ..." if len(rows_g) > 8 else "")
             about = f"{len(rows_g)} responses to a {int(plen[rows_g[0]])}-token prompt"
             if mode == "groups" and token_budget is not None:
-                ids, mask, pw, pos = padded_rows(data)
-                trees = GroupCosts(sorted_trainer_rows(ids, mask, pw, pos), rows_of, flat, mode)
-                tree = trees.tree([g])
+                tree = group_costs().tree([g])
                 if tree < flat[g] and tree <= token_budget:
                     about += (
                         f"; as a prefix tree it packs to {tree} tokens, within the budget, but "
