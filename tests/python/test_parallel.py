@@ -13,53 +13,19 @@ cases, and a multi-turn tree step against sp=1 and the unshared rows).
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import os
 import random
-import socket
-import sys
-import traceback
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import dualkv
 from dualkv import parallel
+from gloo_ranks import free_port, spawn_ranks
 
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _worker(rank: int, world: int, port: int, name: str, args: tuple) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )  # fmt: skip
-    try:
-        getattr(sys.modules[__name__], name)(rank, world, *args)
-    except BaseException:
-        # the first failure is the one to read (the other ranks then fail in a collective)
-        print(f"rank {rank}/{world} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(fn, world: int, *args) -> None:
-    """Run ``fn(rank, world, *args)`` in ``world`` fresh processes joined by a gloo group; a
-    failure in any of them (assertion included) fails the test with its traceback."""
-    os.environ["OMP_NUM_THREADS"] = "1"  # 2-4 processes on a 2-core CI machine
-    mp.spawn(_worker, args=(world, _free_port(), fn.__name__, args), nprocs=world, join=True)
 
 
 # --- attention ------------------------------------------------------------------------------
@@ -205,7 +171,7 @@ def _attention_cases_run(group: Any, world: int, seed: int) -> None:
 
 def test_attention_equals_single_process(seed):
     """4 ranks, and 2 ranks (two 2-rank groups side by side in the same 4 processes)."""
-    _spawn(_attention_worker, 4, seed)
+    spawn_ranks(_attention_worker, 4, seed)
 
 
 # --- model step --------------------------------------------------------------------------------
@@ -373,7 +339,7 @@ def test_qwen3_step_equals_single_process(seed):
     """2 ranks (two groups side by side), 4 ranks with gradient checkpointing, and 2 x 2 data x
     sequence parallel under FSDP2."""
     pytest.importorskip("transformers")
-    _spawn(_model_worker, 4, seed)
+    spawn_ranks(_model_worker, 4, seed)
 
 
 def test_group_of_one_is_the_single_gpu_path(seed):
@@ -381,7 +347,7 @@ def test_group_of_one_is_the_single_gpu_path(seed):
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
     try:
         layout = dualkv.Layout([5, 2], [[3, 1], [4]])
@@ -501,7 +467,7 @@ def _tree_run(world: int, seed: int, batch: tuple, kv_heads: int) -> None:
 def test_tree_step_equals_single_process_and_rows(seed):
     """Sharded prefix trees (Ulysses, 2 ranks)."""
     pytest.importorskip("transformers")
-    _spawn(_tree_worker, 2, seed)
+    spawn_ranks(_tree_worker, 2, seed)
 
 
 # --- a window that only the mask applies ------------------------------------------------------
@@ -551,7 +517,7 @@ def _mask_window_worker(rank: int, world: int, seed: int) -> None:
 
 def test_window_in_the_mask_only_raises_under_sequence_parallelism(seed):
     pytest.importorskip("transformers")
-    _spawn(_mask_window_worker, 2, seed)
+    spawn_ranks(_mask_window_worker, 2, seed)
 
 
 def test_sequence_parallel_logprobs_moved() -> None:

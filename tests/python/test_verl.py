@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import os
 import random
-import socket
 from typing import Any
 
 import pytest
@@ -49,6 +48,7 @@ from dualkv.integrations.verl import (  # noqa: E402
 )
 from dualkv.packing import pack_rows, rows_from_lists  # noqa: E402
 from dualkv.tree_packing import pack_rows_tree, tree_saves  # noqa: E402
+from gloo_ranks import free_port, spawn_ranks  # noqa: E402
 from multi_turn_rows import agent_rows, grpo_groups_and_one_branching  # noqa: E402
 
 use_cpu_platform()
@@ -59,13 +59,13 @@ VOCAB = 131
 @pytest.fixture(scope="module", autouse=True)
 def process_group():
     if not torch.distributed.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(port)
+        os.environ["MASTER_PORT"] = str(free_port())
         torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    yield
+        yield
+        torch.distributed.destroy_process_group()
+    else:
+        yield
 
 
 def _save_model(family: str, path: str, seed: int) -> None:
@@ -373,12 +373,10 @@ def test_micro_batches_hold_whole_groups(model_dirs, seed):
         assert len(idx) <= 6 or len(members) == 1
 
 
-def _dp_rank(rank: int, world: int, port: int, groups: list[int], out_dir: str) -> None:
+def _dp_rank(rank: int, world: int, groups: list[int], out_dir: str) -> None:
     """One data-parallel rank: micro-batch its own batch with the engine's method."""
     import types
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     td, _ = _batch(random.Random(100 + rank), groups=groups[rank], n_range=(2, 4))
     data = _prepare(td, use_dynamic_bsz=True, max_token_len_per_gpu=60, temperature=1.0)
     # the method needs only the data-parallel group of its engine
@@ -386,20 +384,12 @@ def _dp_rank(rank: int, world: int, port: int, groups: list[int], out_dir: str) 
     micro, indices = DualKVFSDPEngineWithLMHead.prepare_dualkv_micro_batches(engine, data)
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
         f.write(f"{len(micro)} {sum(len(i) for i in indices)} {td.shape[0]}")
-    torch.distributed.destroy_process_group()
 
 
 def test_micro_batch_count_agrees_across_dp_ranks(tmp_path):
     """Ranks with different batches run the same number of micro-batches (FSDP needs it)."""
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     groups = [2, 6]
-    mp.start_processes(
-        _dp_rank, args=(2, port, groups, str(tmp_path)), nprocs=2, start_method="spawn"
-    )
+    spawn_ranks(_dp_rank, 2, groups, str(tmp_path))
     counts = []
     for rank in range(2):
         n, rows, total = (int(x) for x in (tmp_path / f"rank{rank}.txt").read_text().split())
@@ -727,12 +717,10 @@ def test_group_that_fits_only_as_a_tree_runs(model_dirs, seed, monkeypatch):
         groups_only.prepare_dualkv_micro_batches(data)
 
 
-def _tree_dp_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+def _tree_dp_rank(rank: int, world: int, out_dir: str) -> None:
     """One data-parallel rank: rank 0 an ordinary GRPO batch, rank 1 multi-turn rows."""
     import types
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     rng = random.Random(200 + rank)
     td = _batch(rng, groups=6)[0] if rank == 0 else _agent_batch(rng, tasks=3)
     budget = 700
@@ -747,18 +735,12 @@ def _tree_dp_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         tokens.append(pack(ids, mask, pw, position_ids=pos).total_tokens)
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
         f.write(f"{len(micro)} {sum(len(i) for i in indices)} {td.shape[0]} {max(tokens)}")
-    torch.distributed.destroy_process_group()
 
 
 def test_tree_micro_batch_count_agrees_across_dp_ranks(tmp_path):
     """Ranks with an ordinary and a multi-turn batch cut as many micro-batches (every row once,
     each micro-batch within the budget in the tokens of its own packing)."""
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_tree_dp_rank, args=(2, port, str(tmp_path)), nprocs=2, start_method="spawn")
+    spawn_ranks(_tree_dp_rank, 2, str(tmp_path))
     counts = []
     for rank in range(2):
         n, rows, total, largest = (
@@ -795,75 +777,67 @@ def _sp_batch(seed: int) -> TensorDict:
     raise AssertionError("no odd-length batch drawn")
 
 
-def _sp_rank(rank: int, world: int, port: int, dirs: list[str], seed: int) -> None:
+def _sp_rank(rank: int, world: int, dirs: list[str], seed: int) -> None:
     """One rank of a 2-process group: DualKV with ulysses_sequence_parallel_size=2 (dp=1) against
     DualKV and veRL's own SDPA engine with sp=1 (dp=2, both ranks holding the same batch, so
     veRL's data-parallel mean is the single batch's gradient)."""
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        for path, case in zip(dirs, SP_CASES, strict=True):
-            torch.manual_seed(seed)  # the batch's pad ids and advantages: the same on both ranks
-            td = _sp_batch(seed)
-            b = td.shape[0]
-            mbs = max(d for d in range(1, 6) if b % d == 0)
-            kw = dict(grad_ckpt=case["grad_ckpt"], dynamic=case["dynamic"], max_tokens=SP_BUDGET,
-                      micro_batch=mbs)  # fmt: skip
-            sp = _engine(DualKVFSDPEngineWithLMHead, path, "dualkv",
-                         ulysses_sequence_parallel_size=2, **kw)  # fmt: skip
-            one = _engine(DualKVFSDPEngineWithLMHead, path, "dualkv", **kw)
-            ref = _engine(FSDPEngineWithLMHead, path, "sdpa", **kw)
-            assert sp.dualkv and sp.get_data_parallel_size() == 1
-            assert one.get_data_parallel_size() == 2
-            what = f"rank {rank} case {case}"
-            if case["dynamic"]:  # one micro-batch of an odd length (see _sp_batch)
-                data = _prepare(td, use_dynamic_bsz=True, max_token_len_per_gpu=SP_BUDGET)
-                assert len(sp.prepare_dualkv_micro_batches(data)[0]) == 1
-                assert len(one.prepare_dualkv_micro_batches(data)[0]) > 1
+    for path, case in zip(dirs, SP_CASES, strict=True):
+        torch.manual_seed(seed)  # the batch's pad ids and advantages: the same on both ranks
+        td = _sp_batch(seed)
+        b = td.shape[0]
+        mbs = max(d for d in range(1, 6) if b % d == 0)
+        kw = dict(grad_ckpt=case["grad_ckpt"], dynamic=case["dynamic"], max_tokens=SP_BUDGET,
+                  micro_batch=mbs)  # fmt: skip
+        sp = _engine(DualKVFSDPEngineWithLMHead, path, "dualkv",
+                     ulysses_sequence_parallel_size=2, **kw)  # fmt: skip
+        one = _engine(DualKVFSDPEngineWithLMHead, path, "dualkv", **kw)
+        ref = _engine(FSDPEngineWithLMHead, path, "sdpa", **kw)
+        assert sp.dualkv and sp.get_data_parallel_size() == 1
+        assert one.get_data_parallel_size() == 2
+        what = f"rank {rank} case {case}"
+        if case["dynamic"]:  # one micro-batch of an odd length (see _sp_batch)
+            data = _prepare(td, use_dynamic_bsz=True, max_token_len_per_gpu=SP_BUDGET)
+            assert len(sp.prepare_dualkv_micro_batches(data)[0]) == 1
+            assert len(one.prepare_dualkv_micro_batches(data)[0]) > 1
 
-            t = case["temperature"]
-            logp_sp, ent_sp, out = _infer(sp, td, t)
-            logp_one, ent_one, _ = _infer(one, td, t)
-            logp_ref, ent_ref, _ = _infer(ref, td, t)
-            lens = td["attention_mask"].sum(1)
-            assert [x.numel() for x in out["model_output"]["log_probs"].unbind()] == lens.tolist()
-            mask = td["response_mask"].bool()
-            _close(logp_sp * mask, logp_one * mask, f"{what}: log_probs")
-            _close(logp_sp * mask, logp_ref * mask, f"{what}: log_probs (veRL)")
-            _close_entropy(ent_sp * mask, ent_one * mask, logp_one * mask, f"{what}: entropy")
-            _close_entropy(ent_sp * mask, ent_ref * mask, logp_ref * mask,
-                           f"{what}: entropy (veRL)")  # fmt: skip
+        t = case["temperature"]
+        logp_sp, ent_sp, out = _infer(sp, td, t)
+        logp_one, ent_one, _ = _infer(one, td, t)
+        logp_ref, ent_ref, _ = _infer(ref, td, t)
+        lens = td["attention_mask"].sum(1)
+        assert [x.numel() for x in out["model_output"]["log_probs"].unbind()] == lens.tolist()
+        mask = td["response_mask"].bool()
+        _close(logp_sp * mask, logp_one * mask, f"{what}: log_probs")
+        _close(logp_sp * mask, logp_ref * mask, f"{what}: log_probs (veRL)")
+        _close_entropy(ent_sp * mask, ent_one * mask, logp_one * mask, f"{what}: entropy")
+        _close_entropy(ent_sp * mask, ent_ref * mask, logp_ref * mask,
+                       f"{what}: entropy (veRL)")  # fmt: skip
 
-            td["old_log_probs"] = (logp_ref + 0.15 * torch.randn_like(logp_ref)) * mask
-            torch.distributed.broadcast(td["old_log_probs"], src=0)  # the same batch on both
-            # (an entropy bonus: its gradient also crosses the ranks' log-prob sum)
-            actor = _actor_config("fsdp2", case["dynamic"], loss_agg_mode=case["agg"],
-                                  clip_ratio=0.1, entropy_coeff=0.05)  # fmt: skip
-            p_start = _params(sp)
-            runs = {
-                "sp": _train(sp, td, actor, t, global_batch_size=b),
-                "one": _train(one, td, actor, t, global_batch_size=2 * b),
-                "veRL": _train(ref, td, actor, t, global_batch_size=2 * b),
-            }
-            assert len(runs["sp"][1]) == len(runs["sp"][2])
-            for other in ("one", "veRL"):
-                _same_step(runs["sp"], runs[other], f"{what} vs {other}:", start=p_start)
+        td["old_log_probs"] = (logp_ref + 0.15 * torch.randn_like(logp_ref)) * mask
+        torch.distributed.broadcast(td["old_log_probs"], src=0)  # the same batch on both
+        # (an entropy bonus: its gradient also crosses the ranks' log-prob sum)
+        actor = _actor_config("fsdp2", case["dynamic"], loss_agg_mode=case["agg"],
+                              clip_ratio=0.1, entropy_coeff=0.05)  # fmt: skip
+        p_start = _params(sp)
+        runs = {
+            "sp": _train(sp, td, actor, t, global_batch_size=b),
+            "one": _train(one, td, actor, t, global_batch_size=2 * b),
+            "veRL": _train(ref, td, actor, t, global_batch_size=2 * b),
+        }
+        assert len(runs["sp"][1]) == len(runs["sp"][2])
+        for other in ("one", "veRL"):
+            _same_step(runs["sp"], runs[other], f"{what} vs {other}:", start=p_start)
 
-        # ranks of one sp group given different rows: refused on every rank, not sharded as one
-        other = _sp_batch(seed + 1000 * (rank + 1))
-        data = _prepare(other, use_dynamic_bsz=True, max_token_len_per_gpu=SP_BUDGET)
-        with pytest.raises(DualKVVerlError, match="different batches"):
-            sp.prepare_dualkv_micro_batches(data)
-    finally:
-        torch.distributed.destroy_process_group()
+    # ranks of one sp group given different rows: refused on every rank, not sharded as one
+    other = _sp_batch(seed + 1000 * (rank + 1))
+    data = _prepare(other, use_dynamic_bsz=True, max_token_len_per_gpu=SP_BUDGET)
+    with pytest.raises(DualKVVerlError, match="different batches"):
+        sp.prepare_dualkv_micro_batches(data)
 
 
 def test_ulysses_sequence_parallel_matches_sp1(tmp_path, seed):
     """ulysses_sequence_parallel_size=2 on 2 gloo processes: log-probs, entropy (veRL's layout),
     loss, every gradient and the parameters after one step equal the sp=1 engines'."""
-    import torch.multiprocessing as mp
-
     from hf_helpers import tiny_config, tiny_model
 
     dirs = []
@@ -876,28 +850,18 @@ def test_ulysses_sequence_parallel_matches_sp1(tmp_path, seed):
             path
         )
         dirs.append(path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ["OMP_NUM_THREADS"] = "1"
-    mp.start_processes(_sp_rank, args=(2, port, dirs, seed), nprocs=2, start_method="spawn")
+    spawn_ranks(_sp_rank, 2, dirs, seed)
 
 
-def _sp_guard_rank(rank: int, world: int, port: int, path: str, seed: int) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.manual_seed(seed)  # the same batch on both ranks
-        td, _ = _batch(random.Random(seed), groups=2, p_range=(8, 12), r_range=(4, 8))
-        kw = dict(grad_ckpt=False, dynamic=True, max_tokens=200, micro_batch=2)
-        for sp in (1, 2):
-            engine = _engine(DualKVFSDPEngineWithLMHead, path, "dualkv",
-                             ulysses_sequence_parallel_size=sp, **kw)  # fmt: skip
-            with pytest.raises(NotImplementedError, match="'dynamic' RoPE scaling"):
-                _infer(engine, td)
-    finally:
-        torch.distributed.destroy_process_group()
+def _sp_guard_rank(rank: int, world: int, path: str, seed: int) -> None:
+    torch.manual_seed(seed)  # the same batch on both ranks
+    td, _ = _batch(random.Random(seed), groups=2, p_range=(8, 12), r_range=(4, 8))
+    kw = dict(grad_ckpt=False, dynamic=True, max_tokens=200, micro_batch=2)
+    for sp in (1, 2):
+        engine = _engine(DualKVFSDPEngineWithLMHead, path, "dualkv",
+                         ulysses_sequence_parallel_size=sp, **kw)  # fmt: skip
+        with pytest.raises(NotImplementedError, match="'dynamic' RoPE scaling"):
+            _infer(engine, td)
 
 
 def test_ulysses_runs_the_packed_model_guards(tmp_path, seed):
@@ -905,7 +869,6 @@ def test_ulysses_runs_the_packed_model_guards(tmp_path, seed):
     frequencies follow the batch's largest position, past its threshold). They were skipped with
     ulysses_sequence_parallel_size=2: sp=1 refused the batch, sp=2 ran it, log-probs 0.016 off
     veRL's own engine on the same batch."""
-    import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     config = Qwen3Config(
@@ -916,58 +879,42 @@ def test_ulysses_runs_the_packed_model_guards(tmp_path, seed):
     torch.manual_seed(seed % 1000)
     path = str(tmp_path / "qwen3_dynamic_rope")
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ["OMP_NUM_THREADS"] = "1"
-    mp.start_processes(_sp_guard_rank, args=(2, port, path, seed), nprocs=2, start_method="spawn")
+    spawn_ranks(_sp_guard_rank, 2, path, seed)
 
 
-def _sp_tree_rank(rank: int, world: int, port: int, path: str, seed: int) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.manual_seed(seed)  # the same batch on both ranks
-        td = _agent_batch(random.Random(seed), tasks=2)
-        kw = dict(grad_ckpt=False, dynamic=True, max_tokens=2000, micro_batch=4)
-        sp = _engine(DualKVFSDPEngineWithLMHead, path, "dualkv",
-                     ulysses_sequence_parallel_size=2, **kw)  # fmt: skip
-        one = _engine(DualKVFSDPEngineWithLMHead, path, "dualkv", **kw)
-        seen_sp, seen_one = _capture_packing(sp), _capture_packing(one)
-        logp_sp, ent_sp, _ = _infer(sp, td)
-        logp_one, ent_one, _ = _infer(one, td)
-        real = td["attention_mask"][:, td["prompts"].shape[1] :].bool()
-        _close(logp_sp * real, logp_one * real, f"rank {rank}: log_probs")
-        _close_entropy(ent_sp * real, ent_one * real, logp_one * real, f"rank {rank}: entropy")
-        assert seen_one and all(packed.layout.is_tree for packed, _ in seen_one)
-        assert seen_sp and all(packed.layout.is_tree for packed, _ in seen_sp)
+def _sp_tree_rank(rank: int, world: int, path: str, seed: int) -> None:
+    torch.manual_seed(seed)  # the same batch on both ranks
+    td = _agent_batch(random.Random(seed), tasks=2)
+    kw = dict(grad_ckpt=False, dynamic=True, max_tokens=2000, micro_batch=4)
+    sp = _engine(DualKVFSDPEngineWithLMHead, path, "dualkv",
+                 ulysses_sequence_parallel_size=2, **kw)  # fmt: skip
+    one = _engine(DualKVFSDPEngineWithLMHead, path, "dualkv", **kw)
+    seen_sp, seen_one = _capture_packing(sp), _capture_packing(one)
+    logp_sp, ent_sp, _ = _infer(sp, td)
+    logp_one, ent_one, _ = _infer(one, td)
+    real = td["attention_mask"][:, td["prompts"].shape[1] :].bool()
+    _close(logp_sp * real, logp_one * real, f"rank {rank}: log_probs")
+    _close_entropy(ent_sp * real, ent_one * real, logp_one * real, f"rank {rank}: entropy")
+    assert seen_one and all(packed.layout.is_tree for packed, _ in seen_one)
+    assert seen_sp and all(packed.layout.is_tree for packed, _ in seen_sp)
 
-        mask = td["response_mask"].bool()
-        td["old_log_probs"] = (logp_one + 0.15 * torch.randn_like(logp_one)) * mask
-        torch.distributed.broadcast(td["old_log_probs"], src=0)  # the same batch on both ranks
-        actor = _actor_config("fsdp2", True, loss_agg_mode="token-mean", clip_ratio=0.1,
-                              entropy_coeff=0.05)  # fmt: skip
-        b = td.shape[0]
-        run_sp = _train(sp, td, actor, global_batch_size=b)
-        _same_step(run_sp, _train(one, td, actor, global_batch_size=2 * b), f"rank {rank}:")
-    finally:
-        torch.distributed.destroy_process_group()
+    mask = td["response_mask"].bool()
+    td["old_log_probs"] = (logp_one + 0.15 * torch.randn_like(logp_one)) * mask
+    torch.distributed.broadcast(td["old_log_probs"], src=0)  # the same batch on both ranks
+    actor = _actor_config("fsdp2", True, loss_agg_mode="token-mean", clip_ratio=0.1,
+                          entropy_coeff=0.05)  # fmt: skip
+    b = td.shape[0]
+    run_sp = _train(sp, td, actor, global_batch_size=b)
+    _same_step(run_sp, _train(one, td, actor, global_batch_size=2 * b), f"rank {rank}:")
 
 
 def test_ulysses_shards_tree_batches(tmp_path, seed):
     """Ulysses shards prefix trees (dualkv.parallel.shard_batch): with sp = 2 a multi-turn batch
     runs as the same trees as with sp = 1, with its log-probs, entropy, loss, gradients and
     parameters after a step."""
-    import torch.multiprocessing as mp
-
     path = str(tmp_path / "qwen3")
     _save_model("qwen3", path, seed % 1000)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ["OMP_NUM_THREADS"] = "1"
-    mp.start_processes(_sp_tree_rank, args=(2, port, path, seed), nprocs=2, start_method="spawn")
+    spawn_ranks(_sp_tree_rank, 2, path, seed)
 
 
 def test_ulysses_heads_must_split(model_dirs):
@@ -995,7 +942,7 @@ def test_aggregate_is_verls_agg_loss(mode, seed):
     torch.testing.assert_close(aggregate(values, mask, mode), want, rtol=1e-7, atol=1e-12)
 
 
-def _fsdp1_rank(rank: int, world: int, port: int, path: str, seed: int) -> None:
+def _fsdp1_rank(rank: int, world: int, path: str, seed: int) -> None:
     """One rank of FSDP1 with a size-based wrap policy (the LM head an FSDP unit of its own)."""
     import torch.distributed.fsdp._init_utils as init_utils
 
@@ -1003,45 +950,33 @@ def _fsdp1_rank(rank: int, world: int, port: int, path: str, seed: int) -> None:
     # only that check (and the CUDA cache flush)
     init_utils._check_module_states_for_sync_module_states = lambda *a, **k: None
     torch.cpu.empty_cache = lambda: None  # type: ignore[attr-defined]
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        td, _ = _batch(random.Random(seed + rank), groups=3)
-        mask = td["response_mask"].bool()
-        wrap = {"wrap_policy": {"min_num_params": 1000}}
-        ref = _engine(FSDPEngineWithLMHead, path, "sdpa", strategy="fsdp", **wrap)
-        dkv = _engine(DualKVFSDPEngineWithLMHead, path, "dualkv", strategy="fsdp", **wrap)
-        assert type(dkv.module.lm_head).__name__ == "FullyShardedDataParallel"
-        logp_ref, ent_ref, _ = _infer(ref, td)
-        logp, ent, _ = _infer(dkv, td)
-        _close(logp * mask, logp_ref * mask, f"rank {rank}: log_probs")
-        _close_entropy(ent * mask, ent_ref * mask, logp_ref * mask, f"rank {rank}: entropy")
-        torch.manual_seed(seed + rank)
-        td["old_log_probs"] = (logp_ref + 0.15 * torch.randn_like(logp_ref)) * mask
-        actor = _actor_config("fsdp", True, clip_ratio=0.1)
-        gbs = world * td.shape[0]
-        loss_r, g_r, _, _ = _train(ref, td, actor, global_batch_size=gbs)
-        loss_d, g_d, _, _ = _train(dkv, td, actor, global_batch_size=gbs)
-        assert abs(loss_d - loss_r) <= 1e-5 + 1e-4 * abs(loss_r), (loss_d, loss_r)
-        assert g_d.keys() == g_r.keys() and g_r
-        for name in g_r:
-            scale = max(g_r[name].abs().max().item(), 1.0)
-            _close(g_d[name], g_r[name], f"rank {rank}: grad {name}", rtol=1e-3, atol=2e-5 * scale)
-    finally:
-        torch.distributed.destroy_process_group()
+    td, _ = _batch(random.Random(seed + rank), groups=3)
+    mask = td["response_mask"].bool()
+    wrap = {"wrap_policy": {"min_num_params": 1000}}
+    ref = _engine(FSDPEngineWithLMHead, path, "sdpa", strategy="fsdp", **wrap)
+    dkv = _engine(DualKVFSDPEngineWithLMHead, path, "dualkv", strategy="fsdp", **wrap)
+    assert type(dkv.module.lm_head).__name__ == "FullyShardedDataParallel"
+    logp_ref, ent_ref, _ = _infer(ref, td)
+    logp, ent, _ = _infer(dkv, td)
+    _close(logp * mask, logp_ref * mask, f"rank {rank}: log_probs")
+    _close_entropy(ent * mask, ent_ref * mask, logp_ref * mask, f"rank {rank}: entropy")
+    torch.manual_seed(seed + rank)
+    td["old_log_probs"] = (logp_ref + 0.15 * torch.randn_like(logp_ref)) * mask
+    actor = _actor_config("fsdp", True, clip_ratio=0.1)
+    gbs = world * td.shape[0]
+    loss_r, g_r, _, _ = _train(ref, td, actor, global_batch_size=gbs)
+    loss_d, g_d, _, _ = _train(dkv, td, actor, global_batch_size=gbs)
+    assert abs(loss_d - loss_r) <= 1e-5 + 1e-4 * abs(loss_r), (loss_d, loss_r)
+    assert g_d.keys() == g_r.keys() and g_r
+    for name in g_r:
+        scale = max(g_r[name].abs().max().item(), 1.0)
+        _close(g_d[name], g_r[name], f"rank {rank}: grad {name}", rtol=1e-3, atol=2e-5 * scale)
 
 
 def test_fsdp1_lm_head_wrapped_alone(tmp_path, seed):
     """FSDP1 (strategy fsdp) with wrap_policy.min_num_params, 2 gloo processes: the packed path
     calls the LM head through its own FSDP1 unit (it called the inner module, installed before
     wrapping: a storage error, or a 2x head gradient with fsdp_size=1)."""
-    import torch.multiprocessing as mp
-
     path = str(tmp_path / "qwen3")
     _save_model("qwen3", path, seed % 1000)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ["OMP_NUM_THREADS"] = "1"
-    mp.start_processes(_fsdp1_rank, args=(2, port, path, seed), nprocs=2, start_method="spawn")
+    spawn_ranks(_fsdp1_rank, 2, path, seed)
