@@ -45,6 +45,8 @@ each layout its token reduction rho (unshared row tokens / packed tokens).
     python bench/attention.py --shapes tree-d2 --methods dualkv --out $OUT/twins   # their twins
     python bench/attention.py --summary $OUT/trees/attention.json $OUT/twins/attention.json
     python bench/attention.py --tree agentic,16,8,128 --methods dualkv,flex   # one tree
+    python bench/attention.py --shapes tree-deep --tree-segments listed --methods dualkv
+        # the long-horizon batch as listed (depth 25): packed, its turns merge into 9 segments
 (bench/trees_gpu.sh runs the tree benchmarks in a few device calls.)
 """
 
@@ -211,12 +213,17 @@ class Case:
         device: str = "cuda",
         dtype: torch.dtype = torch.bfloat16,
         seed: int = 0,
+        tree_segments: str = "packed",
     ) -> None:
         self.hq, self.hkv, self.d = hq, hkv, d
         if isinstance(groups, TreeBatch):
             self.groups: Groups | None = None
             self.tree: TreeBatch | None = groups
-            self.layout = dualkv.Layout.tree(*groups.layout_forest(), device=device)
+            # "packed": the segments dualkv.pack(tree=True) makes of the rows (they end where
+            # rows branch); "listed": the batch's own, a segment per turn. The same function and
+            # tokens either way; the rows below come from the listed forest.
+            forest = groups.packed_forest() if tree_segments == "packed" else groups.layout_forest()
+            self.layout = dualkv.Layout.tree(*forest, device=device)
             self.single = False
         else:
             self.groups, self.tree = groups, None
@@ -239,7 +246,12 @@ class Case:
         # [prompt | response], a group without responses its prompt alone), as the packed tokens
         # they hold, and for each packed token the (row, position) its output is read back from:
         # the first row that holds it (every copy computes the same output).
-        rows = forest_rows(list(self.layout.parents), list(self.layout.lengths))
+        rows = (
+            forest_rows(*self.tree.layout_forest()) if self.tree is not None
+            else forest_rows(list(self.layout.parents), list(self.layout.lengths))
+        )  # fmt: skip
+        # rho: the rows' tokens over the packed tokens
+        self.rho = sum(len(x) for x in rows) / T if T else 1.0
         lens = [len(x) for x in rows]
         offsets = [0, *itertools.accumulate(lens)]
         length = max(lens)
@@ -884,6 +896,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         help=f"a prefix-tree batch of bench/trees.py ({', '.join(TREES)}) with these heads "
         "(repeatable); replaces --shapes",
     )
+    ap.add_argument(
+        "--tree-segments",
+        choices=["packed", "listed"],
+        default="packed",
+        help="the tree batches' segments: as dualkv.pack(tree=True) makes them (they end where "
+        "rows branch; default) or as bench/trees.py lists them (a segment per turn)",
+    )
     ap.add_argument("--head-dims", help="keep only the shapes of these head dims, e.g. 64,128")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--warmup", type=int, default=3)
@@ -975,7 +994,7 @@ def main() -> None:
         is_tree = isinstance(n, str)
         if is_tree:
             tree = TREES[n]()
-            c = Case(tree, hq, hkv, d)
+            c = Case(tree, hq, hkv, d, tree_segments=args.tree_segments)
             shape = f"{n} T={c.layout.total_tokens} Hq={hq} Hkv={hkv} D={d}"
             print(f"{tree.describe()}; depth-two twin N,P,R = {','.join(map(str, tree.twin()))}")
         else:
@@ -986,7 +1005,7 @@ def main() -> None:
                 shape = f"multi T={c.layout.total_tokens} Hq={hq} Hkv={hkv} D={d}"
                 per_group = [(p, len(rs), sum(rs), max(rs)) for p, rs in groups]
                 print(f"{shape}: (P, N, sum R, max R) per group {per_group}")
-        reductions[shape] = c.layout.token_reduction
+        reductions[shape] = c.rho
         # The methods in turn, every other round in reverse (--rounds): a GPU's clocks follow its
         # recent load, so a method timed right after an idle moment or after a heavy one is not
         # timed like the others; each figure is the median over the rounds.

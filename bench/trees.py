@@ -102,6 +102,31 @@ class TreeBatch:
         extra = sorted(ends & inner)
         return self.parents + extra, self.lengths + [0] * len(extra)
 
+    def packed_forest(self) -> Forest:
+        """``(parents, lengths)`` as ``dualkv.pack(tree=True, min_shared=1)`` packs the rows:
+        segments end only where the tree branches (a segment with one child goes on into it;
+        the rows that end there read a prefix of it). No token moves: the tree is listed
+        depth-first, so an only child follows its parent."""
+        kids = [0] * len(self.parents)
+        for q in self.parents:
+            if q >= 0:
+                kids[q] += 1
+        parents: list[int] = []
+        lengths: list[int] = []
+        merged: list[int] = []  # the packed segment of each listed one
+        for s, q in enumerate(self.parents):
+            if q >= 0 and kids[q] == 1:
+                if q != s - 1:
+                    raise ValueError(f"{self.name}: segment {s}, an only child, does not follow "
+                                     f"its parent {q}")  # fmt: skip
+                merged.append(merged[q])
+                lengths[merged[q]] += self.lengths[s]
+            else:
+                merged.append(len(parents))
+                parents.append(merged[q] if q >= 0 else -1)
+                lengths.append(self.lengths[s])
+        return parents, lengths
+
     def twin(self) -> tuple[int, int, int]:
         """``(N, P, R)`` of the depth-two layout of comparable size: one prompt of the mean root
         length and N equal responses as long as the rows' mean part below their root, N such

@@ -12,8 +12,8 @@
 #   attention  bench/attention.py: the three tree batches (dualkv, flex with the tree mask, FA4
 #              where installed and cuDNN SDPA on the rows), then DualKV on their depth-two twins,
 #              then the comparisons (tree vs twin TF/s, speed-ups; attention.py --summary)
-#   deep       bench/attention.py: the long-horizon batch (depth 25) and its twin, DualKV alone,
-#              forward and forward+backward apart: what each ancestor of the walk costs
+#   deep       bench/attention.py: the long-horizon batch with its segments as listed (depth 25)
+#              and its twin, DualKV alone: what each ancestor of the walk costs
 #   model      bench/model_step.py, Qwen3-1.7B, the agentic tree batch (one task, 22 rows): rows
 #              (SDPA) vs flex (tree mask) vs DualKV on the tree vs DualKV's depth-two packing
 #   minshared  bench/min_shared.py: min_shared in 1..256, attention and the 1.7B model step
@@ -59,8 +59,8 @@ torch.__version__, torch.cuda.get_device_name())"
     ;;
   deep)
     echo "== attention: the long-horizon batch (deep trees) and its twin =="
-    timeout 120 python3 bench/attention.py --shapes tree-deep --methods dualkv \
-      --out "$OUT/deep" >"$OUT/attention_deep.log" 2>&1 || status=1
+    timeout 120 python3 bench/attention.py --shapes tree-deep --tree-segments listed \
+      --methods dualkv --out "$OUT/deep" >"$OUT/attention_deep.log" 2>&1 || status=1
     sed -n '/^GPU /,$p' "$OUT/attention_deep.log"
     ;;
   model)

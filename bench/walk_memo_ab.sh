@@ -2,8 +2,9 @@
 # A/B of the key walk's memo of the last middle ancestor (src/cuda/collective/walks.h, kMemo) on
 # the GPU machine, one call (~8 min): two builds of this tree (D = 128, sm_90a), as it is (no
 # memo) and with DUALKV_WALK_MEMO=1, into .ab/base and .ab/memo; then
-# bench/attention.py, DualKV alone, on the tree batches (a segment per turn), the long-horizon
-# one and the depth-two twins, the builds alternating (base, memo, base, memo); the tables last.
+# bench/attention.py, DualKV alone, on the tree batches as listed (a segment per turn: the
+# deepest walks), the long-horizon one and the depth-two twins, the builds alternating (base,
+# memo, base, memo); the tables last.
 #   OUT=$OUT bash bench/walk_memo_ab.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +26,7 @@ for round in 1 2; do
   for build in base memo; do
     echo "== round $round: $build =="
     PYTHONPATH=".ab/$build" timeout 150 python3 bench/attention.py \
-      --shapes tree,tree-deep,tree-d2 --methods dualkv --rounds 1 \
+      --shapes tree,tree-deep,tree-d2 --tree-segments listed --methods dualkv --rounds 1 \
       --out "$OUT/$build-$round" >"$OUT/$build-$round.log" 2>&1 || echo "round $round $build: rc $?"
   done
 done

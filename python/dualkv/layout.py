@@ -228,9 +228,18 @@ class Layout:
     ) -> None:
         self._host_tables = tuple(tables)
         self._device = torch.device(device) if device is not None else torch.device("cpu")
+        self._place_tables()
+
+    def _place_tables(self) -> None:
+        """The tables on the layout's device, their sizes marked as changing per batch."""
         self.segments, self.query_tiles, self.key_tiles, self.position_ids = (
-            mark_per_batch(t.to(self._device), 0) for t in tables
+            mark_per_batch(t.to(self._device), 0) for t in self._host_tables
         )
+        # One segment is common (a trajectory's per-turn samples pack as one); torch.compile
+        # specialises sizes 0 and 1 of merely dynamic sizes, so this one is unbacked: one graph.
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is not None:
+            dynamo.decorators.mark_unbacked(self.segments, 0)
 
     def _depth_two(self, name: str) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
         if self._prefix_lens is None or self._response_lens is None:
@@ -330,9 +339,7 @@ class Layout:
         new = object.__new__(Layout)
         new.__dict__.update(self.__dict__)
         new._device = torch.device(device)
-        new.segments, new.query_tiles, new.key_tiles, new.position_ids = (
-            mark_per_batch(t.to(new._device), 0) for t in self._host_tables
-        )
+        new._place_tables()
         return new
 
     def __repr__(self) -> str:

@@ -147,10 +147,14 @@ class _Trie:
     def segments(
         self, first: list[int], min_shared: int
     ) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
-        """Pre-order walk (children in increasing ``first``); a short inner segment is folded
-        into its branches. Returns ``(parents, lengths, node, start, node_seg)``: each segment's
-        parent segment, length, trie node whose tokens it holds and depth of its first token, and
-        the segment ending at each node's depth on its rows' paths."""
+        """Pre-order walk (children in increasing ``first``); a segment ends at a branch point
+        (two or more children) or a leaf, not where a row ends inside a path (a node with one
+        child: per-turn rows, each a prefix of the next, share one segment; its attention is the
+        same and it has fewer partial tiles and a shorter ancestor walk); a short inner segment is
+        folded into its branches. Returns ``(parents, lengths, node, start, node_seg)``: each
+        segment's parent segment, length, trie node whose tokens it holds (its last) and depth of
+        its first token, and the segment holding each row-ending node's last token on its rows'
+        paths."""
         depth, num_nodes = self.depth, len(self.depth)
         ends_here = [False] * num_nodes
         for n in self.terminal:
@@ -163,29 +167,37 @@ class _Trie:
         seg_node: list[int] = []
         seg_start: list[int] = []
         node_seg = [-1] * num_nodes
-        # (node, segment index of its parent, depth its tokens start at)
-        todo = [(c, -1, 0) for c in sorted(children[0], key=lambda c: first[c], reverse=True)]
-        while todo:
-            n, pseg, s0 = todo.pop()
-            kids = sorted(children[n], key=lambda c: first[c])
-            # (a node with children is a branch point: two children, or a row ending inside a
-            # path)
-            if kids and depth[n] - s0 < min_shared:
-                # Rows ending here keep their tokens in a segment of their own.
-                if ends_here[n]:
-                    node_seg[n] = len(parents)
-                    parents.append(pseg)
-                    seg_len.append(depth[n] - s0)
-                    seg_node.append(n)
-                    seg_start.append(s0)
-                todo.extend((c, pseg, s0) for c in reversed(kids))
-                continue
-            node_seg[n] = len(parents)
+
+        def new_segment(n: int, pseg: int, s0: int, inside: list[int]) -> int:
+            """A segment of the tokens [s0, depth[n]) ending at node n, holding the rows that
+            end at n and at the nodes ``inside`` it."""
+            for m in (*inside, n):
+                node_seg[m] = len(parents)
             parents.append(pseg)
             seg_len.append(depth[n] - s0)
             seg_node.append(n)
             seg_start.append(s0)
-            todo.extend((c, node_seg[n], depth[n]) for c in reversed(kids))
+            return len(parents) - 1
+
+        # (node, segment index of its parent, depth its tokens start at, row-ending nodes passed
+        # on the way since that depth)
+        todo: list[tuple[int, int, int, list[int]]] = [
+            (c, -1, 0, []) for c in sorted(children[0], key=lambda c: first[c], reverse=True)
+        ]
+        while todo:
+            n, pseg, s0, inside = todo.pop()
+            kids = sorted(children[n], key=lambda c: first[c])
+            if len(kids) == 1:  # a row ends here, inside a path: the segment goes on
+                todo.append((kids[0], pseg, s0, [*inside, n]))
+                continue
+            if kids and depth[n] - s0 < min_shared:
+                # Rows ending here or inside keep their tokens in a segment of their own.
+                if ends_here[n] or inside:
+                    new_segment(n, pseg, s0, inside)
+                todo.extend((c, pseg, s0, []) for c in reversed(kids))
+                continue
+            seg = new_segment(n, pseg, s0, inside)
+            todo.extend((c, seg, depth[n], []) for c in reversed(kids))
         return parents, seg_len, seg_node, seg_start, node_seg
 
 
@@ -235,8 +247,9 @@ def prefix_forest(keys: torch.Tensor, lengths: torch.Tensor, min_shared: int = 1
         u = rows.row_of[b]
         if u not in path_cache:
             path_cache[u] = _path(trie.terminal[u], node_seg, parents)
-        for s in path_cache[u]:
-            lo, n = seg_start[s], seg_len[s]
+        for s in path_cache[u]:  # (the last segment may go on past the row's end)
+            lo = seg_start[s]
+            n = min(seg_len[s], rows.lengths[u] - lo)
             token_index[b, lo : lo + n] = torch.arange(packed_start[s], packed_start[s] + n)
     return PrefixForest(parents, seg_len, source_row, seg_start, token_index)
 

@@ -169,11 +169,18 @@ def test_rows_gradients_map_back_to_the_packed_layout(groups, seed):
     assert_matches([out.detach(), *ba.grads_of([q, k, v])], want)
 
 
-def test_tree_case_rows():
+@pytest.mark.parametrize("segments", ["packed", "listed"])
+def test_tree_case_rows(segments):
     """A tree's rows are its root-to-leaf paths, a row that ends inside the tree included (the
-    empty leaf of TreeBatch.layout_forest), and its token reduction is theirs."""
-    c = ba.Case(SMALL_TREE, 2, 1, 8, device="cpu", dtype=torch.float64)
+    empty leaf of TreeBatch.layout_forest), and its token reduction is theirs, on the packer's
+    segments (tree 1's only child merged into its root) or the listed ones."""
+    c = ba.Case(SMALL_TREE, 2, 1, 8, device="cpu", dtype=torch.float64, tree_segments=segments)
     assert c.layout.is_tree and c.groups is None and not c.single
+    if segments == "packed":
+        assert list(c.layout.parents) == [-1, 0, 1, 1, 0, -1]
+        assert list(c.layout.lengths) == [6, 3, 4, 2, 5, 8]
+    else:
+        assert list(c.layout.parents)[:7] == SMALL_TREE.parents
     cu = c.rows_cu.tolist()
     rows = [c.rows_index[a:b].tolist() for a, b in zip(cu[:-1], cu[1:])]
     assert rows == [
@@ -183,7 +190,8 @@ def test_tree_case_rows():
         list(range(20, 28)),  # 5 -> 6
         [0, 1, 2, 3, 4, 5, 6, 7, 8],  # 0 -> 1, the row that ends inside
     ]
-    assert c.layout.unshared_tokens == sum(map(len, rows)) == SMALL_TREE.row_tokens
+    assert sum(map(len, rows)) == SMALL_TREE.row_tokens
+    assert c.rho == SMALL_TREE.row_tokens / SMALL_TREE.packed_tokens
     # each token's source: the first row holding it
     src = c.rows_index[c.rows_source]
     assert torch.equal(src, torch.arange(c.layout.total_tokens))
@@ -286,7 +294,7 @@ def test_main_runs_a_tree_and_its_twin_on_cpu(tmp_path, monkeypatch, capsys):
 
     tiny = trees.agentic(tasks=1, scale=0.02)
     monkeypatch.setitem(ba.TREES, "agentic", lambda: tiny)
-    monkeypatch.setattr(ba.Case.__init__, "__defaults__", ("cpu", torch.float32, 0))
+    monkeypatch.setattr(ba.Case.__init__, "__defaults__", ("cpu", torch.float32, 0, "packed"))
     monkeypatch.setattr(ba.check_methods, "__defaults__", ("cpu", False))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "CPU")
 

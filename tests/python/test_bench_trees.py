@@ -130,7 +130,8 @@ def test_layout_rows_reduction_and_flops(name):
 @pytest.mark.parametrize("name", [*trees.TREES, "short-prefix"])
 def test_token_rows_pack_into_the_tree(name):
     """The rows' tokens share exactly the tree's segments: dualkv.pack(tree=True) with
-    min_shared=1 finds the same segments (a chain of one-child segments merged into one)."""
+    min_shared=1 finds the same segments, a segment with one child merged with it (the packer
+    splits only at branch points)."""
     t = (
         trees.short_prefix_batch(scale=0.05)
         if name == "short-prefix"
@@ -143,8 +144,9 @@ def test_token_rows_pack_into_the_tree(name):
     packed = dualkv.pack(ids, mask, pw, tree=True, min_shared=1)
     assert packed.total_tokens == t.packed_tokens
     inner = [s for s in range(len(t.parents)) if s in t.parents]
-    one_child = sum(1 for s in inner if t.parents.count(s) == 1 and s not in dict(t.rows))
+    one_child = sum(1 for s in inner if t.parents.count(s) == 1)
     assert len(packed.layout.lengths) == len(t.parents) - one_child
+    assert (list(packed.layout.parents), list(packed.layout.lengths)) == t.packed_forest()
 
 
 def test_twin_is_of_comparable_size():

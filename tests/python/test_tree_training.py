@@ -31,7 +31,8 @@ def _depth(layout: dualkv.Layout) -> int:
 
 def _trees(seed: int) -> list[dualkv.PackedBatch]:
     """Tree batches of different shapes (segment counts, depths, lengths): random multi-turn rows,
-    and one trajectory's per-turn samples (each row a prefix of the next: a chain of turns)."""
+    and one trajectory's per-turn samples (each row a prefix of the next: one segment, the rows
+    ending inside it)."""
     rng = random.Random(seed)
     batches = []
     while len(batches) < 3:
@@ -39,11 +40,12 @@ def _trees(seed: int) -> list[dualkv.PackedBatch]:
         pk = dualkv.pack(ids, mask, pw, tree=True, min_shared=1)
         if _depth(pk.layout) >= 2 + len(batches) % 2:
             batches.append(pk)
-    turns = [[rng.randrange(VOCAB) for _ in range(rng.randint(2, 7))] for _ in range(5)]
+    # (over 128 tokens: a one-tile layout would be specialised by torch.compile, sizes 0 and 1)
+    turns = [[rng.randrange(VOCAB) for _ in range(rng.randint(27, 40))] for _ in range(5)]
     prompts = [sum(turns[: i + 1], []) for i in range(4)]
     ids, mask, pw, _ = rows_from_lists(prompts, [[t] for t in turns[1:]])
     batches.append(dualkv.pack(ids, mask, pw, tree=True, min_shared=1))
-    assert _depth(batches[-1].layout) == 4  # (the first row's prompt and response: one segment)
+    assert batches[-1].layout.num_segments == 1  # (no branch point: nothing to split)
     assert len({(b.layout.num_segments, _depth(b.layout), b.total_tokens) for b in batches}) >= 3
     return batches
 

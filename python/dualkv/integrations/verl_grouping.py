@@ -189,8 +189,8 @@ def sharing_runs(order: Sequence[int], fits: Callable[[list[int]], bool]) -> lis
     Runs grow by doubling, then a binary search (``O(log k)`` calls for a run of ``k`` groups).
     Every run of two groups or more was tested with ``fits``; a group alone is always taken (the
     caller checks single groups first). The run is the longest that fits when ``fits`` is
-    downward closed, as packed token counts nearly always are (folding short shared segments can
-    make fewer rows pack to a few more tokens: ``test_folding_is_not_monotone``).
+    downward closed, as the packed token counts of prompt groups and prefix trees are (fewer rows
+    never pack to more tokens: ``test_fewer_rows_never_pack_to_more_tokens``).
     """
     runs: list[list[int]] = []
     start, n = 0, len(order)
