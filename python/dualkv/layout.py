@@ -82,17 +82,20 @@ def check_window(window: Any) -> int | None:
     return None if window >= _MAX_LEN else window
 
 
-def mark_per_batch(t: torch.Tensor, *dims: int) -> torch.Tensor:
+def mark_per_batch(t: torch.Tensor, *dims: int, unbacked: bool = False) -> torch.Tensor:
     """Tells torch.compile that sizes ``dims`` of ``t`` change from batch to batch, so the first
     compilation is already dynamic in them (instead of a static graph, then a recompilation).
 
-    A hint only (sizes 0 and 1 may still be specialised), and only once torch.compile is in use
-    (dynamo imported): eager code pays nothing.
+    A hint only (sizes 0 and 1 may still be specialised; ``unbacked=True`` marks the sizes
+    unbacked as well, so those are not), and only once torch.compile is in use (dynamo
+    imported): eager code pays nothing.
     """
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is not None:
         for d in dims:
             dynamo.maybe_mark_dynamic(t, d)
+            if unbacked:
+                dynamo.decorators.mark_unbacked(t, d)
     return t
 
 
@@ -232,14 +235,11 @@ class Layout:
 
     def _place_tables(self) -> None:
         """The tables on the layout's device, their sizes marked as changing per batch."""
-        self.segments, self.query_tiles, self.key_tiles, self.position_ids = (
-            mark_per_batch(t.to(self._device), 0) for t in self._host_tables
-        )
+        segments, *others = (t.to(self._device) for t in self._host_tables)
         # One segment is common (a trajectory's per-turn samples pack as one); torch.compile
         # specialises sizes 0 and 1 of merely dynamic sizes, so this one is unbacked: one graph.
-        dynamo = sys.modules.get("torch._dynamo")
-        if dynamo is not None:
-            dynamo.decorators.mark_unbacked(self.segments, 0)
+        self.segments = mark_per_batch(segments, 0, unbacked=True)
+        self.query_tiles, self.key_tiles, self.position_ids = (mark_per_batch(t, 0) for t in others)
 
     def _depth_two(self, name: str) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
         if self._prefix_lens is None or self._response_lens is None:
